@@ -1,0 +1,37 @@
+# `make serve` and `make test` set everything up on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# CPU machines get the pinned CPU build of torch (a plain `torch` pulls a multi-GB CUDA build);
+# on a GPU box set TORCH_SPEC, e.g. `make test TORCH_SPEC=torch==2.13.0 EXTRAS=test,cuda` (README).
+HAS_CUDA   := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS     ?= test
+PYTEST_ARGS ?=
+
+.PHONY: install serve test test-fast bench soak kernels-ptx clean
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/ringserve serve $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	mkdir -p bench-results
+	$(VENV)/bin/ringserve bench ring --json | tee bench-results/ring.json
+	$(VENV)/bin/ringserve bench step --json | tee bench-results/step.json
+	$(VENV)/bin/ringserve bench sched-overhead --json | tee bench-results/sched-overhead.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

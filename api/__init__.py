@@ -1,0 +1,1 @@
+"""API workers: aiohttp + uvloop, tokenize, detokenize, SSE. Never import gpu_proc."""

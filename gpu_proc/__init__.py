@@ -1,0 +1,1 @@
+"""The GPU process: scheduler core, model runner, attention."""

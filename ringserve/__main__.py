@@ -1,0 +1,5 @@
+import sys
+
+from ringserve.cli import main
+
+sys.exit(main())

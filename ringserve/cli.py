@@ -1,0 +1,65 @@
+"""The `ringserve` command.
+
+Each subcommand lives in its own module with a `main(argv) -> int` that owns its argument
+parsing; this file only dispatches, importing the module lazily so `ringserve shm` never pays for
+torch and a worker never imports model code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("ringserve.supervisor", "run the server: supervisor, GPU process and API workers"),
+    "shm": ("ringserve.tools.shm_inspect", "list ringserve shared-memory segments and ring state"),
+    "make-tiny-model": ("ringserve.tools.make_tiny_model", "build the small test Llama checkpoint"),
+    "drill": ("ringserve.tools.drill", "crash-and-restart drills against a running server"),
+    "loadtest": ("ringserve.tools.loadtest", "open-loop load test of a /v1/completions endpoint"),
+}
+
+# `ringserve bench NAME` -> module
+BENCHES: dict[str, tuple[str, str]] = {
+    "ring": ("ringserve.tools.bench_ring", "our ring vs pyzmq ipc vs multiprocessing.Queue"),
+    "step": ("ringserve.tools.bench_step", "per-step host overhead and sampler time"),
+    "sched-overhead": ("ringserve.tools.bench_sched", "scheduler pass time without a model"),
+    "api": ("ringserve.tools.bench_api", "tokens/s one API worker streams"),
+    "kernels": ("ringserve.tools.bench_kernels", "CUDA attention kernels against the bandwidth bound"),
+    "sched": ("ringserve.tools.sched_compare", "static / dynamic / continuous / chunked schedulers"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: ringserve COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<18}{help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  bench {name:<12}{help_}" for name, (_, help_) in BENCHES.items()]
+    lines += ["", "`ringserve COMMAND --help` shows a command's options."]
+    return "\n".join(lines)
+
+
+def _run(module_name: str, argv: list[str]) -> int:
+    module = importlib.import_module(module_name)
+    return int(module.main(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "bench":
+        if not rest or rest[0] not in BENCHES:
+            known = ", ".join(BENCHES)
+            print(f"ringserve bench: name one of: {known}", file=sys.stderr)
+            return 2
+        return _run(BENCHES[rest[0]][0], rest[1:])
+    if command not in COMMANDS:
+        print(f"ringserve: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    return _run(COMMANDS[command][0], rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

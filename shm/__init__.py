@@ -1,0 +1,1 @@
+"""Shared-memory IPC: segments, rings, doorbells, messages. Knows no caller."""

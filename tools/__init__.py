@@ -1,0 +1,1 @@
+"""Command-line tools: inspection, drills, load tests, benchmarks."""
