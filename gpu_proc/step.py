@@ -1,0 +1,51 @@
+"""The step description: what the scheduler hands the model runner for one forward pass.
+
+Pure Python (no torch), so the scheduler core can build it. Decode rows and prefill chunks are the
+same thing here — a run of new tokens for one sequence starting at `start_pos`, the number of its
+tokens already in the KV cache — and together form one flat token list with no padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class RowSampling:
+    """How a sampling row draws its token. Randomness is a pure function of
+    (seed, sample_index, position), so batch neighbours, preemption and restarts change nothing."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int = 0
+    sample_index: int = 0
+    logprobs: int | None = None  # top-N logprobs to return; None: only the sampled token's
+
+
+@dataclass(slots=True)
+class SeqStep:
+    """One sequence's share of a step."""
+
+    seq_id: int  # opaque to the runner; echoed back with its sample
+    token_ids: list[int]  # the new tokens: 1 for a decode row, a chunk for prefill
+    start_pos: int  # position of token_ids[0] == tokens of this sequence already cached
+    block_table: list[int]  # KV blocks covering start_pos + len(token_ids) tokens, in order
+    sampling: RowSampling | None = None  # set when this row samples after its last new token
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    seqs: list[SeqStep] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def sampling_seqs(self) -> list[SeqStep]:
+        return [s for s in self.seqs if s.sampling is not None]

@@ -1,0 +1,98 @@
+"""The one `Config`: built once by the supervisor from flags and `RINGSERVE_*` environment, then
+passed down explicitly to every process. Defaults are the seed's numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+
+
+class ConfigError(ValueError):
+    """A setting is out of range or of the wrong type; the message names it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    # serving
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 0  # 0: derived from the CPU count
+    model: str | None = None  # local checkpoint directory; None: the built-in tiny model
+    model_name: str | None = None  # the `model` id the API reports; default: the directory name
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda
+    api_keys_file: str | None = None
+    # KV pool
+    block_size: int = 16
+    num_blocks: int = 0  # 0: sized from memory (GPU) or cpu_kv_blocks (CPU)
+    cpu_kv_blocks: int = 2048
+    gpu_memory_utilization: float = 0.9
+    # scheduler (seed defaults)
+    max_rows: int = 32
+    prefill_budget: int = 256
+    context_limit: int = 8192
+    max_tokens_limit: int = 1000
+    admission_margin: float = 0.05
+    key_row_cap: int = 8
+    output_token_weight: float = 12.0
+    # admission
+    queue_limit_s: float = 2.0
+    c_prefill_ms: float = 0.1
+    c_decode_ms: float = 1.25
+    # streaming
+    slow_reader_s: float = 30.0
+    request_timeout_s: float = 600.0  # deadline for a request from its arrival
+    max_body_bytes: int = 4 * 1024 * 1024
+    # shared memory
+    ring_bytes: int = 4 * 1024 * 1024
+    # failure handling
+    drain_timeout_s: float = 30.0
+    watchdog_timeout_s: float = 10.0
+    restart_limit: int = 5  # give up after this many GPU-process crashes ...
+    restart_window_s: float = 60.0  # ... within this many seconds
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "max_rows", "prefill_budget", "context_limit", "max_tokens_limit",
+                    "key_row_cap", "ring_bytes", "max_body_bytes", "cpu_kv_blocks", "restart_limit")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0.0 <= self.admission_margin < 1.0:
+            raise ConfigError(f"admission_margin must be in [0, 1), got {self.admission_margin}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_tokens_limit >= self.context_limit:
+            raise ConfigError("max_tokens_limit must be below context_limit")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ConfigError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
+
+    def replace(self, **changes) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> "Config":
+        """Defaults, then `RINGSERVE_<FIELD>` variables, then explicit overrides (CLI flags)."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = environ.get(f"RINGSERVE_{f.name.upper()}")
+            if raw is not None:
+                values[f.name] = _parse(f, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _parse(f: dataclasses.Field, raw: str) -> object:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if kind.startswith("int"):
+            return int(raw)
+        if kind.startswith("float"):
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"RINGSERVE_{f.name.upper()}={raw!r} is not a valid {kind}") from None
+    return raw

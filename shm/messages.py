@@ -1,0 +1,106 @@
+"""Every message that crosses a ring: `msgspec.Struct`s forming one tagged union, msgpack-encoded.
+
+Workers name their requests with a small integer `rid`, unique within the worker, so per-token
+records stay small; the string `request_id` travels once, in `Submit`, for logs. Per step the GPU
+process sends one `StepOutput` per worker holding all of that worker's new tokens and finishes.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+FINISH_REASONS = ("stop", "length", "cancelled", "deadline", "error")
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Per-request sampling; validated by the worker before it is sent."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None  # None: the GPU process draws one at admission
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
+    rid: int
+    request_id: str
+    tenant: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    arrival_ts: float  # time.time() at the worker
+    deadline_ts: float  # time.time() after which the row is removed
+    n: int = 1
+    logprobs: int | None = None  # top-N logprobs per token; None: only the sampled token's
+
+
+class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel"):
+    rid: int
+    reason: str = "cancelled"  # cancelled | stop (a stop string matched) | disconnect | slow_reader
+
+
+class Accepted(msgspec.Struct, frozen=True, kw_only=True, tag="accepted"):
+    rid: int
+    est_gpu_ms: float
+
+
+class Rejected(msgspec.Struct, frozen=True, kw_only=True, tag="rejected"):
+    """Admission refused: `status` is the HTTP status the worker answers with."""
+
+    rid: int
+    status: int  # 400 | 429 | 503
+    code: str
+    message: str
+    retry_after_s: float | None = None
+
+
+class Token(msgspec.Struct, frozen=True, array_like=True):
+    rid: int
+    index: int  # sample index, 0 <= index < n
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class Finish(msgspec.Struct, frozen=True, array_like=True):
+    rid: int
+    index: int
+    reason: str  # one of FINISH_REASONS
+    prompt_tokens: int
+    completion_tokens: int
+    queue_ms: float
+    ttft_ms: float
+
+
+class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag="step"):
+    """All of one worker's news from one step."""
+
+    step: int
+    tokens: list[Token] = []
+    finishes: list[Finish] = []
+
+
+class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
+    """A failure the worker must turn into an error for one request (rid) or all (rid None)."""
+
+    code: str
+    message: str
+    rid: int | None = None
+
+
+Message = Union[Submit, Cancel, Accepted, Rejected, StepOutput, Error]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(buf: bytes | memoryview) -> Message:
+    return _decoder.decode(buf)

@@ -1,0 +1,26 @@
+"""Config: defaults from the seed, environment overrides, clear errors."""
+
+import pytest
+
+from ringserve.config import Config, ConfigError
+
+
+def test_defaults_are_the_seeds_numbers():
+    """Block 16, 32 rows, 256-token prefill budget, 8,192 context, 2 s queue limit."""
+    c = Config()
+    assert (c.block_size, c.max_rows, c.prefill_budget, c.context_limit) == (16, 32, 256, 8192)
+    assert (c.queue_limit_s, c.key_row_cap, c.output_token_weight) == (2.0, 8, 12.0)
+
+
+def test_environment_then_overrides():
+    """RINGSERVE_* variables apply, explicit overrides win."""
+    c = Config.from_env({"RINGSERVE_MAX_ROWS": "48", "RINGSERVE_PORT": "9000"}, port=9100)
+    assert c.max_rows == 48 and c.port == 9100
+
+
+def test_bad_values_name_the_field():
+    """A wrong value raises ConfigError naming the setting."""
+    with pytest.raises(ConfigError, match="max_rows"):
+        Config(max_rows=0)
+    with pytest.raises(ConfigError, match="RINGSERVE_PORT"):
+        Config.from_env({"RINGSERVE_PORT": "eighty"})
