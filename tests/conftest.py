@@ -20,3 +20,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The default tiny Llama checkpoint (grouped-query: 4 heads, 2 KV heads), built once per session.
+
+    A `pathlib.Path` to a Hugging Face checkpoint directory; treat it as read-only.
+    """
+    from ringserve.tools.make_tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mha_model_dir(tmp_path_factory):
+    """A multi-head variant of the tiny model (4 heads, 4 KV heads, 2 layers), built once per session."""
+    from ringserve.tools.make_tiny_model import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(num_layers=2, num_kv_heads=4, seed=1)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-mha-model"), spec)
