@@ -1,0 +1,168 @@
+"""Admission control: the cost model, the 400/429 decisions, and the cost model's online fit.
+
+`est_gpu_ms = prompt_tokens * c_prefill + n * expected_output * c_decode`, where the expected
+output is min(max_tokens, the recent average answer length). The constants start at the seed's
+0.1 ms per prompt token and 1.25 ms per output token (a 40 ms step shared by 32 rows) and follow
+measured step times, so the "2 s of queued GPU work" limit means 2 s on this hardware.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The answer to one submit: accepted with its estimate, or an HTTP status with a message."""
+
+    status: int  # 200 accepted | 400 | 429
+    est_gpu_ms: float = 0.0
+    code: str = ""
+    message: str = ""
+    retry_after_s: float | None = None
+
+    @property
+    def accepted(self) -> bool:
+        return self.status == 200
+
+
+class CostModel:
+    """GPU milliseconds per prompt token and per output token, fitted online from step times.
+
+    A step's time is modelled as `c_prefill * prefill_tokens + c_decode * decode_rows`. Pure
+    decode steps measure c_decode directly (ms / rows); mixed steps attribute what decode does not
+    explain to prefill. Both follow an exponential moving average (`alpha` per observation), and
+    each is kept within [1/100, 100] times its start value so one odd step (a GC pause, a first
+    CUDA launch) cannot swing admission wildly.
+    """
+
+    __slots__ = ("c_prefill_ms", "c_decode_ms", "alpha", "_bounds_p", "_bounds_d")
+
+    def __init__(self, c_prefill_ms: float = 0.1, c_decode_ms: float = 1.25, alpha: float = 0.05) -> None:
+        if c_prefill_ms <= 0 or c_decode_ms <= 0:
+            raise ValueError("cost constants must be > 0")
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.c_prefill_ms = c_prefill_ms
+        self.c_decode_ms = c_decode_ms
+        self.alpha = alpha
+        self._bounds_p = (c_prefill_ms / 100, c_prefill_ms * 100)
+        self._bounds_d = (c_decode_ms / 100, c_decode_ms * 100)
+
+    def observe(self, step_ms: float, prefill_tokens: int, decode_rows: int) -> None:
+        """Fold one measured step into the constants."""
+        if not math.isfinite(step_ms) or step_ms <= 0 or (prefill_tokens <= 0 and decode_rows <= 0):
+            return
+        a = self.alpha
+        if prefill_tokens <= 0:
+            sample = step_ms / decode_rows
+            self.c_decode_ms = _clamp(self.c_decode_ms + a * (sample - self.c_decode_ms), self._bounds_d)
+            return
+        rest = step_ms - self.c_decode_ms * max(decode_rows, 0)
+        if rest <= 0:
+            return  # decode explains the whole step; nothing to learn about prefill
+        sample = rest / prefill_tokens
+        self.c_prefill_ms = _clamp(self.c_prefill_ms + a * (sample - self.c_prefill_ms), self._bounds_p)
+
+
+def _clamp(x: float, bounds: tuple[float, float]) -> float:
+    return min(max(x, bounds[0]), bounds[1])
+
+
+class AnswerLengths:
+    """The mean completion length of the last `window` finished rows (seed: ~300 to start)."""
+
+    __slots__ = ("_window", "_sum", "_initial")
+
+    def __init__(self, initial: float = 300.0, window: int = 256) -> None:
+        if window <= 0:
+            raise ValueError(f"window must be > 0, got {window}")
+        self._window: deque[int] = deque(maxlen=window)
+        self._sum = 0
+        self._initial = initial
+
+    def add(self, completion_tokens: int) -> None:
+        if len(self._window) == self._window.maxlen:
+            self._sum -= self._window[0]
+        self._window.append(completion_tokens)
+        self._sum += completion_tokens
+
+    @property
+    def mean(self) -> float:
+        return self._sum / len(self._window) if self._window else self._initial
+
+
+class AdmissionController:
+    """Decides 400 / 429 / accept for a request and prices it in GPU milliseconds."""
+
+    def __init__(
+        self,
+        *,
+        context_limit: int = 8192,
+        max_tokens_limit: int = 1000,
+        max_rows: int = 32,
+        queue_limit_s: float = 2.0,
+        c_prefill_ms: float = 0.1,
+        c_decode_ms: float = 1.25,
+        initial_answer_tokens: float = 300.0,
+    ) -> None:
+        if queue_limit_s <= 0:
+            raise ValueError(f"queue_limit_s must be > 0, got {queue_limit_s}")
+        self.context_limit = context_limit
+        self.max_tokens_limit = max_tokens_limit
+        self.max_rows = max_rows
+        self.queue_limit_ms = queue_limit_s * 1000.0
+        self.costs = CostModel(c_prefill_ms, c_decode_ms)
+        self.answers = AnswerLengths(initial_answer_tokens)
+
+    @classmethod
+    def from_config(cls, config) -> "AdmissionController":
+        """Build from a `ringserve.config.Config` (duck-typed: any object with its field names)."""
+        return cls(context_limit=config.context_limit, max_tokens_limit=config.max_tokens_limit,
+                   max_rows=config.max_rows, queue_limit_s=config.queue_limit_s,
+                   c_prefill_ms=config.c_prefill_ms, c_decode_ms=config.c_decode_ms)
+
+    def estimate_ms(self, prompt_tokens: int, max_tokens: int, n: int = 1, generated: int = 0) -> float:
+        """GPU ms still owed to a request that has `generated` tokens per row so far."""
+        expected = max(min(max_tokens, self.answers.mean) - generated, 0.0)
+        return (prompt_tokens + generated) * self.costs.c_prefill_ms + n * expected * self.costs.c_decode_ms
+
+    def decide(self, prompt_tokens: int, max_tokens: int, n: int, queued_ms: float,
+               pool_fits: bool = True) -> Decision:
+        """400 when the request can never run, 429 when the queue is over its limit, else 200.
+
+        `queued_ms` is the estimated GPU work already waiting. An empty queue always admits, so a
+        single request costlier than the limit is slow, not impossible. Retry-After is the time
+        for the queue to drain far enough for this request to fit, in whole seconds, at least 1.
+        """
+        total = prompt_tokens + max_tokens
+        if total > self.context_limit:
+            return Decision(400, code="context_length_exceeded",
+                            message=f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                                    f"is over the {self.context_limit}-token limit; shorten the prompt "
+                                    f"or lower max_tokens")
+        if max_tokens > self.max_tokens_limit:
+            return Decision(400, code="max_tokens_too_large",
+                            message=f"max_tokens {max_tokens} is over the limit of {self.max_tokens_limit}")
+        if n > self.max_rows:
+            return Decision(400, code="n_too_large",
+                            message=f"n={n} samples is over this server's {self.max_rows} rows; lower n")
+        if not pool_fits:
+            return Decision(400, code="too_large_for_kv_pool",
+                            message=f"{n} sample(s) of {total} tokens do not fit this server's KV cache; "
+                                    f"lower n, max_tokens or the prompt length")
+        est = self.estimate_ms(prompt_tokens, max_tokens, n)
+        if queued_ms > 0 and queued_ms + est > self.queue_limit_ms:
+            retry = max(1, math.ceil((queued_ms + est - self.queue_limit_ms) / 1000.0))
+            return Decision(429, est_gpu_ms=est, code="overloaded", retry_after_s=float(retry),
+                            message=f"{queued_ms / 1000:.2f} s of GPU work is queued (limit "
+                                    f"{self.queue_limit_ms / 1000:.2f} s); retry after {retry} s")
+        return Decision(200, est_gpu_ms=est)
+
+    def observe_step(self, step_ms: float, prefill_tokens: int, decode_rows: int) -> None:
+        self.costs.observe(step_ms, prefill_tokens, decode_rows)
+
+    def observe_answer(self, completion_tokens: int) -> None:
+        self.answers.add(completion_tokens)

@@ -1,0 +1,124 @@
+"""The KV block allocator: a free list and a reference count per block (pure Python).
+
+The GPU pool itself (`kv_pool.py`) is only memory; which block belongs to whom is decided here.
+A block is free exactly when its reference count is 0. Counts above 1 mean the `n` samples of one
+request share a prompt block; such a block is never written again (the scheduler copies a shared
+partial block before a sample appends to it).
+
+Free-list order is FIFO: a freed block goes to the back and allocation takes from the front, so
+block ids are predictable (tests assert exact ids) and a just-freed block is reused last.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class NoFreeBlocks(RuntimeError):
+    """An allocation asked for more blocks than are free; nothing was allocated."""
+
+
+class BlockError(RuntimeError):
+    """A block id was freed or shared while not allocated, or is out of range: a bookkeeping bug."""
+
+
+class BlockManager:
+    """Allocate, share and free fixed-size KV blocks of `block_size` token slots each."""
+
+    __slots__ = ("num_blocks", "block_size", "_free", "_refs")
+
+    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self._refs: list[int] = [0] * num_blocks
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._refs[block_id]
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens from position 0."""
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, count: int) -> bool:
+        return count <= len(self._free)
+
+    # -- verbs -----------------------------------------------------------------------------------
+
+    def allocate(self, count: int) -> list[int]:
+        """`count` fresh blocks, each with reference count 1; all or nothing."""
+        if count < 0:
+            raise ValueError(f"cannot allocate {count} blocks")
+        if count > len(self._free):
+            raise NoFreeBlocks(f"asked for {count} KV blocks, {len(self._free)} free")
+        free, refs = self._free, self._refs
+        out = [free.popleft() for _ in range(count)]
+        for b in out:
+            refs[b] = 1
+        return out
+
+    def allocate_one(self) -> int:
+        """One fresh block (the hot path: a decoding row crossing a block boundary)."""
+        if not self._free:
+            raise NoFreeBlocks("asked for 1 KV block, 0 free")
+        b = self._free.popleft()
+        self._refs[b] = 1
+        return b
+
+    def share(self, block_ids: list[int]) -> None:
+        """Add one reference to each of `block_ids` (another sample now reads them)."""
+        refs = self._refs
+        for b in block_ids:
+            if refs[b] <= 0:
+                raise BlockError(f"block {b} shared while free")
+        for b in block_ids:
+            refs[b] += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference to each of `block_ids`; a block reaching 0 returns to the free list."""
+        refs, free = self._refs, self._free
+        for b in block_ids:
+            r = refs[b]
+            if r <= 0:
+                raise BlockError(f"block {b} freed while already free (double free)")
+            refs[b] = r - 1
+            if r == 1:
+                free.append(b)
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:
+        """Raise BlockError unless free + used == total and counts agree with the free list.
+
+        With `expected_refs` (block id -> references held by live sequences, as the scheduler
+        recounts them from its block tables), every count must match it exactly.
+        """
+        free_set = set(self._free)
+        if len(free_set) != len(self._free):
+            raise BlockError("a block appears twice in the free list")
+        for b in range(self.num_blocks):
+            r = self._refs[b]
+            if r < 0:
+                raise BlockError(f"block {b} has negative reference count {r}")
+            if (r == 0) != (b in free_set):
+                raise BlockError(f"block {b}: ref count {r} but {'in' if b in free_set else 'not in'} free list")
+        # NOTE: with the per-block rule above, free + used == total holds by construction.
+        if expected_refs is not None:
+            for b in range(self.num_blocks):
+                want = expected_refs.get(b, 0)
+                if self._refs[b] != want:
+                    raise BlockError(f"block {b}: ref count {self._refs[b]}, block tables hold {want}")
