@@ -1,0 +1,78 @@
+"""Admission: the cost estimate, 400 and 429 with Retry-After, online recalibration."""
+
+import math
+
+from ringserve.gpu_proc.admission import AdmissionController, AnswerLengths, CostModel
+
+
+def test_estimate_uses_seed_constants_and_recent_answer_length():
+    """est = prompt*0.1 + min(max_tokens, avg answer)*1.25 ms; the average starts at 300."""
+    ac = AdmissionController()
+    assert math.isclose(ac.estimate_ms(1250, 1000), 125 + 300 * 1.25)
+    assert math.isclose(ac.estimate_ms(1250, 100), 125 + 100 * 1.25)
+    for _ in range(10):
+        ac.observe_answer(20)
+    assert math.isclose(ac.estimate_ms(100, 1000, n=2), 10 + 2 * 20 * 1.25)
+
+
+def test_over_context_limit_is_400():
+    """prompt + max_tokens over 8,192 is refused with a message naming both numbers."""
+    d = AdmissionController().decide(8000, 193, 1, queued_ms=0)
+    assert d.status == 400 and d.code == "context_length_exceeded"
+    assert "8193" in d.message and "8192" in d.message
+    assert AdmissionController().decide(8000, 192, 1, queued_ms=0).accepted
+
+
+def test_other_400s():
+    """max_tokens over its limit, n over the row cap and a pool too small are 400."""
+    ac = AdmissionController(max_rows=4)
+    assert ac.decide(10, 1001, 1, 0).code == "max_tokens_too_large"
+    assert ac.decide(10, 10, 5, 0).code == "n_too_large"
+    assert ac.decide(10, 10, 1, 0, pool_fits=False).code == "too_large_for_kv_pool"
+
+
+def test_over_two_seconds_queued_is_429_with_retry_after():
+    """Queued work plus this request over 2 s is 429; Retry-After is the excess in whole seconds."""
+    ac = AdmissionController()
+    est = ac.estimate_ms(1000, 300)  # 100 + 375 = 475 ms
+    assert ac.decide(1000, 300, 1, queued_ms=1500).accepted
+    d = ac.decide(1000, 300, 1, queued_ms=1600)
+    assert d.status == 429 and d.retry_after_s == 1.0
+    d = ac.decide(1000, 300, 1, queued_ms=4000)
+    assert d.retry_after_s == math.ceil((4000 + est - 2000) / 1000)
+
+
+def test_empty_queue_always_admits():
+    """A request costlier than the limit on its own is slow, not refused."""
+    assert AdmissionController().decide(8000, 192, 1, queued_ms=0).accepted
+
+
+def test_cost_model_follows_measured_steps():
+    """Pure decode steps pull c_decode to ms/rows; mixed steps attribute the rest to prefill."""
+    cm = CostModel(0.1, 1.25, alpha=0.5)
+    for _ in range(30):
+        cm.observe(64.0, 0, 32)   # 2 ms per row on this hardware
+    assert abs(cm.c_decode_ms - 2.0) < 1e-3
+    for _ in range(30):
+        cm.observe(64.0 + 51.2, 256, 32)  # 0.2 ms per prompt token
+    assert abs(cm.c_prefill_ms - 0.2) < 1e-3
+
+
+def test_cost_model_ignores_garbage_and_clamps():
+    """Non-finite or empty steps change nothing; one huge step cannot move a constant past 100x."""
+    cm = CostModel(0.1, 1.25, alpha=1.0)
+    cm.observe(float("nan"), 0, 4)
+    cm.observe(10.0, 0, 0)
+    assert (cm.c_prefill_ms, cm.c_decode_ms) == (0.1, 1.25)
+    cm.observe(1e9, 0, 1)
+    assert cm.c_decode_ms == 125.0
+
+
+def test_answer_length_window():
+    """The mean is over the last `window` answers."""
+    al = AnswerLengths(initial=300, window=2)
+    assert al.mean == 300
+    al.add(10)
+    al.add(20)
+    al.add(40)
+    assert al.mean == 30

@@ -1,0 +1,57 @@
+"""Request record: states ordered, derived properties, validation."""
+
+import pytest
+
+from ringserve.gpu_proc.request import Request, RequestState, SampleRow, SamplingSpec
+from ringserve.gpu_proc.step import RowSampling
+
+
+def _req(**kw):
+    base = dict(key=(0, 1), request_id="r", tenant="k", prompt_ids=[1, 2, 3], max_tokens=4,
+                sampling=SamplingSpec(), arrival_ts=0.0, deadline_ts=10.0)
+    base.update(kw)
+    return Request(**base)
+
+
+def test_states_are_ordered_waiting_running_finished():
+    """Waiting, running and finished are each one comparison on the state."""
+    r = _req()
+    assert r.is_waiting and not r.is_running and not r.is_finished
+    for state, flags in [(RequestState.PREEMPTED, (True, False, False)), (RequestState.PREFILL, (False, True, False)),
+                         (RequestState.DECODE, (False, True, False)), (RequestState.DONE, (False, False, True)),
+                         (RequestState.CANCELLED, (False, False, True))]:
+        r.state = state
+        assert (r.is_waiting, r.is_running, r.is_finished) == flags
+
+
+def test_prefix_is_shared_only_for_n_above_one():
+    """n > 1 shares prompt[:-1]; n == 1 has no prefix phase."""
+    assert _req().prefix_len == 0
+    assert _req(n=3).prefix_len == 2
+
+
+def test_row_tokens_span_prompt_and_generated():
+    """A row's token range reads across the prompt/generated boundary without copying all."""
+    row = SampleRow(0, 1, RowSampling(), generated=[7, 8])
+    prompt = [1, 2, 3]
+    assert row.tokens(prompt, 0, 5) == [1, 2, 3, 7, 8]
+    assert row.tokens(prompt, 1, 2) == [2]
+    assert row.tokens(prompt, 2, 4) == [3, 7]
+    assert row.tokens(prompt, 4, 5) == [8]
+    assert row.num_tokens(len(prompt)) == 5
+
+
+def test_invalid_requests_raise():
+    """Empty prompt, max_tokens < 1, n < 1 and bad sampling raise ValueError."""
+    with pytest.raises(ValueError):
+        _req(prompt_ids=[])
+    with pytest.raises(ValueError):
+        _req(max_tokens=0)
+    with pytest.raises(ValueError):
+        _req(n=0)
+    with pytest.raises(ValueError):
+        SamplingSpec(temperature=-1.0)
+    with pytest.raises(ValueError):
+        SamplingSpec(top_p=0.0)
+    with pytest.raises(ValueError):
+        SamplingSpec(top_k=-1)
