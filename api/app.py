@@ -1,0 +1,164 @@
+"""`init_app`: the aiohttp application of one API worker.
+
+Routes: POST /v1/completions, DELETE /v1/requests/{request_id}, GET /v1/models, /health, /ready,
+/metrics. Two middlewares: errors in the OpenAI shape (with x-request-id when one was assigned),
+then authentication (deny by default; /health, /ready and /metrics are open). Background work —
+the GPU client's transport, the tokenizer thread pool and the slow-reader watchdog — is owned by
+`cleanup_ctx`, so it starts and stops with the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+from ringserve.api.auth import PUBLIC_PATHS, Authenticator
+from ringserve.api.completions import handle_completions
+from ringserve.api.errors import ApiError, from_http_exception
+from ringserve.api.gpu_client import GpuClient
+from ringserve.api.metrics import CONTENT_TYPE, StatsSnapshot, render
+from ringserve.api.registry import Registry
+from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState
+from ringserve.api.tokenizer import TextCodec
+from ringserve.config import Config
+
+
+def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name: str,
+             ready: Callable[[], bool], stats_source: Callable[[ApiState], StatsSnapshot] | None = None,
+             auth: Authenticator | None = None, worker: int = 0,
+             remote_cancel: Callable[[str, str], Awaitable[bool]] | None = None) -> web.Application:
+    """Build a worker's app. `ready()` says whether the GPU process is ready (control block);
+    `stats_source(state)` returns the server-wide stats snapshot for /metrics (default: this
+    worker's own counters only)."""
+    app = web.Application(client_max_size=config.max_body_bytes,
+                          middlewares=[_error_middleware, _auth_middleware])
+    source = stats_source or (lambda st: StatsSnapshot(workers=[st.stats.as_dict()]))
+    state = ApiState(config=config, client=client, codec=codec, model_name=model_name, ready=ready,
+                     stats_source=lambda: source(state), auth=auth or Authenticator(),
+                     registry=Registry(worker), remote_cancel=remote_cancel)
+    app[STATE] = state
+    app.router.add_post("/v1/completions", handle_completions)
+    app.router.add_delete("/v1/requests/{request_id}", _handle_delete)
+    app.router.add_get("/v1/models", _handle_models)
+    app.router.add_get("/health", _handle_health)
+    app.router.add_get("/ready", _handle_ready)
+    app.router.add_get("/metrics", _handle_metrics)
+    app.cleanup_ctx.append(_gpu_client_ctx)
+    app.cleanup_ctx.append(_executor_ctx)
+    app.cleanup_ctx.append(_slow_reader_ctx)
+    return app
+
+
+# middlewares ----------------------------------------------------------------------------------
+@web.middleware
+async def _error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as err:
+        error = err
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error = from_http_exception(exc)
+    st = request.app[STATE]
+    if request.path == "/v1/completions":
+        st.stats.count_response(error.status)
+    rid = request.get(REQUEST_ID)
+    return error.response({"x-request-id": rid} if rid else None)
+
+
+@web.middleware
+async def _auth_middleware(request: web.Request, handler) -> web.StreamResponse:
+    if request.path in PUBLIC_PATHS:
+        return await handler(request)
+    request[TENANT] = request.app[STATE].auth.tenant(request)  # raises 401
+    return await handler(request)
+
+
+# handlers -------------------------------------------------------------------------------------
+async def _handle_delete(request: web.Request) -> web.Response:
+    """Cancel a request; only the tenant that submitted it may, others get 404 (not 403, which
+    would confirm that someone else's request id exists)."""
+    st = request.app[STATE]
+    request_id = request.match_info["request_id"]
+    entry = st.registry.get(request_id)
+    if entry is not None and entry.tenant == request[TENANT]:
+        entry.end("delete")
+        return _json({"id": request_id, "object": "request.cancelled", "cancelled": True})
+    if entry is None and st.remote_cancel is not None and await st.remote_cancel(request_id, request[TENANT]):
+        return _json({"id": request_id, "object": "request.cancelled", "cancelled": True})
+    raise ApiError(404, f"No open request {request_id!r} for this API key.", param="request_id",
+                   code="request_not_found")
+
+
+async def _handle_models(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    return _json({"object": "list", "data": [{"id": st.model_name, "object": "model",
+                                              "created": 0, "owned_by": "ringserve",
+                                              "max_model_len": st.config.context_limit}]})
+
+
+async def _handle_health(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def _handle_ready(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    if st.draining:
+        raise ApiError(503, "The server is draining.", code="server_draining", retry_after_s=5.0)
+    if not st.ready():
+        raise ApiError(503, "The GPU process is not ready.", code="gpu_not_ready", retry_after_s=5.0)
+    return _json({"status": "ready"})
+
+
+async def _handle_metrics(request: web.Request) -> web.Response:
+    body = render(request.app[STATE].stats_source())
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def _json(obj: dict, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
+
+
+# background work ------------------------------------------------------------------------------
+async def _gpu_client_ctx(app: web.Application):
+    st = app[STATE]
+    st.client.start()
+    yield
+    st.client.close()
+
+
+async def _executor_ctx(app: web.Application):
+    st = app[STATE]
+    st.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+    yield
+    st.executor.shutdown(wait=False, cancel_futures=True)
+    st.executor = None
+
+
+async def _slow_reader_ctx(app: web.Application):
+    task = asyncio.create_task(_slow_reader_watchdog(app[STATE]))
+    yield
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
+async def _slow_reader_watchdog(st: ApiState) -> None:
+    """Close the connection of every stream whose write has been blocked (the client reads
+    nothing while the socket buffers are full) for longer than `slow_reader_s`."""
+    limit = st.config.slow_reader_s
+    period = min(1.0, limit / 4)
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(period)
+        now = loop.time()
+        for entry in list(st.registry.values()):
+            if entry.write_since and now - entry.write_since > limit:
+                entry.end("slow_reader")

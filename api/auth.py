@@ -1,0 +1,72 @@
+"""Bearer-key authentication and the fairness tenant.
+
+With a keys file (`--api-keys FILE`: one key per line, `#` comments and blank lines ignored) every
+path but /health, /ready and /metrics needs `Authorization: Bearer <key>` naming one of them; keys
+are compared in constant time, all of them every time. The tenant the scheduler shares the GPU
+between is the key. Without keys the tenant is the bearer token when one is sent, else one shared
+tenant. Tenants travel as a short hash, so no key is ever written to shared memory or logs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from pathlib import Path
+
+from aiohttp import web
+
+from ringserve.api.errors import ApiError
+
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
+SHARED_TENANT = "shared"
+
+
+def load_keys(path: str | Path) -> frozenset[str]:
+    """Read a keys file; an empty file is an error (it would lock every client out)."""
+    keys = []
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keys.append(line.split()[0])
+    if not keys:
+        raise ValueError(f"API keys file {path} holds no keys (one key per line)")
+    return frozenset(keys)
+
+
+def tenant_of(token: str) -> str:
+    return "k-" + hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+class Authenticator:
+    """Maps a request to its tenant, raising 401 when keys are configured and it has none valid."""
+
+    def __init__(self, keys: frozenset[str] | None = None) -> None:
+        # Compare fixed-length digests so neither a key's length nor its position leaks through time.
+        self._digests = tuple(hashlib.sha256(k.encode()).digest() for k in keys or ())
+        self.enabled = bool(keys)
+
+    def tenant(self, request: web.Request) -> str:
+        token = _bearer(request)
+        if not self.enabled:
+            return tenant_of(token) if token else SHARED_TENANT
+        if token is None:
+            raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.",
+                           code="missing_api_key")
+        digest = hashlib.sha256(token.encode()).digest()
+        found = False
+        for d in self._digests:  # no early exit: the time does not depend on which key matched
+            found |= hmac.compare_digest(d, digest)
+        if not found:
+            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return tenant_of(token)
+
+
+def _bearer(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization")
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token

@@ -1,0 +1,167 @@
+"""`POST /v1/completions`: validate, tokenize, submit, then stream SSE or answer one JSON body."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+from aiohttp import web
+
+from ringserve.api.errors import ApiError, bad_request
+from ringserve.api.generation import Generation
+from ringserve.api.protocol import CompletionRequest, check_model, parse_body
+from ringserve.api.registry import OpenRequest
+from ringserve.api.sse import DONE, EventEncoder
+from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState
+from ringserve.shm.messages import Submit
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no"}
+
+
+async def handle_completions(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    st.stats.requests_total += 1
+    req = parse_body(await request.read(), max_tokens_limit=st.config.max_tokens_limit)
+    check_model(req.model, st.model_name)
+    _check_available(st)
+    prompt_ids = await _tokenize(st, req)
+    _check_lengths(st, req, prompt_ids)
+
+    request_id = st.registry.new_id(request.headers.get("x-request-id"))
+    request[REQUEST_ID] = request_id  # the error middleware puts it on error responses too
+    arrival = time.time()
+    client = st.client
+    stream = client.open_stream()
+    entry = OpenRequest(request_id, request[TENANT], stream, request.transport)
+    st.registry.add(entry)
+    st.stats.open_streams += 1
+    gen: Generation | None = None
+    try:
+        await client.submit(stream, Submit(
+            rid=stream.rid, request_id=request_id, tenant=request[TENANT], prompt_ids=prompt_ids,
+            max_tokens=req.max_tokens, sampling=req.sampling, arrival_ts=arrival,
+            deadline_ts=arrival + st.config.request_timeout_s, n=req.n, logprobs=req.logprobs))
+        encoder = EventEncoder(request_id, st.model_name, int(arrival)) if req.stream else None
+        gen = Generation(st.codec, n=req.n, stop=req.stop, prompt_tokens=len(prompt_ids),
+                         arrival=arrival, encoder=encoder, logprobs=req.logprobs)
+        if req.stream:
+            return await _stream(request, st, entry, gen, encoder)
+        return await _complete(st, entry, gen)
+    except (asyncio.CancelledError, ConnectionError):
+        # The client went away (or the slow-reader watchdog closed the connection).
+        if entry.ended_by == "slow_reader":
+            st.stats.slow_reader_cancels_total += 1
+        else:
+            st.stats.disconnects_total += 1
+        raise
+    finally:
+        if gen is not None:
+            if not gen.gpu_done:
+                client.cancel(stream.rid, _cancel_reason(entry, gen))
+            st.stats.tokens_streamed_total += sum(s.tokens for s in gen.samples)
+            st.stats.stop_string_finishes_total += sum(
+                1 for s in gen.samples if s.reason == "stop" and not s.gpu_done)
+        client.release(stream)
+        st.registry.remove(request_id)
+        st.stats.open_streams -= 1
+
+
+async def _stream(request: web.Request, st: ApiState, entry: OpenRequest, gen: Generation,
+                  encoder: EventEncoder) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={**_SSE_HEADERS, "x-request-id": entry.request_id})
+    await resp.prepare(request)
+    loop = asyncio.get_running_loop()
+    stream = entry.stream
+    while not gen.finished:
+        events = gen.consume(await stream.next_batch())
+        if events:
+            entry.write_since = loop.time()
+            await resp.write(b"".join(events) if len(events) > 1 else events[0])
+            entry.write_since = 0.0
+    tail = [DONE]
+    if gen.error is None:
+        await _settle(st, entry, gen)
+        tail.insert(0, encoder.usage(gen.usage(), gen.timing()))
+    entry.write_since = loop.time()
+    await resp.write(b"".join(tail))
+    await resp.write_eof()
+    entry.write_since = 0.0
+    st.stats.count_response(200)
+    return resp
+
+
+async def _complete(st: ApiState, entry: OpenRequest, gen: Generation) -> web.Response:
+    stream = entry.stream
+    while not gen.finished:
+        gen.consume(await stream.next_batch())
+    if gen.error is not None:
+        raise ApiError(503, f"The GPU process failed during the request: {gen.error.message}. "
+                            "Retry it.", code=gen.error.code, retry_after_s=1.0)
+    await _settle(st, entry, gen)
+    body = {"id": entry.request_id, "object": "text_completion", "created": int(gen.arrival),
+            "model": st.model_name, "choices": gen.choices(), "usage": gen.usage(),
+            "timing": gen.timing(), "request_id": entry.request_id}
+    st.stats.count_response(200)
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json",
+                        headers={"x-request-id": entry.request_id})
+
+
+async def _settle(st: ApiState, entry: OpenRequest, gen: Generation) -> None:
+    """Every sample is finished for the client; stop the GPU rows still running (stop strings,
+    DELETE) and give their Finish records (timing) a moment to arrive."""
+    if gen.gpu_done:
+        return
+    st.client.cancel(entry.stream.rid, _cancel_reason(entry, gen))
+    try:
+        async with asyncio.timeout(st.finish_grace_s):
+            while not gen.gpu_done:
+                gen.consume(await entry.stream.next_batch())
+    except TimeoutError:
+        pass
+    if gen.gpu_done:
+        return
+    # Without the GPU's answer the Cancel stays in force; the finally block must not resend it.
+    for s in gen.samples:
+        s.gpu_done = True
+
+
+def _cancel_reason(entry: OpenRequest, gen: Generation) -> str:
+    if entry.ended_by == "slow_reader":
+        return "slow_reader"
+    if entry.ended_by is not None:
+        return "cancelled"
+    if gen.unfinished == 0:
+        return "stop"
+    return "disconnect"
+
+
+def _check_available(st: ApiState) -> None:
+    if st.draining:
+        raise ApiError(503, "The server is draining for shutdown; retry on another instance.",
+                       code="server_draining", retry_after_s=5.0)
+    if not st.ready():
+        raise ApiError(503, "The GPU process is not ready (starting or restarting); retry shortly.",
+                       code="gpu_not_ready", retry_after_s=5.0)
+
+
+async def _tokenize(st: ApiState, req: CompletionRequest) -> list[int]:
+    if req.prompt_ids is not None:
+        if max(req.prompt_ids) >= st.codec.vocab_size:
+            raise bad_request(f"prompt holds a token id outside the vocabulary (size "
+                              f"{st.codec.vocab_size}).", "prompt")
+        return list(req.prompt_ids)
+    text = req.prompt_text
+    if len(text) <= st.tokenize_inline_chars or st.executor is None:
+        return st.codec.encode(text)
+    return await asyncio.get_running_loop().run_in_executor(st.executor, st.codec.encode, text)
+
+
+def _check_lengths(st: ApiState, req: CompletionRequest, prompt_ids: list[int]) -> None:
+    limit = st.config.context_limit
+    if len(prompt_ids) + req.max_tokens > limit:
+        raise bad_request(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({req.max_tokens}) is over the "
+            f"context limit of {limit} tokens; shorten the prompt or lower max_tokens.",
+            "prompt", code="context_length_exceeded")

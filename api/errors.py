@@ -1,0 +1,77 @@
+"""OpenAI-shaped API errors: one exception type, one JSON body, the HTTP status and Retry-After.
+
+Every error a client sees is `{"error": {"message", "type", "param", "code"}}`, the shape the
+`openai` client parses into its exception classes. Handlers raise `ApiError`; the app's error
+middleware turns it (and aiohttp's own HTTP exceptions, e.g. 413 for a body over the limit) into a
+response.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+from aiohttp import web
+
+# OpenAI's `type` strings, by status.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """An error answered to the client with `status` and the OpenAI error object."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None,
+                 param: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict:
+        """The OpenAI error object."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        # Retry-After is whole seconds (RFC 9110); never 0, which invites an immediate retry storm.
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+    def response(self, extra_headers: dict[str, str] | None = None) -> web.Response:
+        headers = self.headers()
+        if extra_headers:
+            headers.update(extra_headers)
+        return web.Response(status=self.status, body=msgspec.json.encode(self.body()),
+                            content_type="application/json", headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def from_http_exception(exc: web.HTTPException) -> ApiError:
+    """aiohttp's own errors (413 body too large, 405, 404 route) in the OpenAI shape."""
+    if exc.status == 413:
+        return ApiError(413, f"Request body too large: {exc.text or 'over the limit'}. "
+                             "Send a shorter prompt.", code="request_too_large")
+    if exc.status == 404:
+        return ApiError(404, f"Unknown path; see /v1/completions, /v1/models.", code="not_found")
+    if exc.status == 405:
+        return ApiError(405, f"Method not allowed: {exc.text}", code="method_not_allowed")
+    return ApiError(exc.status, exc.reason or "HTTP error", code="http_error")

@@ -1,0 +1,168 @@
+"""An in-process stand-in for the GPU process, speaking the ring protocol through `Transport`.
+
+It admits every Submit (unless `admit` says otherwise), then runs "steps" on the event loop: each
+step emits one token for every running sample and finishes samples at `max_tokens` (`length`), at
+a stop token id (`stop`) or on Cancel (`cancelled`), with usage and timing like the real engine.
+The tokens a sample produces come from `script(submit, index)`, by default the prompt ids repeated
+in order, so a test knows exactly which text must come out. Used by the API tests and
+`ringserve bench api` (where `step_interval_s=0` makes it a producer that never waits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from ringserve.shm.messages import (Accepted, Cancel, Error, Finish, Message, Rejected, StepOutput,
+                                    Submit, Token, decode, encode)
+
+
+def echo_prompt(submit: Submit, index: int) -> Iterator[int]:
+    """The default script: the prompt's ids, cycled."""
+    return itertools.cycle(submit.prompt_ids)
+
+
+@dataclass(slots=True)
+class _Row:
+    submit: Submit
+    tokens: list[Iterator[int]]
+    generated: list[int]
+    live: list[bool]
+    arrival: float
+    first_token: float | None = None
+
+
+@dataclass
+class FakeGpu:
+    """Transport implementation; see the module docstring. Not thread-safe (one event loop)."""
+
+    script: Callable[[Submit, int], Iterator[int]] = echo_prompt
+    step_interval_s: float = 0.0
+    eos_token_ids: frozenset[int] = frozenset()
+    admit: Callable[[Submit], Rejected | None] | None = None
+    wire: bool = True  # round-trip every message through msgpack, as the ring does
+    paused: bool = False  # hold every running row (no tokens) until resumed
+    submits: list[Submit] = field(default_factory=list)
+    cancels: list[Cancel] = field(default_factory=list)
+    finished: dict[str, int] = field(default_factory=dict)
+    _rows: dict[int, _Row] = field(default_factory=dict)
+    _cancelled: set[int] = field(default_factory=set)
+    _deliver: Callable[[Message], None] | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+    _timer: asyncio.Handle | None = None
+    _step: int = 0
+
+    # Transport -------------------------------------------------------------------------------
+    def open(self, deliver: Callable[[Message], None]) -> None:
+        self._deliver = deliver
+        self._loop = asyncio.get_running_loop()
+
+    def send(self, msg: Submit | Cancel) -> bool:
+        if self.wire:
+            msg = decode(encode(msg))
+        if isinstance(msg, Submit):
+            self.submits.append(msg)
+            refusal = self.admit(msg) if self.admit is not None else None
+            self._post(refusal or Accepted(rid=msg.rid, est_gpu_ms=1.0))
+            if refusal is None:
+                self._rows[msg.rid] = _Row(msg, [self.script(msg, i) for i in range(msg.n)],
+                                           [0] * msg.n, [True] * msg.n, time.time())
+        else:
+            self.cancels.append(msg)
+            if msg.rid in self._rows:
+                self._cancelled.add(msg.rid)
+        self._wake()
+        return True
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._deliver = None
+
+    # control ---------------------------------------------------------------------------------
+    def resume(self) -> None:
+        self.paused = False
+        self._wake()
+
+    def fail(self, code: str = "gpu_restart", message: str = "the GPU process restarted") -> None:
+        """Simulate a GPU-process crash: every open request gets an error, rows are dropped."""
+        self._rows.clear()
+        self._post(Error(code=code, message=message))
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    def stats(self) -> dict[str, float]:
+        """A GPU stats snapshot in the shape `api.metrics` renders."""
+        return {"queue_depth": 0.0, "queued_gpu_seconds": 0.0, "running_rows": float(len(self._rows)),
+                "kv_blocks_free": 100.0, "kv_blocks_total": 128.0, "block_size": 16.0,
+                **{f"finished_{k}_total": float(v) for k, v in self.finished.items()}}
+
+    # the step loop ---------------------------------------------------------------------------
+    def _post(self, msg: Message) -> None:
+        if self._deliver is None:
+            return
+        if self.wire:
+            msg = decode(encode(msg))
+        self._loop.call_soon(self._deliver_if_open, msg)
+
+    def _deliver_if_open(self, msg: Message) -> None:
+        if self._deliver is not None:
+            self._deliver(msg)
+
+    def _wake(self) -> None:
+        if self._timer is None and self._rows and not self.paused and self._loop is not None:
+            if self.step_interval_s > 0:
+                self._timer = self._loop.call_later(self.step_interval_s, self._run_step)
+            else:
+                self._timer = self._loop.call_soon(self._run_step)
+
+    def _run_step(self) -> None:
+        self._timer = None
+        if self.paused or self._deliver is None:
+            return
+        self._step += 1
+        now = time.time()
+        tokens: list[Token] = []
+        finishes: list[Finish] = []
+        for rid in list(self._rows):
+            row = self._rows[rid]
+            cancelled = rid in self._cancelled
+            for i in range(row.submit.n):
+                if not row.live[i]:
+                    continue
+                if cancelled:
+                    finishes.append(self._finish(row, i, "cancelled", now))
+                    continue
+                tid = next(row.tokens[i])
+                row.generated[i] += 1
+                if row.first_token is None:
+                    row.first_token = now
+                tokens.append(Token(rid, i, tid, -0.5))
+                reason = self._stop_reason(row, tid, i)
+                if reason is not None:
+                    finishes.append(self._finish(row, i, reason, now))
+            if not any(row.live):
+                del self._rows[rid]
+                self._cancelled.discard(rid)
+        self._post(StepOutput(step=self._step, tokens=tokens, finishes=finishes))
+        self._wake()
+
+    def _stop_reason(self, row: _Row, tid: int, i: int) -> str | None:
+        sp = row.submit.sampling
+        if tid in sp.stop_token_ids or (not sp.ignore_eos and tid in self.eos_token_ids):
+            return "stop"
+        if row.generated[i] >= row.submit.max_tokens:
+            return "length"
+        return None
+
+    def _finish(self, row: _Row, i: int, reason: str, now: float) -> Finish:
+        row.live[i] = False
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        first = row.first_token if row.first_token is not None else now
+        return Finish(row.submit.rid, i, reason, len(row.submit.prompt_ids), row.generated[i],
+                      0.1, (first - row.submit.arrival_ts) * 1000.0)

@@ -1,0 +1,164 @@
+"""One request's output state: GPU records in, client-visible text and finish reasons out.
+
+`Generation.consume(batch)` turns a batch of `Token` / `Finish` / `Error` records into per-sample
+text (detokenized incrementally, stop strings applied) and, when streaming, SSE event bytes. It
+knows nothing about HTTP: the handler writes what it returns and asks it when to cancel and when
+the request is over.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ringserve.api.detokenizer import Detokenizer
+from ringserve.api.sse import EventEncoder
+from ringserve.api.stop_strings import StopMatcher
+from ringserve.api.tokenizer import TextCodec
+from ringserve.shm.messages import Error, Finish, Token
+
+# GPU finish reasons as the client sees them (the API promises stop | length | cancelled).
+_CLIENT_REASON = {"stop": "stop", "length": "length", "cancelled": "cancelled",
+                  "deadline": "cancelled"}
+
+
+@dataclass(frozen=True, slots=True)
+class LocalCancel:
+    """Fed into a request's stream by the worker itself (DELETE): end every sample `cancelled`."""
+
+    reason: str = "cancelled"
+
+
+@dataclass(slots=True)
+class Sample:
+    detok: Detokenizer
+    stops: StopMatcher | None
+    parts: list[str] = field(default_factory=list)  # the text so far (non-streaming only)
+    tokens: int = 0
+    reason: str | None = None  # the client-visible finish reason, once finished
+    gpu_done: bool = False  # the GPU process reported this sample's Finish
+    logprobs: dict | None = None  # OpenAI logprobs object (non-streaming, when asked for)
+
+
+class Generation:
+    """Output state of one request with `n` samples."""
+
+    def __init__(self, codec: TextCodec, *, n: int, stop: tuple[str, ...], prompt_tokens: int,
+                 arrival: float, encoder: EventEncoder | None, logprobs: int | None = None) -> None:
+        self.codec = codec
+        self.samples = [Sample(Detokenizer(codec), StopMatcher(stop) if stop else None,
+                               logprobs={"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                         "text_offset": []} if logprobs is not None else None)
+                        for _ in range(n)]
+        self.prompt_tokens = prompt_tokens
+        self.arrival = arrival
+        self.encoder = encoder
+        self.want_logprobs = logprobs
+        self.error: Error | None = None
+        self.queue_ms: float | None = None
+        self.ttft_ms: float | None = None
+        self.unfinished = n  # samples without a client-visible finish
+
+    # ------------------------------------------------------------------------------------------
+    def consume(self, batch: list) -> list[bytes]:
+        """Apply records; returns SSE events (empty when not streaming)."""
+        out: list[bytes] = []
+        samples = self.samples
+        enc = self.encoder
+        for item in batch:
+            kind = type(item)
+            if kind is Token:
+                s = samples[item.index]
+                if s.reason is not None:
+                    continue  # arrived after a stop string ended the sample; never shown
+                s.tokens += 1
+                if self.ttft_ms is None:
+                    self.ttft_ms = (time.time() - self.arrival) * 1000.0
+                text = s.detok.push(item.token_id)
+                hit = False
+                if s.stops is not None:
+                    text, hit = s.stops.feed(text)
+                lp = self._logprobs(s, item, text) if self.want_logprobs is not None else None
+                if enc is not None:
+                    out.append(enc.token(item.index, text, item.token_id, item.logprob, lp))
+                elif text:
+                    s.parts.append(text)
+                if hit:
+                    self._finish(s, item.index, "", "stop", out)
+            elif kind is Finish:
+                s = samples[item.index]
+                s.gpu_done = True
+                if self.queue_ms is None:
+                    self.queue_ms = item.queue_ms
+                self.ttft_ms = item.ttft_ms if self.ttft_ms is None else min(self.ttft_ms, item.ttft_ms)
+                if s.reason is None:
+                    self._finish(s, item.index, self._tail(s), _CLIENT_REASON.get(item.reason, "cancelled"), out)
+            elif kind is LocalCancel:
+                for i, s in enumerate(samples):
+                    if s.reason is None:
+                        self._finish(s, i, self._tail(s), "cancelled", out)
+            elif kind is Error:
+                self.error = item
+                if enc is not None:
+                    out.append(enc.error({"error": {"message": item.message, "type": "server_error",
+                                                    "param": None, "code": item.code}}))
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        """Every sample has its client-visible finish (or the request failed)."""
+        return self.unfinished == 0 or self.error is not None
+
+    @property
+    def gpu_done(self) -> bool:
+        return all(s.gpu_done for s in self.samples)
+
+    @property
+    def needs_cancel(self) -> bool:
+        """Every sample is finished for the client but the GPU still runs some (stop strings)."""
+        return self.unfinished == 0 and not self.gpu_done
+
+    def usage(self) -> dict:
+        completion = sum(s.tokens for s in self.samples)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def timing(self) -> dict:
+        return {"queue_ms": self.queue_ms, "ttft_ms": self.ttft_ms}
+
+    def choices(self) -> list[dict]:
+        return [{"index": i, "text": "".join(s.parts), "logprobs": s.logprobs,
+                 "finish_reason": s.reason} for i, s in enumerate(self.samples)]
+
+    # ------------------------------------------------------------------------------------------
+    def _tail(self, s: Sample) -> str:
+        """Text still held at the GPU's finish: an incomplete character, a stop-string prefix."""
+        text = s.detok.flush()
+        if s.stops is None:
+            return text
+        text, hit = s.stops.feed(text)
+        return text if hit else text + s.stops.flush()
+
+    def _finish(self, s: Sample, index: int, tail: str, reason: str, out: list[bytes]) -> None:
+        s.reason = reason
+        self.unfinished -= 1
+        if self.encoder is not None:
+            out.append(self.encoder.finish(index, tail, reason))
+        elif tail:
+            s.parts.append(tail)
+
+    def _logprobs(self, s: Sample, item: Token, text: str) -> dict:
+        token = self.codec.decode([item.token_id])
+        top = None
+        if item.top_logprobs:
+            top = {self.codec.decode([tid]): lp for tid, lp in item.top_logprobs}
+        if self.encoder is not None:
+            return {"tokens": [token], "token_logprobs": [item.logprob],
+                    "top_logprobs": [top] if top is not None else None, "text_offset": [0]}
+        lp = s.logprobs
+        lp["text_offset"].append(sum(len(p) for p in s.parts))
+        lp["tokens"].append(token)
+        lp["token_logprobs"].append(item.logprob)
+        lp["top_logprobs"].append(top)
+        return lp

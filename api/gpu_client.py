@@ -1,0 +1,178 @@
+"""The worker's side of the ring protocol.
+
+`GpuClient` names requests with small integer rids, sends `Submit` / `Cancel` through a
+`Transport`, and routes what comes back (`Accepted`, `Rejected`, per-step `Token` / `Finish`
+records, `Error`) to the request's `RequestStream`. It never blocks: a full ring parks outgoing
+messages in order and retries them shortly, so a Cancel can never overtake its Submit or be lost.
+
+Two transports implement the interface: the shared-memory ring pair (`ring_transport.py`, used by
+the real worker) and an in-process fake GPU (`fake_gpu.py`, used by tests and `bench api`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Callable, Protocol
+
+from ringserve.api.errors import ApiError
+from ringserve.shm.messages import (Accepted, Cancel, Error, Finish, Message, Rejected, StepOutput,
+                                    Submit, Token)
+
+_RETRY_S = 0.001  # how soon a refused send (full ring) is retried
+
+
+class Transport(Protocol):
+    """A duplex message channel to the GPU process."""
+
+    def open(self, deliver: Callable[[Message], None]) -> None:
+        """Start delivering incoming messages, on the event loop's thread, to `deliver`."""
+
+    def send(self, msg: Submit | Cancel) -> bool:
+        """Push one message; False when the channel is full right now (nothing was sent)."""
+
+    def close(self) -> None:
+        """Stop delivering and release the channel."""
+
+
+class RequestStream:
+    """One request's inbox: its admission answer, then batches of Token / Finish / Error records."""
+
+    __slots__ = ("rid", "admission", "_items", "_waiter")
+
+    def __init__(self, rid: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.rid = rid
+        self.admission: asyncio.Future = loop.create_future()
+        self._items: list[Token | Finish | Error] = []
+        self._waiter: asyncio.Future | None = None
+
+    def feed(self, item: Token | Finish | Error) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def next_batch(self) -> list[Token | Finish | Error]:
+        """Everything that arrived since the last call; waits while there is nothing."""
+        if not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        items, self._items = self._items, []
+        return items
+
+    def set_admission(self, msg: Accepted | Rejected | Error) -> None:
+        if not self.admission.done():
+            self.admission.set_result(msg)
+
+
+class GpuClient:
+    """Request bookkeeping for one worker; all methods run on the worker's event loop."""
+
+    def __init__(self, transport: Transport, worker: int = 0) -> None:
+        self.transport = transport
+        self.worker = worker
+        self._streams: dict[int, RequestStream] = {}
+        self._next_rid = 1
+        self._pending: deque[Submit | Cancel] = deque()
+        self._retry: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.transport.open(self.deliver)
+
+    def close(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+        self.transport.close()
+        self.fail_all("shutdown", "The server is shutting down.")
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._streams)
+
+    # requests --------------------------------------------------------------------------------
+    def open_stream(self) -> RequestStream:
+        """Register a new request; its rid goes into the Submit the caller builds."""
+        rid = self._next_rid
+        self._next_rid += 1
+        stream = RequestStream(rid, self._loop or asyncio.get_running_loop())
+        self._streams[rid] = stream
+        return stream
+
+    async def submit(self, stream: RequestStream, msg: Submit) -> Accepted:
+        """Send `msg` and wait for admission; a refusal raises the ApiError to answer with."""
+        if msg.rid != stream.rid:
+            raise ValueError("Submit.rid must be the stream's rid")
+        self._send(msg)
+        answer = await stream.admission
+        if isinstance(answer, Accepted):
+            return answer
+        self.release(stream)
+        if isinstance(answer, Rejected):
+            raise ApiError(answer.status, answer.message, code=answer.code,
+                           retry_after_s=answer.retry_after_s)
+        raise ApiError(503, f"The GPU process failed: {answer.message}", code=answer.code,
+                       retry_after_s=1.0)
+
+    def cancel(self, rid: int, reason: str = "cancelled") -> None:
+        self._send(Cancel(rid=rid, reason=reason))
+
+    def release(self, stream: RequestStream) -> None:
+        """Forget a finished request; records that still arrive for it are dropped."""
+        self._streams.pop(stream.rid, None)
+
+    def fail_all(self, code: str, message: str) -> None:
+        """Every open request gets an error (GPU restart, shutdown)."""
+        err = Error(code=code, message=message)
+        for stream in list(self._streams.values()):
+            stream.set_admission(err)
+            stream.feed(err)
+
+    # incoming --------------------------------------------------------------------------------
+    def deliver(self, msg: Message) -> None:
+        """Route one incoming message (called by the transport on the event loop)."""
+        streams = self._streams
+        if type(msg) is StepOutput:
+            for item in msg.tokens:
+                s = streams.get(item.rid)
+                if s is not None:
+                    s.feed(item)
+            for item in msg.finishes:
+                s = streams.get(item.rid)
+                if s is not None:
+                    s.feed(item)
+        elif type(msg) is Accepted or type(msg) is Rejected:
+            s = streams.get(msg.rid)
+            if s is not None:
+                s.set_admission(msg)
+        elif type(msg) is Error:
+            if msg.rid is None:
+                self.fail_all(msg.code, msg.message)
+            else:
+                s = streams.get(msg.rid)
+                if s is not None:
+                    s.set_admission(msg)
+                    s.feed(msg)
+
+    # outgoing --------------------------------------------------------------------------------
+    def _send(self, msg: Submit | Cancel) -> None:
+        if not self._pending and self.transport.send(msg):
+            return
+        self._pending.append(msg)
+        self._schedule_retry()
+
+    def _schedule_retry(self) -> None:
+        if self._retry is None and self._loop is not None:
+            self._retry = self._loop.call_later(_RETRY_S, self._flush)
+
+    def _flush(self) -> None:
+        self._retry = None
+        pending = self._pending
+        while pending and self.transport.send(pending[0]):
+            pending.popleft()
+        if pending:
+            self._schedule_retry()

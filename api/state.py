@@ -1,0 +1,49 @@
+"""What the API handlers share in one worker, stored on the app under one typed key."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+from ringserve.api.auth import Authenticator
+from ringserve.api.gpu_client import GpuClient
+from ringserve.api.metrics import StatsSnapshot
+from ringserve.api.registry import Registry
+from ringserve.api.tokenizer import TextCodec
+from ringserve.api.worker_stats import WorkerStats
+from ringserve.config import Config
+
+# Prompts longer than this (characters) are tokenized in a thread, so a long prompt's tokenization
+# never holds up the event loop that is streaming everyone else's tokens.
+TOKENIZE_INLINE_CHARS = 2048
+
+
+@dataclass(slots=True)
+class ApiState:
+    config: Config
+    client: GpuClient
+    codec: TextCodec
+    model_name: str
+    ready: Callable[[], bool]  # True while the GPU process is ready (the control block says)
+    stats_source: Callable[[], StatsSnapshot]
+    auth: Authenticator
+    registry: Registry
+    stats: WorkerStats = field(default_factory=WorkerStats)
+    executor: ThreadPoolExecutor | None = None
+    draining: bool = False  # set on SIGTERM: new requests get 503, open streams finish
+    tokenize_inline_chars: int = TOKENIZE_INLINE_CHARS
+    # When every sample ended early (stop string, DELETE), how long to wait for the GPU process's
+    # Finish records, which carry the timing, before answering without them.
+    finish_grace_s: float = 1.0
+    # For a DELETE naming a request this worker does not hold (another worker's, under
+    # SO_REUSEPORT): (request_id, tenant) -> True if the owning worker cancelled it.
+    # None: such ids are 404.
+    remote_cancel: Callable[[str, str], Awaitable[bool]] | None = None
+
+
+STATE: web.AppKey[ApiState] = web.AppKey("ringserve_api_state", ApiState)
+TENANT: web.RequestKey[str] = web.RequestKey("ringserve_tenant", str)
+REQUEST_ID: web.RequestKey[str] = web.RequestKey("ringserve_request_id", str)

@@ -1,0 +1,56 @@
+"""Stop strings matched on the streamed text across token boundaries.
+
+Text that could still turn into a stop string is held back: with stop "END", a sample that has
+produced "...E" emits everything but the "E" until the next token says whether "END" follows. At a
+match the text is cut just before the stop string (OpenAI does not return it) and the sample ends.
+"""
+
+from __future__ import annotations
+
+
+class StopMatcher:
+    """Per-sample matcher; `feed(text)` -> (text safe to emit, matched)."""
+
+    __slots__ = ("_stops", "_prefixes", "_hold_max", "_held")
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        self._stops = stops
+        # Every proper prefix of every stop string: the suffixes of the text we must hold back.
+        self._prefixes = frozenset(s[:k] for s in stops for k in range(1, len(s)))
+        self._hold_max = max((len(s) for s in stops), default=1) - 1
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not text:
+            return "", False
+        buf = self._held + text
+        # The earliest match wins; only the held text plus the new text can contain a new match,
+        # because everything before it was already checked when it was held.
+        cut = -1
+        for s in self._stops:
+            i = buf.find(s)
+            if i != -1 and (cut == -1 or i < cut):
+                cut = i
+        if cut != -1:
+            self._held = ""
+            return buf[:cut], True
+        hold = self._hold_length(buf)
+        if hold:
+            self._held = buf[-hold:]
+            return buf[:-hold], False
+        self._held = ""
+        return buf, False
+
+    def flush(self) -> str:
+        """At the end of a sample the held text is ordinary text."""
+        held, self._held = self._held, ""
+        return held
+
+    def _hold_length(self, buf: str) -> int:
+        prefixes = self._prefixes
+        for k in range(min(len(buf), self._hold_max), 0, -1):
+            if buf[-k:] in prefixes:
+                return k
+        return 0

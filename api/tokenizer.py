@@ -1,0 +1,96 @@
+"""The worker's view of a tokenizer: encode prompts, and a token -> bytes table for detokenizing.
+
+Wraps a `tokenizers.Tokenizer` (or the `backend_tokenizer` of a transformers fast tokenizer). For
+byte-level BPE (GPT-2 / Llama 3 style) and byte-fallback SentencePiece (Llama 2 style) vocabularies
+every token maps to a fixed byte string, so detokenizing is a table lookup plus an incremental
+UTF-8 decoder; `byte_table` is None for any other decoder and the detokenizer falls back to
+decoding a window of ids.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import tokenizers
+
+
+@lru_cache(maxsize=1)
+def _byte_level_inverse() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: printable stand-in character -> byte value."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class TextCodec:
+    """Encode text to ids and map ids back to bytes; shared read-only by every request."""
+
+    def __init__(self, tokenizer: "tokenizers.Tokenizer | object") -> None:
+        backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        if not isinstance(backend, tokenizers.Tokenizer):
+            raise TypeError(f"expected a tokenizers.Tokenizer or a fast tokenizer, got {type(tokenizer)!r}")
+        self.tokenizer = backend
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(
+            i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+        self.byte_table = _build_byte_table(backend, self.special_ids)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "TextCodec":
+        return cls(tokenizers.Tokenizer.from_file(str(Path(path) / "tokenizer.json")))
+
+    def encode(self, text: str) -> list[int]:
+        """Prompt ids, with the model's special tokens (e.g. BOS) added as the tokenizer says."""
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _build_byte_table(tok: tokenizers.Tokenizer, special_ids: frozenset[int]) -> list[bytes] | None:
+    spec = json.loads(tok.to_str())
+    decoder = spec.get("decoder") or {}
+    kinds = [d.get("type") for d in decoder.get("decoders", [])] if decoder.get("type") == "Sequence" \
+        else [decoder.get("type")]
+    vocab = tok.get_vocab(with_added_tokens=True)
+    added = tok.get_added_tokens_decoder()
+    table: list[bytes] = [b""] * (max(vocab.values()) + 1 if vocab else 0)
+    if kinds == ["ByteLevel"]:
+        inverse = _byte_level_inverse()
+        for piece, i in vocab.items():
+            if i in added:
+                continue
+            try:
+                table[i] = bytes(inverse[ch] for ch in piece)
+            except KeyError:
+                return None  # a piece outside the byte alphabet: not a pure byte-level vocab
+    elif _is_sentencepiece_byte_fallback(decoder, kinds):
+        for piece, i in vocab.items():
+            if i in added:
+                continue
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                table[i] = bytes([int(piece[3:5], 16)])
+            else:
+                table[i] = piece.replace("\u2581", " ").encode()
+        # NOTE: a generated continuation keeps its leading space (the text follows the prompt),
+        # so the decoder's Strip step, which applies to a whole text's start, is not mirrored.
+    else:
+        return None
+    for i, tok_ in added.items():
+        table[i] = b"" if i in special_ids else tok_.content.encode()
+    return table
+
+
+def _is_sentencepiece_byte_fallback(decoder: dict, kinds: list) -> bool:
+    return decoder.get("type") == "Sequence" and "ByteFallback" in kinds and "Fuse" in kinds \
+        and set(kinds) <= {"Replace", "ByteFallback", "Fuse", "Strip"}
+

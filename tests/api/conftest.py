@@ -1,0 +1,68 @@
+"""API test fixtures: the tiny model's tokenizer, an app wired to the in-process fake GPU, and
+helpers to read SSE streams."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+
+from ringserve.api.app import init_app
+from ringserve.api.auth import Authenticator
+from ringserve.api.fake_gpu import FakeGpu
+from ringserve.api.gpu_client import GpuClient
+from ringserve.api.metrics import StatsSnapshot
+from ringserve.api.state import STATE, ApiState
+from ringserve.api.tokenizer import TextCodec
+from ringserve.config import Config
+
+MODEL = "tiny-test"
+
+
+@pytest.fixture(scope="session")
+def codec(tiny_model_dir) -> TextCodec:
+    return TextCodec.from_dir(tiny_model_dir)
+
+
+@dataclass
+class Served:
+    client: object  # aiohttp TestClient
+    fake: FakeGpu
+    state: ApiState
+
+
+@pytest.fixture
+def serve(aiohttp_client, codec) -> Callable:
+    """`await serve(fake=..., keys=..., ready=..., **config)` -> Served, on a fresh app."""
+
+    async def _serve(fake: FakeGpu | None = None, keys: frozenset[str] | None = None,
+                     ready: Callable[[], bool] = lambda: True, **config) -> Served:
+        fake = fake or FakeGpu()
+        app = init_app(Config(**config), GpuClient(fake), codec, model_name=MODEL, ready=ready,
+                       auth=Authenticator(keys),
+                       stats_source=lambda st: StatsSnapshot(gpu=fake.stats(),
+                                                             workers=[st.stats.as_dict()]))
+        client = await aiohttp_client(app)
+        return Served(client, fake, app[STATE])
+
+    return _serve
+
+
+def sse_events(raw: bytes) -> list:
+    """Parse an SSE body into JSON objects, with the literal "[DONE]" kept as a string."""
+    events = []
+    for block in raw.decode().split("\n\n"):
+        if not block.strip():
+            continue
+        if not block.startswith("data: "):
+            raise AssertionError(f"not an SSE data line: {block!r}")
+        data = block[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def prompt_text_of(codec: TextCodec, text: str) -> list[int]:
+    """The ids the fake GPU echoes for `text` (the tokenizer adds BOS, which decodes to "")."""
+    return codec.encode(text)

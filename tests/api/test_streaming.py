@@ -1,0 +1,196 @@
+"""POST /v1/completions end to end against the in-process fake GPU: events, bodies, ids, stops."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringserve.api.fake_gpu import FakeGpu
+from tests.api.conftest import MODEL, sse_events
+
+pytestmark = pytest.mark.asyncio
+
+
+async def _stream(served, **body):
+    resp = await served.client.post("/v1/completions", json={"stream": True, **body})
+    assert resp.status == 200, await resp.text()
+    return resp, sse_events(await resp.read())
+
+
+async def test_stream_event_sequence_and_fields(serve, codec):
+    """One event per token with every field, then a finish event, a usage event and [DONE]."""
+    served = await serve()
+    ids = codec.encode("Hello world")
+    resp, events = await _stream(served, prompt="Hello world", max_tokens=len(ids))
+    request_id = resp.headers["x-request-id"]
+    tokens, finish, usage, done = events[:-3], events[-3], events[-2], events[-1]
+    assert len(tokens) == len(ids)
+    for ev, tid in zip(tokens, ids):
+        assert set(ev) == {"id", "object", "created", "model", "choices", "request_id", "index",
+                           "text", "token_id", "logprob"}
+        assert ev["object"] == "text_completion" and ev["model"] == MODEL
+        assert ev["id"] == ev["request_id"] == request_id
+        assert ev["token_id"] == tid and ev["index"] == 0 and ev["logprob"] == -0.5
+        assert ev["choices"] == [{"index": 0, "text": ev["text"], "logprobs": None, "finish_reason": None}]
+    assert "".join(ev["text"] for ev in tokens) == "Hello world"
+    assert finish["choices"][0]["finish_reason"] == "length" and finish["request_id"] == request_id
+    assert usage["choices"] == []
+    assert usage["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ids),
+                              "total_tokens": 2 * len(ids)}
+    assert set(usage["timing"]) == {"queue_ms", "ttft_ms"} and usage["timing"]["ttft_ms"] >= 0
+    assert done == "[DONE]"
+
+
+async def test_first_event_is_a_token(serve, codec):
+    """No empty preamble event: the first event already carries the first token."""
+    served = await serve()
+    _, events = await _stream(served, prompt="abc", max_tokens=2)
+    assert events[0]["token_id"] == codec.encode("abc")[0]
+
+
+async def test_non_streaming_response(serve, codec):
+    """stream false answers one OpenAI JSON body with usage and timing."""
+    served = await serve()
+    ids = codec.encode("Hello world")
+    resp = await served.client.post("/v1/completions", json={"prompt": "Hello world",
+                                                             "max_tokens": len(ids)})
+    assert resp.status == 200
+    body = await resp.json()
+    assert body["object"] == "text_completion" and body["id"] == resp.headers["x-request-id"]
+    assert body["choices"] == [{"index": 0, "text": "Hello world", "logprobs": None,
+                                "finish_reason": "length"}]
+    assert body["usage"]["completion_tokens"] == len(ids)
+    assert body["timing"]["queue_ms"] == pytest.approx(0.1)
+
+
+async def test_prompt_token_ids_and_n_samples(serve, codec):
+    """prompt_token_ids is accepted; n=2 streams both samples, each with its own finish."""
+    served = await serve()
+    ids = codec.encode("two samples")
+    _, events = await _stream(served, prompt_token_ids=ids, max_tokens=len(ids), n=2)
+    for index in (0, 1):
+        mine = [e for e in events[:-2] if e["choices"] and e["choices"][0]["index"] == index]
+        assert "".join(e["choices"][0]["text"] for e in mine) == "two samples"
+        assert mine[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["usage"]["completion_tokens"] == 2 * len(ids)
+    assert served.fake.submits[0].n == 2
+
+
+async def test_client_request_id_used_when_unique(serve):
+    """A client-sent x-request-id is used; a malformed one is replaced."""
+    served = await serve()
+    resp = await served.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                                    headers={"x-request-id": "my-id-1"})
+    assert resp.headers["x-request-id"] == "my-id-1"
+    assert (await resp.json())["id"] == "my-id-1"
+    resp = await served.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                                    headers={"x-request-id": "bad id!"})
+    assert resp.headers["x-request-id"].startswith("cmpl-")
+
+
+async def test_client_request_id_in_use_is_replaced(serve):
+    """While a request with id X is open, a second request asking for X gets a fresh id."""
+    fake = FakeGpu(paused=True)
+    served = await serve(fake=fake)
+    first = await served.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3,
+                                                              "stream": True},
+                                     headers={"x-request-id": "dup"})
+    assert first.headers["x-request-id"] == "dup"
+    second = await served.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3,
+                                                               "stream": True},
+                                      headers={"x-request-id": "dup"})
+    assert second.headers["x-request-id"] != "dup"
+    fake.resume()
+    await first.read()
+    await second.read()
+
+
+@pytest.mark.parametrize("text", ["世界 こんにちは 你好", "party 🎉🎉 🧑‍🚀 done", "ñandú café ÿ"])
+async def test_multibyte_text_split_across_tokens_never_breaks(serve, codec, text):
+    """Emoji and CJK split over byte tokens stream without a broken character."""
+    ids = codec.encode(text)
+    assert any(codec.byte_table[i] and not _utf8_complete(codec.byte_table[i]) for i in ids)
+    served = await serve()
+    _, events = await _stream(served, prompt=text, max_tokens=len(ids))
+    texts = [e["text"] for e in events[:-3]]
+    assert all("\ufffd" not in t for t in texts)
+    assert "".join(texts) == text
+    assert "" in texts[1:]  # some token completed no character and was held back
+
+
+def _utf8_complete(b: bytes) -> bool:
+    try:
+        b.decode()
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+async def test_stop_string_spanning_tokens(serve, codec):
+    """A stop string across token boundaries truncates the text and cancels the GPU row."""
+    served = await serve()
+    prompt = "Hello world again"
+    _, events = await _stream(served, prompt=prompt, max_tokens=200, stop=["o wo", "zzz"])
+    tokens = [e for e in events if "token_id" in e]
+    assert "".join(e["text"] for e in tokens) == "Hell"
+    finish = events[-3]
+    assert finish["choices"][0]["finish_reason"] == "stop" and finish["text"] == ""
+    assert [c.reason for c in served.fake.cancels] == ["stop"]
+    assert events[-2]["usage"]["completion_tokens"] == len(tokens)
+
+
+async def test_stop_string_prefix_is_held_then_released(serve, codec):
+    """Text that could start a stop string is held back and sent once it cannot."""
+    served = await serve()
+    ids = codec.encode("Hello world")
+    _, events = await _stream(served, prompt="Hello world", max_tokens=len(ids), stop="worm")
+    texts = [e["text"] for e in events if "token_id" in e]
+    assert not any(t.endswith("w") for t in texts)  # "w" might have started "worm"
+    finish = events[-3]
+    assert "".join(texts) + finish["text"] == "Hello world"
+    assert finish["choices"][0]["finish_reason"] == "length"
+
+
+async def test_stop_string_non_streaming(serve):
+    """Non-streaming answers carry the truncated text and finish_reason stop."""
+    served = await serve()
+    resp = await served.client.post("/v1/completions", json={"prompt": "one two three",
+                                                             "max_tokens": 50, "stop": " thr"})
+    body = await resp.json()
+    assert body["choices"][0]["text"] == "one two"
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_sampling_fields_reach_the_gpu(serve):
+    """Sampling settings, stop_token_ids, seed and the tenant travel in the Submit."""
+    served = await serve()
+    await served.client.post("/v1/completions", json={
+        "prompt": "x", "max_tokens": 2, "temperature": 0, "top_k": 5, "top_p": 0.9, "seed": 7,
+        "stop_token_ids": [3], "ignore_eos": True, "user": "ignored", "echo": False})
+    sub = served.fake.submits[0]
+    sp = sub.sampling
+    assert (sp.temperature, sp.top_k, sp.top_p, sp.seed, sp.stop_token_ids, sp.ignore_eos) == \
+        (0.0, 5, 0.9, 7, (3,), True)
+    assert sub.tenant == "shared" and sub.max_tokens == 2
+
+
+async def test_long_prompt_tokenized_in_thread_is_exact(serve, codec):
+    """A prompt past the inline threshold is tokenized off the event loop, with the same ids."""
+    served = await serve()
+    text = "the quick brown fox jumps over the lazy dog. " * 200
+    assert len(text) > served.state.tokenize_inline_chars
+    resp = await served.client.post("/v1/completions", json={"prompt": text, "max_tokens": 1})
+    assert resp.status == 200
+    assert served.fake.submits[0].prompt_ids == codec.encode(text)
+
+
+async def test_gpu_failure_mid_stream_sends_error_event(serve):
+    """A GPU-process failure gives every open stream an error event, then [DONE]."""
+    fake = FakeGpu(step_interval_s=0.005)
+    served = await serve(fake=fake)
+    resp = await served.client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 1000,
+                                                             "stream": True})
+    await resp.content.readuntil(b"\n\n")
+    fake.fail()
+    events = sse_events(await resp.read())
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "gpu_restart"
