@@ -1,0 +1,232 @@
+// Paged decode attention: one CTA per (query token, group of query heads sharing a KV head,
+// KV split). Every token t attends to positions 0..positions[t] of its sequence through the block
+// table, so the kernel is exact for any flat batch; it is the fast path when each row has one
+// query token (decode), where a whole CTA streams one row's cache once for all heads of a group.
+//
+// Work split inside a CTA (RS_DEC_WARPS warps): warp w takes KV blocks w, w + RS_DEC_WARPS, ... of
+// the CTA's block range. Inside a warp, each token of a pass is held by TPT = D / 8 lanes, each
+// lane owning 8 consecutive channels (one 16-byte load of K and one of V); a pass covers
+// 32 / TPT tokens. Scores are reduced inside a lane group, the running max is warp-wide, and each
+// lane keeps partial sum-exp and V accumulators that are reduced across groups, then across warps
+// through shared memory at the end.
+//
+// Split-KV (long contexts at small batch): grid.z = number of splits, each CTA covers
+// blocks_per_split blocks and writes its unnormalised accumulator plus (max, sum-exp) to fp32
+// scratch; rs_decode_merge_* combines the splits. With one split the CTA writes the output.
+
+#define RS_DEC_WARPS 4
+
+template <typename T, int D, int GROUP>
+__device__ __forceinline__ void rs_paged_decode(
+    const unsigned short* __restrict__ q, const long long q_row_stride, const long long q_head_stride,
+    const unsigned short* __restrict__ k_cache, const unsigned short* __restrict__ v_cache,
+    const int* __restrict__ block_tables, const int max_blocks,
+    const long long* __restrict__ positions, const long long* __restrict__ token_seq,
+    const int num_heads, const int num_kv_heads, const float scale_log2, const int blocks_per_split,
+    unsigned short* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    constexpr int TPT = D / 8;             // lanes per token
+    constexpr int TOK_PER_PASS = RS_WARP / TPT;
+    constexpr int PASSES = RS_BLOCK_SIZE / TOK_PER_PASS;
+    static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
+
+    __shared__ float sm_m[RS_DEC_WARPS][GROUP];
+    __shared__ float sm_l[RS_DEC_WARPS][GROUP];
+    __shared__ float sm_acc[RS_DEC_WARPS][GROUP][D];
+
+    const int t = blockIdx.x;
+    const int num_tokens = gridDim.x;
+    const int h0 = blockIdx.y * GROUP;                    // first query head of this CTA
+    const int kvh = h0 / (num_heads / num_kv_heads);      // GROUP divides heads-per-KV-head
+    const int split = blockIdx.z;
+    const int warp = threadIdx.x / RS_WARP;
+    const int lane = threadIdx.x % RS_WARP;
+    const int grp = lane / TPT;                           // which token of a pass
+    const int li = lane % TPT;                            // which 8 channels
+
+    const long long ctx = positions[t] + 1;               // keys 0..positions[t] are visible
+    const int num_blocks = (int)((ctx + RS_BLOCK_SIZE - 1) / RS_BLOCK_SIZE);
+    const int b_begin = split * blocks_per_split;
+    const int b_end = min(num_blocks, b_begin + blocks_per_split);
+    const int* table = block_tables + token_seq[t] * (long long)max_blocks;
+
+    float qr[GROUP][8];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(
+            q + t * q_row_stride + (long long)(h0 + g) * q_head_stride + li * 8);
+        rs_unpack8<T>(raw, qr[g]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            qr[g][i] *= scale_log2;
+        }
+    }
+
+    float m[GROUP], l[GROUP], acc[GROUP][8];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        m[g] = RS_NEG_INF;
+        l[g] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            acc[g][i] = 0.f;
+        }
+    }
+
+    const long long head_block_elems = (long long)RS_BLOCK_SIZE * D;
+    for (int b = b_begin + warp; b < b_end; b += RS_DEC_WARPS) {
+        const long long base = ((long long)table[b] * num_kv_heads + kvh) * head_block_elems;
+#pragma unroll
+        for (int p = 0; p < PASSES; ++p) {
+            const int tok = p * TOK_PER_PASS + grp;
+            const bool valid = (long long)b * RS_BLOCK_SIZE + tok < ctx;
+            float kf[8], vf[8];
+            // NOTE: slots past the context may hold garbage (even NaN bit patterns) from an
+            // uninitialised pool; they are never loaded, and their V contributes exact zeros.
+            uint4 kraw = make_uint4(0u, 0u, 0u, 0u);
+            uint4 vraw = make_uint4(0u, 0u, 0u, 0u);
+            if (valid) {
+                const long long off = base + (long long)tok * D + li * 8;
+                kraw = *reinterpret_cast<const uint4*>(k_cache + off);
+                vraw = *reinterpret_cast<const uint4*>(v_cache + off);
+            }
+            rs_unpack8<T>(kraw, kf);
+            rs_unpack8<T>(vraw, vf);
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                float s = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    s = fmaf(qr[g][i], kf[i], s);
+                }
+                s = rs_sum_xor<1, TPT>(s);
+                s = valid ? s : RS_NEG_INF;
+                // The first pass a warp runs always holds position b*16 < ctx, so m_new is finite
+                // from then on; the guard only protects against a pass with no valid token first.
+                const float m_new = fmaxf(m[g], rs_max_xor<TPT, RS_WARP>(s));
+                const float alpha = (m_new == RS_NEG_INF) ? 1.f : exp2f(m[g] - m_new);
+                const float pr = valid ? exp2f(s - m_new) : 0.f;
+                l[g] = l[g] * alpha + pr;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    acc[g][i] = fmaf(pr, vf[i], acc[g][i] * alpha);
+                }
+                m[g] = m_new;
+            }
+        }
+    }
+
+    // Lanes holding the same channels in different token groups share the warp-wide max, so
+    // their partial sums add directly.
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        l[g] = rs_sum_xor<TPT, RS_WARP>(l[g]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            acc[g][i] = rs_sum_xor<TPT, RS_WARP>(acc[g][i]);
+        }
+    }
+    if (grp == 0) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                sm_acc[warp][g][li * 8 + i] = acc[g][i];
+            }
+        }
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            sm_m[warp][g] = m[g];
+            sm_l[warp][g] = l[g];
+        }
+    }
+    __syncthreads();
+
+    for (int idx = threadIdx.x; idx < GROUP * D; idx += blockDim.x) {
+        const int g = idx / D;
+        const int d = idx % D;
+        float mx = RS_NEG_INF;
+#pragma unroll
+        for (int w = 0; w < RS_DEC_WARPS; ++w) {
+            mx = fmaxf(mx, sm_m[w][g]);
+        }
+        float sum = 0.f, o = 0.f;
+        if (mx != RS_NEG_INF) {  // -inf only for an empty split of a short row
+#pragma unroll
+            for (int w = 0; w < RS_DEC_WARPS; ++w) {
+                const float c = exp2f(sm_m[w][g] - mx);  // exp2(-inf) == 0 for idle warps
+                sum = fmaf(sm_l[w][g], c, sum);
+                o = fmaf(sm_acc[w][g][d], c, o);
+            }
+        }
+        const long long row = (long long)t * num_heads + h0 + g;  // [T, H] row of the output
+        if (part_acc == nullptr) {
+            out[row * D + d] = T::from_float(o / sum);
+        } else {
+            const long long prow = (long long)split * num_tokens * num_heads + row;  // [S, T, H]
+            part_acc[prow * D + d] = o;
+            if (d == 0) {
+                part_ml[prow * 2] = mx;
+                part_ml[prow * 2 + 1] = sum;
+            }
+        }
+    }
+}
+
+// Merge the splits of one (token, head): grid (T, H), D threads, one channel each.
+template <typename T, int D>
+__device__ __forceinline__ void rs_decode_merge(
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml, const int num_splits,
+    unsigned short* __restrict__ out) {
+    const long long row = (long long)blockIdx.x * gridDim.y + blockIdx.y;
+    const long long rows = (long long)gridDim.x * gridDim.y;
+    const int d = threadIdx.x;
+    float mx = RS_NEG_INF;
+    for (int s = 0; s < num_splits; ++s) {
+        mx = fmaxf(mx, part_ml[(s * rows + row) * 2]);
+    }
+    // Split 0 always holds position 0, so mx is finite.
+    float num = 0.f, den = 0.f;
+    for (int s = 0; s < num_splits; ++s) {
+        const long long prow = s * rows + row;
+        const float c = exp2f(part_ml[prow * 2] - mx);
+        den = fmaf(part_ml[prow * 2 + 1], c, den);
+        num = fmaf(part_acc[prow * D + d], c, num);
+    }
+    out[row * D + d] = T::from_float(num / den);
+}
+
+#define RS_DECODE_ENTRY(TNAME, T, D, GROUP)                                                        \
+    extern "C" __global__ void __launch_bounds__(RS_DEC_WARPS * RS_WARP)                          \
+        rs_paged_decode_##TNAME##_d##D##_g##GROUP(                                                 \
+            const unsigned short* q, const long long q_row_stride, const long long q_head_stride, \
+            const unsigned short* k_cache, const unsigned short* v_cache,                        \
+            const int* block_tables, const int max_blocks, const long long* positions,           \
+            const long long* token_seq, const int num_heads, const int num_kv_heads,             \
+            const float scale_log2, const int blocks_per_split, unsigned short* out,             \
+            float* part_acc, float* part_ml) {                                                   \
+        rs_paged_decode<T, D, GROUP>(q, q_row_stride, q_head_stride, k_cache, v_cache,           \
+                                     block_tables, max_blocks, positions, token_seq, num_heads,  \
+                                     num_kv_heads, scale_log2, blocks_per_split, out, part_acc,  \
+                                     part_ml);                                                   \
+    }
+
+#define RS_MERGE_ENTRY(TNAME, T, D)                                                                \
+    extern "C" __global__ void rs_decode_merge_##TNAME##_d##D(                                     \
+        const float* part_acc, const float* part_ml, const int num_splits, unsigned short* out) { \
+        rs_decode_merge<T, D>(part_acc, part_ml, num_splits, out);                               \
+    }
+
+// GROUP 8 would need 255 registers and spill (measured with ptxas -v for sm_90), so a GQA-8 model
+// runs two CTAs of 4 heads per KV head; the second reads the same blocks, mostly from L2.
+#define RS_DECODE_GROUPS(TNAME, T, D)  \
+    RS_DECODE_ENTRY(TNAME, T, D, 1)    \
+    RS_DECODE_ENTRY(TNAME, T, D, 2)    \
+    RS_DECODE_ENTRY(TNAME, T, D, 4)    \
+    RS_MERGE_ENTRY(TNAME, T, D)
+
+RS_DECODE_GROUPS(f16, RsF16, 64)
+RS_DECODE_GROUPS(f16, RsF16, 128)
+RS_DECODE_GROUPS(bf16, RsBF16, 64)
+RS_DECODE_GROUPS(bf16, RsBF16, 128)
