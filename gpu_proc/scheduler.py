@@ -186,8 +186,7 @@ class Scheduler:
         live = req.live_rows
         if req.is_waiting:
             self.queue.remove(req)
-            self._queued_ms -= req.queued_est_ms
-            req.queued_est_ms = 0.0
+            self._unqueue_cost(req)
         else:
             self._release_blocks(req)
             self._running.remove(req)
@@ -219,8 +218,7 @@ class Scheduler:
                 return
             queue.rows_started(req.tenant, rows)  # first, so the key stays active across pop()
             queue.pop(req)
-            self._queued_ms -= req.queued_est_ms
-            req.queued_est_ms = 0.0
+            self._unqueue_cost(req)
             self._allocate_on_join(req)
             if req.admit_seq < 0:
                 req.admit_seq = self._next_admit_seq
@@ -232,6 +230,12 @@ class Scheduler:
                 self._insert_running(req)
             req.state = RequestState.PREFILL
             self._running_rows += rows
+
+    def _unqueue_cost(self, req: Request) -> None:
+        self._queued_ms -= req.queued_est_ms
+        req.queued_est_ms = 0.0
+        if not len(self.queue):
+            self._queued_ms = 0.0  # NOTE: no float residue once nothing waits
 
     def _blocks_to_join(self, req: Request) -> int:
         bm, plen = self.bm, req.prompt_len

@@ -1,0 +1,220 @@
+"""Scheduler pass on tiny pools: exact block ids, chunking, preemption, n > 1 sharing, stops."""
+
+from ringserve.gpu_proc.request import RequestState
+from tests.gpu_proc.test_scheduler_fakes import expected_stream, make_harness, make_request
+
+
+def _tables(batch):
+    return [(s.seq_id, s.start_pos, len(s.token_ids), list(s.block_table), s.sampling is not None) for s in batch.seqs]
+
+
+def test_join_allocates_prompt_blocks_and_decode_grows_one_block_per_boundary():
+    """A 6-token prompt takes blocks [0, 1]; the token at position 8 takes block 2."""
+    h = make_harness(num_blocks=8, block_size=4)
+    r = make_request(1, 6, max_tokens=8, ignore_eos=True)
+    assert h.sched.admit(r).accepted
+    b = h.step()
+    assert [(s.start_pos, s.token_ids, s.block_table) for s in b.seqs] == [(0, r.prompt_ids, [0, 1])]
+    assert b.seqs[0].sampling is not None
+    h.step()  # position 6
+    h.step()  # position 7
+    assert r.rows[0].block_ids == [0, 1]
+    b = h.step()  # position 8 crosses into a third block
+    assert b.seqs[0].start_pos == 8 and b.seqs[0].block_table == [0, 1, 2]
+    assert h.sched.bm.num_free == 5
+    h.run_until_idle()
+    assert h.tokens[(r.key, 0)] == expected_stream(h, r)[0]
+    assert h.finishes[(r.key, 0)].reason == "length" and h.sched.bm.num_free == 8
+
+
+def test_prompt_is_prefilled_in_budget_chunks_and_samples_only_at_the_end():
+    """With a 4-token budget a 10-token prompt runs as 4 + 4 + 2; only the last chunk samples."""
+    h = make_harness(num_blocks=8, block_size=4, max_rows=1, prefill_budget=4)
+    r = make_request(1, 10, max_tokens=2, ignore_eos=True)
+    h.sched.admit(r)
+    chunks = [_tables(h.step())[0] for _ in range(3)]
+    sid = r.rows[0].seq_id
+    assert chunks == [(sid, 0, 4, [0, 1, 2], False), (sid, 4, 4, [0, 1, 2], False), (sid, 8, 2, [0, 1, 2], True)]
+    assert len(h.tokens[(r.key, 0)]) == 1  # first token right after the last chunk
+
+
+def test_decode_rows_come_first_and_prefill_fills_the_budget_oldest_first():
+    """One step: every decoding row's token, then prompt chunks in admission order up to the budget."""
+    h = make_harness(num_blocks=32, block_size=4, max_rows=32, prefill_budget=8)
+    a = make_request(1, 3, max_tokens=20, ignore_eos=True)
+    h.sched.admit(a)
+    h.step()  # a prefilled; it decodes from now on
+    b, c = make_request(2, 40, max_tokens=2), make_request(3, 40, max_tokens=2)
+    h.sched.admit(b)
+    h.sched.admit(c)
+    assert h.sched.prefill_budget_for(1) == 64  # one decoding row of 32: the budget is raised 8x
+    batch = h.step()
+    assert [(s.seq_id, s.start_pos, len(s.token_ids)) for s in batch.seqs] == [
+        (a.rows[0].seq_id, 3, 1), (b.rows[0].seq_id, 0, 40), (c.rows[0].seq_id, 0, 24)]
+
+
+def test_prefill_budget_rule():
+    """Budget = prefill_budget * min(8, max_rows // decode_rows), never below prefill_budget."""
+    h = make_harness(max_rows=32, prefill_budget=256)
+    got = [h.sched.prefill_budget_for(d) for d in (0, 1, 4, 5, 8, 16, 17, 32)]
+    assert got == [2048, 2048, 2048, 1536, 1024, 512, 256, 256]
+
+
+def test_newest_request_is_preempted_and_resumes_without_re_emitting():
+    """Pool of 4 blocks: when the oldest needs a block the newest is preempted, its blocks freed,
+    and it later recomputes prompt + produced tokens in one chunk and continues the same stream."""
+    h = make_harness(num_blocks=4, block_size=4)
+    a = make_request(1, 4, max_tokens=6, ignore_eos=True, seed=11)
+    b = make_request(2, 4, max_tokens=8, ignore_eos=True, seed=12)
+    h.sched.admit(a)
+    h.sched.admit(b)
+    h.step()
+    h.step()
+    assert (a.rows[0].block_ids, b.rows[0].block_ids) == ([0, 2], [1, 3])
+    for _ in range(3):
+        h.step()
+    batch = h.step()  # a needs a block at position 8: b (newest) is preempted
+    assert [s.seq_id for s in batch.seqs] == [a.rows[0].seq_id]
+    assert b.state == RequestState.PREEMPTED and h.sched.stats().preemptions == 1
+    assert len(h.tokens[(b.key, 0)]) == 5 and b.rows[0].block_ids == []
+    assert a.is_finished  # a sampled its 6th token in that step and left
+    batch = h.step()  # b rejoins: 4 prompt + 5 produced tokens recomputed, then samples its 6th
+    assert _tables(batch) == [(b.rows[0].seq_id, 0, 9, [3, 0, 2], True)]
+    h.run_until_idle()
+    for r in (a, b):
+        assert h.tokens[(r.key, 0)] == expected_stream(h, r)[0]
+    assert h.sched.bm.num_free == 4
+
+
+def test_preempted_seeded_outputs_equal_an_unpreempted_run():
+    """The same seeded requests on a roomy pool and on a pool that forces preemptions stream the
+    same tokens."""
+    def run(num_blocks):
+        h = make_harness(num_blocks=num_blocks, block_size=4, prefill_budget=8)
+        reqs = [make_request(i, 5 + 3 * i, max_tokens=16, seed=100 + i, ignore_eos=True) for i in range(6)]
+        for r in reqs:
+            assert h.sched.admit(r).accepted
+        h.run_until_idle()
+        return {r.key: h.tokens[(r.key, 0)] for r in reqs}, h.sched.stats().preemptions, h.sched.bm.num_free
+
+    roomy, p0, free0 = run(200)
+    tight, p1, free1 = run(12)
+    assert p0 == 0 and p1 > 0
+    assert tight == roomy
+    assert (free0, free1) == (200, 12)
+
+
+def test_unseeded_request_gets_a_seed_at_admission_that_survives_preemption():
+    """seed=None draws one seed for the request; every row carries it with its own index."""
+    h = make_harness(num_blocks=16)
+    r = make_request(1, 3, seed=None, n=3)
+    h.sched.admit(r)
+    seeds = {row.sampling.seed for row in r.rows}
+    assert len(seeds) == 1 and [row.sampling.sample_index for row in r.rows] == [0, 1, 2]
+
+
+def test_n_samples_share_full_prompt_blocks_and_copy_the_partial_one():
+    """n=2, 6-token prompt, 4-token blocks: the prefix prompt[:5] fills [0, 1]; the rows share
+    block 0, each owns a copy of partial block 1 (blocks 2 and 3), then diverge."""
+    h = make_harness(num_blocks=8, block_size=4)
+    r = make_request(1, 6, max_tokens=3, n=2, ignore_eos=True, seed=5)
+    h.sched.admit(r)
+    b = h.step()
+    assert _tables(b) == [(r.prefix_seq_id, 0, 5, [0, 1], False)]
+    assert [row.block_ids for row in r.rows] == [[0, 2], [0, 3]]
+    assert h.sched.bm.ref_count(0) == 3
+    b = h.step()
+    assert b.block_copies == [(1, 2), (1, 3)]
+    assert _tables(b) == [(r.rows[0].seq_id, 5, 1, [0, 2], True), (r.rows[1].seq_id, 5, 1, [0, 3], True)]
+    assert h.sched.bm.ref_count(0) == 2 and h.sched.bm.ref_count(1) == 0
+    h.run_until_idle()
+    streams = [h.tokens[(r.key, i)] for i in range(2)]
+    assert streams == [expected_stream(h, r, i)[0] for i in range(2)]
+    assert streams[0] != streams[1]
+    assert h.sched.bm.num_free == 8
+
+
+def test_n_samples_with_block_aligned_prefix_need_no_copy():
+    """When prompt[:-1] ends on a block boundary the rows start fresh blocks: no copies."""
+    h = make_harness(num_blocks=8, block_size=4)
+    r = make_request(1, 5, max_tokens=2, n=2, ignore_eos=True)
+    h.sched.admit(r)
+    h.step()
+    assert [row.block_ids for row in r.rows] == [[0, 1], [0, 2]]
+    b = h.step()
+    assert b.block_copies == [] and [s.start_pos for s in b.seqs] == [4, 4]
+    h.run_until_idle()
+    assert h.sched.bm.num_free == 8
+
+
+def test_stop_token_and_max_tokens_finish_rows():
+    """A sampled EOS finishes with stop, reaching max_tokens with length; blocks return at once."""
+    h = make_harness(num_blocks=16)
+    reqs = [make_request(i, 4, max_tokens=30, seed=i) for i in range(20)]
+    for r in reqs:
+        h.sched.admit(r)
+    h.run_until_idle()
+    reasons = set()
+    for r in reqs:
+        want, reason = expected_stream(h, r)
+        assert h.tokens[(r.key, 0)] == want and h.finishes[(r.key, 0)].reason == reason
+        reasons.add(reason)
+    assert reasons == {"stop", "length"}
+    assert h.sched.bm.num_free == 16
+
+
+def test_row_cap_holds_back_joins():
+    """With max_rows=2 a third request waits until a row leaves."""
+    h = make_harness(num_blocks=16, max_rows=2)
+    reqs = [make_request(i, 3, max_tokens=3 + i, ignore_eos=True) for i in range(3)]
+    for r in reqs:
+        h.sched.admit(r)
+    h.step()
+    assert [r.state for r in reqs] == [RequestState.DECODE, RequestState.DECODE, RequestState.QUEUED]
+    assert h.sched.stats().running_rows == 2 and h.sched.stats().queue_depth == 1
+    h.step()
+    h.step()  # request 0 samples its 3rd token and leaves
+    assert reqs[0].is_finished and reqs[2].state == RequestState.QUEUED
+    h.step()
+    assert reqs[2].state == RequestState.DECODE
+
+
+def test_join_keeps_the_free_block_margin():
+    """A request that would eat into the 5 % margin waits while others run, joins when idle."""
+    h = make_harness(num_blocks=40, block_size=4)  # margin: 2 blocks
+    a = make_request(1, 4, max_tokens=3, ignore_eos=True)
+    big = make_request(2, 4 * 38, max_tokens=1, ignore_eos=True)  # 38 blocks
+    h.sched.admit(a)
+    h.step()
+    h.sched.admit(big)
+    h.step()
+    assert big.state == RequestState.QUEUED  # 39 free < 38 + 2
+    h.run_until_idle()
+    assert big.is_finished and h.finishes[(big.key, 0)].reason == "length"
+
+
+def test_stats_count_tokens_and_blocks():
+    """stats() reports rows, queue, blocks and token counters."""
+    h = make_harness(num_blocks=16, max_rows=1)
+    a, b = make_request(1, 5, max_tokens=2, ignore_eos=True), make_request(2, 7, max_tokens=2, ignore_eos=True)
+    h.sched.admit(a)
+    h.sched.admit(b)
+    h.step()
+    s = h.sched.stats()
+    assert (s.running_rows, s.running_requests, s.queue_depth) == (1, 1, 1)
+    assert s.queued_gpu_seconds > 0 and s.kv_blocks_free == 15 and s.kv_blocks_total == 16
+    h.run_until_idle()
+    s = h.sched.stats()
+    assert (s.prompt_tokens_total, s.generation_tokens_total, s.queue_depth, s.queued_gpu_seconds) == (12, 4, 0, 0)
+
+
+def test_step_times_recalibrate_admission_costs():
+    """observe_step_time with the last batch's counts moves c_decode toward the measurement."""
+    h = make_harness(num_blocks=16)
+    h.sched.admit(make_request(1, 3, max_tokens=50, ignore_eos=True))
+    h.step()
+    before = h.sched.stats().c_decode_ms
+    h.step()  # one decode row
+    for _ in range(50):
+        h.sched.observe_step_time(10.0)
+    assert h.sched.last_decode_rows == 1 and h.sched.stats().c_decode_ms > before

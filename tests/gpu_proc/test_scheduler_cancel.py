@@ -1,0 +1,138 @@
+"""Cancellation, deadlines, and 400/429 through the scheduler."""
+
+from ringserve.gpu_proc.request import RequestState
+from tests.gpu_proc.test_scheduler_fakes import make_harness, make_request
+
+
+def _rows_in(batch):
+    return {s.seq_id for s in batch.seqs}
+
+
+def test_cancel_costs_at_most_one_step():
+    """A cancel between steps: the very next batch leaves the row out, its blocks are free, the
+    finish says cancelled, and the tokens it produced count as cancelled_tokens."""
+    h = make_harness(num_blocks=16)
+    a = make_request(1, 5, max_tokens=100, ignore_eos=True)
+    b = make_request(2, 5, max_tokens=100, ignore_eos=True)
+    h.sched.admit(a)
+    h.sched.admit(b)
+    for _ in range(4):
+        h.step()
+    assert h.sched.cancel(a.key, "disconnect")
+    batch = h.step()
+    assert a.rows[0].seq_id not in _rows_in(batch) and b.rows[0].seq_id in _rows_in(batch)
+    assert h.finishes[(a.key, 0)].reason == "cancelled"
+    assert len(h.tokens[(a.key, 0)]) == 4
+    s = h.sched.stats()
+    assert s.cancelled_tokens == 4 and s.running_rows == 1
+    assert s.kv_blocks_free == 16 - len(b.rows[0].block_ids)
+    assert not h.sched.cancel(a.key)  # already gone
+
+
+def test_cancel_while_in_flight_still_delivers_that_steps_token_then_stops():
+    """A cancel arriving between schedule() and update(): that step's token is the last one."""
+    h = make_harness(num_blocks=16)
+    a = make_request(1, 5, max_tokens=100, ignore_eos=True)
+    h.sched.admit(a)
+    h.step()
+    batch = h.sched.schedule(h.now)
+    h.sched.cancel(a.key)
+    h.sched.update(h.engine.run(batch))
+    assert a.state == RequestState.DECODE
+    assert h.step().seqs == [] and a.state == RequestState.CANCELLED
+
+
+def test_queued_request_of_a_gone_client_is_dropped_before_prefill():
+    """A cancelled queued request never appears in any batch and holds no blocks."""
+    h = make_harness(num_blocks=16, max_rows=1)
+    a = make_request(1, 5, max_tokens=5, ignore_eos=True)
+    gone = make_request(2, 9, max_tokens=5, ignore_eos=True)
+    h.sched.admit(a)
+    h.sched.admit(gone)
+    h.step()
+    h.sched.cancel(gone.key, "disconnect")
+    h.run_until_idle()
+    assert all(gone.rows[0].seq_id not in _rows_in(b) for b in h.batches)
+    f = h.finishes[(gone.key, 0)]
+    assert (f.reason, f.completion_tokens, f.ttft_ms) == ("cancelled", 0, 0.0)
+    assert h.sched.stats().queue_depth == 0 and h.sched.stats().queued_gpu_seconds == 0
+
+
+def test_stop_string_cancel_finishes_with_stop_and_wastes_nothing():
+    """A worker's Cancel(reason='stop') ends the row with `stop` and is not cancelled work."""
+    h = make_harness(num_blocks=16)
+    a = make_request(1, 5, max_tokens=50, ignore_eos=True)
+    h.sched.admit(a)
+    h.step()
+    h.step()
+    h.sched.cancel(a.key, "stop")
+    h.step()
+    assert h.finishes[(a.key, 0)].reason == "stop" and h.sched.stats().cancelled_tokens == 0
+
+
+def test_cancel_ends_every_sample_of_an_n_request():
+    """All n rows finish with cancelled; shared blocks return once."""
+    h = make_harness(num_blocks=64, block_size=4)
+    r = make_request(1, 10, max_tokens=50, n=3, ignore_eos=True)
+    assert h.sched.admit(r).accepted
+    for _ in range(3):
+        h.step()
+    h.sched.cancel(r.key)
+    h.step()
+    assert [h.finishes[(r.key, i)].reason for i in range(3)] == ["cancelled"] * 3
+    assert h.sched.stats().cancelled_tokens == 6 and h.sched.bm.num_free == 64
+
+
+def test_passed_deadline_removes_running_and_queued_requests():
+    """At the first pass after its deadline a request leaves with reason `deadline`."""
+    h = make_harness(num_blocks=16, max_rows=1)
+    a = make_request(1, 5, max_tokens=100, ignore_eos=True, deadline=h.now + 0.05)
+    q = make_request(2, 5, max_tokens=100, ignore_eos=True, deadline=h.now + 0.02)
+    h.sched.admit(a)
+    h.sched.admit(q)
+    h.step()  # now + 0.01
+    h.step()  # + 0.02: q's deadline passed while it waited
+    assert h.finishes[(q.key, 0)].reason == "deadline" and q.rows[0].generated == []
+    for _ in range(3):
+        h.step()  # + 0.05: a leaves
+    assert h.finishes[(a.key, 0)].reason == "deadline" and len(h.tokens[(a.key, 0)]) == 4
+    assert not h.sched.has_work and h.sched.bm.num_free == 16
+
+
+def test_over_context_limit_is_400_and_never_queued():
+    """prompt + max_tokens over the context limit is refused with 400 and leaves no trace."""
+    h = make_harness(num_blocks=64, context_limit=64, max_tokens_limit=32)
+    d = h.sched.admit(make_request(1, 40, max_tokens=25))
+    assert d.status == 400 and d.code == "context_length_exceeded"
+    assert not h.sched.has_work and h.sched.stats().queue_depth == 0
+
+
+def test_request_larger_than_the_pool_is_400():
+    """A request whose blocks could never fit the pool is refused up front, not stuck forever."""
+    h = make_harness(num_blocks=4, block_size=4)
+    assert h.sched.admit(make_request(1, 12, max_tokens=8)).code == "too_large_for_kv_pool"
+    assert h.sched.admit(make_request(2, 12, max_tokens=4)).accepted
+
+
+def test_queued_work_over_limit_is_429_with_retry_after():
+    """Queued estimated GPU work over queue_limit_s gives 429 and a Retry-After from the queue;
+    once the queue drains, the same request is accepted."""
+    h = make_harness(num_blocks=256, queue_limit_s=2.0, max_rows=1)
+    # each: 100 prompt * 0.1 + 300 expected * 1.25 = 385 ms
+    decisions = [h.sched.admit(make_request(i, 100, max_tokens=1000)) for i in range(7)]
+    assert [d.status for d in decisions] == [200] * 5 + [429] * 2
+    assert decisions[5].retry_after_s == 1.0 and "retry after 1 s" in decisions[5].message
+    assert h.sched.stats().queue_depth == 5
+    assert abs(h.sched.stats().queued_gpu_seconds - 5 * 0.385) < 1e-9
+    h.sched.admit(make_request(99, 1, max_tokens=1))  # cheap: still fits under the limit
+    for k in range(5):
+        h.sched.cancel((0, k))
+    h.step()
+    assert h.sched.admit(make_request(5, 100, max_tokens=1000)).accepted
+
+
+def test_duplicate_key_is_refused():
+    """A second live request with the same (worker, rid) is a 400, not a silent overwrite."""
+    h = make_harness()
+    assert h.sched.admit(make_request(1, 3)).accepted
+    assert h.sched.admit(make_request(1, 3)).code == "duplicate_request"
