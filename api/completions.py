@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import msgspec
@@ -15,6 +16,11 @@ from ringserve.api.registry import OpenRequest
 from ringserve.api.sse import DONE, EventEncoder
 from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState
 from ringserve.shm.messages import Submit
+
+# Kernel send buffer of a streaming connection. Bounded (the kernel would autotune it to MBs) so a
+# client that stops reading fills it within a few hundred tokens and its blocked write starts the
+# slow-reader clock; 128 KiB still carries thousands of events per second over a 100 ms RTT.
+STREAM_SNDBUF = 128 * 1024
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}
@@ -71,6 +77,9 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
 async def _stream(request: web.Request, st: ApiState, entry: OpenRequest, gen: Generation,
                   encoder: EventEncoder) -> web.StreamResponse:
     resp = web.StreamResponse(headers={**_SSE_HEADERS, "x-request-id": entry.request_id})
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
     await resp.prepare(request)
     loop = asyncio.get_running_loop()
     stream = entry.stream

@@ -1,0 +1,118 @@
+"""Error statuses of /v1/completions in the OpenAI shape: 400, 401, 404, 413, 429, 503."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringserve.api.fake_gpu import FakeGpu
+from ringserve.shm.messages import Rejected
+
+pytestmark = pytest.mark.asyncio
+
+
+async def _error(resp, status: int) -> dict:
+    assert resp.status == status, await resp.text()
+    body = await resp.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 1001}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": 3}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "stop": [1]}, "stop"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "logprobs": 99}, "logprobs"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "guided_json": {}}, "guided_json"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"max_tokens": 4}, "prompt"),
+    ({"prompt": "x", "prompt_token_ids": [1]}, "prompt"),
+    ({"prompt_token_ids": [1, -1]}, "prompt_token_ids"),
+    ({"prompt_token_ids": [10**9]}, "prompt"),
+])
+async def test_bad_fields_are_400_naming_the_field(serve, body, param):
+    """Wrong types, out-of-range values and result-changing unknown fields name the field."""
+    served = await serve()
+    err = await _error(await served.client.post("/v1/completions", json=body), 400)
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert served.fake.submits == []
+
+
+async def test_bad_json_is_400(serve):
+    """A body that is not JSON is a 400."""
+    served = await serve()
+    err = await _error(await served.client.post("/v1/completions", data=b"{nope"), 400)
+    assert err["code"] == "invalid_json"
+
+
+async def test_context_limit_checked_after_tokenizing(serve, codec):
+    """prompt + max_tokens over the context limit is a 400 that says the numbers."""
+    served = await serve(context_limit=64, max_tokens_limit=32)
+    text = "word " * 20
+    n = len(codec.encode(text))
+    assert n + 32 > 64 >= n
+    err = await _error(await served.client.post("/v1/completions",
+                                                json={"prompt": text, "max_tokens": 32}), 400)
+    assert err["code"] == "context_length_exceeded" and str(n) in err["message"]
+
+
+async def test_body_too_large_is_413(serve):
+    """A body over max_body_bytes is refused with 413 in the OpenAI shape."""
+    served = await serve(max_body_bytes=1024)
+    err = await _error(await served.client.post("/v1/completions",
+                                                json={"prompt": "x" * 5000}), 413)
+    assert err["code"] == "request_too_large"
+
+
+async def test_queue_over_limit_is_429_with_retry_after(serve):
+    """The GPU process's 429 refusal reaches the client with Retry-After, before any SSE."""
+    fake = FakeGpu(admit=lambda s: Rejected(rid=s.rid, status=429, code="queue_full",
+                                            message="2.4 s of GPU work queued", retry_after_s=1.3))
+    served = await serve(fake=fake)
+    resp = await served.client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    err = await _error(resp, 429)
+    assert resp.headers["Retry-After"] == "2" and err["type"] == "rate_limit_error"
+    assert resp.headers["Content-Type"].startswith("application/json")
+    assert resp.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/ready"])
+async def test_gpu_not_ready_is_503_with_retry_after(serve, path):
+    """While the GPU process is not ready, completions and /ready answer 503 + Retry-After."""
+    served = await serve(ready=lambda: False)
+    method = served.client.post if path == "/v1/completions" else served.client.get
+    resp = await method(path, json={"prompt": "x"})
+    err = await _error(resp, 503)
+    assert err["code"] == "gpu_not_ready" and int(resp.headers["Retry-After"]) >= 1
+
+
+async def test_draining_is_503(serve):
+    """A draining worker refuses new requests with 503."""
+    served = await serve()
+    served.state.draining = True
+    err = await _error(await served.client.post("/v1/completions", json={"prompt": "x"}), 503)
+    assert err["code"] == "server_draining"
+
+
+async def test_unknown_model_is_404(serve):
+    """Naming another model is refused like OpenAI does."""
+    served = await serve()
+    err = await _error(await served.client.post("/v1/completions",
+                                                json={"prompt": "x", "model": "gpt-9"}), 404)
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+
+
+async def test_error_statuses_are_counted(serve):
+    """Responses by status show up in the worker's stats."""
+    served = await serve()
+    await served.client.post("/v1/completions", data=b"{")
+    await served.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert served.state.stats.responses == {400: 1, 200: 1}
