@@ -119,6 +119,11 @@ class StatsRegion:
         local[self._index[f"{hist.name}_sum"]] += value
         local[self._index[f"{hist.name}_count"]] += 1
 
+    def reset(self) -> None:
+        """Writer: start from zeros (a fresh process, or after a writer died mid-update)."""
+        self._values = [0.0] * len(self.names)
+        self.publish()
+
     def publish(self) -> None:
         """Make the local values visible to readers as one consistent snapshot."""
         self._region.write(self._struct.pack(*self._local()))

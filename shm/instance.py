@@ -22,7 +22,7 @@ from ringserve.shm import layout as L
 from ringserve.shm.control import Control
 from ringserve.shm.doorbell import Doorbell
 from ringserve.shm.ring import Ring, format_ring
-from ringserve.shm.segment import Segment, check_space, instance_id, segment_name
+from ringserve.shm.segment import Segment, ShmSpaceError, check_space, instance_id, segment_name
 
 
 @dataclass(frozen=True)
@@ -91,10 +91,13 @@ class ShmInstance:
                     seg = make(part, L.ring_segment_size(ring_bytes))
                     format_ring(seg.buf, ring_bytes)
                     group.append(seg)
-        except BaseException:
+        except BaseException as exc:
             for seg in made:
                 seg.unlink()
                 seg.close()
+            if isinstance(exc, ShmSpaceError):
+                raise ShmSpaceError(exc.errno, f"{exc.strerror}; the whole instance needs "
+                                    f"{sizes.total_bytes:,} bytes") from None
             raise
         bells = [Doorbell.create() for _ in range(n_workers + 1)]
         return cls(instance, directory, control, requests, outputs, bells[0], bells[1:])
