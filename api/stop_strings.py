@@ -2,7 +2,7 @@
 
 Text that could still turn into a stop string is held back: with stop "END", a sample that has
 produced "...E" emits everything but the "E" until the next token says whether "END" follows. At a
-match the text is cut just before the stop string (OpenAI does not return it) and the sample ends.
+match (the first stop string to complete) the text is cut just before it (OpenAI does not return it) and the sample ends.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ class StopMatcher:
         if not text:
             return "", False
         buf = self._held + text
-        # The earliest match wins; only the held text plus the new text can contain a new match,
-        # because everything before it was already checked when it was held.
-        cut = -1
+        # The match that completes first wins (ties: the one that starts first), as if the text
+        # had arrived one character at a time; only the held text plus the new text can contain a
+        # new match, because everything before it was already checked when it was held.
+        cut, end = -1, -1
         for s in self._stops:
             i = buf.find(s)
-            if i != -1 and (cut == -1 or i < cut):
-                cut = i
+            if i != -1 and (cut == -1 or i + len(s) < end or (i + len(s) == end and i < cut)):
+                cut, end = i, i + len(s)
         if cut != -1:
             self._held = ""
             return buf[:cut], True
