@@ -31,8 +31,9 @@ KERNEL_FILES = ("kv_append.cu", "paged_decode.cu", "paged_prefill.cu")
 NVRTC_OPTIONS = ("--std=c++17",)
 
 BLOCK_SIZE = 16
-HEAD_DIMS = (64, 128)
-DTYPE_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+HEAD_DIMS = (32, 64, 128)
+# fp16/bf16 serve; fp32 exists so the CUDA engine can be compared token for token with the CPU one.
+DTYPE_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 DECODE_GROUPS = (4, 2, 1)  # query heads per decode CTA (see paged_decode.cu for why not 8)
 DECODE_THREADS = 128
 PREFILL_ROWS = 32
@@ -110,7 +111,7 @@ def _check_aligned(name: str, t: torch.Tensor) -> None:
 def _check_cache(name: str, cache: torch.Tensor, device: torch.device) -> None:
     _check_device(name, cache, device)
     if cache.dtype not in DTYPE_NAMES:
-        raise TypeError(f"{name}: dtype {cache.dtype} unsupported; the kernels take float16 or bfloat16")
+        raise TypeError(f"{name}: dtype {cache.dtype} unsupported; the kernels take float16, bfloat16 or float32")
     if cache.dim() != 4 or cache.shape[2] != BLOCK_SIZE:
         raise ValueError(f"{name}: expected [num_blocks, num_kv_heads, {BLOCK_SIZE}, head_dim], "
                          f"got {tuple(cache.shape)}")

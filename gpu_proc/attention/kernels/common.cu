@@ -4,10 +4,13 @@
 // cuda_fp16.h / cuda_bf16.h keeps the build identical across CUDA toolkits and CuPy wheels.
 //
 // Layout facts every kernel relies on (fixed by gpu_proc/kv_pool.py):
-//   k_cache, v_cache: [num_blocks, num_kv_heads, RS_BLOCK_SIZE, head_dim], contiguous, fp16 or bf16
+//   k_cache, v_cache: [num_blocks, num_kv_heads, RS_BLOCK_SIZE, head_dim], contiguous,
+//                     fp16, bf16 (production) or fp32 (exact comparisons with the CPU engine)
 //   a token at position p of a sequence lives in block block_table[p / 16] at offset p % 16.
 // Half-precision values travel as raw 16-bit patterns (unsigned short) and are converted to fp32
 // for all arithmetic; softmax runs in the log2 domain (q is pre-scaled by scale * log2(e)).
+// Each dtype is a traits struct: `storage` (the element type in memory), to_float / from_float,
+// and load8 (8 consecutive elements, 16- or 32-byte aligned, into fp32 registers).
 
 #define RS_BLOCK_SIZE 16
 #define RS_NEG_INF (__int_as_float(0xff800000))
@@ -15,6 +18,7 @@
 
 // fp16 <-> fp32 through the PTX conversion instructions (round to nearest even).
 struct RsF16 {
+    typedef unsigned short storage;
     static __device__ __forceinline__ float to_float(unsigned short x) {
         float f;
         asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
@@ -30,6 +34,7 @@ struct RsF16 {
 // bf16 is the top half of an fp32, so widening is a shift; narrowing rounds to nearest even by
 // integer arithmetic (portable to every architecture, unlike cvt.rn.bf16.f32 which needs sm_80).
 struct RsBF16 {
+    typedef unsigned short storage;
     static __device__ __forceinline__ float to_float(unsigned short x) {
         return __uint_as_float(((unsigned int)x) << 16);
     }
@@ -43,7 +48,7 @@ struct RsBF16 {
     }
 };
 
-// 8 consecutive 16-bit values <-> one 16-byte vector (little-endian: element 2i is the low half).
+// One 16-byte vector -> 8 consecutive 16-bit values (little-endian: element 2i is the low half).
 template <typename T>
 __device__ __forceinline__ void rs_unpack8(const uint4 v, float* out) {
     const unsigned int w[4] = {v.x, v.y, v.z, v.w};
@@ -54,14 +59,24 @@ __device__ __forceinline__ void rs_unpack8(const uint4 v, float* out) {
     }
 }
 
+struct RsF32 {
+    typedef float storage;
+    static __device__ __forceinline__ float to_float(float x) { return x; }
+    static __device__ __forceinline__ float from_float(float f) { return f; }
+};
+
+// 8 consecutive elements starting at p (aligned to 8 elements) into fp32.
 template <typename T>
-__device__ __forceinline__ uint4 rs_pack8(const float* in) {
-    unsigned int w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        w[i] = (unsigned int)T::from_float(in[2 * i]) | ((unsigned int)T::from_float(in[2 * i + 1]) << 16);
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
+__device__ __forceinline__ void rs_load8(const typename T::storage* p, float* out) {
+    rs_unpack8<T>(*reinterpret_cast<const uint4*>(p), out);
+}
+
+template <>
+__device__ __forceinline__ void rs_load8<RsF32>(const float* p, float* out) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
 }
 
 // Butterfly reductions over lanes whose ids differ only in the bits FIRST..LAST-1 (powers of two),

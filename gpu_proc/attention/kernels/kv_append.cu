@@ -4,8 +4,8 @@
 //              fused qkv projection), row stride given in 16-byte vectors.
 // slot_mapping: int64 [T], flat slot = block_id * 16 + position % 16; a negative slot is padding
 //              and is skipped.
-// The copy is dtype-agnostic (fp16 and bf16 are both 2 bytes), so one kernel serves both; it moves
-// 16-byte vectors, which the launcher guarantees by checking head_dim * 2 % 16 == 0 and alignment.
+// The copy is dtype-agnostic, so one kernel serves fp16, bf16 and fp32; it moves 16-byte vectors,
+// which the launcher guarantees by checking head_dim * itemsize % 16 == 0 and alignment.
 
 extern "C" __global__ void rs_kv_append(
     const uint4* __restrict__ k, const uint4* __restrict__ v,

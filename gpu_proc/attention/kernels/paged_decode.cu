@@ -5,7 +5,7 @@
 //
 // Work split inside a CTA (RS_DEC_WARPS warps): warp w takes KV blocks w, w + RS_DEC_WARPS, ... of
 // the CTA's block range. Inside a warp, each token of a pass is held by TPT = D / 8 lanes, each
-// lane owning 8 consecutive channels (one 16-byte load of K and one of V); a pass covers
+// lane owning 8 consecutive channels (one 16-byte load each of K and V in fp16/bf16); a pass covers
 // 32 / TPT tokens. Scores are reduced inside a lane group, the running max is warp-wide, and each
 // lane keeps partial sum-exp and V accumulators that are reduced across groups, then across warps
 // through shared memory at the end.
@@ -18,16 +18,16 @@
 
 template <typename T, int D, int GROUP>
 __device__ __forceinline__ void rs_paged_decode(
-    const unsigned short* __restrict__ q, const long long q_row_stride, const long long q_head_stride,
-    const unsigned short* __restrict__ k_cache, const unsigned short* __restrict__ v_cache,
+    const typename T::storage* __restrict__ q, const long long q_row_stride, const long long q_head_stride,
+    const typename T::storage* __restrict__ k_cache, const typename T::storage* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int max_blocks,
     const long long* __restrict__ positions, const long long* __restrict__ token_seq,
     const int num_heads, const int num_kv_heads, const float scale_log2, const int blocks_per_split,
-    unsigned short* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    typename T::storage* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
     constexpr int TPT = D / 8;             // lanes per token
     constexpr int TOK_PER_PASS = RS_WARP / TPT;
     constexpr int PASSES = RS_BLOCK_SIZE / TOK_PER_PASS;
-    static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
+    static_assert(D == 32 || D == 64 || D == 128, "head_dim must be 32, 64 or 128");
 
     __shared__ float sm_m[RS_DEC_WARPS][GROUP];
     __shared__ float sm_l[RS_DEC_WARPS][GROUP];
@@ -52,9 +52,7 @@ __device__ __forceinline__ void rs_paged_decode(
     float qr[GROUP][8];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(
-            q + t * q_row_stride + (long long)(h0 + g) * q_head_stride + li * 8);
-        rs_unpack8<T>(raw, qr[g]);
+        rs_load8<T>(q + t * q_row_stride + (long long)(h0 + g) * q_head_stride + li * 8, qr[g]);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             qr[g][i] *= scale_log2;
@@ -79,18 +77,15 @@ __device__ __forceinline__ void rs_paged_decode(
         for (int p = 0; p < PASSES; ++p) {
             const int tok = p * TOK_PER_PASS + grp;
             const bool valid = (long long)b * RS_BLOCK_SIZE + tok < ctx;
-            float kf[8], vf[8];
             // NOTE: slots past the context may hold garbage (even NaN bit patterns) from an
             // uninitialised pool; they are never loaded, and their V contributes exact zeros.
-            uint4 kraw = make_uint4(0u, 0u, 0u, 0u);
-            uint4 vraw = make_uint4(0u, 0u, 0u, 0u);
+            float kf[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            float vf[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             if (valid) {
                 const long long off = base + (long long)tok * D + li * 8;
-                kraw = *reinterpret_cast<const uint4*>(k_cache + off);
-                vraw = *reinterpret_cast<const uint4*>(v_cache + off);
+                rs_load8<T>(k_cache + off, kf);
+                rs_load8<T>(v_cache + off, vf);
             }
-            rs_unpack8<T>(kraw, kf);
-            rs_unpack8<T>(vraw, vf);
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) {
                 float s = 0.f;
@@ -178,7 +173,7 @@ __device__ __forceinline__ void rs_paged_decode(
 template <typename T, int D>
 __device__ __forceinline__ void rs_decode_merge(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, const int num_splits,
-    unsigned short* __restrict__ out) {
+    typename T::storage* __restrict__ out) {
     const long long row = (long long)blockIdx.x * gridDim.y + blockIdx.y;
     const long long rows = (long long)gridDim.x * gridDim.y;
     const int d = threadIdx.x;
@@ -200,22 +195,24 @@ __device__ __forceinline__ void rs_decode_merge(
 #define RS_DECODE_ENTRY(TNAME, T, D, GROUP)                                                        \
     extern "C" __global__ void __launch_bounds__(RS_DEC_WARPS * RS_WARP)                          \
         rs_paged_decode_##TNAME##_d##D##_g##GROUP(                                                 \
-            const unsigned short* q, const long long q_row_stride, const long long q_head_stride, \
-            const unsigned short* k_cache, const unsigned short* v_cache,                        \
-            const int* block_tables, const int max_blocks, const long long* positions,           \
-            const long long* token_seq, const int num_heads, const int num_kv_heads,             \
-            const float scale_log2, const int blocks_per_split, unsigned short* out,             \
-            float* part_acc, float* part_ml) {                                                   \
-        rs_paged_decode<T, D, GROUP>(q, q_row_stride, q_head_stride, k_cache, v_cache,           \
-                                     block_tables, max_blocks, positions, token_seq, num_heads,  \
-                                     num_kv_heads, scale_log2, blocks_per_split, out, part_acc,  \
-                                     part_ml);                                                   \
+            const void* q, const long long q_row_stride, const long long q_head_stride,           \
+            const void* k_cache, const void* v_cache, const int* block_tables,                    \
+            const int max_blocks, const long long* positions, const long long* token_seq,         \
+            const int num_heads, const int num_kv_heads, const float scale_log2,                  \
+            const int blocks_per_split, void* out, float* part_acc, float* part_ml) {             \
+        typedef typename T::storage S;                                                           \
+        rs_paged_decode<T, D, GROUP>(                                                            \
+            static_cast<const S*>(q), q_row_stride, q_head_stride, static_cast<const S*>(k_cache),\
+            static_cast<const S*>(v_cache), block_tables, max_blocks, positions, token_seq,       \
+            num_heads, num_kv_heads, scale_log2, blocks_per_split, static_cast<S*>(out),          \
+            part_acc, part_ml);                                                                   \
     }
 
 #define RS_MERGE_ENTRY(TNAME, T, D)                                                                \
     extern "C" __global__ void rs_decode_merge_##TNAME##_d##D(                                     \
-        const float* part_acc, const float* part_ml, const int num_splits, unsigned short* out) { \
-        rs_decode_merge<T, D>(part_acc, part_ml, num_splits, out);                               \
+        const float* part_acc, const float* part_ml, const int num_splits, void* out) {           \
+        rs_decode_merge<T, D>(part_acc, part_ml, num_splits,                                     \
+                              static_cast<typename T::storage*>(out));                           \
     }
 
 // GROUP 8 would need 255 registers and spill (measured with ptxas -v for sm_90), so a GQA-8 model
@@ -226,7 +223,11 @@ __device__ __forceinline__ void rs_decode_merge(
     RS_DECODE_ENTRY(TNAME, T, D, 4)    \
     RS_MERGE_ENTRY(TNAME, T, D)
 
-RS_DECODE_GROUPS(f16, RsF16, 64)
-RS_DECODE_GROUPS(f16, RsF16, 128)
-RS_DECODE_GROUPS(bf16, RsBF16, 64)
-RS_DECODE_GROUPS(bf16, RsBF16, 128)
+#define RS_DECODE_HEAD_DIMS(TNAME, T)  \
+    RS_DECODE_GROUPS(TNAME, T, 32)     \
+    RS_DECODE_GROUPS(TNAME, T, 64)     \
+    RS_DECODE_GROUPS(TNAME, T, 128)
+
+RS_DECODE_HEAD_DIMS(f16, RsF16)
+RS_DECODE_HEAD_DIMS(bf16, RsBF16)
+RS_DECODE_HEAD_DIMS(f32, RsF32)

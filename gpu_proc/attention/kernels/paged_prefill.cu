@@ -14,16 +14,16 @@
 
 template <typename T, int D>
 __device__ __forceinline__ void rs_paged_prefill(
-    const unsigned short* __restrict__ q, const long long q_row_stride, const long long q_head_stride,
-    const unsigned short* __restrict__ k_cache, const unsigned short* __restrict__ v_cache,
+    const typename T::storage* __restrict__ q, const long long q_row_stride, const long long q_head_stride,
+    const typename T::storage* __restrict__ k_cache, const typename T::storage* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int max_blocks,
     const int* __restrict__ query_start_loc, const int num_seqs,
     const long long* __restrict__ positions, const int num_heads, const int num_kv_heads,
-    const float scale_log2, unsigned short* __restrict__ out) {
+    const float scale_log2, typename T::storage* __restrict__ out) {
     constexpr int VECS = D / 8;                                   // 16-byte vectors per head row
     constexpr int ROW_STEP = RS_PF_THREADS / D;                   // rows between a thread's rows
     constexpr int ROWS_PER_THREAD = RS_PF_ROWS / ROW_STEP;
-    static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
+    static_assert(D == 32 || D == 64 || D == 128, "head_dim must be 32, 64 or 128");
 
     // +1 padding: the score loop reads 16 different K rows (and 2 Q rows) at one channel per warp.
     __shared__ float sq[RS_PF_ROWS][D + 1];
@@ -61,13 +61,10 @@ __device__ __forceinline__ void rs_paged_prefill(
     for (int idx = tid; idx < RS_PF_ROWS * VECS; idx += RS_PF_THREADS) {
         const int r = idx / VECS;
         const int c = idx % VECS;
-        float f[8];
-        uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+        float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         if (r < nrows) {
-            raw = *reinterpret_cast<const uint4*>(
-                q + (long long)(row0 + r) * q_row_stride + (long long)h * q_head_stride + c * 8);
+            rs_load8<T>(q + (long long)(row0 + r) * q_row_stride + (long long)h * q_head_stride + c * 8, f);
         }
-        rs_unpack8<T>(raw, f);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             sq[r][c * 8 + i] = f[i] * scale_log2;
@@ -98,17 +95,14 @@ __device__ __forceinline__ void rs_paged_prefill(
         for (int idx = tid; idx < RS_BLOCK_SIZE * VECS; idx += RS_PF_THREADS) {
             const int j = idx / VECS;
             const int c = idx % VECS;
-            uint4 kraw = make_uint4(0u, 0u, 0u, 0u);
-            uint4 vraw = make_uint4(0u, 0u, 0u, 0u);
             // Slots past the last visible key may be uninitialised (NaN patterns): zeros instead,
             // so that p = 0 times V stays exactly 0.
+            float kf[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            float vf[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             if ((long long)kb * RS_BLOCK_SIZE + j <= max_pos) {
-                kraw = *reinterpret_cast<const uint4*>(k_cache + base + j * D + c * 8);
-                vraw = *reinterpret_cast<const uint4*>(v_cache + base + j * D + c * 8);
+                rs_load8<T>(k_cache + base + j * D + c * 8, kf);
+                rs_load8<T>(v_cache + base + j * D + c * 8, vf);
             }
-            float kf[8], vf[8];
-            rs_unpack8<T>(kraw, kf);
-            rs_unpack8<T>(vraw, vf);
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 sk[j][c * 8 + i] = kf[i];
@@ -188,17 +182,22 @@ __device__ __forceinline__ void rs_paged_prefill(
 
 #define RS_PREFILL_ENTRY(TNAME, T, D)                                                              \
     extern "C" __global__ void __launch_bounds__(RS_PF_THREADS) rs_paged_prefill_##TNAME##_d##D(  \
-        const unsigned short* q, const long long q_row_stride, const long long q_head_stride,     \
-        const unsigned short* k_cache, const unsigned short* v_cache, const int* block_tables,   \
-        const int max_blocks, const int* query_start_loc, const int num_seqs,                     \
-        const long long* positions, const int num_heads, const int num_kv_heads,                 \
-        const float scale_log2, unsigned short* out) {                                           \
-        rs_paged_prefill<T, D>(q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables,   \
-                               max_blocks, query_start_loc, num_seqs, positions, num_heads,      \
-                               num_kv_heads, scale_log2, out);                                   \
+        const void* q, const long long q_row_stride, const long long q_head_stride,               \
+        const void* k_cache, const void* v_cache, const int* block_tables, const int max_blocks,  \
+        const int* query_start_loc, const int num_seqs, const long long* positions,               \
+        const int num_heads, const int num_kv_heads, const float scale_log2, void* out) {         \
+        typedef typename T::storage S;                                                           \
+        rs_paged_prefill<T, D>(static_cast<const S*>(q), q_row_stride, q_head_stride,            \
+                               static_cast<const S*>(k_cache), static_cast<const S*>(v_cache),   \
+                               block_tables, max_blocks, query_start_loc, num_seqs, positions,   \
+                               num_heads, num_kv_heads, scale_log2, static_cast<S*>(out));       \
     }
 
-RS_PREFILL_ENTRY(f16, RsF16, 64)
-RS_PREFILL_ENTRY(f16, RsF16, 128)
-RS_PREFILL_ENTRY(bf16, RsBF16, 64)
-RS_PREFILL_ENTRY(bf16, RsBF16, 128)
+#define RS_PREFILL_HEAD_DIMS(TNAME, T) \
+    RS_PREFILL_ENTRY(TNAME, T, 32)     \
+    RS_PREFILL_ENTRY(TNAME, T, 64)     \
+    RS_PREFILL_ENTRY(TNAME, T, 128)
+
+RS_PREFILL_HEAD_DIMS(f16, RsF16)
+RS_PREFILL_HEAD_DIMS(bf16, RsBF16)
+RS_PREFILL_HEAD_DIMS(f32, RsF32)
