@@ -128,14 +128,15 @@ class Segment:
         return cls(name, directory, size, buf)
 
     @classmethod
-    def attach(cls, name: str, directory: str = DEFAULT_DIRECTORY) -> "Segment":
-        """Map an existing segment read-write; FileNotFoundError if there is none."""
-        fd = os.open(os.path.join(directory, name), os.O_RDWR)
+    def attach(cls, name: str, directory: str = DEFAULT_DIRECTORY, writable: bool = True) -> "Segment":
+        """Map an existing segment (read-only unless `writable`); FileNotFoundError if none."""
+        fd = os.open(os.path.join(directory, name), os.O_RDWR if writable else os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
             if size == 0:
                 raise ValueError(f"segment {name} is empty")
-            buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            buf = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
         finally:
             os.close(fd)
         return cls(name, directory, size, buf)

@@ -1,0 +1,134 @@
+"""`ringserve shm [--json] [--clean] [--dir DIR]`: list ringserve shared-memory segments.
+
+For each ring: capacity, head, tail, bytes in use, generation, heartbeat ages, producer and
+consumer pids, and the owner pid with whether it is alive; for each control segment: the GPU
+generation, state, heartbeat age and model facts. `--clean` removes segments whose owner is dead.
+Segments are mapped read-only; nothing here writes to a live instance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ringserve.shm import layout as L
+from ringserve.shm.control import Control, ControlError
+from ringserve.shm.ring import Ring, RingError
+from ringserve.shm.segment import Segment, SegmentInfo, cleanup_stale, list_segments
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _describe(info: SegmentInfo, directory: str) -> dict:
+    entry = {"name": info.name, "instance": info.instance, "part": info.part, "size": info.size,
+             "owner_pid": info.owner_pid, "owner_alive": info.owner_alive, "kind": "unknown"}
+    try:
+        seg = Segment.attach(info.name, directory, writable=False)
+    except (OSError, ValueError) as e:
+        entry["error"] = str(e)
+        return entry
+    try:
+        magic = L.U64.unpack_from(seg.buf, 0)[0] if seg.size >= 8 else 0
+        if magic == L.RING_MAGIC:
+            ring = Ring(seg.buf)
+            snap = ring.snapshot()
+            snap["producer_alive"] = _pid_alive(snap["producer_pid"])
+            snap["consumer_alive"] = _pid_alive(snap["consumer_pid"])
+            try:
+                ring.check_integrity()
+                snap["integrity"] = "ok"
+            except RingError as e:  # may be a record mid-write on a live ring
+                snap["integrity"] = str(e)
+            entry["kind"], entry["ring"] = "ring", snap
+            del ring
+        elif magic == L.CONTROL_MAGIC:
+            entry["kind"], entry["control"] = "control", Control(seg.buf).snapshot()
+    except (RingError, ControlError, ValueError) as e:
+        entry["error"] = str(e)
+    finally:
+        seg.close()
+    return entry
+
+
+def inspect(directory: str = L.DEFAULT_DIRECTORY) -> list[dict]:
+    """One dict per ringserve segment in `directory` (the `--json` payload's `segments`)."""
+    return [_describe(info, directory) for info in list_segments(directory)]
+
+
+def _age(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}s"
+
+
+def _pid(pid: int, alive: bool) -> str:
+    return "-" if not pid else f"{pid}{'' if alive else ' (dead)'}"
+
+
+def format_table(segments: list[dict]) -> str:
+    """Human-readable listing grouped by instance."""
+    if not segments:
+        return "no ringserve segments"
+    lines = []
+    cols = ("part", "capacity", "head", "tail", "used", "gen", "producer", "consumer",
+            "prod hb", "cons hb", "integrity")
+    widths = (9, 10, 14, 14, 10, 4, 14, 14, 8, 8, 0)
+    instance = None
+    for seg in segments:
+        if seg["instance"] != instance:
+            instance = seg["instance"]
+            state = "alive" if seg["owner_alive"] else "DEAD (stale: `ringserve shm --clean`)"
+            lines += ["", f"instance {instance}  owner pid {seg['owner_pid']} {state}"]
+            lines.append("  " + " ".join(c.ljust(w) for c, w in zip(cols, widths)))
+        if "error" in seg:
+            lines.append(f"  {seg['part']:<9} error: {seg['error']}")
+        elif seg["kind"] == "control":
+            c = seg["control"]
+            facts = c["model_facts"] or {}
+            lines.append(f"  {seg['part']:<9} gpu generation {c['gpu_generation']}, state "
+                         f"{c['gpu_state']}, pid {c['gpu_pid'] or '-'}, heartbeat "
+                         f"{_age(c['gpu_heartbeat_age_s'])}, model {facts.get('name', '-')}, "
+                         f"{c['n_workers']} worker slots")
+        elif seg["kind"] == "ring":
+            r = seg["ring"]
+            row = (seg["part"], f"{r['capacity']:,}", str(r["head"]), str(r["tail"]),
+                   f"{r['used_bytes']:,}", str(r["generation"]),
+                   _pid(r["producer_pid"], r["producer_alive"]),
+                   _pid(r["consumer_pid"], r["consumer_alive"]),
+                   _age(r["producer_heartbeat_age_s"]), _age(r["consumer_heartbeat_age_s"]),
+                   r["integrity"])
+            lines.append("  " + " ".join(v.ljust(w) for v, w in zip(row, widths)))
+        else:
+            lines.append(f"  {seg['part']:<9} not a ringserve segment layout ({seg['size']:,} bytes)")
+    return "\n".join(lines).lstrip("\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ringserve shm", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--clean", action="store_true", help="remove segments of dead owners")
+    parser.add_argument("--dir", default=L.DEFAULT_DIRECTORY, help="segment directory (default %(default)s)")
+    args = parser.parse_args(argv)
+    removed = cleanup_stale(args.dir) if args.clean else []
+    segments = inspect(args.dir)
+    if args.json:
+        print(json.dumps({"directory": args.dir, "segments": segments, "removed": removed}))
+    else:
+        for name in removed:
+            print(f"removed stale {name}")
+        print(format_table(segments))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
