@@ -69,7 +69,8 @@ def test_transformers_loads_it_and_greedy_does_not_loop(tiny_model_dir):
 
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     ids = _tokenizer(tiny_model_dir).encode("The lighthouse keeper climbed the tower").ids
-    out = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=0)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=0,
+                           attention_mask=torch.ones(1, len(ids), dtype=torch.long))
     new = out[0, len(ids):].tolist()
     assert len(set(new)) >= 16
 

@@ -1,0 +1,213 @@
+"""The Llama family (Llama 2 multi-head, Llama 3 / Mistral grouped-query) over a paged KV cache.
+
+gpt-fast in shape: `ModelArgs`, `RMSNorm`, `Attention`, `FeedForward`, `TransformerBlock`, and a
+flat token batch instead of `[batch, seq]`: the forward takes T new tokens from many sequences at
+once with no padding, writes their keys and values into the KV pool and attends through each
+sequence's block table (see `attention/reference.py`). Module names follow Hugging Face checkpoints
+(`model.layers.0.self_attn.q_proj.weight`, ...) so a state dict loads without renaming.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..attention import AttentionBackend, get_backend
+from ..attention.metadata import AttentionMetadata
+from ..kv_pool import KVPool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs:
+    """The architecture numbers a forward needs, read from a checkpoint's config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 8192
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, object], ...] | None = None  # items of the config's dict
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            rope_inv_freq(self, torch.device("cpu"))  # fail now on an unsupported scaling type
+
+
+def rope_inv_freq(args: ModelArgs, device: torch.device) -> torch.Tensor:
+    """Rotary inverse frequencies `[head_dim / 2]`, with Llama 3 or linear scaling when configured."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    if args.rope_scaling is None:
+        return inv_freq
+    cfg = dict(args.rope_scaling)
+    kind = cfg.get("rope_type", cfg.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(cfg["factor"])
+    if kind == "llama3":
+        factor = float(cfg["factor"])
+        low, high = float(cfg["low_freq_factor"]), float(cfg["high_freq_factor"])
+        old_ctx = float(cfg["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are stretched by `factor`, short ones kept, the band between blended.
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        return torch.where(medium, blended, scaled)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale in the model dtype, as the reference implementation does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[T, heads, head_dim]`, cos/sin `[T, head_dim]` (the non-interleaved "rotate half" form)."""
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)  # [T, 1, head_dim]
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        h, bias = args.hidden_size, args.attention_bias
+        self.q_proj = nn.Linear(h, args.num_heads * args.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, args.num_kv_heads * args.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, args.num_kv_heads * args.head_dim, bias=bias)
+        self.o_proj = nn.Linear(args.num_heads * args.head_dim, h, bias=bias)
+        self.scale = args.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, heads, head_dim]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = backend.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, heads, head_dim]
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        h, i, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = FeedForward(args)
+
+    def forward(self, x, cos, sin, meta, k_cache, v_cache, backend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Embedding, blocks and final norm: the `model.` prefix of a checkpoint."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Llama(nn.Module):
+    """A Llama causal LM whose forward runs one flat step against a `KVPool`.
+
+    Build on the meta device, load weights with `load_state_dict(..., assign=True)`, then call
+    `setup(device)` once to create the rotary tables and pick the attention backend.
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Transformer(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.backend: AttentionBackend | None = None
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def setup(self, device: torch.device | str, backend: AttentionBackend | None = None) -> None:
+        """Rotary tables for every position up to max_position_embeddings, and the attention backend."""
+        device = torch.device(device)
+        inv_freq = rope_inv_freq(self.args, device)
+        pos = torch.arange(self.args.max_position_embeddings, device=device, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [max_pos, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
+        self.rope_cos, self.rope_sin = emb.cos(), emb.sin()
+        self.backend = backend or get_backend(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVPool,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """Run T new tokens; return float32 logits `[R, vocab]` for the tokens at `logits_indices`."""
+        if self.backend is None:
+            raise RuntimeError("Llama.setup(device) must run before the first forward")
+        cos, sin = self.rope_cos[meta.positions], self.rope_sin[meta.positions]  # [T, head_dim]
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, meta, kv_pool.k[i], kv_pool.v[i], self.backend)
+        # The final norm and the head only for tokens that sample: a prefill chunk needs one row.
+        x = self.model.norm(x[logits_indices])  # [R, hidden]
+        return self.lm_head(x).float()  # [R, vocab]

@@ -1,0 +1,53 @@
+"""The model runner: a step description in, logits for the sampling rows out.
+
+`execute(batch)` = block copies, then `prepare` (the step's index tensors, built with one
+`torch.tensor` call), then `forward`. The two halves are public so `ringserve bench step` can time
+host overhead and device work separately. The runner keeps no per-sequence state: everything a
+step needs is in the `StepBatch`, so preemption, recomputation and restarts need nothing from it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention.metadata import StepInputs, build_step_inputs
+from .kv_pool import KVPool
+from .step import StepBatch
+
+
+class ModelRunner:
+    """Runs flat steps of `model` against `kv_pool` on the model's device."""
+
+    def __init__(self, model: torch.nn.Module, kv_pool: KVPool) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.device = kv_pool.device
+        self.block_size = kv_pool.block_size
+        args = getattr(model, "args", None)
+        if args is not None:
+            if (args.num_layers, args.num_kv_heads, args.head_dim) != (
+                    kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim):
+                raise ValueError(
+                    f"KV pool (layers {kv_pool.num_layers}, kv heads {kv_pool.num_kv_heads}, head_dim "
+                    f"{kv_pool.head_dim}) does not match the model ({args.num_layers}, {args.num_kv_heads}, "
+                    f"{args.head_dim})")
+            self.max_position = args.max_position_embeddings
+        else:
+            self.max_position = None
+
+    def prepare(self, batch: StepBatch) -> StepInputs:
+        """Host work of a step: the flat index tensors, on the device."""
+        return build_step_inputs(batch, self.block_size, self.device)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Device work of a step: float32 logits `[R, vocab]` for the sampling rows."""
+        if self.max_position is not None and inputs.meta.max_seq_len > self.max_position:
+            raise ValueError(f"context of {inputs.meta.max_seq_len} tokens exceeds the model's "
+                             f"max_position_embeddings {self.max_position}")
+        return self.model(inputs.input_ids, inputs.meta, self.kv_pool, inputs.logits_indices)
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Run one step; logits `[R, vocab]` float32, rows in the order of `batch.sampling_seqs`."""
+        self.kv_pool.copy_blocks(batch.block_copies)
+        return self.forward(self.prepare(batch))

@@ -1,0 +1,143 @@
+"""The torch reference paged attention and KV write: the spec the CUDA kernels are tested against."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ringserve.gpu_proc.attention import get_backend
+from ringserve.gpu_proc.attention.metadata import build_step_inputs
+from ringserve.gpu_proc.attention.reference import paged_attention, write_kv
+from ringserve.gpu_proc.kv_pool import KVPool
+from ringserve.gpu_proc.step import SeqStep, StepBatch
+
+BS = 16
+
+
+def _dense_attention(q, k, v, scale, start):
+    """Plain causal attention of new queries q [n, H, d] over one sequence's full k, v [L, KVH, d];
+    query i sits at position start + i."""
+    n, h, d = q.shape
+    group = h // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # [L, H, d]
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k.double()) * scale
+    pos = torch.arange(start, start + n)[:, None]
+    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > pos, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v.double()).float()
+
+
+def _run_case(seqs_spec, num_heads, num_kv_heads, head_dim, num_blocks, rng, shared_prefix=0,
+              dtype=torch.float32):
+    """Build sequences (cached, new) with random block tables, write their K/V through write_kv, and
+    return (paged output, dense output). With shared_prefix > 0, every sequence reuses the first
+    sequence's first `shared_prefix` blocks (and their contents), as n samples of one prompt do."""
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    pool = KVPool(1, num_blocks, num_kv_heads, head_dim, dtype=dtype)
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    full_k, full_v, steps, qs = [], [], [], []
+    shared_blocks: list[int] = []
+    shared_k = shared_v = None
+    for i, (cached, new) in enumerate(seqs_spec):
+        total = cached + new
+        nblocks = (total + BS - 1) // BS
+        table = [ids.pop() for _ in range(nblocks)]
+        k = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+        if shared_prefix:
+            if i == 0:
+                shared_blocks = table[:shared_prefix]
+                shared_k, shared_v = k[:shared_prefix * BS].clone(), v[:shared_prefix * BS].clone()
+            else:
+                ids.extend(table[:shared_prefix])  # give the unused private ids back
+                table[:shared_prefix] = shared_blocks
+                k[:shared_prefix * BS], v[:shared_prefix * BS] = shared_k, shared_v
+        # The cached prefix is written as an earlier step would have (shared blocks rewritten with
+        # identical values is harmless).
+        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(cached)], dtype=torch.long)
+        if cached:
+            write_kv(k[:cached], v[:cached], pool.k[0], pool.v[0], slots)
+        full_k.append(k)
+        full_v.append(v)
+        qs.append(torch.randn(new, num_heads, head_dim, generator=gen))
+        steps.append(SeqStep(i, [0] * new, cached, table))
+    inputs = build_step_inputs(StepBatch(steps), BS, torch.device("cpu"))
+    new_k = torch.cat([k[s.start_pos:] for k, s in zip(full_k, steps)])
+    new_v = torch.cat([v[s.start_pos:] for v, s in zip(full_v, steps)])
+    write_kv(new_k, new_v, pool.k[0], pool.v[0], inputs.meta.slot_mapping)
+    scale = head_dim ** -0.5
+    paged = paged_attention(torch.cat(qs).to(dtype), pool.k[0], pool.v[0], inputs.meta, scale).float()
+    dense = torch.cat([_dense_attention(q, k, v, scale, s.start_pos)
+                       for q, k, v, s in zip(qs, full_k, full_v, steps)])
+    return paged, dense
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (4, 1)])
+@pytest.mark.parametrize("trial", range(3))
+def test_paged_equals_dense_for_random_block_tables(num_heads, num_kv_heads, trial):
+    """Decode rows and prefill chunks over shuffled block ids give dense causal attention."""
+    rng = random.Random(1000 * num_heads + 10 * num_kv_heads + trial)
+    spec = [(rng.randrange(0, 70), 1) for _ in range(5)]  # decode rows
+    spec += [(rng.randrange(0, 40), rng.randrange(2, 40)) for _ in range(3)]  # chunks, some first
+    spec.append((0, 1))  # a one-token prompt
+    paged, dense = _run_case(spec, num_heads, num_kv_heads, 32, 128, rng)
+    torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-4)
+
+
+def test_blocks_shared_between_sequences():
+    """Sequences that share prefix blocks each see the shared keys plus their own continuation."""
+    rng = random.Random(7)
+    spec = [(40, 1), (40, 3), (33, 1), (48, 17)]  # all reuse the first two blocks (32 tokens)
+    paged, dense = _run_case(spec, 4, 2, 16, 64, rng, shared_prefix=2)
+    torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-4)
+
+
+def test_token_never_sees_future_or_other_sequences():
+    """Changing another sequence's keys, or this chunk's later keys, leaves a token's output alone."""
+    pool = KVPool(1, 8, 1, 8)
+    batch = StepBatch([SeqStep(0, [0] * 4, 0, [3]), SeqStep(1, [0] * 2, 0, [5])])
+    meta = build_step_inputs(batch, BS, torch.device("cpu")).meta
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 1, 8, generator=gen)
+    k, v = torch.randn(6, 1, 8, generator=gen), torch.randn(6, 1, 8, generator=gen)
+    write_kv(k, v, pool.k[0], pool.v[0], meta.slot_mapping)
+    first = paged_attention(q, pool.k[0], pool.v[0], meta, 1.0)
+    k2, v2 = k.clone(), v.clone()
+    k2[3:], v2[3:] = 100.0, -100.0  # seq 0's last token and all of seq 1
+    write_kv(k2, v2, pool.k[0], pool.v[0], meta.slot_mapping)
+    second = paged_attention(q, pool.k[0], pool.v[0], meta, 1.0)
+    torch.testing.assert_close(first[:3], second[:3])
+    assert not torch.allclose(first[3:], second[3:])
+
+
+def test_write_kv_lands_in_block_and_offset():
+    """Slot block*16+offset of layout [blocks, kv_heads, 16, d] receives the token's key and value."""
+    pool = KVPool(1, 4, 2, 8)
+    k = torch.arange(2 * 2 * 8, dtype=torch.float32).view(2, 2, 8)
+    write_kv(k, -k, pool.k[0], pool.v[0], torch.tensor([3 * 16 + 5, 1 * 16 + 15]))
+    assert torch.equal(pool.k[0][3, :, 5], k[0]) and torch.equal(pool.k[0][1, :, 15], k[1])
+    assert torch.equal(pool.v[0][3, :, 5], -k[0])
+    assert int((pool.k[0] != 0).sum()) == k.numel() - 1  # k[0,0,0] is zero itself
+
+
+def test_write_kv_rejects_mismatched_cache():
+    """A cache whose head count or head size differs from the keys is refused before writing."""
+    pool = KVPool(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="does not match"):
+        write_kv(torch.zeros(1, 4, 8), torch.zeros(1, 4, 8), pool.k[0], pool.v[0], torch.tensor([0]))
+
+
+def test_bfloat16_cache_matches_dense_within_bf16_tolerance():
+    """A bfloat16 cache and queries give the float64 dense answer to bfloat16 precision."""
+    paged, dense = _run_case([(20, 1), (0, 9), (31, 2)], 4, 2, 32, 16, random.Random(3), dtype=torch.bfloat16)
+    torch.testing.assert_close(paged, dense, atol=3e-2, rtol=3e-2)
+
+
+def test_cpu_backend_is_the_reference():
+    """On CPU, get_backend returns the torch reference functions."""
+    backend = get_backend("cpu")
+    assert backend.name == "reference"
+    assert backend.write_kv is write_kv and backend.paged_attention is paged_attention
