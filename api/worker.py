@@ -1,0 +1,109 @@
+"""An API worker process: uvloop, a SO_REUSEPORT listening socket, the app, graceful drain.
+
+The supervisor starts N of these on one port; the kernel spreads connections between them. Each
+worker owns its transport to the GPU process (its ring pair once attached to shared memory), built
+by the `transport` factory inside the worker's event loop. `python -m ringserve.api.worker --fake`
+runs one worker against the in-process fake GPU, for trying the API without a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from typing import Callable
+
+import uvloop
+from aiohttp import web
+
+from ringserve.api.app import init_app
+from ringserve.api.auth import Authenticator, load_keys
+from ringserve.api.gpu_client import GpuClient, Transport
+from ringserve.api.metrics import StatsSnapshot
+from ringserve.api.state import STATE, ApiState
+from ringserve.api.tokenizer import TextCodec
+from ringserve.config import Config
+
+log = logging.getLogger("ringserve.api.worker")
+
+
+def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A listening TCP socket that other workers can bind too (SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(config: Config, app: web.Application, sock: socket.socket,
+                stop: asyncio.Event) -> None:
+    """Serve `app` on `sock` until `stop` is set, then drain: refuse new requests (503), let open
+    streams finish for up to `drain_timeout_s`, and shut down."""
+    # handler_cancellation: a client that disconnects cancels its handler, which cancels its row.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock, shutdown_timeout=1.0).start()
+    try:
+        await stop.wait()
+        state = app[STATE]
+        state.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.drain_timeout_s
+        while len(state.registry) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+    finally:
+        await runner.cleanup()
+
+
+def run_worker(config: Config, *, index: int, transport: Callable[[], Transport],
+               tokenizer_dir: str, model_name: str, ready: Callable[[], bool],
+               stats_source: Callable[[ApiState], StatsSnapshot] | None = None,
+               sock: socket.socket | None = None) -> int:
+    """The worker process's main: runs until SIGTERM (drain) or SIGINT."""
+    codec = TextCodec.from_dir(tokenizer_dir)
+    auth = Authenticator(load_keys(config.api_keys_file) if config.api_keys_file else None)
+    sock = sock or listen_socket(config.host, config.port)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        app = init_app(config, GpuClient(transport(), worker=index), codec, model_name=model_name,
+                       ready=ready, stats_source=stats_source, auth=auth, worker=index)
+        await serve(config, app, sock, stop)
+
+    uvloop.run(main())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ringserve.api.worker --fake --tokenizer DIR`: one worker on the fake GPU."""
+    from ringserve.api.fake_gpu import FakeGpu
+
+    p = argparse.ArgumentParser(prog="ringserve-api-worker", description=__doc__.splitlines()[0])
+    p.add_argument("--tokenizer", required=True, help="directory holding tokenizer.json")
+    p.add_argument("--fake", action="store_true", required=True,
+                   help="answer with the in-process fake GPU (echoes the prompt)")
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--step-ms", type=float, default=20.0, help="fake GPU step time")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = Config.from_env(host=args.host, port=args.port)
+    fake = FakeGpu(step_interval_s=args.step_ms / 1000.0)
+    log.info("api worker (fake GPU) listening on http://%s:%d", config.host, config.port)
+    return run_worker(config, index=0, transport=lambda: fake, tokenizer_dir=args.tokenizer,
+                      model_name="fake", ready=lambda: True,
+                      stats_source=lambda st: StatsSnapshot(gpu=fake.stats(), workers=[st.stats.as_dict()]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
