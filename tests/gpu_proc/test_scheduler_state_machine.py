@@ -1,0 +1,80 @@
+"""Hypothesis state machine: random submits, cancels, deadlines and steps on tiny pools that force
+preemption. After every step the books balance (check_integrity); at the end every block is free
+and every stream equals what the request produces alone (or a prefix of it, when cut short)."""
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tests.gpu_proc.test_scheduler_fakes import VOCAB, expected_stream, make_harness, make_request
+
+NUM_BLOCKS = 20
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.h = make_harness(num_blocks=NUM_BLOCKS, block_size=4, max_rows=8, prefill_budget=8, key_row_cap=2)
+        self.accepted = []
+        self.next_rid = 0
+
+    @rule(tenant=st.sampled_from("abc"), prompt=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=24),
+          max_tokens=st.integers(1, 32), n=st.integers(1, 3), seed=st.integers(0, 2**32), ignore_eos=st.booleans(),
+          ttl=st.sampled_from([None, None, None, None, 0.03, 0.3]))
+    def submit(self, tenant, prompt, max_tokens, n, seed, ignore_eos, ttl):
+        self.next_rid += 1
+        deadline = 1e12 if ttl is None else self.h.now + ttl
+        req = make_request(self.next_rid, prompt, max_tokens, tenant=tenant, n=n, seed=seed,
+                           ignore_eos=ignore_eos, deadline=deadline, worker=self.next_rid % 3)
+        d = self.h.sched.admit(req)
+        if d.accepted:
+            self.accepted.append(req)
+        else:
+            assert d.status == 400 and d.code == "too_large_for_kv_pool"
+
+    @precondition(lambda self: self.accepted)
+    @rule(pick=st.integers(0, 10**6), reason=st.sampled_from(["cancelled", "disconnect", "stop"]))
+    def cancel(self, pick, reason):
+        req = self.accepted[pick % len(self.accepted)]
+        fresh = not req.is_finished and req.cancel_reason is None
+        assert self.h.sched.cancel(req.key, reason) == fresh  # a second cancel is a no-op
+
+    @rule(count=st.integers(1, 4))
+    def step(self, count):
+        for _ in range(count):
+            self.h.step()
+
+    @invariant()
+    def books_balance(self):
+        self.h.sched.check_integrity()
+
+    def teardown(self):
+        h = self.h
+        h.run_until_idle(max_steps=5000)
+        assert h.sched.bm.num_free == NUM_BLOCKS
+        s = h.sched.stats()
+        assert (s.running_rows, s.queue_depth, s.queued_gpu_seconds) == (0, 0, 0)
+        for req in self.accepted:
+            for i in range(req.n):
+                got = h.tokens.get((req.key, i), [])
+                fin = h.finishes[(req.key, i)]
+                want, reason = expected_stream(h, req, i)
+                assert fin.completion_tokens == len(got)
+                if fin.reason in ("cancelled", "deadline") or (fin.reason == "stop" and req.cancel_reason == "stop"):
+                    assert got == want[:len(got)]
+                else:
+                    assert (got, fin.reason) == (want, reason)
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                              suppress_health_check=[HealthCheck.too_slow])
+TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+def test_state_machine_forces_preemptions():
+    """The machine's pool is small enough that preemption really happens in these runs."""
+    h = make_harness(num_blocks=NUM_BLOCKS, block_size=4, max_rows=8, prefill_budget=8, key_row_cap=2)
+    for i in range(6):
+        assert h.sched.admit(make_request(i, 10, max_tokens=20, ignore_eos=True, n=1 + i % 2, seed=i)).accepted
+    h.run_until_idle()
+    assert h.sched.stats().preemptions > 0 and h.sched.bm.num_free == NUM_BLOCKS
