@@ -55,12 +55,8 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
         if req.stream:
             return await _stream(request, st, entry, gen, encoder)
         return await _complete(st, entry, gen)
-    except (asyncio.CancelledError, ConnectionError):
-        # The client went away (or the slow-reader watchdog closed the connection).
-        if entry.ended_by == "slow_reader":
-            st.stats.slow_reader_cancels_total += 1
-        else:
-            st.stats.disconnects_total += 1
+    except asyncio.CancelledError:
+        _count_gone(st, entry)  # the client went away; its handler was cancelled
         raise
     finally:
         if gen is not None:
@@ -81,24 +77,37 @@ async def _stream(request: web.Request, st: ApiState, entry: OpenRequest, gen: G
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
     await resp.prepare(request)
+    st.stats.count_response(200)
     loop = asyncio.get_running_loop()
     stream = entry.stream
-    while not gen.finished:
-        events = gen.consume(await stream.next_batch())
-        if events:
-            entry.write_since = loop.time()
-            await resp.write(b"".join(events) if len(events) > 1 else events[0])
-            entry.write_since = 0.0
-    tail = [DONE]
-    if gen.error is None:
-        await _settle(st, entry, gen)
-        tail.insert(0, encoder.usage(gen.usage(), gen.timing()))
-    entry.write_since = loop.time()
-    await resp.write(b"".join(tail))
-    await resp.write_eof()
-    entry.write_since = 0.0
-    st.stats.count_response(200)
+    try:
+        while not gen.finished:
+            events = gen.consume(await stream.next_batch())
+            if events:
+                entry.write_since = loop.time()
+                await resp.write(b"".join(events) if len(events) > 1 else events[0])
+                entry.write_since = 0.0
+        tail = [DONE]
+        if gen.error is None:
+            await _settle(st, entry, gen)
+            tail.insert(0, encoder.usage(gen.usage(), gen.timing()))
+        entry.write_since = loop.time()
+        await resp.write(b"".join(tail))
+        await resp.write_eof()
+        entry.write_since = 0.0
+    except ConnectionError:
+        # A write found the connection gone (client left, or the slow-reader watchdog closed it);
+        # the caller's finally cancels the row. Nothing more can be sent.
+        _count_gone(st, entry)
     return resp
+
+
+def _count_gone(st: ApiState, entry: OpenRequest) -> None:
+    if entry.ended_by == "slow_reader":
+        st.stats.slow_reader_cancels_total += 1
+    else:
+        entry.ended_by = entry.ended_by or "disconnect"
+        st.stats.disconnects_total += 1
 
 
 async def _complete(st: ApiState, entry: OpenRequest, gen: Generation) -> web.Response:
@@ -137,8 +146,8 @@ async def _settle(st: ApiState, entry: OpenRequest, gen: Generation) -> None:
 
 
 def _cancel_reason(entry: OpenRequest, gen: Generation) -> str:
-    if entry.ended_by == "slow_reader":
-        return "slow_reader"
+    if entry.ended_by in ("slow_reader", "disconnect"):
+        return entry.ended_by
     if entry.ended_by is not None:
         return "cancelled"
     if gen.unfinished == 0:

@@ -22,7 +22,7 @@ class OpenRequest:
     stream: RequestStream
     transport: Any  # the client connection's asyncio transport (None once it closed)
     write_since: float = 0.0  # loop.time() when a still-blocked write started; 0: not writing
-    ended_by: str | None = None  # "delete" | "slow_reader" once the worker itself ended it
+    ended_by: str | None = None  # "delete" | "slow_reader" | "disconnect" once it ended early
 
     def end(self, reason: str) -> None:
         """End the request from the worker's side: "delete" or "slow_reader"."""
