@@ -114,6 +114,16 @@ class Request:
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
 
+    @classmethod
+    def from_submit(cls, worker: int, msg) -> "Request":
+        """Build from a worker's `shm.messages.Submit` (duck-typed: this core imports no shm)."""
+        sp = msg.sampling
+        return cls(key=(worker, msg.rid), request_id=msg.request_id, tenant=msg.tenant,
+                   prompt_ids=list(msg.prompt_ids), max_tokens=msg.max_tokens,
+                   sampling=SamplingSpec(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
+                                         stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos),
+                   arrival_ts=msg.arrival_ts, deadline_ts=msg.deadline_ts, n=msg.n, logprobs=msg.logprobs)
+
     # -- derived -------------------------------------------------------------------------------
 
     @property

@@ -28,6 +28,7 @@ Rules (the seed's steps 4-10):
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -78,7 +79,7 @@ class Scheduler:
         self.max_rows = config.max_rows
         self.prefill_budget = config.prefill_budget
         self.context_limit = config.context_limit
-        self.margin_blocks = int(-(-config.admission_margin * block_manager.num_blocks // 1))
+        self.margin_blocks = math.ceil(config.admission_margin * block_manager.num_blocks)  # seed: 358 of 7,152
         self.eos_token_ids = frozenset(eos_token_ids)
         self.queue = FairQueue(config.key_row_cap, config.output_token_weight)
         self.admission = admission or AdmissionController.from_config(config)
@@ -109,7 +110,11 @@ class Scheduler:
         if req.key in self._live:
             return Decision(400, code="duplicate_request", message=f"request {req.key} is already live")
         bs = self.block_size
-        worst = self.bm.blocks_for(req.prompt_len + req.max_tokens) + (req.n - 1) * (-(-req.max_tokens // bs) + 1)
+        # Most blocks the request can ever hold at once: its longest row, plus for n > 1 each other
+        # row's private tail and the prefix's partial block, held until the fork.
+        worst = self.bm.blocks_for(req.prompt_len + req.max_tokens)
+        if req.n > 1:
+            worst += (req.n - 1) * (-(-req.max_tokens // bs) + 1) + 1
         decision = self.admission.decide(req.prompt_len, req.max_tokens, req.n, self._queued_ms,
                                          pool_fits=worst <= self.bm.num_blocks)
         if not decision.accepted:
@@ -154,7 +159,9 @@ class Scheduler:
 
     def update(self, samples=None) -> list[Event]:
         """Take the last batch's samples (`.token_ids`, `.logprobs`, `.top_logprobs`, one per
-        sampling row in `batch.sampling_seqs` order) and return every event since the last call."""
+        sampling row in `batch.sampling_seqs` order; None for a batch with no sampling rows) and
+        return every event since the last call, including the finishes the pass's leave phase made
+        for cancelled and expired requests. Call it after every `schedule()`, even an empty one."""
         rows, self._sampling = self._sampling, []
         if samples is None:
             if rows:
@@ -282,15 +289,13 @@ class Scheduler:
         i = 0
         while i < len(running):
             req = running[i]
+            marks = (len(seqs), len(sampling), len(pending), len(copies))
             if req.n > 1 and not req.forked:
                 if req.prefix_computed < req.prefix_len:
                     pending.append((req, None))
                     i += 1
                     continue
-                marks = (len(seqs), len(sampling), len(pending), len(copies))
                 self._fork(req, copies)
-            else:
-                marks = (len(seqs), len(sampling), len(pending), len(copies))
             prompt = req.prompt_ids
             plen = len(prompt)
             evicted_self = False

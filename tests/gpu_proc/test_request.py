@@ -55,3 +55,18 @@ def test_invalid_requests_raise():
         SamplingSpec(top_p=0.0)
     with pytest.raises(ValueError):
         SamplingSpec(top_k=-1)
+
+
+def test_from_submit_maps_every_field():
+    """A worker's Submit becomes a Request keyed (worker, rid) with the same settings."""
+    from ringserve.shm.messages import SamplingParams, Submit
+
+    msg = Submit(rid=7, request_id="cmpl-1", tenant="key", prompt_ids=[4, 5], max_tokens=9,
+                 sampling=SamplingParams(temperature=0.5, top_k=3, top_p=0.9, seed=11, stop_token_ids=(2,),
+                                         ignore_eos=True),
+                 arrival_ts=1.0, deadline_ts=2.0, n=2, logprobs=1)
+    r = Request.from_submit(3, msg)
+    assert (r.key, r.request_id, r.tenant, r.prompt_ids, r.max_tokens, r.n, r.logprobs) == (
+        (3, 7), "cmpl-1", "key", [4, 5], 9, 2, 1)
+    assert r.sampling == SamplingSpec(0.5, 3, 0.9, 11, (2,), True)
+    assert (r.arrival_ts, r.deadline_ts, r.state) == (1.0, 2.0, RequestState.QUEUED)

@@ -1,5 +1,7 @@
 """Scheduler pass on tiny pools: exact block ids, chunking, preemption, n > 1 sharing, stops."""
 
+import pytest
+
 from ringserve.gpu_proc.request import RequestState
 from tests.gpu_proc.test_scheduler_fakes import expected_stream, make_harness, make_request
 
@@ -86,22 +88,24 @@ def test_newest_request_is_preempted_and_resumes_without_re_emitting():
     assert h.sched.bm.num_free == 4
 
 
-def test_preempted_seeded_outputs_equal_an_unpreempted_run():
-    """The same seeded requests on a roomy pool and on a pool that forces preemptions stream the
-    same tokens."""
+@pytest.mark.parametrize("n", [1, 2])
+def test_preempted_seeded_outputs_equal_an_unpreempted_run(n):
+    """The same seeded requests (n samples each) on a roomy pool and on a pool that forces
+    preemptions stream the same tokens."""
     def run(num_blocks):
         h = make_harness(num_blocks=num_blocks, block_size=4, prefill_budget=8)
-        reqs = [make_request(i, 5 + 3 * i, max_tokens=16, seed=100 + i, ignore_eos=True) for i in range(6)]
+        reqs = [make_request(i, 5 + 3 * i, max_tokens=16, seed=100 + i, ignore_eos=True, n=n) for i in range(6)]
         for r in reqs:
             assert h.sched.admit(r).accepted
         h.run_until_idle()
-        return {r.key: h.tokens[(r.key, 0)] for r in reqs}, h.sched.stats().preemptions, h.sched.bm.num_free
+        streams = {(r.key, i): h.tokens[(r.key, i)] for r in reqs for i in range(n)}
+        return streams, h.sched.stats().preemptions, h.sched.bm.num_free
 
     roomy, p0, free0 = run(200)
-    tight, p1, free1 = run(12)
+    tight, p1, free1 = run(12 * n)
     assert p0 == 0 and p1 > 0
     assert tight == roomy
-    assert (free0, free1) == (200, 12)
+    assert (free0, free1) == (200, 12 * n)
 
 
 def test_unseeded_request_gets_a_seed_at_admission_that_survives_preemption():
