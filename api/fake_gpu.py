@@ -142,7 +142,8 @@ class FakeGpu:
                 row.generated[i] += 1
                 if row.first_token is None:
                     row.first_token = now
-                tokens.append(Token(rid, i, tid, -0.5))
+                top = [(tid, -0.5)] * row.submit.logprobs if row.submit.logprobs else None
+                tokens.append(Token(rid, i, tid, -0.5, top))
                 reason = self._stop_reason(row, tid, i)
                 if reason is not None:
                     finishes.append(self._finish(row, i, reason, now))

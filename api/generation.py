@@ -38,6 +38,7 @@ class Sample:
     reason: str | None = None  # the client-visible finish reason, once finished
     gpu_done: bool = False  # the GPU process reported this sample's Finish
     logprobs: dict | None = None  # OpenAI logprobs object (non-streaming, when asked for)
+    chars: int = 0  # characters of text so far (the logprobs text_offset)
 
 
 class Generation:
@@ -83,6 +84,7 @@ class Generation:
                     out.append(enc.token(item.index, text, item.token_id, item.logprob, lp))
                 elif text:
                     s.parts.append(text)
+                    s.chars += len(text)
                 if hit:
                     self._finish(s, item.index, "", "stop", out)
             elif kind is Finish:
@@ -91,18 +93,29 @@ class Generation:
                 if self.queue_ms is None:
                     self.queue_ms = item.queue_ms
                 self.ttft_ms = item.ttft_ms if self.ttft_ms is None else min(self.ttft_ms, item.ttft_ms)
-                if s.reason is None:
-                    self._finish(s, item.index, self._tail(s), _CLIENT_REASON.get(item.reason, "cancelled"), out)
+                if s.reason is not None:
+                    continue
+                reason = _CLIENT_REASON.get(item.reason)
+                if reason is None:  # "error": the GPU process failed this request's row
+                    self._fail(Error(code="gpu_error", rid=item.rid, message="the GPU process "
+                                     "could not finish this request; retry it"), out)
+                else:
+                    self._finish(s, item.index, self._tail(s), reason, out)
             elif kind is LocalCancel:
                 for i, s in enumerate(samples):
                     if s.reason is None:
                         self._finish(s, i, self._tail(s), "cancelled", out)
             elif kind is Error:
-                self.error = item
-                if enc is not None:
-                    out.append(enc.error({"error": {"message": item.message, "type": "server_error",
-                                                    "param": None, "code": item.code}}))
+                self._fail(item, out)
         return out
+
+    def _fail(self, err: Error, out: list[bytes]) -> None:
+        if self.error is not None:
+            return
+        self.error = err
+        if self.encoder is not None:
+            out.append(self.encoder.error({"error": {"message": err.message, "type": "server_error",
+                                                     "param": None, "code": err.code}}))
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -147,6 +160,7 @@ class Generation:
             out.append(self.encoder.finish(index, tail, reason))
         elif tail:
             s.parts.append(tail)
+            s.chars += len(tail)
 
     def _logprobs(self, s: Sample, item: Token, text: str) -> dict:
         token = self.codec.decode([item.token_id])
@@ -157,7 +171,7 @@ class Generation:
             return {"tokens": [token], "token_logprobs": [item.logprob],
                     "top_logprobs": [top] if top is not None else None, "text_offset": [0]}
         lp = s.logprobs
-        lp["text_offset"].append(sum(len(p) for p in s.parts))
+        lp["text_offset"].append(s.chars)  # where this token's text starts (before appending it)
         lp["tokens"].append(token)
         lp["token_logprobs"].append(item.logprob)
         lp["top_logprobs"].append(top)

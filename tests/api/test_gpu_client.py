@@ -93,3 +93,15 @@ async def test_error_for_all_reaches_every_stream():
     with pytest.raises(ApiError) as err:
         await client.submit(b, _submit(b.rid))
     assert err.value.status == 503
+
+
+async def test_row_error_finish_fails_the_request(codec):
+    """A Finish with reason error turns into an error event, not a normal finish."""
+    from ringserve.api.generation import Generation
+    from ringserve.api.sse import EventEncoder
+
+    gen = Generation(codec, n=1, stop=(), prompt_tokens=1, arrival=0.0,
+                     encoder=EventEncoder("r1", "m", 0))
+    out = gen.consume([Token(1, 0, 5, -1.0), Finish(1, 0, "error", 1, 1, 0.0, 0.0)])
+    assert gen.finished and gen.error is not None and gen.error.code == "gpu_error"
+    assert b'"error"' in out[-1] and b'"finish_reason"' not in out[-1]

@@ -194,3 +194,33 @@ async def test_gpu_failure_mid_stream_sends_error_event(serve):
     events = sse_events(await resp.read())
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == "gpu_restart"
+
+
+async def test_logprobs_streaming_and_not(serve, codec):
+    """logprobs asks for OpenAI's logprobs object, per event when streaming, per choice otherwise."""
+    served = await serve()
+    ids = codec.encode("ab cd")
+    _, events = await _stream(served, prompt="ab cd", max_tokens=len(ids), logprobs=1)
+    lp = events[1]["choices"][0]["logprobs"]
+    assert lp["tokens"] == [codec.decode([ids[1]])] and lp["token_logprobs"] == [-0.5]
+    assert lp["top_logprobs"] == [{codec.decode([ids[1]]): -0.5}]
+    resp = await served.client.post("/v1/completions", json={"prompt": "ab cd", "logprobs": 0,
+                                                             "max_tokens": len(ids)})
+    choice = (await resp.json())["choices"][0]
+    assert choice["text"] == "ab cd"
+    assert len(choice["logprobs"]["tokens"]) == len(ids)
+    offsets = choice["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] < len("ab cd")
+
+
+async def test_stop_strings_with_two_samples_cancel_once(serve):
+    """With n=2 the row is cancelled once, after both samples hit a stop string."""
+    served = await serve()
+    _, events = await _stream(served, prompt="one two three", max_tokens=100, n=2, stop=" two")
+    finishes = [e for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert sorted(e["index"] for e in finishes) == [0, 1]
+    assert all(e["choices"][0]["finish_reason"] == "stop" for e in finishes)
+    for index in (0, 1):
+        text = "".join(e["text"] for e in events if "token_id" in e and e["index"] == index)
+        assert text == "one"
+    assert [c.reason for c in served.fake.cancels] == ["stop"]
