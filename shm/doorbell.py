@@ -60,13 +60,12 @@ class Doorbell:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until rung or `timeout` seconds pass (None: forever); drain; True if rung."""
         ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
-        while True:
-            try:
-                ready = self._poll.poll(ms)
-            except InterruptedError:  # pragma: no cover - PEP 475 retries for us
-                continue
-            break
-        return bool(ready) and self.drain() > 0
+        if not self._poll.poll(ms):  # EINTR is retried by Python (PEP 475)
+            return False
+        try:
+            return os.eventfd_read(self._fd) > 0
+        except BlockingIOError:  # another reader drained it first
+            return False
 
     def close(self) -> None:
         if self._fd >= 0 and self._owned:

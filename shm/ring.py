@@ -35,6 +35,14 @@ from ringserve.shm import layout as L
 _U64 = L.U64
 _pack = _U64.pack_into
 _unpack = _U64.unpack_from
+# Hot-path constants as module globals (cheaper than attribute lookups on `L` per record).
+_DATA = L.RING_DATA_OFF
+_HEAD = L.RING_HEAD_OFF
+_TAIL = L.RING_TAIL_OFF
+_COMMIT = L.REC_COMMIT
+_COMMIT_HI = L.REC_COMMIT >> L.REC_STAMP_SHIFT
+_STAMP_MASK = L.REC_STAMP_MASK
+_LEN_MASK = L.REC_LEN_MASK
 
 
 class RingError(Exception):
@@ -184,11 +192,11 @@ class Ring:
     def try_push(self, data) -> bool:
         """Append one record (bytes-like). False if the ring is full right now; never blocks."""
         n = len(data)
-        size = (n + 15) & ~7  # header + payload, 8-aligned
-        cap = self._cap
-        head = self._head
+        size = (n + 15) & -8  # header + payload, 8-aligned
         if size > self._limit:
             raise self._too_large(n)
+        cap = self._cap
+        head = self._head
         off = head % cap
         if off + size > cap:  # would cross the end: fill the rest with a pad record first
             if not self._push_pad(head, off):
@@ -196,19 +204,19 @@ class Ring:
             head = self._head
             off = 0
         # `+ 8`: room to zero the next header slot is part of every reservation.
-        if size + 8 > cap - (head - self._tail_seen):
-            self._tail_seen = _unpack(self._buf, L.RING_TAIL_OFF)[0]
-            if size + 8 > cap - (head - self._tail_seen):
+        if size + 8 > cap - head + self._tail_seen:
+            self._tail_seen = _unpack(self._buf, _TAIL)[0]
+            if size + 8 > cap - head + self._tail_seen:
                 return False  # a pad, if one was written, stays; the record goes next time
         buf = self._buf
-        d = L.RING_DATA_OFF + off
+        d = _DATA + off
         buf[d + 8:d + 8 + n] = data
         nxt = head + size
-        _pack(buf, L.RING_DATA_OFF + nxt % cap, 0)
-        _pack(buf, L.RING_HEAD_OFF, nxt)
+        _pack(buf, _DATA + nxt % cap, 0)
+        _pack(buf, _HEAD, nxt)
         if self._pre_commit is not None:
             self._pre_commit()
-        _pack(buf, d, L.REC_COMMIT | (((head >> 3) & L.REC_STAMP_MASK) << 32) | n)
+        _pack(buf, d, _COMMIT | ((head >> 3) & _STAMP_MASK) << 32 | n)  # the commit
         self._head = nxt
         return True
 
@@ -262,25 +270,26 @@ class Ring:
         tail = start = self._tail
         out = []
         append = out.append
-        while len(out) < max_records:
+        count = 0
+        while count < max_records:
             off = tail % cap
-            d = L.RING_DATA_OFF + off
+            d = _DATA + off
             word = _unpack(buf, d)[0]
-            if word == 0:
+            if not word:
                 break
-            if word & L.REC_CHECK_MASK != L.REC_COMMIT | (((tail >> 3) & L.REC_STAMP_MASK) << 32) \
-                    or word & L.REC_PAD:
-                self._check_word(word, tail, off)  # raises unless it is a valid pad
+            if word >> 32 != _COMMIT_HI | ((tail >> 3) & _STAMP_MASK):
+                self._check_word(word, tail, off)  # raises unless it is a valid pad record
                 tail += cap - off
                 continue
-            n = word & L.REC_LEN_MASK
+            n = word & _LEN_MASK
             if off + n + 8 > cap:
-                self._check_word(word, tail, off)
+                self._check_word(word, tail, off)  # raises: the length is impossible
             append(buf[d + 8:d + 8 + n])
-            tail += (n + 15) & ~7
+            tail += (n + 15) & -8
+            count += 1
         if tail != start:
             # Only now may the producer reuse the space: the payloads are already copied.
-            _pack(buf, L.RING_TAIL_OFF, tail)
+            _pack(buf, _TAIL, tail)
             self._tail = tail
         return out
 

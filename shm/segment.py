@@ -21,6 +21,10 @@ from typing import Callable
 from ringserve.shm.layout import DEFAULT_DIRECTORY, SEGMENT_PREFIX
 
 
+# MAP_POPULATE maps every page at attach time, so the hot path never takes a page fault.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
 class ShmSpaceError(OSError):
     """The segment directory cannot hold the segments; the message says how much is needed."""
 
@@ -119,7 +123,7 @@ class Segment:
                         f"`mount -o remount,size=... {directory}` or docker --shm-size) or lower "
                         f"ring_bytes / workers") from None
                 raise
-            buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            buf = mmap.mmap(fd, size, _MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             _unlink_quietly(path)
@@ -136,7 +140,7 @@ class Segment:
             if size == 0:
                 raise ValueError(f"segment {name} is empty")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            buf = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+            buf = mmap.mmap(fd, size, _MAP_FLAGS, prot)
         finally:
             os.close(fd)
         return cls(name, directory, size, buf)
