@@ -1,0 +1,89 @@
+"""The worker's `Transport` over its shared-memory ring pair and doorbells.
+
+Outgoing `Submit` / `Cancel` are msgpack records pushed onto the worker's request ring, then the
+GPU process's input doorbell is rung. Incoming records arrive on the output ring; the worker's
+output doorbell (an eventfd) is registered with the event loop, so the loop wakes exactly when the
+GPU process has pushed a step's records and never polls.
+
+When the ring generation changes (the supervisor restarted the GPU process and the new one adopted
+the rings), every open request is failed with one `Error`: its tokens would never come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from ringserve.shm.doorbell import Doorbell
+from ringserve.shm.messages import Cancel, Error, Message, Submit, decode, encode
+from ringserve.shm.ring import Ring
+
+
+class RingTransport:
+    """Transport for worker slot `i` of a shared-memory instance."""
+
+    def __init__(self, requests: Ring, outputs: Ring, input_bell: Doorbell,
+                 output_bell: Doorbell) -> None:
+        self.requests = requests  # this worker -> GPU process (we produce)
+        self.outputs = outputs  # GPU process -> this worker (we consume)
+        self.input_bell = input_bell
+        self.output_bell = output_bell
+        self._deliver: Callable[[Message], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._generation = outputs.generation
+
+    @classmethod
+    def for_slot(cls, instance, slot: int) -> "RingTransport":
+        """From an attached `shm.instance.ShmInstance` (with its doorbells) and a worker slot."""
+        if instance.input_bell is None or instance.output_bells is None:
+            raise ValueError("the shm instance was attached without its doorbells")
+        requests, outputs = instance.worker_rings(slot)
+        return cls(requests, outputs, instance.input_bell, instance.output_bells[slot])
+
+    # Transport -------------------------------------------------------------------------------
+    def open(self, deliver: Callable[[Message], None]) -> None:
+        self._deliver = deliver
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.output_bell.fileno(), self._on_bell)
+        self._on_bell()  # records pushed before we listened
+
+    def send(self, msg: Submit | Cancel) -> bool:
+        if not self.requests.try_push(encode(msg)):
+            return False
+        self.input_bell.ring()
+        return True
+
+    def close(self) -> None:
+        if self._loop is not None and self.output_bell.fileno() >= 0:
+            self._loop.remove_reader(self.output_bell.fileno())
+        self._deliver = None
+
+    # incoming --------------------------------------------------------------------------------
+    def _on_bell(self) -> None:
+        # NOTE: drain first, then pop until empty: a ring after the drain stays in the counter and
+        # wakes us again, so no record is left behind (see shm/doorbell.py).
+        self.output_bell.drain()
+        deliver = self._deliver
+        if deliver is None:
+            return
+        self._check_generation(deliver)
+        outputs = self.outputs
+        views = outputs.pop_views()
+        try:
+            # decode() copies everything out of the view, so the space can be released after.
+            messages = [decode(v) for v in views]
+        finally:
+            for v in views:
+                v.release()
+            outputs.release()
+        outputs.consumer_heartbeat()
+        self.requests.producer_heartbeat()
+        for msg in messages:
+            deliver(msg)
+
+    def _check_generation(self, deliver: Callable[[Message], None]) -> None:
+        generation = self.outputs.generation
+        if generation != self._generation:
+            self._generation = generation
+            deliver(Error(code="gpu_restart", message="The GPU process restarted; the request was "
+                          "lost. Retry it."))
