@@ -99,6 +99,41 @@ class BlockManager:
             if r == 1:
                 free.append(b)
 
+    # -- n > 1: shared prompt, copy-on-write -----------------------------------------------------
+
+    def allocate_shared(self, prefix_tokens: int, row_tokens: list[int]) -> tuple[list[int], list[list[int]]]:
+        """Blocks for a prefix computed once plus one table per sample row.
+
+        The prefix gets its own blocks. Each row's table shares the prefix's *full* blocks (one
+        more reference each) and owns fresh blocks for the rest of its `row_tokens[i]` tokens,
+        starting with a private block for the prefix's partial last block: `fork` fills that one
+        by copy once the prefix is computed. All or nothing.
+        """
+        full = prefix_tokens // self.block_size
+        own = [self.blocks_for(t) - full for t in row_tokens]
+        if min(own, default=1) < 1:
+            raise ValueError("every row must extend past the shared prefix")
+        if self.blocks_for(prefix_tokens) + sum(own) > len(self._free):
+            raise NoFreeBlocks(f"asked for {self.blocks_for(prefix_tokens) + sum(own)} KV blocks, "
+                               f"{len(self._free)} free")
+        prefix = self.allocate(self.blocks_for(prefix_tokens))
+        shared = prefix[:full]
+        tables = []
+        for count in own:
+            self.share(shared)
+            tables.append(shared + self.allocate(count))
+        return prefix, tables
+
+    def fork(self, prefix_blocks: list[int], prefix_tokens: int, tables: list[list[int]]) -> list[tuple[int, int]]:
+        """The prefix is computed: drop its references and return the (src, dst) copies of its
+        partial last block into each row's private block, for the runner to do before the step."""
+        full = prefix_tokens // self.block_size
+        copies = []
+        if prefix_tokens % self.block_size:
+            copies = [(prefix_blocks[full], t[full]) for t in tables]
+        self.free(prefix_blocks)
+        return copies
+
     # -- checks ----------------------------------------------------------------------------------
 
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:

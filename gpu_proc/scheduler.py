@@ -260,14 +260,12 @@ class Scheduler:
             return
         # n > 1: the prefix phase fills prompt[:-1] into prefix_blocks; rows share its full blocks
         # now and own the rest, including a private copy of the partial one (made at the fork).
-        req.prefix_blocks = bm.allocate(bm.blocks_for(req.prefix_len))
+        live = req.live_rows
+        req.prefix_blocks, tables = bm.allocate_shared(req.prefix_len, [plen + len(r.generated) for r in live])
         req.prefix_computed = 0
         req.forked = False
-        full = req.prefix_len // self.block_size
-        shared = req.prefix_blocks[:full]
-        for row in req.live_rows:
-            bm.share(shared)
-            row.block_ids = shared + bm.allocate(bm.blocks_for(plen + len(row.generated)) - full)
+        for row, table in zip(live, tables):
+            row.block_ids = table
             row.num_computed = req.prefix_len
 
     def _insert_running(self, req: Request) -> None:
@@ -362,11 +360,7 @@ class Scheduler:
 
     def _fork(self, req: Request, copies: list[tuple[int, int]]) -> None:
         """The shared prefix is complete: copy its partial block for each row, drop the prefix's refs."""
-        full = req.prefix_len // self.block_size
-        if req.prefix_len % self.block_size:
-            src = req.prefix_blocks[full]
-            copies.extend((src, row.block_ids[full]) for row in req.live_rows)
-        self.bm.free(req.prefix_blocks)
+        copies += self.bm.fork(req.prefix_blocks, req.prefix_len, [row.block_ids for row in req.live_rows])
         req.prefix_blocks = []
         req.forked = True
 
