@@ -465,6 +465,10 @@ class Scheduler:
     def get(self, key: RequestKey) -> Request | None:
         return self._live.get(key)
 
+    def live_keys(self) -> list[RequestKey]:
+        """Keys of every queued or running request (a copy: safe to cancel while iterating)."""
+        return list(self._live)
+
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             queue_depth=len(self.queue), queued_gpu_seconds=max(self._queued_ms, 0.0) / 1000.0,

@@ -136,3 +136,19 @@ def test_duplicate_key_is_refused():
     h = make_harness()
     assert h.sched.admit(make_request(1, 3)).accepted
     assert h.sched.admit(make_request(1, 3)).code == "duplicate_request"
+
+
+def test_cancel_every_request_of_a_worker_via_live_keys():
+    """live_keys() lists queued and running requests; cancelling a worker's keys ends only those."""
+    h = make_harness(num_blocks=32, max_rows=2)
+    reqs = [make_request(i, 4, max_tokens=50, worker=i % 2, ignore_eos=True) for i in range(4)]
+    for r in reqs:
+        h.sched.admit(r)
+    h.step()
+    assert sorted(h.sched.live_keys()) == sorted(r.key for r in reqs)
+    for key in h.sched.live_keys():
+        if key[0] == 1:
+            h.sched.cancel(key)
+    h.step()
+    assert sorted(h.sched.live_keys()) == [(0, 0), (0, 2)]
+    assert {k for (k, _), f in h.finishes.items() if f.reason == "cancelled"} == {(1, 1), (1, 3)}
