@@ -35,6 +35,7 @@ CASES = {"64B": (64, 200_000), "1KiB": (1024, 100_000), "16KiB": (16384, 20_000)
          "msg_1KiB": ("msg", 50_000)}
 LATENCY_ROUNDS = 5_000
 RING_BYTES = 4 * 1024 * 1024  # the server's default ring size
+BATCH = 64  # ring: records per pop, and pushes per doorbell ring
 
 
 def _message() -> messages.Submit:
@@ -55,17 +56,15 @@ class _RingEnd:
         self.bell = shm.input_bell if direction == 0 else shm.output_bells[0]
         self.space = env["space"][direction]
         self.ring = Ring.producer(seg.buf) if sending else Ring.consumer(seg.buf)
-        self.pushed = 0
 
     def send(self, data) -> None:
-        ring = self.ring
-        if not ring.try_push(data):
-            self.bell.ring()
-            while not ring.try_push(data):
-                self.space.wait(0.001)
-        self.pushed += 1
-        if self.pushed & 63 == 0:
-            self.bell.ring()
+        if not self.ring.try_push(data):
+            self._wait_for_space(data)
+
+    def _wait_for_space(self, data) -> None:
+        self.bell.ring()  # the consumer must be awake to make room
+        while not self.ring.try_push(data):
+            self.space.wait(0.001)
 
     def flush(self) -> None:
         self.bell.ring()
@@ -73,11 +72,12 @@ class _RingEnd:
     def recv_batch(self, views: bool):
         ring = self.ring
         while True:
-            batch = ring.pop_views(4096) if views else ring.pop_many(4096)
+            # Small batches hand space back to the producer early instead of after a whole ring.
+            batch = ring.pop_views(BATCH) if views else ring.pop_many(BATCH)
             if batch:
-                # A batch this large means the ring was (nearly) full: the producer may be
-                # waiting for space. Waking it only then keeps the syscall off the common path.
-                if len(batch) >= 64:
+                # A full batch means the ring was backed up: the producer may be waiting for
+                # space. Waking it only then keeps the syscall off the common path.
+                if len(batch) == BATCH:
                     self.space.ring()
                 return batch
             if views:
@@ -85,10 +85,13 @@ class _RingEnd:
             self.bell.wait(0.05)
 
     def recv_reply(self):
-        """Latency mode: sleep on the doorbell first (the reply always rings it), then pop."""
+        """Latency mode: sleep on the doorbell first (the reply always rings it), then pop.
+
+        `wait(None)` is one blocking read; the parent kills us if the peer never answers.
+        """
         ring, bell = self.ring, self.bell
         while True:
-            bell.wait(1.0)
+            bell.wait(None)
             batch = ring.pop_many()
             if batch:
                 return batch
@@ -145,15 +148,20 @@ def _sender(transport: str, env: dict, case: str, n: int, barrier, conn) -> None
     size, _ = CASES[case]
     barrier.wait()
     t0 = time.monotonic_ns()
+    send, flush = end.send, end.flush  # flush: the ring's doorbell; a no-op for the others
     if size == "msg":
         msg, encode = _message(), messages.encode
-        for _ in range(n):
-            end.send(encode(msg))
+        for i in range(n):
+            send(encode(msg))
+            if i % BATCH == 0:
+                flush()
     else:
         payload = os.urandom(size)
-        for _ in range(n):
-            end.send(payload)
-    end.flush()
+        for i in range(n):
+            send(payload)
+            if i % BATCH == 0:
+                flush()
+    flush()
     conn.send(t0)
     conn.recv()  # keep sockets and queues open until the receiver has everything
 

@@ -96,7 +96,7 @@ def test_writer_dead_mid_update_is_reported_then_recovered():
     ctl = _make_control()
     L.U64.pack_into(ctl._buf, L.CTRL_GPU_STATS_OFF, 7)  # odd: mid-write forever
     with pytest.raises(TornReadError, match="writer likely died"):
-        ctl.gpu_stats.read()
+        ctl.gpu_stats.read(timeout=0.05)
     Control(ctl._buf).gpu_stats.reset()
     assert ctl.gpu_stats.read()["steps"] == 0
 
