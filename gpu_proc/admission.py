@@ -31,40 +31,82 @@ class Decision:
 class CostModel:
     """GPU milliseconds per prompt token and per output token, fitted online from step times.
 
-    A step's time is modelled as `c_prefill * prefill_tokens + c_decode * decode_rows`. Pure
-    decode steps measure c_decode directly (ms / rows); mixed steps attribute what decode does not
-    explain to prefill. Both follow an exponential moving average (`alpha` per observation), and
-    each is kept within [1/100, 100] times its start value so one odd step (a GC pause, a first
-    CUDA launch) cannot swing admission wildly.
+    Decode: a step of r decoding rows takes `base + per_row * r` ms; every step reads all the
+    weights once (base) and each row adds a little (seed: 25 ms at 1 row, 40 ms at 32). Work only
+    queues when the batch is full, so an output token is priced at a full batch:
+    `c_decode = (base + per_row * max_rows) / max_rows`. Pricing at one point of a fitted line,
+    rather than averaging ms/row, keeps a quiet spell of 1-row steps (25 ms per token) from making
+    the next burst look 20x dearer and drawing spurious 429s. The line is fitted by recursive least
+    squares with forgetting on pure-decode steps, starting from the seed's shape scaled to the
+    configured c_decode; its covariance is capped at the prior's so constant row counts cannot wind
+    it up, and each residual is clipped so one odd step (a GC pause, a first CUDA launch) moves it
+    little.
+
+    Prefill: steps with prompt tokens attribute what the decode line does not explain to them,
+    followed by an exponential moving average (`alpha`). Both constants stay within [1/100, 100]
+    times their start values.
     """
 
-    __slots__ = ("c_prefill_ms", "c_decode_ms", "alpha", "_bounds_p", "_bounds_d")
+    __slots__ = ("c_prefill_ms", "c_decode_ms", "max_rows", "alpha", "forget", "_theta", "_p", "_p0_trace",
+                 "_bounds_p", "_bounds_d")
 
-    def __init__(self, c_prefill_ms: float = 0.1, c_decode_ms: float = 1.25, alpha: float = 0.05) -> None:
+    def __init__(self, c_prefill_ms: float = 0.1, c_decode_ms: float = 1.25, *, max_rows: int = 32,
+                 alpha: float = 0.05, forget: float = 0.99) -> None:
         if c_prefill_ms <= 0 or c_decode_ms <= 0:
             raise ValueError("cost constants must be > 0")
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if max_rows <= 0:
+            raise ValueError(f"max_rows must be > 0, got {max_rows}")
+        if not 0 < alpha <= 1 or not 0 < forget <= 1:
+            raise ValueError("alpha and forget must be in (0, 1]")
         self.c_prefill_ms = c_prefill_ms
         self.c_decode_ms = c_decode_ms
+        self.max_rows = max_rows
         self.alpha = alpha
+        self.forget = forget
+        full = c_decode_ms * max_rows
+        # The seed's shape (24.5 ms + 0.48 ms/row at 32 x 1.25 ms): 60 % of a full step is the base.
+        self._theta = [0.6 * full, 0.4 * full / max_rows]
+        self._p = [[self._theta[0] ** 2, 0.0], [0.0, self._theta[1] ** 2]]
+        self._p0_trace = self._p[0][0] + self._p[1][1]
         self._bounds_p = (c_prefill_ms / 100, c_prefill_ms * 100)
         self._bounds_d = (c_decode_ms / 100, c_decode_ms * 100)
+
+    def decode_step_ms(self, rows: int) -> float:
+        """The fitted time of a pure decode step with `rows` rows."""
+        return self._theta[0] + self._theta[1] * rows
 
     def observe(self, step_ms: float, prefill_tokens: int, decode_rows: int) -> None:
         """Fold one measured step into the constants."""
         if not math.isfinite(step_ms) or step_ms <= 0 or (prefill_tokens <= 0 and decode_rows <= 0):
             return
-        a = self.alpha
-        if prefill_tokens <= 0:
-            sample = step_ms / decode_rows
-            self.c_decode_ms = _clamp(self.c_decode_ms + a * (sample - self.c_decode_ms), self._bounds_d)
+        if prefill_tokens > 0:
+            rest = step_ms - (self.decode_step_ms(decode_rows) if decode_rows > 0 else 0.0)
+            if rest > 0:  # else decode explains the whole step; nothing to learn about prefill
+                sample = rest / prefill_tokens
+                self.c_prefill_ms = _clamp(self.c_prefill_ms + self.alpha * (sample - self.c_prefill_ms),
+                                           self._bounds_p)
             return
-        rest = step_ms - self.c_decode_ms * max(decode_rows, 0)
-        if rest <= 0:
-            return  # decode explains the whole step; nothing to learn about prefill
-        sample = rest / prefill_tokens
-        self.c_prefill_ms = _clamp(self.c_prefill_ms + a * (sample - self.c_prefill_ms), self._bounds_p)
+        self._fit_decode(step_ms, decode_rows)
+        full = self.decode_step_ms(self.max_rows)
+        self.c_decode_ms = _clamp(full / self.max_rows, self._bounds_d)
+
+    def _fit_decode(self, y: float, rows: int) -> None:
+        """One recursive-least-squares step for y = base + per_row * rows."""
+        (p00, p01), (p10, p11) = self._p
+        px0, px1 = p00 + p01 * rows, p10 + p11 * rows  # P x, with x = (1, rows)
+        denom = self.forget + px0 + px1 * rows
+        k0, k1 = px0 / denom, px1 / denom
+        pred = self.decode_step_ms(rows)
+        err = min(max(y - pred, -0.5 * pred), pred)
+        self._theta[0] += k0 * err
+        self._theta[1] += k1 * err
+        f = self.forget
+        p = [[(p00 - k0 * px0) / f, (p01 - k0 * px1) / f], [(p10 - k1 * px0) / f, (p11 - k1 * px1) / f]]
+        trace = p[0][0] + p[1][1]
+        if trace > self._p0_trace:
+            scale = self._p0_trace / trace
+            p = [[v * scale for v in row] for row in p]
+        self._p = p
 
 
 def _clamp(x: float, bounds: tuple[float, float]) -> float:
@@ -114,7 +156,7 @@ class AdmissionController:
         self.max_tokens_limit = max_tokens_limit
         self.max_rows = max_rows
         self.queue_limit_ms = queue_limit_s * 1000.0
-        self.costs = CostModel(c_prefill_ms, c_decode_ms)
+        self.costs = CostModel(c_prefill_ms, c_decode_ms, max_rows=max_rows)
         self.answers = AnswerLengths(initial_answer_tokens)
 
     @classmethod

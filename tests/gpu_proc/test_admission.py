@@ -1,6 +1,7 @@
 """Admission: the cost estimate, 400 and 429 with Retry-After, online recalibration."""
 
 import math
+import random
 
 from ringserve.gpu_proc.admission import AdmissionController, AnswerLengths, CostModel
 
@@ -47,25 +48,55 @@ def test_empty_queue_always_admits():
     assert AdmissionController().decide(8000, 192, 1, queued_ms=0).accepted
 
 
-def test_cost_model_follows_measured_steps():
-    """Pure decode steps pull c_decode to ms/rows; mixed steps attribute the rest to prefill."""
-    cm = CostModel(0.1, 1.25, alpha=0.5)
-    for _ in range(30):
-        cm.observe(64.0, 0, 32)   # 2 ms per row on this hardware
-    assert abs(cm.c_decode_ms - 2.0) < 1e-3
-    for _ in range(30):
-        cm.observe(64.0 + 51.2, 256, 32)  # 0.2 ms per prompt token
+def test_cost_model_prices_decode_at_a_full_batch():
+    """Steps of varied row counts on hardware with a 10 ms + 0.5 ms/row line: an output token is
+    priced at the full batch, (10 + 0.5 * 32) / 32 = 0.8125 ms."""
+    cm = CostModel(0.1, 1.25, max_rows=32)
+    rng = random.Random(0)
+    for _ in range(400):
+        rows = rng.randint(1, 32)
+        cm.observe(10.0 + 0.5 * rows, 0, rows)
+    assert abs(cm.c_decode_ms - 0.8125) < 0.01
+    assert abs(cm.decode_step_ms(1) - 10.5) < 0.2
+
+
+def test_cost_model_with_constant_rows_follows_the_measured_step():
+    """Always 32 rows at 64 ms: c_decode converges to 2 ms and the fit does not wind up."""
+    cm = CostModel(0.1, 1.25, max_rows=32)
+    for _ in range(2000):
+        cm.observe(64.0, 0, 32)
+    assert abs(cm.c_decode_ms - 2.0) < 0.01
+
+
+def test_quiet_spell_of_one_row_steps_does_not_inflate_the_price():
+    """25 ms steps with one row (the seed's light load) leave c_decode near 1.25 ms, not 25."""
+    cm = CostModel(0.1, 1.25, max_rows=32)
+    for _ in range(500):
+        cm.observe(25.0, 0, 1)
+    assert 1.0 < cm.c_decode_ms < 1.6
+
+
+def test_cost_model_learns_prefill_from_mixed_steps():
+    """Mixed steps: what the decode line leaves unexplained is charged to the prompt tokens."""
+    cm = CostModel(0.1, 1.25, max_rows=32, alpha=0.5)
+    for _ in range(40):
+        cm.observe(cm.decode_step_ms(32) + 256 * 0.2, 256, 32)
     assert abs(cm.c_prefill_ms - 0.2) < 1e-3
+    for _ in range(40):
+        cm.observe(512 * 0.3, 512, 0)  # prefill-only steps
+    assert abs(cm.c_prefill_ms - 0.3) < 1e-3
 
 
-def test_cost_model_ignores_garbage_and_clamps():
-    """Non-finite or empty steps change nothing; one huge step cannot move a constant past 100x."""
-    cm = CostModel(0.1, 1.25, alpha=1.0)
+def test_cost_model_ignores_garbage_and_limits_outliers():
+    """Non-finite or empty steps change nothing; one huge step moves c_decode only a little."""
+    cm = CostModel(0.1, 1.25, max_rows=32)
     cm.observe(float("nan"), 0, 4)
     cm.observe(10.0, 0, 0)
     assert (cm.c_prefill_ms, cm.c_decode_ms) == (0.1, 1.25)
-    cm.observe(1e9, 0, 1)
-    assert cm.c_decode_ms == 125.0
+    for _ in range(200):
+        cm.observe(40.0, 0, 32)
+    cm.observe(1e9, 0, 32)
+    assert cm.c_decode_ms < 1.25 * 2
 
 
 def test_answer_length_window():

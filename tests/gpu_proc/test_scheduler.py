@@ -213,12 +213,17 @@ def test_stats_count_tokens_and_blocks():
 
 
 def test_step_times_recalibrate_admission_costs():
-    """observe_step_time with the last batch's counts moves c_decode toward the measurement."""
+    """observe_step_time with the last batch's counts (1 decode row, no prefill) feeds the decode
+    fit: 1-row steps far slower than the seed's 25 ms raise c_decode; faster ones lower it."""
     h = make_harness(num_blocks=16)
     h.sched.admit(make_request(1, 3, max_tokens=50, ignore_eos=True))
     h.step()
     before = h.sched.stats().c_decode_ms
     h.step()  # one decode row
+    assert (h.sched.last_decode_rows, h.sched.last_prefill_tokens) == (1, 0)
     for _ in range(50):
-        h.sched.observe_step_time(10.0)
-    assert h.sched.last_decode_rows == 1 and h.sched.stats().c_decode_ms > before
+        h.sched.observe_step_time(60.0)
+    slow = h.sched.stats().c_decode_ms
+    for _ in range(200):
+        h.sched.observe_step_time(5.0)
+    assert slow > before > h.sched.stats().c_decode_ms
