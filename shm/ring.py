@@ -97,7 +97,7 @@ class Ring:
         if cap % 8 or L.ring_segment_size(cap) > len(buf):
             raise RingCorrupt(f"ring capacity {cap} does not match its {len(buf)}-byte segment")
         self._buf = buf
-        self._view = memoryview(buf)
+        self._view = None  # memoryview for pop_views(), made on first use (it pins the map)
         self._cap = cap
         # NOTE: records (header included) are capped at half the ring minus the next-slot word:
         # a wrapping record then fits behind its pad whenever the ring is empty, so an empty
@@ -301,6 +301,8 @@ class Ring:
         if self._pending is not None:
             raise RingError("release() the previous pop_views() first")
         buf, cap, view = self._buf, self._cap, self._view
+        if view is None:
+            view = self._view = memoryview(buf)
         tail = self._tail
         out = []
         while len(out) < max_records:
