@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from heapq import heappop, heappush
+from typing import TYPE_CHECKING
 
 from ringserve.gpu_proc.admission import AdmissionController, Decision
 from ringserve.gpu_proc.block_manager import BlockManager
@@ -41,6 +42,9 @@ from ringserve.gpu_proc.fairness import FairQueue
 from ringserve.gpu_proc.request import FinishEvent, Request, RequestKey, RequestState, SampleRow, TokenEvent
 from ringserve.gpu_proc.step import RowSampling, SeqStep, StepBatch
 from ringserve.gpu_proc.stops import stop_reason
+
+if TYPE_CHECKING:
+    from ringserve.config import Config
 
 Event = TokenEvent | FinishEvent
 _WASTED = ("cancelled", "deadline")  # finish reasons whose generated tokens count as cancelled_tokens
@@ -67,7 +71,7 @@ class SchedulerStats:
 class Scheduler:
     """Continuous batching over a paged KV cache: owns the queues and every block table."""
 
-    def __init__(self, config, block_manager: BlockManager, *, eos_token_ids=frozenset(),
+    def __init__(self, config: Config, block_manager: BlockManager, *, eos_token_ids=frozenset(),
                  clock: Callable[[], float] = time.time, rng: random.Random | None = None,
                  admission: AdmissionController | None = None) -> None:
         """`config` is a `ringserve.config.Config` (or any object with its scheduler fields)."""
@@ -410,9 +414,10 @@ class Scheduler:
             tok = int(token_ids[k])
             gen = row.generated
             gen.append(tok)
-            if req.first_token_ts is None:
-                req.first_token_ts = now
+            if req.state == RequestState.PREFILL:
                 req.state = RequestState.DECODE
+                if req.first_token_ts is None:
+                    req.first_token_ts = now  # TTFT ends here; a recompute does not restart it
             events.append(TokenEvent(req.key, row.index, tok, float(logprobs[k]),
                                      tops[k] if req.logprobs is not None else None))
             charge(req.tenant, 0, 1)

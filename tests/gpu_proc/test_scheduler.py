@@ -82,6 +82,7 @@ def test_newest_request_is_preempted_and_resumes_without_re_emitting():
     assert a.is_finished  # a sampled its 6th token in that step and left
     batch = h.step()  # b rejoins: 4 prompt + 5 produced tokens recomputed, then samples its 6th
     assert _tables(batch) == [(b.rows[0].seq_id, 0, 9, [3, 0, 2], True)]
+    assert b.state == RequestState.DECODE
     h.run_until_idle()
     for r in (a, b):
         assert h.tokens[(r.key, 0)] == expected_stream(h, r)[0]
