@@ -24,16 +24,20 @@ from ringserve.api.metrics import CONTENT_TYPE, StatsSnapshot, render
 from ringserve.api.registry import Registry
 from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState
 from ringserve.api.tokenizer import TextCodec
+from ringserve.api.worker_stats import WorkerStats
 from ringserve.config import Config
 
 
 def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name: str,
              ready: Callable[[], bool], stats_source: Callable[[ApiState], StatsSnapshot] | None = None,
              auth: Authenticator | None = None, worker: int = 0,
-             remote_cancel: Callable[[str, str], Awaitable[bool]] | None = None) -> web.Application:
+             remote_cancel: Callable[[str, str], Awaitable[bool]] | None = None,
+             publish: Callable[[WorkerStats], None] | None = None,
+             publish_every_s: float = 0.25) -> web.Application:
     """Build a worker's app. `ready()` says whether the GPU process is ready (control block);
     `stats_source(state)` returns the server-wide stats snapshot for /metrics (default: this
-    worker's own counters only)."""
+    worker's own counters only); `publish(stats)`, if given, runs every `publish_every_s` and at
+    shutdown to copy this worker's stats into its control-block region (and beat its heartbeat)."""
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[_error_middleware, _auth_middleware])
     source = stats_source or (lambda st: StatsSnapshot(workers=[st.stats.as_dict()]))
@@ -50,6 +54,8 @@ def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name:
     app.cleanup_ctx.append(_gpu_client_ctx)
     app.cleanup_ctx.append(_executor_ctx)
     app.cleanup_ctx.append(_slow_reader_ctx)
+    if publish is not None:
+        app.cleanup_ctx.append(_publisher(publish, publish_every_s))
     return app
 
 
@@ -66,7 +72,7 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
         error = from_http_exception(exc)
     st = request.app[STATE]
     if request.path == "/v1/completions":
-        st.stats.count_response(error.status)
+        st.stats.count_rejection(error.status)
     rid = request.get(REQUEST_ID)
     return error.response({"x-request-id": rid} if rid else None)
 
@@ -148,6 +154,27 @@ async def _slow_reader_ctx(app: web.Application):
         await task
     except asyncio.CancelledError:
         pass
+
+
+def _publisher(publish: Callable[[WorkerStats], None], every_s: float):
+    async def ctx(app: web.Application):
+        stats = app[STATE].stats
+
+        async def loop() -> None:
+            while True:
+                publish(stats)
+                await asyncio.sleep(every_s)
+
+        task = asyncio.create_task(loop())
+        yield
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        publish(stats)  # the last counts before exit
+
+    return ctx
 
 
 async def _slow_reader_watchdog(st: ApiState) -> None:

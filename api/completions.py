@@ -28,7 +28,7 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
-    st.stats.requests_total += 1
+    st.stats.add("requests_total")
     req = parse_body(await request.read(), max_tokens_limit=st.config.max_tokens_limit)
     check_model(req.model, st.model_name)
     _check_available(st)
@@ -42,7 +42,7 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     stream = client.open_stream()
     entry = OpenRequest(request_id, request[TENANT], stream, request.transport)
     st.registry.add(entry)
-    st.stats.open_streams += 1
+    st.stats.add("open_streams")
     gen: Generation | None = None
     try:
         await client.submit(stream, Submit(
@@ -62,12 +62,10 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
         if gen is not None:
             if not gen.gpu_done:
                 client.cancel(stream.rid, _cancel_reason(entry, gen))
-            st.stats.tokens_streamed_total += sum(s.tokens for s in gen.samples)
-            st.stats.stop_string_finishes_total += sum(
-                1 for s in gen.samples if s.reason == "stop" and not s.gpu_done)
+            _record(st, gen, len(prompt_ids))
         client.release(stream)
         st.registry.remove(request_id)
-        st.stats.open_streams -= 1
+        st.stats.add("open_streams", -1)
 
 
 async def _stream(request: web.Request, st: ApiState, entry: OpenRequest, gen: Generation,
@@ -77,7 +75,6 @@ async def _stream(request: web.Request, st: ApiState, entry: OpenRequest, gen: G
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
     await resp.prepare(request)
-    st.stats.count_response(200)
     loop = asyncio.get_running_loop()
     stream = entry.stream
     try:
@@ -102,12 +99,27 @@ async def _stream(request: web.Request, st: ApiState, entry: OpenRequest, gen: G
     return resp
 
 
+def _record(st: ApiState, gen: Generation, prompt_tokens: int) -> None:
+    """Count a finished request into the worker's stats: tokens, finish reasons, latencies."""
+    stats = st.stats
+    stats.add("prompt_tokens_total", prompt_tokens)
+    stats.add("completion_tokens_total", gen.tokens)
+    for s in gen.samples:
+        stats.count_finish(s.reason if s.reason is not None else "error" if gen.error else "cancelled")
+    if gen.worker_ttft_ms is not None:
+        stats.observe("ttft_ms", gen.worker_ttft_ms)
+        stats.observe("max_gap_ms", gen.max_gap_s * 1000.0)
+    tpot = gen.tpot_ms()
+    if tpot is not None:
+        stats.observe("tpot_ms", tpot)
+
+
 def _count_gone(st: ApiState, entry: OpenRequest) -> None:
     if entry.ended_by == "slow_reader":
-        st.stats.slow_reader_cancels_total += 1
+        st.stats.add("slow_reader_cancels")
     else:
         entry.ended_by = entry.ended_by or "disconnect"
-        st.stats.disconnects_total += 1
+        st.stats.add("disconnects")
 
 
 async def _complete(st: ApiState, entry: OpenRequest, gen: Generation) -> web.Response:
@@ -121,7 +133,6 @@ async def _complete(st: ApiState, entry: OpenRequest, gen: Generation) -> web.Re
     body = {"id": entry.request_id, "object": "text_completion", "created": int(gen.arrival),
             "model": st.model_name, "choices": gen.choices(), "usage": gen.usage(),
             "timing": gen.timing(), "request_id": entry.request_id}
-    st.stats.count_response(200)
     return web.Response(body=msgspec.json.encode(body), content_type="application/json",
                         headers={"x-request-id": entry.request_id})
 

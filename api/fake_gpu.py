@@ -97,10 +97,9 @@ class FakeGpu:
         return len(self._rows)
 
     def stats(self) -> dict[str, float]:
-        """A GPU stats snapshot in the shape `api.metrics` renders."""
+        """A GPU stats region snapshot (`shm.layout.GPU_STAT_NAMES`), as `api.metrics` renders it."""
         return {"queue_depth": 0.0, "queued_gpu_seconds": 0.0, "running_rows": float(len(self._rows)),
-                "kv_blocks_free": 100.0, "kv_blocks_total": 128.0, "block_size": 16.0,
-                **{f"finished_{k}_total": float(v) for k, v in self.finished.items()}}
+                "kv_blocks_free": 100.0, "kv_blocks_total": 128.0, "steps": float(self._step)}
 
     # the step loop ---------------------------------------------------------------------------
     def _post(self, msg: Message) -> None:

@@ -56,8 +56,15 @@ class Generation:
         self.encoder = encoder
         self.want_logprobs = logprobs
         self.error: Error | None = None
-        self.queue_ms: float | None = None
-        self.ttft_ms: float | None = None
+        self.queue_ms: float | None = None  # from the GPU process's Finish records
+        self.gpu_ttft_ms: float | None = None
+        # Seen from the worker (for its latency histograms): first and last token arrival, the
+        # longest gap between two arrivals, on the monotonic clock.
+        self.worker_ttft_ms: float | None = None
+        self.first_token_t = 0.0
+        self.last_token_t = 0.0
+        self.max_gap_s = 0.0
+        self.tokens = 0
         self.unfinished = n  # samples without a client-visible finish
 
     # ------------------------------------------------------------------------------------------
@@ -66,6 +73,7 @@ class Generation:
         out: list[bytes] = []
         samples = self.samples
         enc = self.encoder
+        tokens_before = self.tokens
         for item in batch:
             kind = type(item)
             if kind is Token:
@@ -73,8 +81,7 @@ class Generation:
                 if s.reason is not None:
                     continue  # arrived after a stop string ended the sample; never shown
                 s.tokens += 1
-                if self.ttft_ms is None:
-                    self.ttft_ms = (time.time() - self.arrival) * 1000.0
+                self.tokens += 1
                 text = s.detok.push(item.token_id)
                 hit = False
                 if s.stops is not None:
@@ -92,7 +99,8 @@ class Generation:
                 s.gpu_done = True
                 if self.queue_ms is None:
                     self.queue_ms = item.queue_ms
-                self.ttft_ms = item.ttft_ms if self.ttft_ms is None else min(self.ttft_ms, item.ttft_ms)
+                self.gpu_ttft_ms = item.ttft_ms if self.gpu_ttft_ms is None \
+                    else min(self.gpu_ttft_ms, item.ttft_ms)
                 if s.reason is not None:
                     continue
                 reason = _CLIENT_REASON.get(item.reason)
@@ -107,7 +115,19 @@ class Generation:
                         self._finish(s, i, self._tail(s), "cancelled", out)
             elif kind is Error:
                 self._fail(item, out)
+        if self.tokens != tokens_before:
+            self._arrived()
         return out
+
+    def _arrived(self) -> None:
+        """Tokens arrived in this batch: track first-token time and the longest gap."""
+        now = time.monotonic()
+        if self.worker_ttft_ms is None:
+            self.worker_ttft_ms = (time.time() - self.arrival) * 1000.0
+            self.first_token_t = now
+        elif now - self.last_token_t > self.max_gap_s:
+            self.max_gap_s = now - self.last_token_t
+        self.last_token_t = now
 
     def _fail(self, err: Error, out: list[bytes]) -> None:
         if self.error is not None:
@@ -138,7 +158,16 @@ class Generation:
                 "total_tokens": self.prompt_tokens + completion}
 
     def timing(self) -> dict:
-        return {"queue_ms": self.queue_ms, "ttft_ms": self.ttft_ms}
+        """The GPU process's queue and TTFT times; the worker's TTFT if those never came."""
+        ttft = self.gpu_ttft_ms if self.gpu_ttft_ms is not None else self.worker_ttft_ms
+        return {"queue_ms": self.queue_ms, "ttft_ms": ttft}
+
+    def tpot_ms(self) -> float | None:
+        """Mean time per output token after the first, as the client saw the tokens arrive."""
+        per_sample = self.tokens / len(self.samples)
+        if per_sample <= 1:
+            return None
+        return (self.last_token_t - self.first_token_t) * 1000.0 / (per_sample - 1)
 
     def choices(self) -> list[dict]:
         return [{"index": i, "text": "".join(s.parts), "logprobs": s.logprobs,

@@ -1,16 +1,14 @@
 """`GET /metrics`: Prometheus text rendered with prometheus_client from a stats snapshot.
 
-The numbers come from shared memory (the GPU process's stats and one region per worker in the
-control block), so whichever worker answers, the text is the same. This module only renders: it
-takes the snapshot as plain dicts of named floats and histogram bucket arrays, and renders every
-metric of its catalogue (missing values read 0) so the set of series never depends on the data.
+The numbers come from shared memory — the GPU process's stats region and one region per worker in
+the control block — so whichever worker answers, the text is the same. This module only renders:
+it takes the regions as plain dicts of named floats (`shm.layout.GPU_STAT_NAMES`,
+`WORKER_STAT_NAMES`, histogram bucket arrays as `<hist>_bucket_<i>`, `_sum`, `_count`) and
+renders every metric of its catalogue (a missing value reads 0), so the set of series does not
+depend on which stats happen to be non-zero.
 
-Snapshot keys (GPU): queue_depth, queued_gpu_seconds, running_rows, kv_blocks_free,
-kv_blocks_total, block_size, preemptions_total, cancelled_tokens_total, rejected_429_total,
-finished_<reason>_total for each finish reason, steps_total. Histograms: `ttft_seconds` and
-`tpot_seconds`, each a mapping prompt-length bucket label -> `Histogram`. Per worker:
-open_streams, requests_total, tokens_streamed_total, disconnects_total, slow_reader_cancels_total,
-stop_string_finishes_total, responses_<status>_total.
+Histograms named `<base>_plen_<label>` in `shm.layout.HISTOGRAMS` (TTFT / TPOT per prompt-length
+bucket) are rendered as `ringserve_<base>_by_prompt_len_seconds{prompt_len="<label>"}`.
 """
 
 from __future__ import annotations
@@ -22,35 +20,22 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
                                     Metric)
 
+from ringserve.shm import layout as L
 from ringserve.shm.messages import FINISH_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @dataclass(frozen=True)
-class Histogram:
-    """Bucket counts as stored in shared memory: per bucket, not cumulative."""
-
-    bounds: tuple[float, ...]  # upper bounds, ascending; +Inf is implicit
-    counts: tuple[float, ...]  # len(bounds) + 1, the last one above every bound
-    sum: float
-
-    def __post_init__(self) -> None:
-        if len(self.counts) != len(self.bounds) + 1:
-            raise ValueError(f"need {len(self.bounds) + 1} counts for {len(self.bounds)} bounds, "
-                             f"got {len(self.counts)}")
-        if any(b >= c for b, c in zip(self.bounds, self.bounds[1:])):
-            raise ValueError("histogram bounds must ascend")
-
-
-@dataclass(frozen=True)
 class StatsSnapshot:
+    """The server's stats at one moment: the GPU region, model facts, and every worker's region."""
+
     gpu: Mapping[str, float] = field(default_factory=dict)
-    histograms: Mapping[str, Mapping[str, Histogram]] = field(default_factory=dict)
     workers: Sequence[Mapping[str, float]] = ()
+    block_size: int = 0  # from the model facts; 0 while unknown
 
 
-# name, help, source key
+# name, help, key in the GPU region
 _GPU_GAUGES = (
     ("ringserve_queue_depth", "Requests waiting for a row.", "queue_depth"),
     ("ringserve_queued_gpu_seconds", "Estimated GPU seconds of queued work (429 above the limit).",
@@ -58,28 +43,35 @@ _GPU_GAUGES = (
     ("ringserve_running_rows", "Rows in the running batch.", "running_rows"),
     ("ringserve_kv_blocks_free", "Free KV-cache blocks.", "kv_blocks_free"),
     ("ringserve_kv_blocks_total", "KV-cache blocks in the pool.", "kv_blocks_total"),
+    ("ringserve_step_ms", "Duration of the last GPU step, ms.", "step_ms"),
+    ("ringserve_cost_prefill_ms", "Cost model: GPU ms per prompt token.", "c_prefill_ms"),
+    ("ringserve_cost_decode_ms", "Cost model: GPU ms per output token.", "c_decode_ms"),
 )
 _GPU_COUNTERS = (
-    ("ringserve_preemptions", "Rows preempted when the KV pool ran out.", "preemptions_total"),
+    ("ringserve_preemptions", "Rows preempted when the KV pool ran out.", "preemptions"),
     ("ringserve_cancelled_tokens", "Tokens generated for requests later cancelled.",
-     "cancelled_tokens_total"),
+     "cancelled_tokens"),
     ("ringserve_rejected_429", "Requests refused with 429 (queued GPU work over the limit).",
-     "rejected_429_total"),
-    ("ringserve_steps", "Steps the GPU loop has run.", "steps_total"),
+     "rejected_429"),
+    ("ringserve_steps", "Steps the GPU loop has run.", "steps"),
+    ("ringserve_gpu_prompt_tokens", "Prompt tokens prefilled.", "prompt_tokens_total"),
+    ("ringserve_gpu_generation_tokens", "Tokens generated.", "generation_tokens_total"),
 )
-_WORKER_GAUGES = (("ringserve_worker_open_streams", "Requests open in the worker.", "open_streams"),)
+# name, help, key in the worker regions (summed over workers)
+_WORKER_GAUGES = (("ringserve_open_streams", "Requests open in the API workers.", "open_streams"),)
 _WORKER_COUNTERS = (
-    ("ringserve_worker_requests", "Completion requests received.", "requests_total"),
-    ("ringserve_worker_tokens_streamed", "Tokens sent to clients.", "tokens_streamed_total"),
-    ("ringserve_worker_disconnects", "Requests cancelled because the client went away.",
-     "disconnects_total"),
-    ("ringserve_worker_slow_reader_cancels", "Requests cancelled because the client stopped reading.",
-     "slow_reader_cancels_total"),
-    ("ringserve_worker_stop_string_finishes", "Samples ended by a stop string.",
-     "stop_string_finishes_total"),
+    ("ringserve_requests", "Completion requests received.", "requests_total"),
+    ("ringserve_prompt_tokens", "Prompt tokens of admitted requests.", "prompt_tokens_total"),
+    ("ringserve_completion_tokens", "Tokens sent to clients.", "completion_tokens_total"),
+    ("ringserve_disconnects", "Requests cancelled because the client went away.", "disconnects"),
+    ("ringserve_slow_reader_cancels", "Requests cancelled because the client stopped reading.",
+     "slow_reader_cancels"),
 )
-RESPONSE_STATUSES = (200, 400, 401, 404, 413, 429, 503)
-_HISTOGRAMS = (("ttft_seconds", "Time to first token."), ("tpot_seconds", "Time per output token."))
+_REJECTIONS = (("400", "requests_rejected_400"), ("429", "requests_rejected_429"),
+               ("other", "requests_rejected_other"))
+_HIST_HELP = {"ttft_ms": "Time to first token, seconds (arrival at the worker to first token).",
+              "tpot_ms": "Time per output token after the first, seconds.",
+              "max_gap_ms": "Longest gap between two tokens of a request, seconds."}
 
 
 class _SnapshotCollector:
@@ -92,50 +84,25 @@ class _SnapshotCollector:
             yield GaugeMetricFamily(name, doc, value=float(gpu.get(key, 0.0)))
         for name, doc, key in _GPU_COUNTERS:
             yield CounterMetricFamily(name, doc, value=float(gpu.get(key, 0.0)))
+        workers = _sum_workers(self.snap.workers)
+        for name, doc, key in _WORKER_GAUGES:
+            yield GaugeMetricFamily(name, doc, value=workers.get(key, 0.0))
+        for name, doc, key in _WORKER_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=workers.get(key, 0.0))
+        rejected = CounterMetricFamily("ringserve_requests_rejected", "Requests refused, by HTTP "
+                                       "status.", labels=["status"])
+        for label, key in _REJECTIONS:
+            rejected.add_metric([label], workers.get(key, 0.0))
+        yield rejected
         finished = CounterMetricFamily("ringserve_requests_finished", "Samples finished, by reason.",
                                        labels=["reason"])
         for reason in FINISH_REASONS:
-            finished.add_metric([reason], float(gpu.get(f"finished_{reason}_total", 0.0)))
+            finished.add_metric([reason], workers.get(f"finished_{reason}", 0.0))
         yield finished
-        yield from self._histograms()
-        yield from self._workers()
+        yield from _histograms(workers)
         yield from self._gateway(gpu)
 
-    def _histograms(self) -> Iterator[Metric]:
-        for key, doc in _HISTOGRAMS:
-            split = self.snap.histograms.get(key, {})
-            total = HistogramMetricFamily(f"ringserve_{key}", doc)
-            by_len = HistogramMetricFamily(f"ringserve_{key.removesuffix('_seconds')}_by_prompt_len_seconds",
-                                           f"{doc} Split by prompt-length bucket.", labels=["prompt_len"])
-            merged: Histogram | None = None
-            for label, h in split.items():
-                by_len.add_metric([label], _cumulative(h), h.sum)
-                merged = h if merged is None else _merge(merged, h)
-            if merged is not None:
-                total.add_metric([], _cumulative(merged), merged.sum)
-            yield total
-            yield by_len
-
-    def _workers(self) -> Iterator[Metric]:
-        workers = self.snap.workers
-        for name, doc, key in _WORKER_GAUGES:
-            fam = GaugeMetricFamily(name, doc, labels=["worker"])
-            for i, w in enumerate(workers):
-                fam.add_metric([str(i)], float(w.get(key, 0.0)))
-            yield fam
-        for name, doc, key in _WORKER_COUNTERS:
-            fam = CounterMetricFamily(name, doc, labels=["worker"])
-            for i, w in enumerate(workers):
-                fam.add_metric([str(i)], float(w.get(key, 0.0)))
-            yield fam
-        fam = CounterMetricFamily("ringserve_http_responses", "Completion responses, by HTTP status.",
-                                  labels=["status"])
-        for status in RESPONSE_STATUSES:
-            fam.add_metric([str(status)], sum(float(w.get(f"responses_{status}_total", 0.0)) for w in workers))
-        yield fam
-
-    @staticmethod
-    def _gateway(gpu: Mapping[str, float]) -> Iterator[Metric]:
+    def _gateway(self, gpu: Mapping[str, float]) -> Iterator[Metric]:
         """The Gateway API Inference Extension's model-server names, vLLM-spelled."""
         total = float(gpu.get("kv_blocks_total", 0.0))
         free = float(gpu.get("kv_blocks_free", 0.0))
@@ -147,23 +114,47 @@ class _SnapshotCollector:
                                 value=min(1.0, max(0.0, 1.0 - free / total)) if total > 0 else 0.0)
         info = GaugeMetricFamily("vllm:cache_config_info", "KV-cache configuration.",
                                  labels=["block_size", "num_gpu_blocks"])
-        info.add_metric([str(int(gpu.get("block_size", 0))), str(int(total))], 1.0)
+        info.add_metric([str(int(self.snap.block_size)), str(int(total))], 1.0)
         yield info
 
 
-def _cumulative(h: Histogram) -> list[tuple[str, float]]:
+def _sum_workers(workers: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for w in workers:
+        for k, v in w.items():
+            total[k] = total.get(k, 0.0) + float(v)
+    return total
+
+
+def _histograms(stats: Mapping[str, float]) -> Iterator[Metric]:
+    split: dict[str, HistogramMetricFamily] = {}
+    for hist in L.HISTOGRAMS:
+        base, _, label = hist.name.partition("_plen_")
+        seconds = base.removesuffix("_ms")
+        doc = _HIST_HELP.get(base, f"{base}, seconds.")
+        if label:
+            fam = split.get(base)
+            if fam is None:
+                fam = split[base] = HistogramMetricFamily(
+                    f"ringserve_{seconds}_by_prompt_len_seconds", f"{doc} By prompt length.",
+                    labels=["prompt_len"])
+            fam.add_metric([label], *_buckets(stats, hist))
+        else:
+            fam = HistogramMetricFamily(f"ringserve_{seconds}_seconds", doc)
+            fam.add_metric([], *_buckets(stats, hist))
+            yield fam
+    yield from split.values()
+
+
+def _buckets(stats: Mapping[str, float], hist: L.Histogram) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative buckets with bounds in seconds (the region counts in ms), and the sum."""
     out, running = [], 0.0
-    for bound, count in zip(h.bounds, h.counts):
-        running += count
-        out.append((repr(float(bound)), running))
-    out.append(("+Inf", running + h.counts[-1]))
-    return out
-
-
-def _merge(a: Histogram, b: Histogram) -> Histogram:
-    if a.bounds != b.bounds:
-        raise ValueError("prompt-length buckets of one histogram must share their bounds")
-    return Histogram(a.bounds, tuple(x + y for x, y in zip(a.counts, b.counts)), a.sum + b.sum)
+    for i, bound in enumerate(hist.bounds):
+        running += stats.get(f"{hist.name}_bucket_{i}", 0.0)
+        out.append((repr(bound / 1000.0), running))
+    running += stats.get(f"{hist.name}_bucket_{len(hist.bounds)}", 0.0)
+    out.append(("+Inf", running))
+    return out, stats.get(f"{hist.name}_sum", 0.0) / 1000.0
 
 
 def render(snap: StatsSnapshot) -> bytes:
@@ -171,3 +162,11 @@ def render(snap: StatsSnapshot) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SnapshotCollector(snap))
     return generate_latest(registry)
+
+
+def from_control(control) -> StatsSnapshot:
+    """Read a snapshot from a `shm.control.Control` block (every region, seqlock-consistent)."""
+    facts = control.model_facts() or {}
+    return StatsSnapshot(gpu=control.gpu_stats.read(),
+                         workers=[control.worker_stats(i).read() for i in range(control.n_workers)],
+                         block_size=int(facts.get("block_size", 0)))

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("api worker (fake GPU) listening on http://%s:%d", config.host, config.port)
     return run_worker(config, index=0, transport=lambda: fake, tokenizer_dir=args.tokenizer,
                       model_name="fake", ready=lambda: True,
-                      stats_source=lambda st: StatsSnapshot(gpu=fake.stats(), workers=[st.stats.as_dict()]))
+                      stats_source=lambda st: StatsSnapshot(gpu=fake.stats(), workers=[st.stats.as_dict()],
+                                                            block_size=16))
 
 
 if __name__ == "__main__":

@@ -1,27 +1,56 @@
-"""One worker's own counters; the worker copies them into its control-block stats region."""
+"""One worker's own counters and latency histograms, named as in the control block's worker region.
+
+The worker counts here on its event loop (no shared-memory writes on the hot path) and publishes
+the whole set into its seqlocked region periodically, so any worker's /metrics can sum them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from ringserve.shm import layout as L
+from ringserve.shm.messages import FINISH_REASONS
+
+_HISTS = {h.name: h for h in L.HISTOGRAMS}
 
 
-@dataclass(slots=True)
 class WorkerStats:
-    open_streams: int = 0
-    requests_total: int = 0
-    tokens_streamed_total: int = 0
-    disconnects_total: int = 0
-    slow_reader_cancels_total: int = 0
-    stop_string_finishes_total: int = 0
-    responses: dict[int, int] = field(default_factory=dict)
+    """Named floats (`shm.layout.WORKER_STAT_NAMES`) with the StatsRegion writer's verbs."""
 
-    def count_response(self, status: int) -> None:
-        self.responses[status] = self.responses.get(status, 0) + 1
+    __slots__ = ("values",)
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = dict.fromkeys(L.WORKER_STAT_NAMES, 0.0)
+
+    def add(self, name: str, value: float = 1.0) -> None:
+        self.values[name] += value
+
+    def get(self, name: str) -> float:
+        return self.values[name]
+
+    def observe(self, hist_name: str, value: float) -> None:
+        """Count `value` into the named histogram (bucket, sum and count)."""
+        hist = _HISTS[hist_name]
+        bucket = len(hist.bounds)
+        for i, bound in enumerate(hist.bounds):
+            if value <= bound:
+                bucket = i
+                break
+        v = self.values
+        v[f"{hist_name}_bucket_{bucket}"] += 1
+        v[f"{hist_name}_sum"] += value
+        v[f"{hist_name}_count"] += 1
+
+    def count_rejection(self, status: int) -> None:
+        name = f"requests_rejected_{status}"
+        self.add(name if name in self.values else "requests_rejected_other")
+
+    def count_finish(self, reason: str) -> None:
+        if reason in FINISH_REASONS:
+            self.add(f"finished_{reason}")
 
     def as_dict(self) -> dict[str, float]:
-        """Named floats, the shape `api.metrics` renders and the control block stores."""
-        out = {name: float(getattr(self, name)) for name in (
-            "open_streams", "requests_total", "tokens_streamed_total", "disconnects_total",
-            "slow_reader_cancels_total", "stop_string_finishes_total")}
-        out.update({f"responses_{status}_total": float(n) for status, n in self.responses.items()})
-        return out
+        return dict(self.values)
+
+    def publish(self, region) -> None:
+        """Copy everything into a `shm.control.StatsRegion` and make it visible as one snapshot."""
+        region.update(self.values)
+        region.publish()

@@ -82,7 +82,7 @@ def _worker_main(tokenizer_json: str, conn, stop_strings: bool) -> None:
         st = app[STATE]
         conn.send({"loop_max_stall_ms": max_stall * 1000.0, "tokenize_8k_ms": tokenize_ms,
                    "cpu_s": cpu.get("end", 0.0) - cpu.get("start", 0.0),
-                   "tokens_streamed_total": st.stats.tokens_streamed_total})
+                   "completion_tokens_total": st.stats.get("completion_tokens_total")})
         await runner.cleanup()
 
     uvloop.run(main())

@@ -35,15 +35,18 @@ class Served:
 
 @pytest.fixture
 def serve(aiohttp_client, codec) -> Callable:
-    """`await serve(fake=..., keys=..., ready=..., **config)` -> Served, on a fresh app."""
+    """`await serve(fake=..., keys=..., ready=..., app_kw=..., **config)` -> Served, on a fresh app."""
 
     async def _serve(fake: FakeGpu | None = None, keys: frozenset[str] | None = None,
-                     ready: Callable[[], bool] = lambda: True, **config) -> Served:
+                     ready: Callable[[], bool] = lambda: True, app_kw: dict | None = None,
+                     **config) -> Served:
         fake = fake or FakeGpu()
         app = init_app(Config(**config), GpuClient(fake), codec, model_name=MODEL, ready=ready,
                        auth=Authenticator(keys),
                        stats_source=lambda st: StatsSnapshot(gpu=fake.stats(),
-                                                             workers=[st.stats.as_dict()]))
+                                                             workers=[st.stats.as_dict()],
+                                                             block_size=16),
+                       **(app_kw or {}))
         client = await aiohttp_client(app)
         return Served(client, fake, app[STATE])
 

@@ -82,9 +82,26 @@ async def test_metrics_scrape_parses(serve):
             samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
     assert samples[("ringserve_kv_blocks_free", ())] == 100.0
     assert samples[("vllm:num_requests_running", ())] == 0.0
+    assert samples[("vllm:num_requests_waiting", ())] == 0.0
     assert samples[("vllm:kv_cache_usage_perc", ())] == pytest.approx(1 - 100 / 128)
     assert samples[("vllm:cache_config_info", (("block_size", "16"), ("num_gpu_blocks", "128")))] == 1.0
     assert samples[("ringserve_requests_finished_total", (("reason", "length"),))] == 1.0
-    assert samples[("ringserve_worker_requests_total", (("worker", "0"),))] == 1.0
-    assert samples[("ringserve_worker_tokens_streamed_total", (("worker", "0"),))] == 3.0
-    assert samples[("ringserve_http_responses_total", (("status", "200"),))] == 1.0
+    assert samples[("ringserve_requests_total", ())] == 1.0
+    assert samples[("ringserve_completion_tokens_total", ())] == 3.0
+    assert samples[("ringserve_ttft_seconds_count", ())] == 1.0
+    assert samples[("ringserve_tpot_seconds_count", ())] == 1.0
+    assert samples[("ringserve_ttft_seconds_bucket", (("le", "+Inf"),))] == 1.0
+
+
+async def test_worker_stats_are_published_periodically(serve):
+    """The publish hook receives this worker's stats (for its control-block region)."""
+    import asyncio
+
+    seen = []
+    served = await serve(app_kw={"publish": lambda stats: seen.append(stats.as_dict()),
+                                 "publish_every_s": 0.01})
+    await served.client.post("/v1/completions", json=_BODY)
+    async with asyncio.timeout(5):
+        while not seen or seen[-1]["requests_total"] != 1.0:
+            await asyncio.sleep(0.01)
+    assert seen[-1]["completion_tokens_total"] == 1.0

@@ -69,7 +69,7 @@ async def test_disconnect_cancels_the_row(serve):
     await _until(lambda: served.fake.cancels)
     assert served.fake.cancels[0].reason == "disconnect"
     await _until(lambda: served.fake.running == 0 and len(served.state.registry) == 0)
-    assert served.state.stats.disconnects_total == 1
+    assert served.state.stats.get("disconnects") == 1
 
 
 async def test_disconnect_while_queued_cancels(serve):
@@ -98,7 +98,7 @@ async def test_slow_reader_is_cancelled_and_closed(serve):
                             + str(len(body)).encode() + b"\r\n\r\n" + body)
     await _until(lambda: served.fake.cancels, timeout=10.0)
     assert served.fake.cancels[0].reason == "slow_reader"
-    assert served.state.stats.slow_reader_cancels_total == 1
+    assert served.state.stats.get("slow_reader_cancels") == 1
     # The server closed the connection: draining what was buffered ends in EOF or a reset.
     received = b""
     try:

@@ -110,9 +110,11 @@ async def test_unknown_model_is_404(serve):
     assert err["code"] == "model_not_found" and err["param"] == "model"
 
 
-async def test_error_statuses_are_counted(serve):
-    """Responses by status show up in the worker's stats."""
-    served = await serve()
+async def test_rejections_are_counted(serve):
+    """Requests and refusals by status show up in the worker's stats."""
+    served = await serve(ready=lambda: False)
     await served.client.post("/v1/completions", data=b"{")
     await served.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
-    assert served.state.stats.responses == {400: 1, 200: 1}
+    stats = served.state.stats
+    assert (stats.get("requests_total"), stats.get("requests_rejected_400"),
+            stats.get("requests_rejected_other")) == (2, 1, 1)

@@ -1,0 +1,75 @@
+"""Metrics rendered from the control block's regions, parsed back with prometheus_client."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ringserve.api import metrics
+from ringserve.api.worker_stats import WorkerStats
+from ringserve.shm import layout as L
+from ringserve.shm.control import Control
+
+
+def _samples(text: bytes) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(text.decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+@pytest.fixture
+def control():
+    buf = bytearray(L.control_segment_size(2))
+    Control.format(buf, 2)
+    return Control(buf)
+
+
+def test_control_block_snapshot_renders_server_wide(control):
+    """GPU stats, both workers' counters and histograms (summed) and model facts all render."""
+    control.gpu_stats.update({"queue_depth": 3, "running_rows": 5, "kv_blocks_free": 30,
+                              "kv_blocks_total": 120, "preemptions": 2, "cancelled_tokens": 17,
+                              "rejected_429": 4, "queued_gpu_seconds": 1.5})
+    control.gpu_stats.publish()
+    control.set_model_facts({"block_size": 16, "name": "tiny"})
+    for slot, ttft in ((0, 40.0), (1, 700.0)):
+        stats = WorkerStats()
+        stats.add("requests_total", 10)
+        stats.count_finish("stop")
+        stats.observe("ttft_ms", ttft)
+        stats.publish(control.worker_stats(slot))
+    s = _samples(metrics.render(metrics.from_control(control)))
+    assert s[("ringserve_queue_depth", ())] == 3 and s[("vllm:num_requests_waiting", ())] == 3
+    assert s[("ringserve_running_rows", ())] == 5 and s[("vllm:num_requests_running", ())] == 5
+    assert s[("vllm:kv_cache_usage_perc", ())] == pytest.approx(0.75)
+    assert s[("vllm:cache_config_info", (("block_size", "16"), ("num_gpu_blocks", "120")))] == 1
+    assert s[("ringserve_preemptions_total", ())] == 2
+    assert s[("ringserve_cancelled_tokens_total", ())] == 17
+    assert s[("ringserve_rejected_429_total", ())] == 4
+    assert s[("ringserve_queued_gpu_seconds", ())] == 1.5
+    assert s[("ringserve_requests_total", ())] == 20
+    assert s[("ringserve_requests_finished_total", (("reason", "stop"),))] == 2
+    assert s[("ringserve_ttft_seconds_bucket", (("le", "0.05"),))] == 1
+    assert s[("ringserve_ttft_seconds_bucket", (("le", "1.0"),))] == 2
+    assert s[("ringserve_ttft_seconds_sum", ())] == pytest.approx(0.74)
+
+
+def test_same_snapshot_same_text(control):
+    """Two workers reading the same shared memory serve byte-identical /metrics."""
+    first = metrics.render(metrics.from_control(control))
+    assert first == metrics.render(metrics.from_control(Control(control._buf)))
+    assert b"ringserve_kv_blocks_free 0.0" in first  # the catalogue renders even at zero
+
+
+def test_prompt_length_histograms_are_labelled(monkeypatch):
+    """Histograms named <base>_plen_<label> render as one family labelled by prompt length."""
+    extra = (L.Histogram("ttft_ms_plen_0_512", (100.0,)), L.Histogram("ttft_ms_plen_512_8192", (100.0,)))
+    monkeypatch.setattr(L, "HISTOGRAMS", L.HISTOGRAMS + extra)
+    worker = {"ttft_ms_plen_0_512_bucket_0": 1.0, "ttft_ms_plen_0_512_count": 1.0,
+              "ttft_ms_plen_0_512_sum": 20.0, "ttft_ms_plen_512_8192_bucket_1": 1.0,
+              "ttft_ms_plen_512_8192_count": 1.0, "ttft_ms_plen_512_8192_sum": 900.0}
+    s = _samples(metrics.render(metrics.StatsSnapshot(workers=[worker])))
+    assert s[("ringserve_ttft_by_prompt_len_seconds_bucket", (("le", "0.1"), ("prompt_len", "0_512")))] == 1
+    assert s[("ringserve_ttft_by_prompt_len_seconds_bucket", (("le", "0.1"), ("prompt_len", "512_8192")))] == 0
+    assert s[("ringserve_ttft_by_prompt_len_seconds_count", (("prompt_len", "512_8192"),))] == 1
