@@ -2,8 +2,10 @@
 
 The supervisor starts N of these on one port; the kernel spreads connections between them. Each
 worker owns its transport to the GPU process (its ring pair once attached to shared memory), built
-by the `transport` factory inside the worker's event loop. `python -m ringserve.api.worker --fake`
-runs one worker against the in-process fake GPU, for trying the API without a model.
+by the `transport` factory inside the worker's event loop; `run_attached` is the supervised
+worker's entry (shared-memory rings, control block). `python -m ringserve.api.worker --fake`
+runs one worker against the in-process fake GPU, for trying the API without a model;
+`--attach` runs a supervised worker (see `main`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ringserve.api.gpu_client import GpuClient, Transport
 from ringserve.api.metrics import StatsSnapshot
 from ringserve.api.state import STATE, ApiState
 from ringserve.api.tokenizer import TextCodec
+from ringserve.api.worker_stats import WorkerStats
 from ringserve.config import Config
 
 log = logging.getLogger("ringserve.api.worker")
@@ -65,6 +68,7 @@ async def serve(config: Config, app: web.Application, sock: socket.socket,
 def run_worker(config: Config, *, index: int, transport: Callable[[], Transport],
                tokenizer_dir: str, model_name: str, ready: Callable[[], bool],
                stats_source: Callable[[ApiState], StatsSnapshot] | None = None,
+               publish: Callable[[WorkerStats], None] | None = None,
                sock: socket.socket | None = None) -> int:
     """The worker process's main: runs until SIGTERM (drain) or SIGINT."""
     codec = TextCodec.from_dir(tokenizer_dir)
@@ -77,31 +81,75 @@ def run_worker(config: Config, *, index: int, transport: Callable[[], Transport]
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         app = init_app(config, GpuClient(transport(), worker=index), codec, model_name=model_name,
-                       ready=ready, stats_source=stats_source, auth=auth, worker=index)
+                       ready=ready, stats_source=stats_source, auth=auth, worker=index,
+                       publish=publish)
         await serve(config, app, sock, stop)
 
     uvloop.run(main())
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m ringserve.api.worker --fake --tokenizer DIR`: one worker on the fake GPU."""
-    from ringserve.api.fake_gpu import FakeGpu
+def run_attached(config: Config, *, slot: int, instance: str, bell_fds: list[int],
+                 tokenizer_dir: str, model_name: str, directory: str | None = None,
+                 sock: socket.socket | None = None) -> int:
+    """A worker of a supervised server: attach to the shm instance, talk to the GPU process over
+    ring pair `slot`, read readiness and /metrics from the control block, publish this worker's
+    stats and heartbeat into its slot."""
+    from ringserve.api.metrics import from_control
+    from ringserve.api.ring_transport import RingTransport
+    from ringserve.shm import layout as L
+    from ringserve.shm.instance import ShmInstance
 
+    shm = ShmInstance.attach(instance, bell_fds=bell_fds,
+                             **({"directory": directory} if directory else {}))
+    control = shm.control
+    region = control.worker_stats(slot)
+
+    def publish(stats) -> None:
+        stats.publish(region)
+        control.worker_heartbeat(slot)
+
+    try:
+        return run_worker(config, index=slot, transport=lambda: RingTransport.for_slot(shm, slot),
+                          tokenizer_dir=tokenizer_dir, model_name=model_name,
+                          ready=lambda: control.gpu_state == L.GpuState.READY,
+                          stats_source=lambda st: from_control(control), publish=publish, sock=sock)
+    finally:
+        shm.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ringserve.api.worker --tokenizer DIR (--fake | --attach INSTANCE --slot I
+    --bell-fds FDS)`: one worker on the fake GPU, or one supervised worker on shared memory."""
     p = argparse.ArgumentParser(prog="ringserve-api-worker", description=__doc__.splitlines()[0])
     p.add_argument("--tokenizer", required=True, help="directory holding tokenizer.json")
-    p.add_argument("--fake", action="store_true", required=True,
-                   help="answer with the in-process fake GPU (echoes the prompt)")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--fake", action="store_true",
+                      help="answer with the in-process fake GPU (echoes the prompt)")
+    mode.add_argument("--attach", metavar="INSTANCE", help="shm instance id to attach to")
+    p.add_argument("--slot", type=int, default=0, help="worker slot (ring pair) with --attach")
+    p.add_argument("--bell-fds", default="", help="inherited doorbell fds, comma-separated: input, "
+                   "then one per worker slot (ShmInstance.bell_fds())")
+    p.add_argument("--shm-dir", default=None, help="shared-memory directory (default /dev/shm)")
+    p.add_argument("--model-name", default="fake", help="the model id the API reports")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--step-ms", type=float, default=20.0, help="fake GPU step time")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = Config.from_env(host=args.host, port=args.port)
+    if args.attach:
+        fds = [int(x) for x in args.bell_fds.split(",") if x]
+        log.info("api worker %d listening on http://%s:%d", args.slot, config.host, config.port)
+        return run_attached(config, slot=args.slot, instance=args.attach, bell_fds=fds,
+                            tokenizer_dir=args.tokenizer, model_name=args.model_name,
+                            directory=args.shm_dir)
+    from ringserve.api.fake_gpu import FakeGpu
+
     fake = FakeGpu(step_interval_s=args.step_ms / 1000.0)
     log.info("api worker (fake GPU) listening on http://%s:%d", config.host, config.port)
     return run_worker(config, index=0, transport=lambda: fake, tokenizer_dir=args.tokenizer,
-                      model_name="fake", ready=lambda: True,
+                      model_name=args.model_name, ready=lambda: True,
                       stats_source=lambda st: StatsSnapshot(gpu=fake.stats(), workers=[st.stats.as_dict()],
                                                             block_size=16))
 

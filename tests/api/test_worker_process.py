@@ -1,0 +1,124 @@
+"""Worker processes end to end over real shared memory: two workers share one port
+(SO_REUSEPORT), the test plays the GPU process on the rings, SIGTERM drains and exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from ringserve.shm import layout as L
+from ringserve.shm.instance import ShmInstance
+from ringserve.shm.messages import Accepted, Finish, StepOutput, Submit, Token, decode, encode
+
+
+class _EchoGpu(threading.Thread):
+    """Answers each Submit on any request ring: Accepted, then the prompt ids as tokens."""
+
+    def __init__(self, shm: ShmInstance) -> None:
+        super().__init__(daemon=True)
+        self.shm = shm
+        self.ins, self.outs = shm.gpu_rings()
+        self.stop = threading.Event()
+        self.submits: list[tuple[int, Submit]] = []
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.shm.input_bell.wait(0.05)
+            for slot, ring in enumerate(self.ins):
+                while (raw := ring.pop()) is not None:
+                    msg = decode(raw)
+                    if isinstance(msg, Submit):
+                        self.submits.append((slot, msg))
+                        self._answer(slot, msg)
+
+    def _answer(self, slot: int, sub: Submit) -> None:
+        ids = sub.prompt_ids[:sub.max_tokens]
+        for msg in (Accepted(rid=sub.rid, est_gpu_ms=1.0),
+                    StepOutput(step=1, tokens=[Token(sub.rid, 0, t, -0.25) for t in ids],
+                               finishes=[Finish(sub.rid, 0, "length", len(sub.prompt_ids), len(ids),
+                                                0.2, 3.0)])):
+            if not self.outs[slot].try_push(encode(msg)):
+                raise RuntimeError("output ring full")
+        self.shm.output_bells[slot].ring()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(port: int, body: dict) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def _wait_ready(port: int, procs, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError("a worker exited during start-up")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError("workers did not start")
+
+
+@pytest.mark.timeout(90)
+def test_two_workers_over_shared_memory(tmp_path, tiny_model_dir, codec):
+    """Requests through either worker reach the GPU side over rings and stream back correct text;
+    /ready follows the control block; SIGTERM ends both workers cleanly."""
+    shm = ShmInstance.create(ring_bytes=1 << 16, n_workers=2, directory=str(tmp_path))
+    gpu = _EchoGpu(shm)
+    gpu.start()
+    port = _free_port()
+    env = {**os.environ, "RINGSERVE_PORT": str(port)}
+    fds = shm.bell_fds()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "ringserve.api.worker", "--tokenizer", str(tiny_model_dir),
+         "--attach", shm.instance, "--slot", str(slot), "--bell-fds", ",".join(map(str, fds)),
+         "--shm-dir", str(tmp_path), "--model-name", "tiny"],
+        env=env, pass_fds=fds, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for slot in (0, 1)]
+    try:
+        _wait_ready(port, procs)
+        status, body = _post(port, {"prompt": "x"})
+        assert status == 503  # the GPU process has not said READY yet
+        shm.control.set_gpu_state(L.GpuState.READY)
+        text = "Hello 世界 🎉"
+        n = len(codec.encode(text))
+        for _ in range(12):
+            status, body = _post(port, {"prompt": text, "max_tokens": n})
+            assert status == 200, body
+            assert json.loads(body)["choices"][0]["text"] == text
+        status, body = _post(port, {"prompt": text, "max_tokens": n, "stream": True})
+        events = [ln[6:] for ln in body.decode().split("\n\n") if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert "".join(json.loads(e).get("text", "") for e in events[:-2]) == text
+        assert {slot for slot, _ in gpu.submits} <= {0, 1} and len(gpu.submits) == 13
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=30) for p in procs]
+        gpu.stop.set()
+        gpu.join(timeout=5)
+        shm.close()
+        shm.unlink()
+    assert codes == [0, 0], [p.stdout.read().decode()[-2000:] for p in procs]
