@@ -4,6 +4,7 @@ passed down explicitly to every process. Defaults are the seed's numbers."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field, fields
 
@@ -72,6 +73,14 @@ class Config:
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        """How the supervisor hands the one Config to its children (environment variable)."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Config":
+        return cls(**json.loads(text))
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> "Config":

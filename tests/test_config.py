@@ -24,3 +24,9 @@ def test_bad_values_name_the_field():
         Config(max_rows=0)
     with pytest.raises(ConfigError, match="RINGSERVE_PORT"):
         Config.from_env({"RINGSERVE_PORT": "eighty"})
+
+
+def test_json_round_trip():
+    """What the supervisor hands its children is the same Config."""
+    c = Config(max_rows=7, model="/m", queue_limit_s=1.5)
+    assert Config.from_json(c.to_json()) == c

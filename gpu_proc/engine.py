@@ -1,0 +1,77 @@
+"""Everything the GPU process computes with: the model on its device, the KV pool, the runner and
+the sampler, built from the one Config. The scheduler (pure Python) sits beside it in the loop."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ringserve.config import Config
+from ringserve.gpu_proc.kv_pool import KVPool
+from ringserve.gpu_proc.kv_sizing import estimate_activation_bytes, plan_kv_blocks_on_device
+from ringserve.gpu_proc.model.loader import load_model, read_special_tokens
+from ringserve.gpu_proc.model_runner import ModelRunner
+from ringserve.gpu_proc.sampler import SampleOutput, sample
+from ringserve.gpu_proc.step import StepBatch
+
+log = logging.getLogger("ringserve.gpu")
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device")
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+@dataclass
+class Engine:
+    runner: ModelRunner
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+    num_blocks: int
+    device: torch.device
+    dtype: torch.dtype
+
+    def step(self, batch: StepBatch) -> SampleOutput | None:
+        """One forward pass and the samples of its sampling rows (None when no row samples)."""
+        logits = self.runner.execute(batch)
+        rows = batch.sampling_seqs
+        if not rows:
+            return None
+        return sample(logits, [s.sampling for s in rows], [s.context_len for s in rows])
+
+
+def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype) -> int:
+    if config.num_blocks:
+        return config.num_blocks
+    if device.type != "cuda":
+        return config.cpu_kv_blocks
+    args = model.args
+    block_bytes = KVPool.bytes_per_block(args.num_layers, args.num_kv_heads, args.head_dim,
+                                         config.block_size, dtype)
+    reserve = estimate_activation_bytes(
+        max_step_tokens=config.max_rows + config.prefill_budget * 8, max_rows=config.max_rows,
+        hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+        vocab_size=args.vocab_size, dtype_bytes=torch.empty((), dtype=dtype).element_size())
+    plan = plan_kv_blocks_on_device(device, utilization=config.gpu_memory_utilization,
+                                    block_bytes=block_bytes, activation_reserve_bytes=reserve)
+    log.info("KV pool: %s", plan.describe())
+    return plan.num_blocks
+
+
+def build_engine(config: Config, model_dir: str | Path) -> Engine:
+    device = resolve_device(config.device)
+    model = load_model(model_dir, device, config.dtype)
+    dtype = next(model.parameters()).dtype
+    special = read_special_tokens(model_dir)
+    args = model.args
+    num_blocks = _num_blocks(config, model, device, dtype)
+    pool = KVPool(args.num_layers, num_blocks, args.num_kv_heads, args.head_dim,
+                  config.block_size, dtype, device)
+    return Engine(ModelRunner(model, pool), special.eos_token_ids, args.vocab_size, num_blocks,
+                  device, dtype)

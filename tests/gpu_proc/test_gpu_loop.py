@@ -1,0 +1,136 @@
+"""The GPU process end to end over real rings: a real child process, a test worker on the other side."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ringserve.config import Config
+from ringserve.shm import layout as L
+from ringserve.shm import messages as M
+from ringserve.shm.instance import ShmInstance
+
+TIMEOUT_S = 120
+
+
+class _Worker:
+    """Slot 0's side of the rings, driven synchronously by the test."""
+
+    def __init__(self, shm: ShmInstance) -> None:
+        self.shm = shm
+        self.req, self.out = shm.worker_rings(0)
+        self.messages: list[M.Message] = []
+
+    def send(self, msg) -> None:
+        assert self.req.try_push(M.encode(msg))
+        self.shm.input_bell.ring()
+
+    def pump(self, until, timeout: float = TIMEOUT_S):
+        deadline = time.monotonic() + timeout
+        while not until():
+            if time.monotonic() > deadline:
+                stats = self.shm.control.gpu_stats.read()
+                raise TimeoutError(f"condition not met; stats {stats}; last {self.messages[-3:]}")
+            self.shm.output_bells[0].wait(0.05)
+            self.messages += [M.decode(b) for b in self.out.pop_many()]
+
+    def tokens(self, rid: int, index: int = 0) -> list[int]:
+        return [t.token_id for m in self.messages if isinstance(m, M.StepOutput)
+                for t in m.tokens if t.rid == rid and t.index == index]
+
+    def finishes(self, rid: int) -> list[M.Finish]:
+        return [f for m in self.messages if isinstance(m, M.StepOutput) for f in m.finishes if f.rid == rid]
+
+    def reply(self, rid: int):
+        return next((m for m in self.messages if isinstance(m, (M.Accepted, M.Rejected)) and m.rid == rid), None)
+
+
+@pytest.fixture
+def gpu_process(tiny_model_dir, tmp_path):
+    config = Config(num_blocks=64, max_rows=8, prefill_budget=32, context_limit=512, max_tokens_limit=256)
+    shm = ShmInstance.create(ring_bytes=1 << 20, n_workers=1, directory=str(tmp_path))
+    shm.control.bump_gpu_generation()
+    shm.control.start_worker_slot(0, os.getpid())
+    fds = ",".join(str(fd) for fd in shm.bell_fds())
+    env = dict(os.environ, RINGSERVE_CONFIG_JSON=config.to_json())
+    proc = subprocess.Popen([sys.executable, "-m", "ringserve.gpu_proc.main", "--instance", shm.instance,
+                             "--shm-dir", str(tmp_path), "--bell-fds", fds, "--model-dir", str(tiny_model_dir)],
+                            env=env, pass_fds=shm.bell_fds())
+    deadline = time.monotonic() + TIMEOUT_S
+    while shm.control.gpu_state != L.GpuState.READY:
+        assert proc.poll() is None, f"GPU process exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "GPU process not ready in time"
+        time.sleep(0.05)
+    yield shm, proc
+    proc.kill()
+    proc.wait()
+    shm.unlink()
+    shm.close()
+
+
+def _submit(rid, prompt, max_tokens=8, **sampling):
+    sampling.setdefault("temperature", 0.0)
+    now = time.time()
+    return M.Submit(rid=rid, request_id=f"req-{rid}", tenant="t", prompt_ids=prompt, max_tokens=max_tokens,
+                    sampling=M.SamplingParams(ignore_eos=True, **sampling), arrival_ts=now, deadline_ts=now + 60)
+
+
+def test_submit_streams_tokens_and_finishes(gpu_process):
+    """A Submit is accepted, streams max_tokens tokens, finishes with `length` and usage."""
+    shm, _ = gpu_process
+    w = _Worker(shm)
+    w.send(_submit(1, [5, 6, 7, 8, 9], max_tokens=6))
+    w.pump(lambda: w.finishes(1))
+    assert isinstance(w.reply(1), M.Accepted)
+    assert len(w.tokens(1)) == 6
+    (fin,) = w.finishes(1)
+    assert (fin.reason, fin.prompt_tokens, fin.completion_tokens) == ("length", 5, 6)
+    w.pump(lambda: shm.control.gpu_stats.read()["kv_blocks_free"] == 64)
+
+
+def test_batched_requests_match_solo(gpu_process):
+    """Greedy tokens of requests run together equal each request run alone."""
+    shm, _ = gpu_process
+    w = _Worker(shm)
+    prompts = [[3 + i] * (4 + 9 * i) for i in range(5)]
+    solo = []
+    for i, p in enumerate(prompts):
+        w.send(_submit(100 + i, p))
+        w.pump(lambda: w.finishes(100 + i))
+        solo.append(w.tokens(100 + i))
+    for i, p in enumerate(prompts):
+        w.send(_submit(200 + i, p))
+    w.pump(lambda: all(w.finishes(200 + i) for i in range(len(prompts))))
+    assert [w.tokens(200 + i) for i in range(len(prompts))] == solo
+
+
+def test_over_context_limit_is_400_and_cancel_frees_blocks(gpu_process):
+    """Prompt + max_tokens over the context limit is refused with 400; a cancel ends a stream early."""
+    shm, _ = gpu_process
+    w = _Worker(shm)
+    w.send(_submit(1, [5] * 400, max_tokens=200))
+    w.pump(lambda: w.reply(1))
+    assert isinstance(w.reply(1), M.Rejected) and w.reply(1).status == 400
+    w.send(_submit(2, [5, 6, 7], max_tokens=200))
+    w.pump(lambda: len(w.tokens(2)) >= 2)
+    w.send(M.Cancel(rid=2))
+    w.pump(lambda: w.finishes(2))
+    assert w.finishes(2)[0].reason == "cancelled"
+    assert len(w.tokens(2)) < 200
+    w.pump(lambda: shm.control.gpu_stats.read()["kv_blocks_free"] == 64)
+
+
+def test_bad_token_id_is_400(gpu_process):
+    """A prompt token outside the vocabulary is refused, and the process keeps serving."""
+    shm, proc = gpu_process
+    w = _Worker(shm)
+    w.send(_submit(1, [10**9]))
+    w.pump(lambda: w.reply(1))
+    assert w.reply(1).status == 400 and "vocabulary" in w.reply(1).message
+    w.send(_submit(2, [5, 6]))
+    w.pump(lambda: w.finishes(2))
+    assert proc.poll() is None
