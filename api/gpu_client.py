@@ -108,7 +108,14 @@ class GpuClient:
         if msg.rid != stream.rid:
             raise ValueError("Submit.rid must be the stream's rid")
         self._send(msg)
-        answer = await stream.admission
+        try:
+            answer = await stream.admission
+        except asyncio.CancelledError:
+            # The client left while the request waited for admission: the GPU process may still
+            # admit it, so cancel it now rather than spend prefill on nobody.
+            self.cancel(stream.rid, "disconnect")
+            self.release(stream)
+            raise
         if isinstance(answer, Accepted):
             return answer
         self.release(stream)

@@ -105,3 +105,18 @@ async def test_row_error_finish_fails_the_request(codec):
     out = gen.consume([Token(1, 0, 5, -1.0), Finish(1, 0, "error", 1, 1, 0.0, 0.0)])
     assert gen.finished and gen.error is not None and gen.error.code == "gpu_error"
     assert b'"error"' in out[-1] and b'"finish_reason"' not in out[-1]
+
+
+async def test_cancelled_while_awaiting_admission_sends_cancel():
+    """A client that leaves before admission still gets its request cancelled on the GPU side."""
+    ring = _Ring(room=10)
+    client = GpuClient(ring)
+    client.start()
+    stream = client.open_stream()
+    task = asyncio.create_task(client.submit(stream, _submit(stream.rid)))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert [(type(m), m.rid) for m in ring.sent] == [(Submit, stream.rid), (Cancel, stream.rid)]
+    assert ring.sent[1].reason == "disconnect" and client.open_requests == 0
