@@ -9,7 +9,9 @@ same run on the same machine.
   kernel until woken (the ring by its eventfd doorbell; no busy spinning).
 
 The ratios `ring_vs_zmq_*` are ours over theirs: for latency lower is better (goal <= 0.2), for
-throughput higher is better (goals: 16 KiB >= 3, messages >= 1).
+throughput higher is better (goals: 16 KiB >= 3, messages >= 1). Every figure is the best of
+`--repeat` interleaved runs (see `run`). The ring side uses the product's API as the server
+does: `try_push` per record, a doorbell ring per 64 records, `pop_many` / zero-copy `pop_views`.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from ringserve.shm.ring import Ring
 _CTX = multiprocessing.get_context("fork")
 TRANSPORTS = ("ring", "zmq", "mpq")
 # case -> (payload bytes or "msg", records at scale 1)
-CASES = {"64B": (64, 200_000), "1KiB": (1024, 100_000), "16KiB": (16384, 20_000),
-         "msg_1KiB": ("msg", 50_000)}
-LATENCY_ROUNDS = 5_000
+CASES = {"64B": (64, 100_000), "1KiB": (1024, 50_000), "16KiB": (16384, 10_000),
+         "msg_1KiB": ("msg", 30_000)}
+LATENCY_ROUNDS = 3_000
 RING_BYTES = 4 * 1024 * 1024  # the server's default ring size
 BATCH = 64  # ring: records per pop, and pushes per doorbell ring
 
@@ -249,42 +251,58 @@ def _environment(directory: str, transport: str):
     return env, shm
 
 
-def run(scale: float = 1.0, transports=TRANSPORTS) -> dict:
-    """Every case for every transport; returns the `--json` object."""
+def _measure_throughput(transport: str, directory: str, case: str, n: int) -> dict:
+    env, shm = _environment(directory, transport)
+    try:
+        t0, (t1, got, nbytes) = _run_pair(transport, env, (_sender, _receiver), (case, n))
+    finally:
+        if shm is not None:
+            shm.unlink()
+            shm.close()
+    secs = (t1 - t0) / 1e9
+    return {"records": got, "seconds": round(secs, 4), "records_per_s": round(got / secs),
+            "mb_per_s": round(nbytes / secs / 1e6, 1)}
+
+
+def _measure_latency(transport: str, directory: str, rounds: int) -> dict:
+    env, shm = _environment(directory, transport)
+    try:
+        lat, _ = _run_pair(transport, env, (_pinger, _ponger), (rounds + 100,))
+    finally:
+        if shm is not None:
+            shm.unlink()
+            shm.close()
+    lat = sorted(lat[100:])  # drop warm-up
+    return {"rounds": len(lat), "p50_us": round(lat[len(lat) // 2] / 1e3, 1),
+            "p99_us": round(lat[int(len(lat) * 0.99)] / 1e3, 1)}
+
+
+def run(scale: float = 1.0, transports=TRANSPORTS, repeat: int = 3) -> dict:
+    """Every case for every transport, `repeat` times interleaved; returns the `--json` object.
+
+    Each figure is the best of the repeats (highest rate; the latency run with the lowest p50):
+    on a shared machine, other load only ever makes a run slower, so the best run is the one
+    least disturbed, and interleaving gives every transport the same chances.
+    """
     throughput: dict = {t: {} for t in transports}
     latency: dict = {}
-    for transport in transports:
-        directory = tempfile.mkdtemp(prefix="ringserve-bench-", dir="/dev/shm")
-        try:
-            for case, (size, count) in CASES.items():
-                n = max(100, int(count * scale))
-                env, shm = _environment(directory, transport)
-                try:
-                    t0, (t1, got, nbytes) = _run_pair(transport, env, (_sender, _receiver), (case, n))
-                finally:
-                    if shm is not None:
-                        shm.unlink()
-                        shm.close()
-                secs = (t1 - t0) / 1e9
-                throughput[transport][case] = {"records": got, "seconds": round(secs, 4),
-                                               "records_per_s": round(got / secs),
-                                               "mb_per_s": round(nbytes / secs / 1e6, 1)}
-            rounds = max(200, int(LATENCY_ROUNDS * scale))
-            env, shm = _environment(directory, transport)
-            try:
-                lat, _ = _run_pair(transport, env, (_pinger, _ponger), (rounds + 100,))
-            finally:
-                if shm is not None:
-                    shm.unlink()
-                    shm.close()
-            lat = sorted(lat[100:])  # drop warm-up
-            latency[transport] = {"rounds": len(lat), "p50_us": round(lat[len(lat) // 2] / 1e3, 1),
-                                  "p99_us": round(lat[int(len(lat) * 0.99)] / 1e3, 1)}
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
+    directory = tempfile.mkdtemp(prefix="ringserve-bench-", dir="/dev/shm")
+    try:
+        for _ in range(repeat):
+            for transport in transports:
+                for case, (_, count) in CASES.items():
+                    got = _measure_throughput(transport, directory, case, max(100, int(count * scale)))
+                    best = throughput[transport].get(case)
+                    if best is None or got["records_per_s"] > best["records_per_s"]:
+                        throughput[transport][case] = got
+                got = _measure_latency(transport, directory, max(200, int(LATENCY_ROUNDS * scale)))
+                if transport not in latency or got["p50_us"] < latency[transport]["p50_us"]:
+                    latency[transport] = got
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
     report = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform()},
-              "scale": scale, "throughput": throughput, "latency": latency}
+              "scale": scale, "repeat": repeat, "throughput": throughput, "latency": latency}
     if "ring" in transports and "zmq" in transports:
         rate = lambda t, c: throughput[t][c]["records_per_s"]  # noqa: E731
         report["ring_vs_zmq_p50_latency_1k"] = round(latency["ring"]["p50_us"] / latency["zmq"]["p50_us"], 3)
@@ -301,7 +319,8 @@ def run(scale: float = 1.0, transports=TRANSPORTS) -> dict:
 
 
 def format_report(report: dict) -> str:
-    lines = [f"ring benchmark (scale {report['scale']}, {report['machine']['cpus']} CPUs)", "",
+    lines = [f"ring benchmark (scale {report['scale']}, best of {report['repeat']}, "
+             f"{report['machine']['cpus']} CPUs)", "",
              f"{'throughput':<12}" + "".join(f"{t:>26}" for t in report["throughput"])]
     for case in CASES:
         cells = "".join(f"{r[case]['records_per_s']:>14,} rec/s {r[case]['mb_per_s']:>6,.0f} MB/s"
@@ -321,14 +340,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply every record count (default %(default)s; tests use 0.01)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="interleaved repetitions; each figure is the best (default %(default)s)")
     parser.add_argument("--transports", default=",".join(TRANSPORTS),
                         help="comma-separated subset of %(default)s")
     args = parser.parse_args(argv)
     transports = tuple(t for t in args.transports.split(",") if t)
     unknown = set(transports) - set(TRANSPORTS)
-    if unknown or args.scale <= 0:
-        parser.error(f"unknown transports {sorted(unknown)}" if unknown else "--scale must be > 0")
-    report = run(args.scale, transports)
+    if unknown:
+        parser.error(f"unknown transports {sorted(unknown)}")
+    if args.scale <= 0 or args.repeat < 1:
+        parser.error("--scale must be > 0 and --repeat >= 1")
+    report = run(args.scale, transports, args.repeat)
     print(json.dumps(report) if args.json else format_report(report))
     return 0
 
