@@ -75,6 +75,8 @@ class Generation:
         enc = self.encoder
         tokens_before = self.tokens
         for item in batch:
+            if self.error is not None:
+                break  # the request failed: nothing after its error event is shown
             kind = type(item)
             if kind is Token:
                 s = samples[item.index]
