@@ -140,6 +140,28 @@ class FairQueue:
         if u is not None:
             u.weighted_tokens_served += prompt_tokens + output_tokens * self.output_token_weight
 
+    # -- checks ----------------------------------------------------------------------------------
+
+    def check_integrity(self, running_rows: dict[str, int]) -> None:
+        """Raise ValueError unless counts, queues and per-key rows (`running_rows`: key -> rows the
+        scheduler's block tables hold) agree."""
+        waiting = list(self.waiting())
+        if len(waiting) != self._num_waiting:
+            raise ValueError(f"queue length {self._num_waiting} but {len(waiting)} requests queued")
+        for req in waiting:
+            if not req.is_waiting:
+                raise ValueError(f"queued {req.key} is in state {req.state.name}")
+        for name, u in self._keys.items():
+            if not u.active:
+                raise ValueError(f"key {name!r} is idle but still tracked")
+            if bool(u.waiting) != (name in self._waiting_keys):
+                raise ValueError(f"key {name!r}: waiting index disagrees with its queue")
+        for name in set(self._keys) | set(running_rows):
+            u = self._keys.get(name)
+            have = 0 if u is None else u.running_rows
+            if have != running_rows.get(name, 0):
+                raise ValueError(f"key {name!r}: {have} running rows counted, {running_rows.get(name, 0)} held")
+
     # -- internals -------------------------------------------------------------------------------
 
     def _activate(self, api_key: str) -> KeyUsage:

@@ -515,19 +515,16 @@ class Scheduler:
                     _require(self.bm.ref_count(b) == 1, f"{req.key}#{row.index} would write shared block {b}")
         _require(rows == self._running_rows, f"running_rows {self._running_rows}, block tables say {rows}")
         _require(rows <= self.max_rows, f"{rows} rows running over the cap of {self.max_rows}")
+        try:
+            self.queue.check_integrity(rows_by_key)
+        except ValueError as exc:
+            raise SchedulerIntegrityError(str(exc)) from None
         waiting = list(self.queue.waiting())
-        _require(len(waiting) == len(self.queue), "queue length disagrees with its contents")
         for req in waiting:
-            _require(req.is_waiting, f"queued {req.key} in state {req.state.name}")
             _require(not req.prefix_blocks and all(not r.block_ids for r in req.rows), f"queued {req.key} holds blocks")
         _require(len(waiting) + len(self._running) == len(self._live), "live requests are neither queued nor running")
         queued = sum(r.queued_est_ms for r in waiting)
         _require(abs(queued - self._queued_ms) <= 1e-6 * max(1.0, queued), "queued_gpu_ms drifted from its requests")
-        for u in self.queue.keys():
-            _require(u.running_rows == rows_by_key.get(u.api_key, 0), f"key {u.api_key!r}: running_rows mismatch")
-        for key, n in rows_by_key.items():
-            usage = self.queue.usage(key)
-            _require(n == 0 or (usage is not None and usage.running_rows == n), f"key {key!r} rows not accounted")
 
 
 class SchedulerIntegrityError(RuntimeError):

@@ -102,3 +102,16 @@ def test_remove_and_pop_errors():
     assert len(q) == 1
     with pytest.raises(ValueError):
         q.pop(r1)
+
+
+def test_integrity_check_catches_row_miscount():
+    """check_integrity compares per-key rows with what the scheduler holds."""
+    q = FairQueue()
+    r = _req(0, "a")
+    q.push(r)
+    _join(q, r, rows=2)
+    q.check_integrity({"a": 2})
+    with pytest.raises(ValueError):
+        q.check_integrity({"a": 1})
+    with pytest.raises(ValueError):
+        q.check_integrity({"a": 2, "b": 1})

@@ -228,3 +228,44 @@ def test_step_times_recalibrate_admission_costs():
     for _ in range(200):
         h.sched.observe_step_time(5.0)
     assert slow > before > h.sched.stats().c_decode_ms
+
+
+def test_newest_request_needing_a_block_preempts_itself_and_leaves_the_step():
+    """Pool of 3: both rows cross a block boundary in one step; the older takes the last block,
+    the newer (the preemption victim) is taken out of the step it was being added to."""
+    h = make_harness(num_blocks=3, block_size=4)
+    a = make_request(1, 4, max_tokens=4, ignore_eos=True, seed=1)
+    b = make_request(2, 4, max_tokens=4, ignore_eos=True, seed=2)
+    h.sched.admit(a)
+    h.sched.admit(b)
+    h.step()
+    batch = h.step()
+    assert _tables(batch) == [(a.rows[0].seq_id, 4, 1, [0, 2], True)]
+    assert b.state == RequestState.PREEMPTED and len(h.tokens[(b.key, 0)]) == 1
+    h.run_until_idle()
+    assert [h.tokens[(r.key, 0)] for r in (a, b)] == [expected_stream(h, r)[0] for r in (a, b)]
+    assert h.sched.bm.num_free == 3
+
+
+def test_preemption_takes_a_newer_request_mid_prefill():
+    """An older decoding row needing a block preempts a newer request still in chunked prefill."""
+    h = make_harness(num_blocks=6, block_size=4, max_rows=2, prefill_budget=1)  # 2 tokens/step beside 1 row
+    a = make_request(1, 2, max_tokens=8, ignore_eos=True)
+    h.sched.admit(a)
+    h.step()  # a prefilled into [0]
+    b = make_request(2, 16, max_tokens=2, ignore_eos=True)
+    h.sched.admit(b)  # needs 4 blocks: 5 free >= 4 + 1 margin
+    batch = h.step()  # b joins with [1, 2, 3, 4]; a decodes at position 2
+    assert b.rows[0].block_ids == [1, 2, 3, 4] and b.rows[0].num_computed == 2 and len(batch.seqs) == 2
+    h.step()  # a at 3; b to 4
+    batch = h.step()  # a at 4 takes the last free block; b to 6
+    assert a.rows[0].block_ids == [0, 5] and h.sched.bm.num_free == 0
+    for _ in range(3):
+        h.step()  # a at 5..7; b to 12
+    assert b.rows[0].num_computed == 12 and b.rows[0].generated == []
+    batch = h.step()  # a at 8 needs a block: none free, b is preempted mid-prefill
+    assert b.state == RequestState.PREEMPTED and b.rows[0].block_ids == []
+    assert _tables(batch) == [(a.rows[0].seq_id, 8, 1, [0, 5, 1], True)]
+    h.run_until_idle()
+    assert [h.tokens[(r.key, 0)] for r in (a, b)] == [expected_stream(h, r)[0] for r in (a, b)]
+    assert h.sched.bm.num_free == 6
