@@ -131,10 +131,11 @@ def _check_rows(name: str, x: torch.Tensor, heads: int, head_dim: int, dtype: to
         raise ValueError(f"{name}: expected [T, {heads}, {head_dim}], got {tuple(x.shape)}")
     if x.shape[0] == 0:
         return
+    # NOTE: the stride of a size-1 dimension is never used for addressing, so it is not checked.
     if x.stride(2) != 1 or (x.shape[1] > 1 and x.stride(1) != head_dim):
         raise ValueError(f"{name}: strides {x.stride()} unsupported; heads and channels must be "
                          f"contiguous (call .contiguous())")
-    if (x.stride(0) * x.element_size()) % 16:
+    if x.shape[0] > 1 and (x.stride(0) * x.element_size()) % 16:
         raise ValueError(f"{name}: row stride {x.stride(0)} elements is not a multiple of 16 bytes")
     _check_aligned(name, x)
 
@@ -149,29 +150,44 @@ def _check_index(name: str, x: torch.Tensor, dtype: torch.dtype, shape: tuple, d
         raise ValueError(f"{name}: must be contiguous")
 
 
+def _require_cuda(k_cache) -> torch.device:
+    device = k_cache.device if isinstance(k_cache, torch.Tensor) else None
+    if device is None or device.type != "cuda":
+        raise ValueError(f"k_cache must be a CUDA tensor for the CuPy kernels, got "
+                         f"{getattr(k_cache, 'device', type(k_cache).__name__)}")
+    return device
+
+
+def check_write_kv_args(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Everything `write_kv` checks before launching, on any device (raises ValueError/TypeError)."""
+    if not isinstance(k_cache, torch.Tensor):
+        raise TypeError(f"k_cache: expected a torch.Tensor, got {type(k_cache).__name__}")
+    device = k_cache.device
+    _check_cache("k_cache", k_cache, device)
+    _check_cache("v_cache", v_cache, device)
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} does not match k_cache "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype}")
+    _, num_kv_heads, _, head_dim = k_cache.shape
+    if (head_dim * k_cache.element_size()) % 16:
+        raise ValueError(f"head_dim {head_dim} must be a multiple of 8 for 16-byte copies")
+    _check_rows("k", k, num_kv_heads, head_dim, k_cache.dtype, device)
+    _check_rows("v", v, num_kv_heads, head_dim, k_cache.dtype, device)
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"v has {v.shape[0]} rows, k has {k.shape[0]}")
+    _check_index("slot_mapping", slot_mapping, torch.int64, (k.shape[0],), device)
+
+
 # ---- write_kv ----------------------------------------------------------------------------------
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store new keys/values `[T, num_kv_heads, head_dim]` at their flat slots (negative: skip)."""
-    device = k_cache.device if isinstance(k_cache, torch.Tensor) else None
-    if device is None or device.type != "cuda":
-        raise ValueError(f"k_cache must be a CUDA tensor, got {getattr(k_cache, 'device', type(k_cache))}")
-    _check_cache("k_cache", k_cache, device)
-    _check_cache("v_cache", v_cache, device)
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} does not match k_cache "
-                         f"{tuple(k_cache.shape)} {k_cache.dtype}")
+    device = _require_cuda(k_cache)
+    check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
     num_blocks, num_kv_heads, _, head_dim = k_cache.shape
-    if (head_dim * k_cache.element_size()) % 16:
-        raise ValueError(f"head_dim {head_dim} must be a multiple of 8 for 16-byte copies")
-    _check_rows("k", k, num_kv_heads, head_dim, k_cache.dtype, device)
-    _check_rows("v", v, num_kv_heads, head_dim, k_cache.dtype, device)
     t = k.shape[0]
-    if v.shape[0] != t:
-        raise ValueError(f"v has {v.shape[0]} rows, k has {t}")
-    _check_index("slot_mapping", slot_mapping, torch.int64, (t,), device)
     if t == 0:
         return
     vec = 16 // k.element_size()  # elements per 16-byte vector
@@ -203,7 +219,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """The decode kernel: one CTA per token and head group, exact for any flat batch (each token
     sees positions 0..its own). Split over the context when the batch is too small to fill the
     GPU; `num_splits` forces the split count (tests and benchmarks)."""
-    device, _, _ = _check_attention(q, k_cache, v_cache, meta)
+    _require_cuda(k_cache)
+    device = check_attention_args(q, k_cache, v_cache, meta)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     out = torch.empty(q.shape, dtype=q.dtype, device=device)  # [T, H, D], contiguous
@@ -216,17 +233,19 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   scale: float) -> torch.Tensor:
     """The prefill kernel: query tiles of 32 tokens of one sequence, online softmax over the paged
     cache, causal inside the chunk and full over the cached prefix."""
-    device, _, _ = _check_attention(q, k_cache, v_cache, meta)
+    _require_cuda(k_cache)
+    device = check_attention_args(q, k_cache, v_cache, meta)
     out = torch.empty(q.shape, dtype=q.dtype, device=device)  # [T, H, D], contiguous
     if q.shape[0]:
         _prefill(q, k_cache, v_cache, meta, scale, out)
     return out
 
 
-def _check_attention(q, k_cache, v_cache, meta) -> tuple[torch.device, int, int]:
-    device = k_cache.device if isinstance(k_cache, torch.Tensor) else None
-    if device is None or device.type != "cuda":
-        raise ValueError(f"k_cache must be a CUDA tensor, got {getattr(k_cache, 'device', type(k_cache))}")
+def check_attention_args(q, k_cache, v_cache, meta) -> torch.device:
+    """Everything the attention launchers check before launching, on any device; returns the device."""
+    if not isinstance(k_cache, torch.Tensor):
+        raise TypeError(f"k_cache: expected a torch.Tensor, got {type(k_cache).__name__}")
+    device = k_cache.device
     _check_cache("k_cache", k_cache, device)
     _check_cache("v_cache", v_cache, device)
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
@@ -250,10 +269,10 @@ def _check_attention(q, k_cache, v_cache, meta) -> tuple[torch.device, int, int]
     if t and bt.shape[1] * BLOCK_SIZE < meta.max_seq_len:
         raise ValueError(f"meta.block_tables has {bt.shape[1]} columns, too few for max_seq_len "
                          f"{meta.max_seq_len}")
-    return device, num_heads, head_dim
+    return device
 
 
-def _decode_plan(num_ctas: int, max_seq_len: int, sm_count: int) -> int:
+def plan_decode_splits(num_ctas: int, max_seq_len: int, sm_count: int) -> int:
     """Number of KV splits: enough CTAs for two waves over the SMs, no split under 16 blocks."""
     max_blocks = max(1, math.ceil(max_seq_len / BLOCK_SIZE))
     if num_ctas >= 2 * sm_count or max_blocks < 2 * MIN_BLOCKS_PER_SPLIT:
@@ -271,7 +290,7 @@ def _decode(q, k_cache, v_cache, meta, scale, out, num_splits) -> None:
     chunks = num_heads // group
     if num_splits is None:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        num_splits = _decode_plan(t * chunks, meta.max_seq_len, _sm_count(index))
+        num_splits = plan_decode_splits(t * chunks, meta.max_seq_len, _sm_count(index))
     max_blocks = math.ceil(meta.max_seq_len / BLOCK_SIZE)
     blocks_per_split = math.ceil(max_blocks / num_splits)
     num_splits = math.ceil(max_blocks / blocks_per_split)  # drop splits that would all be empty

@@ -1,0 +1,101 @@
+"""The CuPy backend's launch checks, run on CPU tensors: every bad argument is named before launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringserve.gpu_proc.attention import cupy_backend as cb
+from ringserve.gpu_proc.attention.metadata import build_step_inputs
+from ringserve.gpu_proc.step import SeqStep, StepBatch
+
+CPU = torch.device("cpu")
+
+
+def _args(dtype=torch.float16, heads=8, kv_heads=2, head_dim=64):
+    """q, k_cache, v_cache and the metadata of a step with a decode row and a 3-token chunk."""
+    meta = build_step_inputs(StepBatch([SeqStep(0, [1], 20, [4, 2]), SeqStep(1, [1, 2, 3], 0, [7])]), 16, CPU).meta
+    kc = torch.zeros(8, kv_heads, 16, head_dim, dtype=dtype)
+    q = torch.zeros(meta.num_tokens, heads, head_dim, dtype=dtype)
+    return q, kc, torch.zeros_like(kc), meta
+
+
+def test_valid_arguments_pass():
+    """A well-formed step passes every check, in all three dtypes and head dims."""
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for head_dim in cb.HEAD_DIMS:
+            q, kc, vc, meta = _args(dtype, head_dim=head_dim)
+            assert cb.check_attention_args(q, kc, vc, meta) == CPU
+            k = torch.zeros(meta.num_tokens, 2, head_dim, dtype=dtype)
+            cb.check_write_kv_args(k, k, kc, vc, meta.slot_mapping)
+
+
+def test_strided_rows_from_a_fused_projection_pass():
+    """k as a column slice of a fused qkv output (row stride > heads x head_dim) is accepted."""
+    q, kc, vc, meta = _args()
+    fused = torch.zeros(meta.num_tokens, 3 * 2 * 64, dtype=torch.float16)
+    k = fused[:, 128:256].view(meta.num_tokens, 2, 64)
+    cb.check_write_kv_args(k, k, kc, vc, meta.slot_mapping)
+
+
+@pytest.mark.parametrize("mutate,error,match", [
+    (lambda a: a.update(q=a["q"].float()), TypeError, "q: dtype torch.float32 does not match"),
+    (lambda a: a.update(k_cache=a["k_cache"].double(), v_cache=a["v_cache"].double()), TypeError, "float64 unsupported"),
+    (lambda a: a.update(q=a["q"][:, :5]), ValueError, "not a multiple of num_kv_heads"),
+    (lambda a: a.update(q=a["q"][..., :32]), ValueError, r"q: expected \[T, 8, 64\]"),
+    (lambda a: a.update(k_cache=a["k_cache"].transpose(0, 1).contiguous().transpose(0, 1)), ValueError,
+     "k_cache: must be contiguous"),
+    (lambda a: a.update(k_cache=torch.zeros(8, 2, 8, 64, dtype=torch.float16)), ValueError, "block_size|16"),
+    (lambda a: a.update(v_cache=a["v_cache"][:4]), ValueError, "v_cache does not match"),
+    (lambda a: a.update(q=a["q"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "q: strides"),
+    (lambda a: a["meta"].__setattr__("positions", a["meta"].positions.int()), TypeError, "meta.positions"),
+    (lambda a: a["meta"].__setattr__("block_tables", a["meta"].block_tables[:, :1].contiguous()), ValueError,
+     "too few for max_seq_len"),
+    (lambda a: a["meta"].__setattr__("token_seq", a["meta"].token_seq[:2]), ValueError, "meta.token_seq"),
+])
+def test_attention_rejects_bad_arguments(mutate, error, match):
+    """Wrong dtype, shape, layout or metadata raises before any launch, naming the argument."""
+    q, kc, vc, meta = _args()
+    a = dict(q=q, k_cache=kc, v_cache=vc, meta=meta)
+    mutate(a)
+    with pytest.raises(error, match=match):
+        cb.check_attention_args(a["q"], a["k_cache"], a["v_cache"], a["meta"])
+
+
+def test_unsupported_head_dim_names_the_supported_ones():
+    """head_dim 96 has no kernel; the error lists the ones that exist."""
+    q, kc, vc, meta = _args(head_dim=96)
+    with pytest.raises(ValueError, match=r"head_dim 96 unsupported; kernels exist for \(32, 64, 128\)"):
+        cb.check_attention_args(q, kc, vc, meta)
+
+
+def test_write_kv_rejects_mismatched_rows_and_slots():
+    """k/v row counts and the slot mapping must agree."""
+    q, kc, vc, meta = _args()
+    k = torch.zeros(meta.num_tokens, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="v has 3 rows"):
+        cb.check_write_kv_args(k, k[:3], kc, vc, meta.slot_mapping)
+    with pytest.raises(ValueError, match="slot_mapping: expected shape"):
+        cb.check_write_kv_args(k, k, kc, vc, meta.slot_mapping[:2])
+    with pytest.raises(TypeError, match="slot_mapping: expected torch.int64"):
+        cb.check_write_kv_args(k, k, kc, vc, meta.slot_mapping.int())
+
+
+def test_launchers_refuse_cpu_tensors():
+    """The kernels run on CUDA only; CPU tensors get a clear error instead of a crash."""
+    q, kc, vc, meta = _args()
+    with pytest.raises(ValueError, match="k_cache must be a CUDA tensor"):
+        cb.paged_attention(q, kc, vc, meta, 0.125)
+    with pytest.raises(ValueError, match="k_cache must be a CUDA tensor"):
+        cb.write_kv(q[:, :2], q[:, :2], kc, vc, meta.slot_mapping)
+
+
+@pytest.mark.parametrize("num_ctas,max_seq_len,expected", [
+    (32 * 32, 1024, 1),  # batch 32 x 32 heads fills two waves: no split
+    (32, 8192, 9),  # batch 1 x 32 heads, 8k: ceil(2 * 132 / 32) = 9 splits (cap 512 / 16 = 32)
+    (32, 300, 1),  # too short to split (under 2 x 16 blocks)
+    (1, 1024, 4),  # one CTA, 64 blocks: at most 64 / 16 = 4 splits
+])
+def test_decode_split_plan(num_ctas, max_seq_len, expected):
+    """Split-KV is used only when the batch leaves SMs idle and each split keeps >= 16 blocks."""
+    assert cb.plan_decode_splits(num_ctas, max_seq_len, sm_count=132) == expected
