@@ -126,14 +126,36 @@ class ShmInstance:
         return [self.input_bell.fileno()] + [b.fileno() for b in self.output_bells]
 
     # -- ring sides -----------------------------------------------------------------------------
-    def worker_rings(self, slot: int) -> tuple[Ring, Ring]:
-        """Worker `slot`: (request ring as producer, output ring as consumer)."""
-        return Ring.producer(self.request_segments[slot].buf), Ring.consumer(self.output_segments[slot].buf)
+    def worker_rings(self, slot: int, generation: int | None = None) -> tuple[Ring, Ring]:
+        """Worker `slot`: (request ring as producer, output ring as consumer).
 
-    def gpu_rings(self) -> tuple[list[Ring], list[Ring]]:
-        """GPU process: (request rings as consumer, output rings as producer), one per slot."""
-        return ([Ring.consumer(s.buf) for s in self.request_segments],
-                [Ring.producer(s.buf) for s in self.output_segments])
+        A worker restarted in a used slot passes the slot's new `generation`: it then adopts
+        both rings, dropping output its dead predecessor never read.
+        """
+        req_buf, out_buf = self.request_segments[slot].buf, self.output_segments[slot].buf
+        if generation is None:
+            return Ring.producer(req_buf), Ring.consumer(out_buf)
+        req, out = Ring(req_buf), Ring(out_buf)
+        req.adopt_producer(generation)
+        out.adopt_consumer(generation)
+        return req, out
+
+    def gpu_rings(self, generation: int | None = None) -> tuple[list[Ring], list[Ring]]:
+        """GPU process: (request rings as consumer, output rings as producer), one per slot.
+
+        A restarted GPU process passes its new `generation`: it then adopts every ring,
+        dropping requests queued for its dead predecessor.
+        """
+        if generation is None:
+            return ([Ring.consumer(s.buf) for s in self.request_segments],
+                    [Ring.producer(s.buf) for s in self.output_segments])
+        requests = [Ring(s.buf) for s in self.request_segments]
+        outputs = [Ring(s.buf) for s in self.output_segments]
+        for ring in requests:
+            ring.adopt_consumer(generation)
+        for ring in outputs:
+            ring.adopt_producer(generation)
+        return requests, outputs
 
     def segments(self) -> list[Segment]:
         return [self.control_segment, *self.request_segments, *self.output_segments]

@@ -266,6 +266,8 @@ class Ring:
 
     def pop_many(self, max_records: int = 1 << 30) -> list[bytes]:
         """Remove and return up to `max_records` records (copies), oldest first."""
+        if self._pending is not None:
+            raise RingError("release() the records of pop_views() before popping more")
         buf, cap = self._buf, self._cap
         tail = start = self._tail
         out = []
@@ -299,7 +301,7 @@ class Ring:
         The space stays reserved until `release()`; the views must not be used after it.
         """
         if self._pending is not None:
-            raise RingError("release() the previous pop_views() first")
+            raise RingError("release() the records of pop_views() before popping more")
         buf, cap, view = self._buf, self._cap, self._view
         if view is None:
             view = self._view = memoryview(buf)

@@ -56,3 +56,33 @@ def test_worker_process_round_trip_through_an_instance(shm_dir):
         shm.unlink()
         shm.close()
     assert os.listdir(shm_dir) == []
+
+
+def test_restarted_gpu_process_adopts_the_rings(shm_dir):
+    """A GPU process started with a new generation drops requests queued for its dead
+    predecessor, keeps the worker's rings usable, and stamps the generation on every ring."""
+    with ShmInstance.create(ring_bytes=4096, n_workers=1, directory=shm_dir) as shm:
+        req, out = shm.worker_rings(0)
+        assert req.try_push(b"for the dead gpu")
+        gen = shm.control.bump_gpu_generation()
+        requests, outputs = shm.gpu_rings(generation=gen)
+        assert requests[0].pop() is None
+        assert req.try_push(b"for the new gpu")
+        assert requests[0].pop() == b"for the new gpu"
+        assert outputs[0].try_push(b"reply") and out.pop() == b"reply"
+        assert {r.generation for r in requests + outputs} == {gen}
+        shm.unlink()
+
+
+def test_restarted_worker_drops_output_of_its_predecessor(shm_dir):
+    """A worker restarted in a slot with the slot's new generation never sees old output."""
+    with ShmInstance.create(ring_bytes=4096, n_workers=1, directory=shm_dir) as shm:
+        requests, outputs = shm.gpu_rings()
+        shm.worker_rings(0)
+        assert outputs[0].try_push(b"for the dead worker")
+        gen = shm.control.start_worker_slot(0, pid=os.getpid())
+        req, out = shm.worker_rings(0, generation=gen)
+        assert out.pop() is None
+        assert outputs[0].try_push(b"for the new worker") and out.pop() == b"for the new worker"
+        assert req.try_push(b"hello") and requests[0].pop() == b"hello"
+        shm.unlink()

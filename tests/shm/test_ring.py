@@ -195,7 +195,8 @@ def test_snapshot_reports_state():
 
 
 _ops = st.lists(st.one_of(st.tuples(st.just("push"), st.integers(0, 300)),
-                          st.tuples(st.just("pop"), st.integers(1, 6))), max_size=300)
+                          st.tuples(st.just("pop"), st.integers(1, 6)),
+                          st.tuples(st.just("views"), st.integers(1, 6))), max_size=300)
 
 
 @settings(max_examples=150, deadline=None)
@@ -215,7 +216,11 @@ def test_property_ring_matches_a_queue(capacity, ops):
             else:
                 assert model, "an empty ring refused a record that fits"
         else:
-            got = cons.pop_many(arg)
+            if op == "pop":
+                got = cons.pop_many(arg)
+            else:
+                got = [bytes(v) for v in cons.pop_views(arg)]
+                cons.release()
             assert got == [model.popleft() for _ in range(len(got))]
             if len(got) < arg:
                 assert not model
