@@ -139,6 +139,10 @@ class Histogram:
     name: str
     bounds: tuple[float, ...]
 
+    def __post_init__(self) -> None:
+        if not self.bounds or any(a >= b for a, b in zip(self.bounds, self.bounds[1:])):
+            raise ValueError(f"histogram {self.name}: bounds must be non-empty and increasing")
+
     @property
     def field_names(self) -> tuple[str, ...]:
         buckets = tuple(f"{self.name}_bucket_{i}" for i in range(len(self.bounds) + 1))

@@ -286,7 +286,8 @@ def run(scale: float = 1.0, transports=TRANSPORTS, repeat: int = 3) -> dict:
     """
     throughput: dict = {t: {} for t in transports}
     latency: dict = {}
-    directory = tempfile.mkdtemp(prefix="ringserve-bench-", dir="/dev/shm")
+    directory = tempfile.mkdtemp(prefix="ringserve-bench-",
+                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
         for _ in range(repeat):
             for transport in transports:

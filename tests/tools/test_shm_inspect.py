@@ -33,7 +33,8 @@ _HOLDER = textwrap.dedent("""
 @pytest.fixture
 def holder():
     """Start a process holding an instance; yield (directory, instance, process)."""
-    directory = tempfile.mkdtemp(prefix="ringserve-test-", dir="/dev/shm")
+    directory = tempfile.mkdtemp(prefix="ringserve-test-",
+                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER, directory], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     instance = proc.stdout.readline().strip()
