@@ -167,11 +167,10 @@ class Ring:
         dropped = 0
         if discard:
             head = _unpack(self._buf, L.RING_HEAD_OFF)[0]
-            while self._tail < head:
-                batch = self.pop_many(1024)
-                if not batch:
+            while self._tail < head:  # one at a time: never drop a record pushed after `head`
+                if not self.pop_many(1):
                     break  # the record at the old head was never committed
-                dropped += len(batch)
+                dropped += 1
         _pack(self._buf, L.RING_CONSUMER_PID_OFF, os.getpid())
         self.consumer_heartbeat()
         return dropped
@@ -298,7 +297,8 @@ class Ring:
     def pop_views(self, max_records: int = 1 << 30) -> list[memoryview]:
         """Zero-copy variant of `pop_many`: views into the ring, valid until `release()`.
 
-        The space stays reserved until `release()`; the views must not be used after it.
+        The space stays reserved until `release()`; the views must not be used after it. An
+        empty result needs no release.
         """
         if self._pending is not None:
             raise RingError("release() the records of pop_views() before popping more")
@@ -320,7 +320,8 @@ class Ring:
             n = word & L.REC_LEN_MASK
             out.append(view[d + 8:d + 8 + n])
             tail += (n + 15) & ~7
-        self._pending = tail
+        if tail != self._tail:
+            self._pending = tail
         return out
 
     def release(self) -> None:
@@ -360,7 +361,7 @@ class Ring:
         return self._word(L.RING_GENERATION_OFF)
 
     def is_empty(self) -> bool:
-        """Consumer's view: no committed record waits at its tail."""
+        """Consumer's view: nothing committed waits at its tail (a pending pad counts as something)."""
         return self._word(L.RING_DATA_OFF + self._tail % self._cap) == 0
 
     def snapshot(self) -> dict:

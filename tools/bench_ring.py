@@ -82,8 +82,6 @@ class _RingEnd:
                 if len(batch) == BATCH:
                     self.space.ring()
                 return batch
-            if views:
-                ring.release()
             self.bell.wait(0.05)
 
     def recv_reply(self):
