@@ -21,6 +21,8 @@ import pytest
 from ringserve.gpu_proc.attention import cupy_backend
 
 ARCHS = ("sm_80", "sm_90")
+# CuPy appends these to every NVRTC compile (cupy/cuda/compiler.py), so the checks do too.
+CUPY_ADDED_OPTIONS = ("-ftz=true",)
 
 
 def _nvcc() -> str | None:
@@ -72,7 +74,7 @@ def test_nvcc_ptx_compiles_every_entry_point(arch, tmp_path):
     src = tmp_path / "ringserve_attention.cu"
     src.write_text(cupy_backend.kernel_source())
     out = tmp_path / f"ringserve_attention_{arch}.ptx"
-    cmd = [nvcc, "-ptx", f"-arch={arch}", *cupy_backend.NVRTC_OPTIONS, "-Werror", "all-warnings",
+    cmd = [nvcc, "-ptx", f"-arch={arch}", *cupy_backend.NVRTC_OPTIONS, *CUPY_ADDED_OPTIONS, "-Werror", "all-warnings",
            "-o", str(out), str(src)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr}"
@@ -90,7 +92,7 @@ def test_nvrtc_compiles_every_entry_point(arch):
     source = cupy_backend.kernel_source().encode()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"ringserve_attention.cu", 0, None, None) == 0
     try:
-        options = [o.encode() for o in cupy_backend.NVRTC_OPTIONS] + [f"-arch={arch}".encode()]
+        options = [o.encode() for o in (*cupy_backend.NVRTC_OPTIONS, *CUPY_ADDED_OPTIONS, f"-arch={arch}")]
         rc = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
         size = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
