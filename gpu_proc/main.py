@@ -20,7 +20,7 @@ from collections import deque
 
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
-from ringserve.gpu_proc.request import FinishEvent, Request, SamplingSpec, TokenEvent
+from ringserve.gpu_proc.request import Request, TokenEvent
 from ringserve.gpu_proc.scheduler import Scheduler
 from ringserve.shm import layout as L
 from ringserve.shm import messages as M
@@ -94,18 +94,11 @@ class GpuLoop:
         return n
 
     def _submit(self, slot: int, msg: M.Submit) -> None:
-        sp = msg.sampling
         try:
-            req = Request(key=(slot, msg.rid), request_id=msg.request_id, tenant=msg.tenant,
-                          prompt_ids=msg.prompt_ids, max_tokens=msg.max_tokens,
-                          sampling=SamplingSpec(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
-                                                seed=sp.seed, stop_token_ids=tuple(sp.stop_token_ids),
-                                                ignore_eos=sp.ignore_eos),
-                          arrival_ts=msg.arrival_ts, deadline_ts=msg.deadline_ts, n=msg.n,
-                          logprobs=msg.logprobs)
-            bad = [t for t in msg.prompt_ids if not 0 <= t < self.engine.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.engine.vocab_size - 1})")
+            req = Request.from_submit(slot, msg)
+            bad = next((t for t in msg.prompt_ids if not 0 <= t < self.engine.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{self.engine.vocab_size - 1})")
         except ValueError as exc:
             self.outboxes[slot].send(M.Rejected(rid=msg.rid, status=400, code="invalid_request", message=str(exc)))
             return
