@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -53,6 +54,9 @@ async def serve(config: Config, app: web.Application, sock: socket.socket,
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.SockSite(runner, sock, shutdown_timeout=1.0).start()
+    host, port = sock.getsockname()[:2]
+    log.info("api worker %d serving %s on http://%s:%d", app[STATE].registry.worker,
+             app[STATE].model_name, host, port)
     try:
         await stop.wait()
         state = app[STATE]
@@ -71,6 +75,9 @@ def run_worker(config: Config, *, index: int, transport: Callable[[], Transport]
                publish: Callable[[WorkerStats], None] | None = None,
                sock: socket.socket | None = None) -> int:
     """The worker process's main: runs until SIGTERM (drain) or SIGINT."""
+    # A SIGTERM while still starting (nothing to drain yet) is a clean exit; the event loop's own
+    # handler, installed below, takes over once serving.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     codec = TextCodec.from_dir(tokenizer_dir)
     auth = Authenticator(load_keys(config.api_keys_file) if config.api_keys_file else None)
     sock = sock or listen_socket(config.host, config.port)
@@ -118,6 +125,10 @@ def run_attached(config: Config, *, slot: int, instance: str, bell_fds: list[int
         shm.close()
 
 
+def _exit_cleanly(signum, frame) -> None:
+    raise SystemExit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m ringserve.api.worker --tokenizer DIR (--fake | --attach INSTANCE --slot I
     --bell-fds FDS)`: one worker on the fake GPU, or one supervised worker on shared memory."""
@@ -137,17 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-ms", type=float, default=20.0, help="fake GPU step time")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    config = Config.from_env(host=args.host, port=args.port)
+    if args.attach and "RINGSERVE_CONFIG_JSON" in os.environ:
+        config = Config.from_json(os.environ["RINGSERVE_CONFIG_JSON"])  # the supervisor's one Config
+    else:
+        config = Config.from_env(host=args.host, port=args.port)
     if args.attach:
         fds = [int(x) for x in args.bell_fds.split(",") if x]
-        log.info("api worker %d listening on http://%s:%d", args.slot, config.host, config.port)
         return run_attached(config, slot=args.slot, instance=args.attach, bell_fds=fds,
                             tokenizer_dir=args.tokenizer, model_name=args.model_name,
                             directory=args.shm_dir)
     from ringserve.api.fake_gpu import FakeGpu
 
     fake = FakeGpu(step_interval_s=args.step_ms / 1000.0)
-    log.info("api worker (fake GPU) listening on http://%s:%d", config.host, config.port)
     return run_worker(config, index=0, transport=lambda: fake, tokenizer_dir=args.tokenizer,
                       model_name=args.model_name, ready=lambda: True,
                       stats_source=lambda st: StatsSnapshot(gpu=fake.stats(), workers=[st.stats.as_dict()],
