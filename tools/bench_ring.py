@@ -321,13 +321,13 @@ def run(scale: float = 1.0, transports=TRANSPORTS, repeat: int = 3) -> dict:
 def format_report(report: dict) -> str:
     lines = [f"ring benchmark (scale {report['scale']}, best of {report['repeat']}, "
              f"{report['machine']['cpus']} CPUs)", "",
-             f"{'throughput':<12}" + "".join(f"{t:>26}" for t in report["throughput"])]
+             f"{'throughput':<12}" + "".join(f"{t:>32}" for t in report["throughput"])]
     for case in CASES:
-        cells = "".join(f"{r[case]['records_per_s']:>14,} rec/s {r[case]['mb_per_s']:>6,.0f} MB/s"
+        cells = "".join(f"{r[case]['records_per_s']:>16,} rec/s {r[case]['mb_per_s']:>6,.0f} MB/s"
                         for r in report["throughput"].values())
         lines.append(f"{case:<12}{cells}")
     lines += ["", f"{'1 KiB RTT':<12}" + "".join(
-        f"{'p50 %.1f us  p99 %.1f us' % (v['p50_us'], v['p99_us']):>26}" for v in report["latency"].values())]
+        f"{'p50 %.1f us  p99 %.1f us' % (v['p50_us'], v['p99_us']):>32}" for v in report["latency"].values())]
     ratios = {k: v for k, v in report.items() if k.startswith("ring_vs_")}
     if ratios:
         lines += ["", "ratios (ours / theirs):"] + [f"  {k:<36}{v}" for k, v in ratios.items()]
