@@ -144,6 +144,8 @@ _ENDS = {"ring": _RingEnd, "zmq": _ZmqEnd, "mpq": _QueueEnd}
 def _sender(transport: str, env: dict, case: str, n: int, barrier, conn) -> None:
     end = _ENDS[transport](env, sending=True)
     size, _ = CASES[case]
+    end.send(b"warm-up")  # connection set-up (zmq) and feeder-thread start (mpq) are not timed
+    end.flush()
     barrier.wait()
     t0 = time.monotonic_ns()
     send, flush = end.send, end.flush  # flush: the ring's doorbell; a no-op for the others
@@ -168,6 +170,8 @@ def _receiver(transport: str, env: dict, case: str, n: int, barrier, conn) -> No
     end = _ENDS[transport](env, sending=False)
     decoding = CASES[case][0] == "msg"
     decode = messages.decode
+    if len(end.recv_batch(views=False)) != 1:  # the warm-up record, alone
+        raise RuntimeError("warm-up record missing")
     barrier.wait()
     got = nbytes = 0
     while got < n:
