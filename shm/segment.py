@@ -30,11 +30,14 @@ class ShmSpaceError(OSError):
 
 
 def process_start_time(pid: int) -> int | None:
-    """The start time of `pid` in clock ticks since boot, or None if there is no such process."""
+    """The start time of `pid` in clock ticks since boot, or None if there is no such process.
+
+    PermissionError (e.g. /proc mounted with hidepid) propagates: "unknown" is not "dead".
+    """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+    except (FileNotFoundError, ProcessLookupError):
         return None
     # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
     fields = stat[stat.rindex(b")") + 2:].split()
@@ -59,9 +62,15 @@ def parse_instance(instance: str) -> tuple[int, int]:
 
 
 def owner_alive(instance: str) -> bool:
-    """True when the instance's owner process still runs (same pid *and* same start time)."""
+    """True when the instance's owner process still runs (same pid *and* same start time).
+
+    When we may not look at the process, it counts as alive: never remove what might be in use.
+    """
     pid, start = parse_instance(instance)
-    return process_start_time(pid) == start
+    try:
+        return process_start_time(pid) == start
+    except PermissionError:
+        return True
 
 
 def segment_name(instance: str, part: str) -> str:
@@ -224,6 +233,9 @@ def cleanup_stale(directory: str = DEFAULT_DIRECTORY) -> list[str]:
     removed = []
     for info in list_segments(directory):
         if not info.owner_alive:
-            _unlink_quietly(os.path.join(directory, info.name))
+            try:
+                _unlink_quietly(os.path.join(directory, info.name))
+            except PermissionError:
+                continue  # another user's segment in a sticky /dev/shm: not ours to remove
             removed.append(info.name)
     return removed

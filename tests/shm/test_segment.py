@@ -92,3 +92,14 @@ def test_sizes_are_validated():
         ShmSizes(ring_bytes=1001, n_workers=1)
     with pytest.raises(ValueError, match="n_workers"):
         ShmSizes(ring_bytes=4096, n_workers=0)
+
+
+def test_unreadable_owner_counts_as_alive(monkeypatch):
+    """If /proc hides the owner (PermissionError), its segments are never treated as stale."""
+    import ringserve.shm.segment as segment
+
+    def hidden(pid):
+        raise PermissionError("hidepid")
+
+    monkeypatch.setattr(segment, "process_start_time", hidden)
+    assert segment.owner_alive("1-2")
