@@ -206,12 +206,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached keys; q `[T, num_heads, head_dim]`.
 
-    A step whose rows all carry one new token runs the decode kernel; a step with any longer chunk
-    runs the tiled prefill kernel over the whole flat batch, decode rows included.
+    A step whose rows all carry one new token runs the decode kernel. A mixed step runs both: the
+    decode kernel for its one-token rows and the tiled prefill kernel for its chunks, each skipping
+    the other's rows in-kernel (no host sync to split the batch), together writing every row once.
     """
     if meta.max_query_len == 1:
         return paged_decode(q, k_cache, v_cache, meta, scale)
-    return paged_prefill(q, k_cache, v_cache, meta, scale)
+    _require_cuda(k_cache)
+    device = check_attention_args(q, k_cache, v_cache, meta)
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)  # [T, H, D], contiguous
+    if q.shape[0]:
+        _decode(q, k_cache, v_cache, meta, scale, out, None, single_only=True)
+        _prefill(q, k_cache, v_cache, meta, scale, out, skip_single=True)
+    return out
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
@@ -281,7 +288,7 @@ def plan_decode_splits(num_ctas: int, max_seq_len: int, sm_count: int) -> int:
     return max(1, min(want, max_blocks // MIN_BLOCKS_PER_SPLIT))
 
 
-def _decode(q, k_cache, v_cache, meta, scale, out, num_splits) -> None:
+def _decode(q, k_cache, v_cache, meta, scale, out, num_splits, single_only: bool = False) -> None:
     device = q.device
     t, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -295,6 +302,7 @@ def _decode(q, k_cache, v_cache, meta, scale, out, num_splits) -> None:
     blocks_per_split = math.ceil(max_blocks / num_splits)
     num_splits = math.ceil(max_blocks / blocks_per_split)  # drop splits that would all be empty
     dt = DTYPE_NAMES[q.dtype]
+    single_qsl = meta.query_start_loc.data_ptr() if single_only else 0  # 0: every token
     part_acc = part_ml = None
     if num_splits > 1:
         part_acc = torch.empty((num_splits, t, num_heads, head_dim), dtype=torch.float32, device=device)
@@ -304,15 +312,16 @@ def _decode(q, k_cache, v_cache, meta, scale, out, num_splits) -> None:
                 q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                 meta.block_tables.data_ptr(), _i32(meta.block_tables.shape[1]), meta.positions.data_ptr(),
                 meta.token_seq.data_ptr(), _i32(num_heads), _i32(num_kv_heads), _f32(scale * _LOG2E),
-                _i32(blocks_per_split), out.data_ptr(),
+                _i32(blocks_per_split), single_qsl, out.data_ptr(),
                 0 if part_acc is None else part_acc.data_ptr(),
                 0 if part_ml is None else part_ml.data_ptr()))
     if num_splits > 1:
         _launch(f"rs_decode_merge_{dt}_d{head_dim}", device, (t, num_heads), (head_dim,), (
-            part_acc.data_ptr(), part_ml.data_ptr(), _i32(num_splits), out.data_ptr()))
+            part_acc.data_ptr(), part_ml.data_ptr(), _i32(num_splits), single_qsl, meta.token_seq.data_ptr(),
+            out.data_ptr()))
 
 
-def _prefill(q, k_cache, v_cache, meta, scale, out) -> None:
+def _prefill(q, k_cache, v_cache, meta, scale, out, skip_single: bool = False) -> None:
     device = q.device
     t, num_heads, head_dim = q.shape
     s = meta.seq_lens.shape[0]
@@ -323,7 +332,8 @@ def _prefill(q, k_cache, v_cache, meta, scale, out) -> None:
             (PREFILL_THREADS,), (
                 q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                 meta.block_tables.data_ptr(), _i32(meta.block_tables.shape[1]),
-                meta.query_start_loc.data_ptr(), _i32(s), meta.positions.data_ptr(), _i32(num_heads),
+                meta.query_start_loc.data_ptr(), _i32(s), _i32(int(skip_single)), meta.positions.data_ptr(),
+                _i32(num_heads),
                 _i32(k_cache.shape[1]), _f32(scale * _LOG2E), out.data_ptr()))
 
 

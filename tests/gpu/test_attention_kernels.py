@@ -146,6 +146,8 @@ def test_prefill_matches_dense_oracle(specs, heads, kv_heads, head_dim, dtype):
     _assert_close(cupy_backend.paged_prefill(q, kc, vc, meta, scale), want, dtype, "prefill")
     # The decode kernel is exact for any flat batch too: the same answer from the other path.
     _assert_close(cupy_backend.paged_decode(q, kc, vc, meta, scale), want, dtype, "decode on a prefill step")
+    # The engine's entry point splits a mixed step between the two kernels; every row written once.
+    _assert_close(cupy_backend.paged_attention(q, kc, vc, meta, scale), want, dtype, "mixed dispatch")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

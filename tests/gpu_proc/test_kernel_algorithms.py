@@ -63,8 +63,15 @@ def _dense(q, meta, dense, scale):
     return out
 
 
-def _decode(q, kc, vc, meta, scale, num_splits):
-    """paged_decode.cu: grid (token, head group, split) of 4 warps; then rs_decode_merge."""
+def _chunk_token(meta, t) -> bool:
+    """rs_chunk_token: the token's sequence has more than one new token in this step."""
+    s = int(meta.token_seq[t])
+    return int(meta.query_start_loc[s + 1] - meta.query_start_loc[s]) != 1
+
+
+def _decode(q, kc, vc, meta, scale, num_splits, single_only=False, out=None):
+    """paged_decode.cu: grid (token, head group, split) of 4 warps; then rs_decode_merge. With
+    single_only (mixed steps) chunk tokens are skipped and their rows of `out` left untouched."""
     t_count, heads, d = q.shape
     kvh_count = kc.shape[1]
     group = next(g for g in cb.DECODE_GROUPS if (heads // kvh_count) % g == 0)
@@ -81,6 +88,8 @@ def _decode(q, kc, vc, meta, scale, num_splits):
     chan = li[:, None] * 8 + np.arange(8)  # [32, 8] channels each lane owns
     part = np.zeros((num_splits, t_count, heads, d + 2), np.float32)  # acc | m | l
     for t in range(t_count):
+        if single_only and _chunk_token(meta, t):
+            continue
         ctx = int(pos[t]) + 1
         nb = (ctx + BS - 1) // BS
         for c in range(heads // group):
@@ -125,27 +134,33 @@ def _decode(q, kc, vc, meta, scale, num_splits):
                             total[d + 1] += sm[w][1][g] * cw
                     total[d] = mx
                     part[z, t, h0 + g] = total
-    mx = part[..., d].max(0)  # [T, H]; split 0 always holds position 0
-    weight = np.exp2(part[..., d] - mx)  # [S, T, H]
-    num = (part[..., :d] * weight[..., None]).sum(0)
-    den = (part[..., d + 1] * weight).sum(0)
-    return torch.from_numpy(num / den[..., None])
+    out = np.full((t_count, heads, d), np.nan, np.float32) if out is None else out
+    for t in range(t_count):
+        if single_only and _chunk_token(meta, t):
+            continue
+        mx = part[:, t, :, d].max(0)  # [H]; split 0 always holds position 0
+        weight = np.exp2(part[:, t, :, d] - mx)  # [S, H]
+        num = (part[:, t, :, :d] * weight[..., None]).sum(0)
+        den = (part[:, t, :, d + 1] * weight).sum(0)
+        out[t] = num / den[..., None]
+    return out
 
 
-def _prefill(q, kc, vc, meta, scale):
-    """paged_prefill.cu: grid (tile upper bound, head); 32-row tiles, one KV block at a time."""
+def _prefill(q, kc, vc, meta, scale, skip_single=False, out=None):
+    """paged_prefill.cu: grid (tile upper bound, head); 32-row tiles, one KV block at a time. With
+    skip_single, one-token sequences get no tile."""
     t_count, heads, d = q.shape
     kvh_count, rows = kc.shape[1], cb.PREFILL_ROWS
     num_seqs = meta.seq_lens.shape[0]
     qf, kf, vf = q.numpy().reshape(-1), kc.numpy().reshape(-1), vc.numpy().reshape(-1)
     bt, mb = meta.block_tables.numpy().reshape(-1), meta.block_tables.shape[1]
     qsl, pos = meta.query_start_loc.numpy(), meta.positions.numpy()
-    out = np.full((t_count, heads, d), np.nan, np.float32)
+    out = np.full((t_count, heads, d), np.nan, np.float32) if out is None else out
     for tile in range(math.ceil(t_count / rows) + num_seqs):
         seq, seen = -1, 0
         for s in range(num_seqs):
             start, length = int(qsl[s]), int(qsl[s + 1] - qsl[s])
-            tiles = (length + rows - 1) // rows
+            tiles = 0 if skip_single and length == 1 else (length + rows - 1) // rows
             if tile < seen + tiles:
                 seq, row0 = s, start + (tile - seen) * rows
                 nrows = min(rows, start + length - row0)
@@ -179,7 +194,7 @@ def _prefill(q, kc, vc, meta, scale):
                     l[r], m[r] = l[r] * alpha + sp[r].sum(), m_new
                     acc[r] = acc[r] * alpha + sp[r] @ sv
             out[row0:row0 + nrows, h] = acc[:nrows] / l[:nrows, None]
-    return torch.from_numpy(out)
+    return out
 
 
 CASES = [
@@ -191,15 +206,20 @@ CASES = [
     ([(0, 40), (9, 7), (3, 1)], 4, 2, 32, 2),  # a prefill step through both kernels
     ([(0, 31), (0, 33), (15, 16), (16, 15)], 2, 1, 64, 1),  # tile and block edges
     ([(100, 70)], 2, 2, 128, 2),
+    ([(40, 20), (45, 1), (3, 1), (0, 2)], 4, 1, 64, 3),  # mixed: decode rows among chunks, split
 ]
 
 
 @pytest.mark.parametrize("specs,heads,kv_heads,head_dim,splits", CASES)
 def test_kernel_algorithms_match_dense_attention(specs, heads, kv_heads, head_dim, splits):
-    """The decode (split and merged) and prefill loops give dense attention, never touching NaN slots."""
+    """Decode (split and merged), prefill, and the mixed-step pair (decode rows + prefill chunks,
+    each skipping the other's rows) give dense attention, never touching NaN slots."""
     q, kc, vc, meta, dense = _case(specs, heads, kv_heads, head_dim, seed=len(specs) + heads + head_dim)
     scale = head_dim ** -0.5
     want = _dense(q, meta, dense, scale)
-    for got in (_decode(q, kc, vc, meta, scale, splits), _prefill(q, kc, vc, meta, scale)):
+    mixed = _prefill(q, kc, vc, meta, scale, skip_single=True,
+                     out=_decode(q, kc, vc, meta, scale, splits, single_only=True))
+    for got in (_decode(q, kc, vc, meta, scale, splits), _prefill(q, kc, vc, meta, scale), mixed):
+        got = torch.from_numpy(got)
         assert torch.isfinite(got).all()
         assert torch.allclose(got.double(), want, atol=2e-5, rtol=1e-4)

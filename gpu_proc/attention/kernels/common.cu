@@ -99,3 +99,11 @@ __device__ __forceinline__ float rs_max_xor(float v) {
     }
     return v;
 }
+
+// True when token t belongs to a sequence with more than one new token in this step (a prefill
+// chunk), false for a decode row; mixed steps split work between the kernels by this test.
+__device__ __forceinline__ bool rs_chunk_token(const int* __restrict__ query_start_loc,
+                                               const long long* __restrict__ token_seq, const int t) {
+    const long long s = token_seq[t];
+    return query_start_loc[s + 1] - query_start_loc[s] != 1;
+}

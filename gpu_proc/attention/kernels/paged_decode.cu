@@ -10,6 +10,10 @@
 // lane keeps partial sum-exp and V accumulators that are reduced across groups, then across warps
 // through shared memory at the end.
 //
+// Mixed steps: with `single_qsl` (query_start_loc) set, a CTA whose token belongs to a sequence
+// with more than one new token exits at once; the prefill kernel covers those tokens, skipping the
+// one-token sequences, so each output row is written by exactly one of the two launches.
+//
 // Split-KV (long contexts at small batch): grid.z = number of splits, each CTA covers
 // blocks_per_split blocks and writes its unnormalised accumulator plus (max, sum-exp) to fp32
 // scratch; rs_decode_merge_* combines the splits. With one split the CTA writes the output.
@@ -23,6 +27,7 @@ __device__ __forceinline__ void rs_paged_decode(
     const int* __restrict__ block_tables, const int max_blocks,
     const long long* __restrict__ positions, const long long* __restrict__ token_seq,
     const int num_heads, const int num_kv_heads, const float scale_log2, const int blocks_per_split,
+    const int* __restrict__ single_qsl,
     typename T::storage* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
     constexpr int TPT = D / 8;             // lanes per token
     constexpr int TOK_PER_PASS = RS_WARP / TPT;
@@ -35,6 +40,9 @@ __device__ __forceinline__ void rs_paged_decode(
 
     const int t = blockIdx.x;
     const int num_tokens = gridDim.x;
+    if (single_qsl != nullptr && rs_chunk_token(single_qsl, token_seq, t)) {
+        return;  // uniform over the CTA, before any barrier
+    }
     const int h0 = blockIdx.y * GROUP;                    // first query head of this CTA
     const int kvh = h0 / (num_heads / num_kv_heads);      // GROUP divides heads-per-KV-head
     const int split = blockIdx.z;
@@ -173,7 +181,11 @@ __device__ __forceinline__ void rs_paged_decode(
 template <typename T, int D>
 __device__ __forceinline__ void rs_decode_merge(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, const int num_splits,
+    const int* __restrict__ single_qsl, const long long* __restrict__ token_seq,
     typename T::storage* __restrict__ out) {
+    if (single_qsl != nullptr && rs_chunk_token(single_qsl, token_seq, blockIdx.x)) {
+        return;  // the decode kernel skipped this token: its scratch rows were never written
+    }
     const long long row = (long long)blockIdx.x * gridDim.y + blockIdx.y;
     const long long rows = (long long)gridDim.x * gridDim.y;
     const int d = threadIdx.x;
@@ -199,19 +211,21 @@ __device__ __forceinline__ void rs_decode_merge(
             const void* k_cache, const void* v_cache, const int* block_tables,                    \
             const int max_blocks, const long long* positions, const long long* token_seq,         \
             const int num_heads, const int num_kv_heads, const float scale_log2,                  \
-            const int blocks_per_split, void* out, float* part_acc, float* part_ml) {             \
+            const int blocks_per_split, const int* single_qsl, void* out, float* part_acc,        \
+            float* part_ml) {                                                                     \
         typedef typename T::storage S;                                                           \
         rs_paged_decode<T, D, GROUP>(                                                            \
             static_cast<const S*>(q), q_row_stride, q_head_stride, static_cast<const S*>(k_cache),\
             static_cast<const S*>(v_cache), block_tables, max_blocks, positions, token_seq,       \
-            num_heads, num_kv_heads, scale_log2, blocks_per_split, static_cast<S*>(out),          \
+            num_heads, num_kv_heads, scale_log2, blocks_per_split, single_qsl, static_cast<S*>(out), \
             part_acc, part_ml);                                                                   \
     }
 
 #define RS_MERGE_ENTRY(TNAME, T, D)                                                                \
     extern "C" __global__ void rs_decode_merge_##TNAME##_d##D(                                     \
-        const float* part_acc, const float* part_ml, const int num_splits, void* out) {           \
-        rs_decode_merge<T, D>(part_acc, part_ml, num_splits,                                     \
+        const float* part_acc, const float* part_ml, const int num_splits, const int* single_qsl,  \
+        const long long* token_seq, void* out) {                                                 \
+        rs_decode_merge<T, D>(part_acc, part_ml, num_splits, single_qsl, token_seq,              \
                               static_cast<typename T::storage*>(out));                           \
     }
 

@@ -4,6 +4,9 @@
 // stored the chunk), one 16-token KV block at a time with an online softmax (FlashAttention-style,
 // fp32 accumulation on CUDA cores).
 //
+// With `skip_single` set (mixed steps), one-token sequences get no tile: the decode kernel has
+// already covered them.
+//
 // Tiles are numbered sequence by sequence; the grid is launched with the upper bound
 // ceil(T / RS_PF_ROWS) + num_seqs (no host sync to count them) and surplus CTAs exit at once.
 // Each CTA finds its sequence by a scan of query_start_loc, which is a few hundred L1-resident
@@ -17,7 +20,7 @@ __device__ __forceinline__ void rs_paged_prefill(
     const typename T::storage* __restrict__ q, const long long q_row_stride, const long long q_head_stride,
     const typename T::storage* __restrict__ k_cache, const typename T::storage* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int max_blocks,
-    const int* __restrict__ query_start_loc, const int num_seqs,
+    const int* __restrict__ query_start_loc, const int num_seqs, const int skip_single,
     const long long* __restrict__ positions, const int num_heads, const int num_kv_heads,
     const float scale_log2, typename T::storage* __restrict__ out) {
     constexpr int VECS = D / 8;                                   // 16-byte vectors per head row
@@ -41,7 +44,7 @@ __device__ __forceinline__ void rs_paged_prefill(
         for (int s = 0; s < num_seqs; ++s) {
             const int start = query_start_loc[s];
             const int len = query_start_loc[s + 1] - start;
-            const int tiles = (len + RS_PF_ROWS - 1) / RS_PF_ROWS;
+            const int tiles = (skip_single && len == 1) ? 0 : (len + RS_PF_ROWS - 1) / RS_PF_ROWS;
             if ((int)blockIdx.x < seen + tiles) {
                 seq = s;
                 row0 = start + ((int)blockIdx.x - seen) * RS_PF_ROWS;
@@ -184,12 +187,14 @@ __device__ __forceinline__ void rs_paged_prefill(
     extern "C" __global__ void __launch_bounds__(RS_PF_THREADS) rs_paged_prefill_##TNAME##_d##D(  \
         const void* q, const long long q_row_stride, const long long q_head_stride,               \
         const void* k_cache, const void* v_cache, const int* block_tables, const int max_blocks,  \
-        const int* query_start_loc, const int num_seqs, const long long* positions,               \
+        const int* query_start_loc, const int num_seqs, const int skip_single,                    \
+        const long long* positions,                                                               \
         const int num_heads, const int num_kv_heads, const float scale_log2, void* out) {         \
         typedef typename T::storage S;                                                           \
         rs_paged_prefill<T, D>(static_cast<const S*>(q), q_row_stride, q_head_stride,            \
                                static_cast<const S*>(k_cache), static_cast<const S*>(v_cache),   \
-                               block_tables, max_blocks, query_start_loc, num_seqs, positions,   \
+                               block_tables, max_blocks, query_start_loc, num_seqs, skip_single, \
+                               positions,                                                        \
                                num_heads, num_kv_heads, scale_log2, static_cast<S*>(out));       \
     }
 
