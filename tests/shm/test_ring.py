@@ -84,7 +84,7 @@ def _advance(prod: Ring, cons: Ring, nbytes: int) -> None:
 
 
 @pytest.mark.parametrize("start", range(0, 256, 8))
-@pytest.mark.parametrize("size", [1, 8, 13, 56, 112])
+@pytest.mark.parametrize("size", [0, 1, 2, 3, 4, 5, 6, 7, 8, 13, 60, 112])  # every length mod 8
 def test_wrap_around_at_every_offset(start, size):
     """From every 8-byte offset, records wrap through a pad record and arrive intact."""
     prod, cons = _make_ring(256)
