@@ -30,7 +30,7 @@ class ControlError(Exception):
 
 
 class TornReadError(ControlError):
-    """A seqlocked region stayed mid-write for every retry: its writer probably died there."""
+    """A seqlocked region stayed mid-write for the whole timeout: its writer probably died there."""
 
 
 class SeqlockRegion:
