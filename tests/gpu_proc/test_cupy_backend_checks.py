@@ -1,4 +1,4 @@
-"""The CuPy backend's launch checks, run on CPU tensors: every bad argument is named before launch."""
+"""The CuPy backend's launch checks (cupy_checks.py), run on CPU tensors: every bad argument is named before launch."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ringserve.gpu_proc.attention import cupy_backend as cb
+from ringserve.gpu_proc.attention import cupy_checks as checks
 from ringserve.gpu_proc.attention.metadata import build_step_inputs
 from ringserve.gpu_proc.step import SeqStep, StepBatch
 
@@ -23,11 +24,11 @@ def _args(dtype=torch.float16, heads=8, kv_heads=2, head_dim=64):
 def test_valid_arguments_pass():
     """A well-formed step passes every check, in all three dtypes and head dims."""
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for head_dim in cb.HEAD_DIMS:
+        for head_dim in checks.HEAD_DIMS:
             q, kc, vc, meta = _args(dtype, head_dim=head_dim)
-            assert cb.check_attention_args(q, kc, vc, meta) == CPU
+            assert checks.check_attention_args(q, kc, vc, meta) == CPU
             k = torch.zeros(meta.num_tokens, 2, head_dim, dtype=dtype)
-            cb.check_write_kv_args(k, k, kc, vc, meta.slot_mapping)
+            checks.check_write_kv_args(k, k, kc, vc, meta.slot_mapping)
 
 
 def test_strided_rows_from_a_fused_projection_pass():
@@ -35,7 +36,7 @@ def test_strided_rows_from_a_fused_projection_pass():
     q, kc, vc, meta = _args()
     fused = torch.zeros(meta.num_tokens, 3 * 2 * 64, dtype=torch.float16)
     k = fused[:, 128:256].view(meta.num_tokens, 2, 64)
-    cb.check_write_kv_args(k, k, kc, vc, meta.slot_mapping)
+    checks.check_write_kv_args(k, k, kc, vc, meta.slot_mapping)
 
 
 @pytest.mark.parametrize("mutate,error,match", [
@@ -59,14 +60,14 @@ def test_attention_rejects_bad_arguments(mutate, error, match):
     a = dict(q=q, k_cache=kc, v_cache=vc, meta=meta)
     mutate(a)
     with pytest.raises(error, match=match):
-        cb.check_attention_args(a["q"], a["k_cache"], a["v_cache"], a["meta"])
+        checks.check_attention_args(a["q"], a["k_cache"], a["v_cache"], a["meta"])
 
 
 def test_unsupported_head_dim_names_the_supported_ones():
     """head_dim 96 has no kernel; the error lists the ones that exist."""
     q, kc, vc, meta = _args(head_dim=96)
     with pytest.raises(ValueError, match=r"head_dim 96 unsupported; kernels exist for \(32, 64, 128\)"):
-        cb.check_attention_args(q, kc, vc, meta)
+        checks.check_attention_args(q, kc, vc, meta)
 
 
 def test_write_kv_rejects_mismatched_rows_and_slots():
@@ -74,11 +75,11 @@ def test_write_kv_rejects_mismatched_rows_and_slots():
     q, kc, vc, meta = _args()
     k = torch.zeros(meta.num_tokens, 2, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="v has 3 rows"):
-        cb.check_write_kv_args(k, k[:3], kc, vc, meta.slot_mapping)
+        checks.check_write_kv_args(k, k[:3], kc, vc, meta.slot_mapping)
     with pytest.raises(ValueError, match="slot_mapping: expected shape"):
-        cb.check_write_kv_args(k, k, kc, vc, meta.slot_mapping[:2])
+        checks.check_write_kv_args(k, k, kc, vc, meta.slot_mapping[:2])
     with pytest.raises(TypeError, match="slot_mapping: expected torch.int64"):
-        cb.check_write_kv_args(k, k, kc, vc, meta.slot_mapping.int())
+        checks.check_write_kv_args(k, k, kc, vc, meta.slot_mapping.int())
 
 
 def test_launchers_refuse_cpu_tensors():
