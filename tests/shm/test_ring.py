@@ -226,3 +226,19 @@ def test_property_ring_matches_a_queue(capacity, ops):
                 assert not model
         prod.check_integrity()
     assert cons.pop_many() == list(model)
+
+
+def test_any_bytes_like_record_is_accepted():
+    """bytes, bytearray and memoryview slices all push; pop returns bytes."""
+    prod, cons = _make_ring()
+    data = bytearray(b"0123456789")
+    assert prod.try_push(data) and prod.try_push(memoryview(data)[2:5]) and prod.try_push(b"z")
+    assert cons.pop_many() == [b"0123456789", b"234", b"z"]
+
+
+def test_format_rejects_bad_capacity():
+    """A capacity that is not a multiple of 8, too small, or bigger than the buffer is refused."""
+    buf = mmap.mmap(-1, L.ring_segment_size(1024))
+    for capacity in (1001, 8, 2048):
+        with pytest.raises(ValueError):
+            format_ring(buf, capacity)

@@ -103,3 +103,13 @@ def test_unreadable_owner_counts_as_alive(monkeypatch):
 
     monkeypatch.setattr(segment, "process_start_time", hidden)
     assert segment.owner_alive("1-2")
+
+
+def test_read_only_attach_cannot_write(shm_dir):
+    """The inspector's read-only mapping sees the bytes and refuses writes."""
+    seg = Segment.create(segment_name(instance_id(), "ro"), 4096, shm_dir)
+    seg.buf[0:2] = b"ok"
+    ro = Segment.attach(seg.name, shm_dir, writable=False)
+    assert ro.buf[0:2] == b"ok"
+    with pytest.raises(TypeError):
+        ro.buf[0:2] = b"no"
