@@ -1,0 +1,116 @@
+"""Start a real `ringserve serve` (supervisor, GPU process, API workers) on loopback for a test."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, body: dict | None = None, method: str | None = None, headers: dict | None = None,
+              timeout: float = 30.0) -> tuple[int, dict, dict]:
+    """(status, json body, headers) of one request; error statuses are returned, not raised."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"null"), dict(resp.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"null"), dict(err.headers)
+
+
+class ServerProcess:
+    """`with ServerProcess(model_dir, workers=2, queue_limit_s=60) as srv: srv.url ...`
+
+    Extra keyword arguments become `--flag value` options of `ringserve serve`. Shared memory goes
+    to a private directory so a test never touches another server's segments.
+    """
+
+    def __init__(self, model_dir: str | Path, shm_dir: str | Path, *, ready_timeout_s: float = 120.0,
+                 **options) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.shm_dir = str(shm_dir)
+        self.ready_timeout_s = ready_timeout_s
+        options.setdefault("workers", 2)
+        self.args = [sys.executable, "-m", "ringserve", "serve", "--model", str(model_dir),
+                     "--port", str(self.port), "--shm-dir", self.shm_dir]
+        for name, value in options.items():
+            self.args += ["--" + name.replace("_", "-"), str(value)]
+        self.proc: subprocess.Popen | None = None
+        self.log_path = Path(self.shm_dir) / "server.log"
+
+    def __enter__(self) -> "ServerProcess":
+        os.makedirs(self.shm_dir, exist_ok=True)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if http_json(self.url + "/ready", timeout=2)[0] == 200:
+                    return self
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.__exit__(None, None, None)
+                raise RuntimeError(f"server not ready in {self.ready_timeout_s} s:\n{self.log()}")
+            time.sleep(0.1)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM and wait; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self._log.close()
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled samples of /metrics by name (labelled ones keyed `name{k="v",...}`)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                key = s.name if not s.labels else s.name + "{" + ",".join(
+                    f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}"
+                out[key] = s.value
+        return out
+
+    def wait_metric(self, name: str, predicate, timeout_s: float = 30.0) -> float:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = self.metrics().get(name)
+            if value is not None and predicate(value):
+                return value
+            if time.monotonic() > deadline:
+                raise AssertionError(f"metric {name} = {value} did not reach the expected value")
+            time.sleep(0.1)
