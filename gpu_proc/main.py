@@ -137,7 +137,8 @@ class GpuLoop:
         box.backlog.clear()
         box.tokens.clear()
         box.finishes.clear()
-        log.warning("%s: cancelled %d requests", why, len(dropped))
+        if dropped:
+            log.warning("%s: cancelled %d requests", why, len(dropped))
 
     # -- the pass --------------------------------------------------------------------------------
 
