@@ -126,7 +126,6 @@ def _measure_peaks(args) -> Peaks:
     dst = torch.empty_like(src)
     ms = _time_ms(lambda: dst.copy_(src), iters=10)
     copy_gbps = 2 * src.numel() / (ms * 1e-3) / 1e9  # a copy reads and writes every byte
-    del src, dst
     return Peaks(name, args.peak_gbps or gbps, args.peak_tflops or tflops, copy_gbps)
 
 
@@ -161,8 +160,6 @@ def _decode_case(batch: int, ctx: int, heads: int, head_dim: int, peaks: Peaks, 
     row = dict(batch=batch, ctx=ctx, ms=ms, eager_ms=eager_ms, graph_ms=graph_ms, gbps=gbps, sdpa_ms=sdpa_ms,
                sdpa_gbps=bytes_read / (sdpa_ms * 1e-3) / 1e9,
                pct_peak=100 * gbps / peaks.gbps if peaks.gbps else None)
-    del kc, vc, k, v
-    torch.cuda.empty_cache()
     return row
 
 
@@ -257,8 +254,11 @@ def main(argv: list[str] | None = None) -> int:
         args.layers, args.iters = min(args.layers, 4), min(args.iters, 5)
     args.step_batches = (1, 32)
     peaks = _measure_peaks(args)
-    decode = [_decode_case(b, c, SEVEN_B["num_heads"], SEVEN_B["head_dim"], peaks, args.iters)
-              for b in batches for c in ctxs]
+    decode = []
+    for b in batches:
+        for c in ctxs:
+            decode.append(_decode_case(b, c, SEVEN_B["num_heads"], SEVEN_B["head_dim"], peaks, args.iters))
+            torch.cuda.empty_cache()  # the 256 x 4k case holds tens of GB; give it back before the next
     steps, prefill = ([], None) if args.skip_model else _model_benches(args, peaks)
     out = dict(peaks=asdict(peaks), decode_attention=decode, decode_step=steps, prefill=prefill,
                conditions=dict(dtype="float16", torch=torch.__version__, cupy=cupy.__version__,
