@@ -6,12 +6,17 @@ first token (in a fixed order) whose cumulative probability exceeds `u * total`.
 generator object at all, so a request's tokens depend neither on its batch neighbours, nor on being
 preempted and recomputed, nor on a GPU-process restart.
 
+The hash runs on the device over the batch's (seed, index, position) tensors; `row_uniform` is
+the same function in Python, the specification the tensor version is tested against.
+
 Filtering. Top-k keeps the k most probable tokens; top-p then keeps the smallest prefix (by
 descending probability) of what remains whose mass reaches `top_p` of it (top-k first, then top-p
 on the renormalised top-k distribution, as transformers does). Neither needs a full-vocabulary sort:
-rows take `topk` candidates (k, or `_TOP_P_CANDIDATES` for top-p alone) and a top-p row whose
-candidates do not cover `top_p` of the mass — a very flat distribution — is redone with a full sort,
-alone. Rows without filters sample in vocabulary order straight from one cumulative sum.
+rows take `topk` candidates (k, or `_TOP_P_CANDIDATES` for top-p alone). A top-p row whose
+candidates do not cover `top_p` of the mass (a flat distribution) is redone exactly with just enough
+candidates: a probability-weighted histogram of log-probabilities (one pass) bounds how many tokens
+the nucleus can hold, and `topk` of that many replaces a full sort. Rows without filters sample in
+vocabulary order straight from one cumulative sum.
 
 Logprobs are those of the model's raw distribution (`log_softmax` of the logits, before temperature
 and filters), as OpenAI-compatible servers report them.
@@ -23,6 +28,7 @@ and the Python lists).
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +52,31 @@ def row_uniform(seed: int, sample_index: int, position: int) -> float:
     return (h >> 40) / float(1 << 24)
 
 
+def _signed64(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64_t(x: torch.Tensor) -> torch.Tensor:
+    # NOTE: int64 tensor arithmetic wraps modulo 2**64 on CPU and CUDA, which is exactly the
+    # unsigned arithmetic splitmix64 needs; XOR and masks act on the same bit patterns.
+    x = x + _signed64(0x9E3779B97F4A7C15)
+    x = (x ^ _srl(x, 30)) * _signed64(0xBF58476D1CE4E5B9)
+    x = (x ^ _srl(x, 27)) * _signed64(0x94D049BB133111EB)
+    return x ^ _srl(x, 31)
+
+
+def uniforms(seed: torch.Tensor, sample_index: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """`row_uniform` over int64 tensors, on their device: float32 `[n]`."""
+    h = _splitmix64_t(_splitmix64_t(_splitmix64_t(seed) ^ sample_index) ^ position)
+    return _srl(h, 40).float() * (1.0 / (1 << 24))
+
+
 @dataclass(slots=True)
 class SampleOutput:
     token_ids: list[int]
@@ -60,12 +91,14 @@ class SamplingPlan:
     num_rows: int
     random_rows: torch.Tensor | None  # int64[Rr]: rows with temperature > 0
     temperature: torch.Tensor | None  # float32[Rr]
-    uniform: torch.Tensor | None  # float32[Rr]
+    hash_inputs: torch.Tensor | None  # int64[3, Rr]: seed (as signed 64-bit), sample index, position
     top_k: torch.Tensor | None  # int64[Rr], 0 = off
     top_p: torch.Tensor | None  # float32[Rr]
-    any_filter: bool
+    filtered: torch.Tensor | None  # int64[Rf]: indices into the random rows that use top-k/top-p
+    unfiltered: torch.Tensor | None  # int64[Ru]: the other random rows
     top_n: list[int | None]  # per row: how many top logprobs to return
     max_top_n: int
+    max_top_k: int = 0  # known on the host, so choosing the candidate count needs no device sync
 
 
 def plan_sampling(rows: list[RowSampling], positions: list[int], device: torch.device) -> SamplingPlan:
@@ -76,16 +109,24 @@ def plan_sampling(rows: list[RowSampling], positions: list[int], device: torch.d
     top_n = [r.logprobs for r in rows]
     max_top_n = max((n for n in top_n if n), default=0)
     if not rand:
-        return SamplingPlan(len(rows), None, None, None, None, None, False, top_n, max_top_n)
-    floats = torch.tensor(
-        [rows[i].temperature for i in rand] + [min(rows[i].top_p, 1.0) for i in rand]
-        + [row_uniform(rows[i].seed, rows[i].sample_index, positions[i]) for i in rand],
-        dtype=torch.float32).to(device, non_blocking=True)
-    ints = torch.tensor(rand + [max(rows[i].top_k, 0) for i in rand], dtype=torch.int64).to(device, non_blocking=True)
-    n = len(rand)
-    any_filter = any(rows[i].top_k > 0 or rows[i].top_p < 1.0 for i in rand)
-    return SamplingPlan(len(rows), ints[:n], floats[:n], floats[2 * n:], ints[n:], floats[n:2 * n],
-                        any_filter, top_n, max_top_n)
+        return SamplingPlan(len(rows), None, None, None, None, None, None, None, top_n, max_top_n)
+    sel = rows if len(rand) == len(rows) else [rows[i] for i in rand]
+    pos = positions if sel is rows else [positions[i] for i in rand]
+    seeds = [r.seed for r in sel]
+    if min(seeds) < 0 or max(seeds) >= 1 << 63:  # rare: reinterpret as the int64 bit pattern
+        seeds = [_signed64(x) for x in seeds]
+    # array -> frombuffer: about twice as fast as torch.tensor(list) at a few hundred rows.
+    floats = torch.frombuffer(array("f", [r.temperature for r in sel] + [min(r.top_p, 1.0) for r in sel]),
+                              dtype=torch.float32).to(device, non_blocking=True)
+    filt = [j for j, r in enumerate(sel) if r.top_k > 0 or r.top_p < 1.0]
+    unf = [j for j, r in enumerate(sel) if not (r.top_k > 0 or r.top_p < 1.0)]
+    ints = torch.frombuffer(array("q", rand + [max(r.top_k, 0) for r in sel] + seeds
+                                  + [r.sample_index for r in sel] + pos + filt + unf),
+                            dtype=torch.int64).to(device, non_blocking=True)
+    n, nf = len(rand), len(filt)
+    return SamplingPlan(len(rows), ints[:n], floats[:n], ints[2 * n:5 * n].view(3, n), ints[n:2 * n], floats[n:],
+                        ints[5 * n:5 * n + nf] if filt else None, ints[5 * n + nf:] if unf else None,
+                        top_n, max_top_n, max((r.top_k for r in sel), default=0))
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -121,6 +162,27 @@ def _filtered_pick(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return ids.gather(1, pick[:, None]).squeeze(1), covered
 
 
+_BIN_WIDTH = 0.125  # nats per histogram bin
+_NUM_BINS = 128  # bins cover 16 nats below the top token; the rest share the last bin
+
+
+def _nucleus_bound(probs: torch.Tensor, top_p: torch.Tensor) -> int:
+    """An upper bound on the largest top-p set among the rows of probs `[n, V]`.
+
+    Tokens fall into bins by how far their log-probability is below the row's best; bins are
+    ordered by probability, so the nucleus lies within the bins up to the one where the cumulative
+    mass reaches `top_p` (one more bin is added against rounding in the sums).
+    """
+    n, vocab = probs.shape
+    logp = probs.clamp_min(1e-38).log()
+    bins = ((logp.max(-1, keepdim=True).values - logp) * (1.0 / _BIN_WIDTH)).long().clamp_(max=_NUM_BINS - 1)
+    mass = torch.zeros(n, _NUM_BINS, device=probs.device).scatter_add_(1, bins, probs)
+    count = torch.zeros(n, _NUM_BINS, device=probs.device).scatter_add_(1, bins, torch.ones_like(probs))
+    cum = mass.cumsum(1)  # [n, bins]
+    last = torch.searchsorted(cum, (top_p * cum[:, -1])[:, None]).add_(1).clamp_(max=_NUM_BINS - 1)
+    return min(vocab, int(count.cumsum(1).gather(1, last).max()))
+
+
 def sample_tensors(logits: torch.Tensor, plan: SamplingPlan
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Device half: (token ids `[R]`, their logprobs `[R]`, top-N ids `[R, N]`, top-N logprobs)."""
@@ -131,20 +193,23 @@ def sample_tensors(logits: torch.Tensor, plan: SamplingPlan
     if plan.random_rows is not None:
         z = logits.index_select(0, plan.random_rows) / plan.temperature[:, None]  # [Rr, V]
         probs = torch.softmax(z, dim=-1)
-        if plan.any_filter:
+        u = uniforms(plan.hash_inputs[0], plan.hash_inputs[1], plan.hash_inputs[2])  # [Rr]
+        picked = torch.empty_like(plan.random_rows)
+        if plan.unfiltered is not None:
+            ru = plan.unfiltered
+            picked[ru] = _inverse_cdf(probs[ru], u[ru])
+        if plan.filtered is not None:
+            rf = plan.filtered
+            pf, top_k, top_p, uf = probs[rf], plan.top_k[rf], plan.top_p[rf], u[rf]
             vocab = probs.shape[-1]
-            c = min(vocab, max(_TOP_P_CANDIDATES, int(plan.top_k.max())))
-            picked, covered = _filtered_pick(probs, plan.top_k, plan.top_p, plan.uniform, c)
-            unfiltered = (plan.top_k == 0) & (plan.top_p >= 1.0)
-            if bool(unfiltered.any()):
-                picked = torch.where(unfiltered, _inverse_cdf(probs, plan.uniform), picked)
-            redo = ~covered & ~unfiltered
-            if bool(redo.any()):  # flat distributions only: a full sort for those rows alone
-                r = redo.nonzero().squeeze(1)
-                full, _ = _filtered_pick(probs[r], plan.top_k[r], plan.top_p[r], plan.uniform[r], vocab)
-                picked = picked.index_put((r,), full)
-        else:
-            picked = _inverse_cdf(probs, plan.uniform)
+            c = min(vocab, max(_TOP_P_CANDIDATES, plan.max_top_k))
+            chosen, covered = _filtered_pick(pf, top_k, top_p, uf, c)
+            if not bool(covered.all()):  # flat distributions: those rows again, with enough candidates
+                r = (~covered).nonzero().squeeze(1)
+                wide = max(c, _nucleus_bound(pf[r], top_p[r]))
+                again, _ = _filtered_pick(pf[r], top_k[r], top_p[r], uf[r], wide)
+                chosen = chosen.index_put((r,), again)
+            picked[rf] = chosen
         tokens = tokens.index_put((plan.random_rows,), picked)
     lse = torch.logsumexp(logits, dim=-1)  # [R]
     logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - lse
