@@ -220,8 +220,8 @@ class Ring:
         return True
 
     def _too_large(self, n: int) -> RecordTooLarge:
-        return RecordTooLarge(f"record of {n:,} bytes exceeds what a ring of capacity {self._cap:,} takes "
-                              f"(max {self.max_record:,}); raise ring_bytes")
+        return RecordTooLarge(f"record of {n:,} bytes exceeds what a ring of capacity "
+                              f"{self._cap:,} takes (max {self.max_record:,}); raise ring_bytes")
 
     def _push_pad(self, head: int, off: int) -> bool:
         """Commit a PAD record from `off` to the end of the data area."""

@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ringserve shm", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--clean", action="store_true", help="remove segments of dead owners")
-    parser.add_argument("--dir", default=L.DEFAULT_DIRECTORY, help="segment directory (default %(default)s)")
+    parser.add_argument("--dir", default=L.DEFAULT_DIRECTORY,
+                        help="segment directory (default %(default)s)")
     args = parser.parse_args(argv)
     removed = cleanup_stale(args.dir) if args.clean else []
     segments = inspect(args.dir)
