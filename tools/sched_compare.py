@@ -1,0 +1,212 @@
+"""`ringserve bench sched`: one trace through static, dynamic, continuous and chunked batching.
+
+Variants (the seed's "Scheduler comparison"): static (row cap 32), dynamic (row cap 32, 10 ms
+window), continuous (row cap 32, whole prompts), chunked (row cap 32, chunk 256), then chunked with
+row caps 16 / 48 and chunks 128 / 512. Three runs of them:
+
+1. `real`: the real engine on this machine (CPU by default) with the tiny model, on the built-in
+   mix with every length times `--scale` and the prefill chunks times the same factor (so a chunk is
+   the same share of a prompt as in the seed); row caps are unchanged. Time is the measured wall
+   time of every pass (see `sched_sim.replay`).
+2. `sim-fit`: the simulator with `step_ms = a + b*rows + c*prefill_tokens` fitted by least squares
+   to the step times of run 1, on the same trace — how far the model is from the engine.
+3. `sim-seed`: the simulator with the seed's 7B/A100 model (25 ms at 1 row, 40 ms at 32, 0.1 ms per
+   prompt token), the unscaled mix and a 7,152-block pool: the seed's numbers on paper.
+
+Output: a markdown table per run, `--json`, and with `--plot DIR` one PNG per run of throughput
+against p95 TPOT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from .batchers import ContinuousPolicy, RunToCompletionPolicy
+from .sched_sim import SEED_7B_A100, EngineExecutor, SimExecutor, StepCost, replay
+from .trace import builtin_mix, describe, poisson_arrivals, read_jsonl, scaled
+
+SEED_BLOCKS = 7152
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One scheduler configuration: `kind` static | dynamic | continuous | chunked."""
+
+    kind: str
+    max_rows: int = 32
+    chunk: int | None = None
+    window_ms: float = 10.0
+
+    @property
+    def label(self) -> str:
+        if self.kind == "chunked":
+            return f"chunked rows={self.max_rows} chunk={self.chunk}"
+        if self.kind == "dynamic":
+            return f"dynamic rows={self.max_rows} window={self.window_ms:g}ms"
+        return f"{self.kind} rows={self.max_rows}"
+
+    def policy(self, num_blocks: int, chunk_scale: float = 1.0):
+        if self.kind == "static":
+            return RunToCompletionPolicy(max_rows=self.max_rows, window_s=None, num_blocks=num_blocks)
+        if self.kind == "dynamic":
+            return RunToCompletionPolicy(max_rows=self.max_rows, window_s=self.window_ms / 1e3, num_blocks=num_blocks)
+        if self.kind == "continuous":
+            return ContinuousPolicy(max_rows=self.max_rows, prefill_budget=None, num_blocks=num_blocks)
+        if self.kind == "chunked":
+            return ContinuousPolicy(max_rows=self.max_rows, prefill_budget=max(1, round(self.chunk * chunk_scale)),
+                                    num_blocks=num_blocks)
+        raise ValueError(f"unknown scheduler kind {self.kind!r}")
+
+
+VARIANTS = (
+    Variant("static"), Variant("dynamic"), Variant("continuous"), Variant("chunked", chunk=256),
+    Variant("chunked", max_rows=16, chunk=256), Variant("chunked", max_rows=48, chunk=256),
+    Variant("chunked", chunk=128), Variant("chunked", chunk=512),
+)
+
+
+def run_variants(variants, trace, arrivals, make_executor, *, num_blocks: int, chunk_scale: float = 1.0,
+                 vocab: tuple[int, int] = (3, 1000), progress=None) -> list[dict]:
+    """Replay the trace once per variant; returns one summary dict per variant (plus its step samples)."""
+    rows = []
+    for v in variants:
+        res = replay(v.policy(num_blocks, chunk_scale), trace, arrivals, make_executor(), vocab=vocab)
+        summary = res.summary() | {"label": v.label, "kind": v.kind, "max_rows": v.max_rows, "chunk": v.chunk}
+        summary["_samples"] = res.step_samples
+        rows.append(summary)
+        if progress:
+            progress(f"{v.label}: {summary['throughput_tok_s']:.1f} tok/s, p95 TPOT {summary['tpot_p95_ms']:.1f} ms")
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| scheduler | tok/s | p50 TTFT ms | p95 TTFT ms | p50 TPOT ms | p95 TPOT ms | p95 max gap ms "
+            "| rows/step | preemptions |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [head]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['throughput_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} "
+                     f"| {r['tpot_p50_ms']:.1f} | {r['tpot_p95_ms']:.1f} | {r['max_gap_p95_ms']:.0f} "
+                     f"| {r['rows_per_step']:.1f} | {r['preemptions']} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], title: str, path: str) -> None:
+    """Throughput against p95 TPOT, one labelled point per scheduler."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = {"static": "tab:red", "dynamic": "tab:orange", "continuous": "tab:blue", "chunked": "tab:green"}
+    for r in rows:
+        ax.scatter(r["tpot_p95_ms"], r["throughput_tok_s"], color=colors[r["kind"]], s=40)
+        ax.annotate(r["label"], (r["tpot_p95_ms"], r["throughput_tok_s"]), fontsize=7,
+                    xytext=(4, 3), textcoords="offset points")
+    ax.set_xlabel("p95 TPOT (ms)")
+    ax.set_ylabel("throughput (output tokens/s)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _real(args, trace, arrivals, log) -> tuple[list[dict], dict]:
+    import torch
+
+    from ringserve.config import Config
+    from ringserve.gpu_proc.engine import build_engine
+
+    torch.set_num_threads(args.threads)
+    model_dir = args.model_dir
+    if model_dir is None:
+        from .make_tiny_model import build_tiny_model
+
+        model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix="ringserve-tiny-")))
+    engine = build_engine(Config(device=args.device, dtype="float32", num_blocks=args.num_blocks), model_dir)
+    vocab = (3, min(engine.vocab_size, 1000))
+    rows = run_variants(_variants(args), trace, arrivals, lambda: EngineExecutor(engine), num_blocks=args.num_blocks,
+                        chunk_scale=args.scale, vocab=vocab, progress=log)
+    facts = {"device": str(engine.device), "model_dir": model_dir, "threads": args.threads,
+             "num_blocks": args.num_blocks}
+    return rows, facts
+
+
+def _variants(args):
+    return VARIANTS[:args.limit_variants] if args.limit_variants else VARIANTS
+
+
+def _strip(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ringserve bench sched", description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=64, help="requests in the trace")
+    p.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate of the real/sim-fit runs, req/s")
+    p.add_argument("--scale", type=float, default=0.05, help="length (and chunk) factor for the real run")
+    p.add_argument("--trace", help="JSONL trace instead of the built-in mix")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-dir", help="checkpoint directory (default: build the tiny model)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads for the real run")
+    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks for the real run")
+    p.add_argument("--seed-requests", type=int, default=300, help="requests in the 7B/A100 paper run")
+    p.add_argument("--seed-rate", type=float, default=1.5, help="arrival rate of the paper run (the seed's plan)")
+    p.add_argument("--skip-real", action="store_true", help="only the simulator with the seed's model")
+    p.add_argument("--limit-variants", type=int, default=0, help="run only the first N variants (tests)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    p.add_argument("--plot", metavar="DIR", help="write throughput-vs-TPOT PNGs here")
+    args = p.parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    base = read_jsonl(args.trace) if args.trace else builtin_mix(args.requests, seed=args.seed)
+    report: dict = {"runs": {}}
+    if not args.skip_real:
+        trace = scaled(base, args.scale)
+        arrivals = poisson_arrivals(len(trace), args.rate, seed=args.seed)
+        log(f"real engine: {describe(trace)} at {args.rate} req/s (lengths and chunks x{args.scale})")
+        real, facts = _real(args, trace, arrivals, log)
+        samples = [s for r in real for s in r["_samples"]]
+        cost = StepCost.fit(samples)
+        fit = {"model": cost.describe(), "a_ms": cost.a_ms, "b_ms": cost.b_ms, "c_ms": cost.c_ms,
+               "r_squared": cost.r_squared(samples), "steps": len(samples)}
+        log(f"fit over {len(samples)} steps: {cost.describe()} (R^2 {fit['r_squared']:.3f})")
+        simfit = run_variants(_variants(args), trace, arrivals, lambda: SimExecutor(cost), num_blocks=args.num_blocks,
+                              chunk_scale=args.scale)
+        report["runs"]["real"] = {"trace": describe(trace), "rate": args.rate, "scale": args.scale, **facts,
+                                  "rows": _strip(real)}
+        report["runs"]["sim-fit"] = {"trace": describe(trace), "rate": args.rate, "fit": fit, "rows": _strip(simfit)}
+    seed_trace = builtin_mix(args.seed_requests, seed=args.seed) if not args.trace else base
+    seed_arr = poisson_arrivals(len(seed_trace), args.seed_rate, seed=args.seed)
+    paper = run_variants(_variants(args), seed_trace, seed_arr, lambda: SimExecutor(SEED_7B_A100),
+                         num_blocks=SEED_BLOCKS)
+    report["runs"]["sim-seed"] = {"trace": describe(seed_trace), "rate": args.seed_rate,
+                                  "model": SEED_7B_A100.describe(), "num_blocks": SEED_BLOCKS, "rows": _strip(paper)}
+    if args.plot:
+        import os
+
+        os.makedirs(args.plot, exist_ok=True)
+        for name, run in report["runs"].items():
+            path = os.path.join(args.plot, f"sched-{name}.png")
+            plot(run["rows"], f"bench sched ({name}): {run['trace']} @ {run['rate']} req/s", path)
+            run["plot"] = path
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for name, run in report["runs"].items():
+            extra = run.get("fit", {}).get("model") or run.get("model") or f"device {run.get('device')}"
+            print(f"\n### {name}: {run['trace']} at {run['rate']} req/s ({extra})\n")
+            print(markdown(run["rows"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
