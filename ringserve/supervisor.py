@@ -1,10 +1,22 @@
 """`ringserve serve`: the supervisor.
 
-It builds the one Config, creates the shared memory and doorbells, removes stale segments, starts
-the GPU process and waits until the model is loaded, starts the API workers on one port
-(SO_REUSEPORT), then watches its children: a dead GPU process is restarted with a new generation, a
-dead worker is restarted in its slot. Ctrl-C or SIGTERM stops everything and unlinks the shared
-memory. It imports no torch: it stays small and starts fast.
+It builds the one Config, removes stale segments, creates the shared memory and doorbells, starts
+the GPU process, and once the model is loaded starts the API workers on one port (SO_REUSEPORT).
+Then it watches its children every POLL_S:
+
+* the GPU process exits (exception, CUDA error, SIGKILL, OOM kill) or stops beating while ready
+  (hang: the watchdog SIGKILLs it): the supervisor marks it DEAD, bumps the GPU generation and
+  stamps it on every output ring, and rings the workers' bells, so each worker fails its open
+  streams with an error event at once; it restarts the process with exponential backoff, and
+  after `restart_limit` crashes in `restart_window_s` gives up with a non-zero exit;
+* a worker exits: it is restarted in its slot (a new slot generation, so the GPU process drops the
+  dead worker's rows and frees their blocks);
+* SIGTERM / SIGINT: drain (workers refuse new requests, open streams get up to drain_timeout_s),
+  stop the GPU process, unlink the shared memory, exit 0.
+
+Children get SIGTERM if the supervisor itself dies (PR_SET_PDEATHSIG), and the next start removes
+the segments it left. Under systemd (`Type=notify`) it reports READY, STATUS, EXTEND_TIMEOUT_USEC
+and WATCHDOG (`sdnotify.py`). It imports no torch: it stays small and starts fast.
 """
 
 from __future__ import annotations
@@ -17,17 +29,26 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ringserve.config import Config, ConfigError
+from ringserve.sdnotify import Notifier, watchdog_interval_s
 from ringserve.shm import layout as L
 from ringserve.shm.instance import ShmInstance
+from ringserve.shm.ring import Ring
 from ringserve.shm.segment import ShmSpaceError, cleanup_stale
 
 log = logging.getLogger("ringserve.supervisor")
 
 _PR_SET_PDEATHSIG = 1
+POLL_S = 0.05  # supervision pass period: bounds how late a death or a hang is noticed
+BACKOFF_BASE_S = 0.25  # first restart delay; doubles with each crash in the window
+BACKOFF_MAX_S = 10.0
+LOAD_TIMEOUT_S = 900.0  # a GPU process still loading after this long is killed (and counted)
+EXTEND_EVERY_S = 10.0  # EXTEND_TIMEOUT_USEC cadence while the first model load runs
+WORKER_START_TIMEOUT_S = 60.0
+STOP_GRACE_S = 5.0  # beyond the drain: how long a child has to exit after SIGTERM
 
 
 def default_workers() -> int:
@@ -56,124 +77,273 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+class SupervisorError(RuntimeError):
+    """The supervisor cannot keep the server up (crash loop, start-up failure); it exits non-zero."""
+
+
+@dataclass(slots=True)
+class RestartPolicy:
+    """Crash accounting for one child: restart with exponential backoff, give up after `limit`
+    crashes within `window_s` seconds (a crash loop is for systemd, not for us, to handle)."""
+
+    limit: int
+    window_s: float
+    crashes: list[float] = field(default_factory=list)
+
+    def record_crash(self, now: float) -> float | None:
+        """Count a crash at `now`; the backoff before the restart, or None to give up."""
+        self.crashes = [t for t in self.crashes if now - t <= self.window_s] + [now]
+        if len(self.crashes) >= self.limit:
+            return None
+        return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (len(self.crashes) - 1))
+
+    @property
+    def recent(self) -> int:
+        return len(self.crashes)
+
+
 class Supervisor:
-    def __init__(self, config: Config, model_dir: Path, shm_dir: str = L.DEFAULT_DIRECTORY) -> None:
+    """Owns the shared memory and the children; `run()` is the whole life of `ringserve serve`."""
+
+    def __init__(self, config: Config, model_dir: Path, shm_dir: str = L.DEFAULT_DIRECTORY,
+                 notifier: Notifier | None = None) -> None:
         self.config = config
         self.model_dir = model_dir
         self.shm_dir = shm_dir
         self.n_workers = config.workers or default_workers()
+        self.notifier = notifier or Notifier()
         self.shm: ShmInstance | None = None
         self.gpu: subprocess.Popen | None = None
+        self.gpu_spawned_at = 0.0
+        self.gpu_loading = False
+        self.gpu_restart_at: float | None = None  # set while the GPU process is down, in backoff
+        self.gpu_policy = RestartPolicy(config.restart_limit, config.restart_window_s)
         self.workers: list[subprocess.Popen | None] = [None] * self.n_workers
+        self.worker_policies = [RestartPolicy(config.restart_limit, config.restart_window_s)
+                                for _ in range(self.n_workers)]
+        self.workers_started_at: float | None = None
+        self.announced = False  # READY=1 sent: the GPU process is ready and every worker listens
         self.stopping = False
-        self.gpu_starts: list[float] = []
+        self._last_extend = 0.0
+        self._last_watchdog = 0.0
+        self._watchdog_every = watchdog_interval_s()
 
     # -- children --------------------------------------------------------------------------------
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["RINGSERVE_CONFIG_JSON"] = self.config.replace(workers=self.n_workers).to_json()
+        # NOTE: systemd's variables are for the supervisor alone: a child that sent READY or
+        # WATCHDOG would be ignored (NotifyAccess=main) or, worse, mistaken for the service.
+        for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+            env.pop(name, None)
         return env
 
-    def _common_args(self) -> list[str]:
-        fds = ",".join(str(fd) for fd in self.shm.bell_fds())
-        return ["--instance", self.shm.instance, "--shm-dir", self.shm_dir, "--bell-fds", fds,
-                "--model-dir", str(self.model_dir)]
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name or self.model_dir.name
 
-    def _spawn(self, module: str, extra: list[str]) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", module, *self._common_args(), *extra],
-                                env=self._env(), pass_fds=self.shm.bell_fds(),
-                                preexec_fn=_die_with_parent)
+    def _spawn(self, module: str, args: list[str]) -> subprocess.Popen:
+        fds = self.shm.bell_fds()
+        return subprocess.Popen([sys.executable, "-m", module, "--shm-dir", self.shm_dir,
+                                 "--bell-fds", ",".join(map(str, fds)), *args],
+                                env=self._env(), pass_fds=fds, preexec_fn=_die_with_parent)
 
     def start_gpu(self) -> None:
+        """Spawn a GPU process for the current generation (bumped by `_gpu_down`, or 1 at start)."""
         control = self.shm.control
-        gen = control.bump_gpu_generation()
-        control.set_gpu_state(L.GpuState.STARTING)
-        self.gpu_starts.append(time.monotonic())
-        self.gpu = self._spawn("ringserve.gpu_proc.main", [])
-        log.info("GPU process started: pid %d, generation %d", self.gpu.pid, gen)
-
-    def wait_gpu_ready(self, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.shm.control.gpu_state != L.GpuState.READY:
-            if self.gpu.poll() is not None:
-                raise RuntimeError(f"the GPU process exited with status {self.gpu.returncode} while loading "
-                                   f"{self.model_dir} (its log is above)")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the GPU process did not become ready within {timeout_s:.0f} s")
-            time.sleep(0.05)
+        if control.gpu_generation == 0:
+            control.bump_gpu_generation()
+        self.gpu = self._spawn("ringserve.gpu_proc.main", ["--instance", self.shm.instance,
+                                                           "--model-dir", str(self.model_dir)])
+        control.set_gpu_state(L.GpuState.STARTING, pid=self.gpu.pid)
+        self.gpu_spawned_at = time.monotonic()
+        self.gpu_loading = True
+        self.gpu_restart_at = None
+        log.info("GPU process started: pid %d, generation %d", self.gpu.pid, control.gpu_generation)
+        self._status(f"loading {self.model_name} (GPU process generation {control.gpu_generation})")
 
     def start_worker(self, slot: int) -> None:
-        proc = self._spawn("ringserve.api.worker", ["--slot", str(slot)])
+        proc = self._spawn("ringserve.api.worker", ["--attach", self.shm.instance, "--slot", str(slot),
+                                                    "--tokenizer", str(self.model_dir),
+                                                    "--model-name", self.model_name])
         gen = self.shm.control.start_worker_slot(slot, proc.pid)
         self.workers[slot] = proc
         log.debug("worker %d started: pid %d, slot generation %d", slot, proc.pid, gen)
 
-    def wait_workers_listening(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        control = self.shm.control
-        while any(control.worker_slot(i)["heartbeat_age_s"] is None for i in range(self.n_workers)):
-            for i, proc in enumerate(self.workers):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"API worker {i} exited with status {proc.returncode} at start-up")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the API workers did not start listening within {timeout_s:.0f} s")
-            time.sleep(0.05)
-
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Shared memory and the first GPU process; workers follow once it is ready (`watch_once`)."""
         removed = cleanup_stale(self.shm_dir)
         if removed:
             log.info("removed %d stale shared-memory segments", len(removed))
         self.shm = ShmInstance.create(ring_bytes=self.config.ring_bytes, n_workers=self.n_workers,
                                       directory=self.shm_dir)
         self.start_gpu()
-        self.wait_gpu_ready()
-        for slot in range(self.n_workers):
+
+    def watch_once(self) -> None:
+        """One supervision pass: GPU process, workers, readiness, systemd watchdog. Never blocks."""
+        now = time.monotonic()
+        self._watch_gpu(now)
+        if self.workers_started_at is None:
+            if self.shm.control.gpu_state == L.GpuState.READY and not self.stopping:
+                for slot in range(self.n_workers):
+                    self.start_worker(slot)
+                self.workers_started_at = now
+        else:
+            self._watch_workers(now)
+        if not self.announced and self.workers_started_at is not None:
+            self._announce_when_listening(now)
+        if self._watchdog_every is not None and now - self._last_watchdog >= self._watchdog_every:
+            self.notifier.watchdog()
+            self._last_watchdog = now
+
+    def _watch_gpu(self, now: float) -> None:
+        if self.gpu is None:
+            if self.gpu_restart_at is not None and now >= self.gpu_restart_at and not self.stopping:
+                self.start_gpu()
+            return
+        status = self.gpu.poll()
+        if status is not None:
+            self._gpu_down(now, f"exited with status {status}")
+            return
+        control = self.shm.control
+        if self.gpu_loading:
+            if control.gpu_state == L.GpuState.READY:
+                self.gpu_loading = False
+                facts = control.model_facts() or {}
+                log.info("GPU process ready in %.1f s (generation %d, %s KV blocks on %s)",
+                         now - self.gpu_spawned_at, control.gpu_generation, facts.get("num_blocks"),
+                         facts.get("device"))
+                if self.announced:
+                    self._status(self._serving_status())
+            elif now - self.gpu_spawned_at > LOAD_TIMEOUT_S:
+                self._kill_gpu(now, f"did not become ready within {LOAD_TIMEOUT_S:.0f} s")
+            elif not self.announced and now - self._last_extend > EXTEND_EVERY_S:
+                # Still in systemd's start phase: ask for more time while the weights load.
+                self.notifier.extend_timeout(EXTEND_EVERY_S * 3)
+                self._last_extend = now
+            return
+        age = control.gpu_heartbeat_age_s()
+        if age is not None and age > self.config.watchdog_timeout_s:
+            # NOTE: the GPU loop beats every pass and every IDLE_WAIT_S while idle, so a stale
+            # heartbeat means a hang (SIGSTOP, a stuck kernel, a deadlock), never mere idleness.
+            self._kill_gpu(now, f"sent no heartbeat for {age:.1f} s (watchdog {self.config.watchdog_timeout_s} s)")
+
+    def _kill_gpu(self, now: float, why: str) -> None:
+        log.error("GPU process %d %s; killing it", self.gpu.pid, why)
+        self.gpu.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
+        self.gpu.wait()
+        self._gpu_down(now, why)
+
+    def _gpu_down(self, now: float, why: str) -> None:
+        """The GPU process is gone: fence it off, fail its streams, schedule the restart."""
+        control = self.shm.control
+        control.set_gpu_state(L.GpuState.DEAD)
+        gen = control.bump_gpu_generation()
+        self._fence_rings(gen)
+        self.gpu = None
+        self.gpu_loading = False
+        if self.stopping:
+            log.error("GPU process %s while draining; not restarting", why)
+            return
+        backoff = self.gpu_policy.record_crash(now)
+        if backoff is None:
+            self._status("GPU process crash loop: giving up")
+            raise SupervisorError(
+                f"the GPU process failed {self.gpu_policy.recent} times within "
+                f"{self.config.restart_window_s:.0f} s (last: {why}); giving up so the service "
+                f"manager can act (raise --restart-limit / --restart-window-s to tolerate more)")
+        log.error("GPU process %s; restarting it in %.2f s as generation %d (%d crashes in the last "
+                  "%.0f s)", why, backoff, gen, self.gpu_policy.recent, self.config.restart_window_s)
+        self._status(f"GPU process {why}; restarting (generation {gen})")
+        self.gpu_restart_at = now + backoff
+
+    def _fence_rings(self, generation: int) -> None:
+        """Stand in as every output ring's producer under the new generation and ring the bells.
+
+        Each worker sees the generation change at once and fails its open requests with an error
+        event (`api/ring_transport.py`) instead of waiting for the next GPU process to load. The
+        next process adopts the rings under this same generation, so the workers see one change.
+        """
+        for seg, bell in zip(self.shm.output_segments, self.shm.output_bells):
+            Ring(seg.buf).adopt_producer(generation)
+            bell.ring()
+
+    def _watch_workers(self, now: float) -> None:
+        for slot, proc in enumerate(self.workers):
+            if proc is None or proc.poll() is None:
+                continue
+            if not self.announced:
+                raise SupervisorError(f"API worker {slot} exited with status {proc.returncode} at "
+                                      f"start-up (is port {self.config.port} in use?)")
+            policy = self.worker_policies[slot]
+            if policy.record_crash(now) is None:
+                raise SupervisorError(f"API worker {slot} failed {policy.recent} times within "
+                                      f"{self.config.restart_window_s:.0f} s; giving up")
+            log.error("API worker %d (pid %d) exited with status %s; restarting it", slot, proc.pid,
+                      proc.returncode)
             self.start_worker(slot)
-        self.wait_workers_listening()
-        facts = self.shm.control.model_facts() or {}
+
+    def _announce_when_listening(self, now: float) -> None:
+        control = self.shm.control
+        if any(control.worker_slot(i)["heartbeat_age_s"] is None for i in range(self.n_workers)):
+            if now - self.workers_started_at > WORKER_START_TIMEOUT_S:
+                raise SupervisorError(f"the API workers did not start listening within "
+                                      f"{WORKER_START_TIMEOUT_S:.0f} s")
+            return
+        self.announced = True
+        facts = control.model_facts() or {}
         log.info("ringserve listening on http://%s:%d with %d workers, model %s (%s, %s, %s KV blocks)",
                  self.config.host, self.config.port, self.n_workers, facts.get("model"),
                  facts.get("device"), facts.get("dtype"), facts.get("num_blocks"))
+        self.notifier.ready(self._serving_status())
 
-    def watch_once(self) -> None:
-        """Restart whatever died (with a crash-loop limit for the GPU process)."""
-        if self.gpu is not None and self.gpu.poll() is not None:
-            status = self.gpu.returncode
-            self.shm.control.set_gpu_state(L.GpuState.DEAD)
-            window = self.config.restart_window_s
-            now = time.monotonic()
-            recent = [t for t in self.gpu_starts if now - t <= window]
-            if len(recent) >= self.config.restart_limit:
-                raise RuntimeError(f"the GPU process died {len(recent)} times within {window:.0f} s "
-                                   f"(last status {status}); giving up")
-            log.error("GPU process exited with status %s; restarting", status)
-            self.start_gpu()
-            self.wait_gpu_ready()
-        for slot, proc in enumerate(self.workers):
-            if proc is not None and proc.poll() is not None:
-                log.error("API worker %d exited with status %s; restarting", slot, proc.returncode)
-                self.start_worker(slot)
+    def _serving_status(self) -> str:
+        return (f"serving {self.model_name} on {self.config.host}:{self.config.port}, "
+                f"{self.n_workers} workers, GPU generation {self.shm.control.gpu_generation}")
+
+    def _status(self, text: str) -> None:
+        self.notifier.status(text)
+
+    def drain(self) -> None:
+        """SIGTERM: workers refuse new requests and let open streams finish (up to
+        drain_timeout_s); then the GPU process stops. Stragglers are killed."""
+        drain_s = self.config.drain_timeout_s
+        log.info("draining: new requests get 503, open streams have up to %.0f s", drain_s)
+        self.notifier.stopping(f"draining (up to {drain_s:.0f} s)")
+        self.notifier.extend_timeout(drain_s + STOP_GRACE_S * 2)
+        workers = [p for p in self.workers if p is not None and p.poll() is None]
+        for p in workers:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + drain_s + STOP_GRACE_S
+        while any(p.poll() is None for p in workers) and time.monotonic() < deadline:
+            if self.gpu is not None and self.gpu.poll() is not None:
+                self._gpu_down(time.monotonic(), f"exited with status {self.gpu.returncode}")
+            time.sleep(POLL_S)
 
     def stop(self) -> None:
-        children = [p for p in [*self.workers, self.gpu] if p is not None and p.poll() is None]
-        for p in children:
-            p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.config.drain_timeout_s + 5
-        for p in children:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        """Stop every child still running (workers first), then unlink the shared memory."""
+        for group in ([p for p in self.workers if p is not None], [self.gpu] if self.gpu else []):
+            live = [p for p in group if p.poll() is None]
+            for p in live:
+                p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for p in live:
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("pid %d did not stop within %.0f s; killing it", p.pid, STOP_GRACE_S)
+                    p.kill()
+                    p.wait()
         if self.shm is not None:
             self.shm.unlink()
             self.shm.close()
             self.shm = None
 
     def run(self) -> int:
+        """Start, supervise until SIGTERM/SIGINT, drain, clean up. 0 on a clean stop, 1 on failure."""
         def on_signal(signum, _frame):
             self.stopping = True
 
@@ -183,14 +353,17 @@ class Supervisor:
             self.start()
             while not self.stopping:
                 self.watch_once()
-                time.sleep(0.1)
-            log.info("stopping")
+                time.sleep(POLL_S)
+            self.drain()
+            log.info("stopped")
             return 0
-        except (RuntimeError, ShmSpaceError) as exc:
+        except (SupervisorError, ShmSpaceError) as exc:
             log.error("%s", exc)
+            self.notifier.status(f"failed: {exc}")
             return 1
         finally:
             self.stop()
+            self.notifier.close()
 
 
 def _parser() -> argparse.ArgumentParser:
