@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -235,6 +236,9 @@ def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
     control.set_gpu_state(L.GpuState.READY, pid=os.getpid())
     log.info("GPU process ready: %s on %s, %d KV blocks, loaded in %.1f s", model_dir, engine.device,
              engine.num_blocks, time.monotonic() - t0)
+    # SIGTERM (the supervisor's stop, sent once the workers have drained) ends the loop between
+    # passes, so the process exits 0 rather than dying mid-step.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: setattr(loop, "stopping", True))
     loop.run()
 
 
