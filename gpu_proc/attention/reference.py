@@ -71,17 +71,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
             positions: torch.Tensor, key_pos: torch.Tensor, group: int, scale: float) -> torch.Tensor:
     n, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    ctx = key_pos.shape[0]
-    idx = tables.long()
-    # [n, nblocks, kvh, bs, d] -> [n, kvh, nblocks * bs, d]: the token's sequence, in position order
-    k = k_cache[idx].permute(0, 2, 1, 3, 4).reshape(n, num_kv_heads, ctx, head_dim)
-    v = v_cache[idx].permute(0, 2, 1, 3, 4).reshape(n, num_kv_heads, ctx, head_dim)
-    qg = q.view(n, num_kv_heads, group, head_dim).to(k.dtype)  # [n, kvh, group, d]
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [n, kvh, group, ctx]
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    nblocks = tables.shape[1]
+    idx = tables.reshape(-1).long()
+    # Gathered blocks stay in cache layout: [n, nblocks, kvh, bs, d]. Matmuls batch over
+    # (token, block, kv head), so the big K/V gathers are never permuted into another copy.
+    k = k_cache.index_select(0, idx).view(n, nblocks, num_kv_heads, block_size, head_dim)
+    v = v_cache.index_select(0, idx).view(n, nblocks, num_kv_heads, block_size, head_dim)
+    qg = q.view(n, 1, num_kv_heads, group, head_dim).to(k.dtype)  # [n, 1, kvh, group, d]
+    scores = torch.matmul(qg, k.transpose(-1, -2))  # [n, nblocks, kvh, group, bs]
+    # [n, nblocks, kvh, group, bs] -> [n, kvh, group, nblocks * bs]: keys in position order
+    scores = scores.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group, nblocks * block_size).float() * scale
     # Keys after the token's own position are the future of its chunk or unwritten/padding slots.
     masked = key_pos[None, :] > positions[:, None]  # [n, ctx]
     scores.masked_fill_(masked[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v)  # [n, kvh, group, d]
+    # [n, kvh, group, nblocks, bs] -> [n, nblocks, kvh, group, bs] to meet V block by block
+    probs = probs.view(n, num_kv_heads, group, nblocks, block_size).permute(0, 3, 1, 2, 4)
+    out = torch.matmul(probs, v).sum(dim=1)  # [n, nblocks, kvh, group, d] -> [n, kvh, group, d]
     return out.reshape(n, num_heads, head_dim).to(q.dtype)
