@@ -37,6 +37,7 @@ class Config:
     admission_margin: float = 0.05
     key_row_cap: int = 8
     output_token_weight: float = 12.0
+    prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
     # admission
     queue_limit_s: float = 2.0
     c_prefill_ms: float = 0.1
@@ -97,6 +98,8 @@ class Config:
 
 def _parse(f: dataclasses.Field, raw: str) -> object:
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if kind == "bool":
+        return parse_bool(raw, f"RINGSERVE_{f.name.upper()}")
     try:
         if kind.startswith("int"):
             return int(raw)
@@ -105,3 +108,13 @@ def _parse(f: dataclasses.Field, raw: str) -> object:
     except ValueError:
         raise ConfigError(f"RINGSERVE_{f.name.upper()}={raw!r} is not a valid {kind}") from None
     return raw
+
+
+def parse_bool(raw: str, name: str) -> bool:
+    """on / off, true / false, yes / no, 1 / 0 (any case)."""
+    value = raw.strip().lower()
+    if value in ("on", "true", "yes", "1"):
+        return True
+    if value in ("off", "false", "no", "0"):
+        return False
+    raise ConfigError(f"{name}={raw!r}: expected on or off")

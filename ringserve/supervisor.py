@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from ringserve.config import Config, ConfigError
+from ringserve.config import Config, ConfigError, parse_bool
 from ringserve.sdnotify import Notifier, watchdog_interval_s
 from ringserve.shm import layout as L
 from ringserve.shm.instance import ShmInstance
@@ -375,7 +375,8 @@ def _parser() -> argparse.ArgumentParser:
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = f.type if isinstance(f.type, str) else f.type.__name__
-        typ = int if kind.startswith("int") else float if kind.startswith("float") else str
+        typ = (int if kind.startswith("int") else float if kind.startswith("float")
+               else (lambda raw, n=flag: parse_bool(raw, n)) if kind == "bool" else str)
         p.add_argument(flag, type=typ, default=None, help=f"(default {f.default}; env RINGSERVE_{f.name.upper()})")
     return p
 

@@ -30,3 +30,11 @@ def test_json_round_trip():
     """What the supervisor hands its children is the same Config."""
     c = Config(max_rows=7, model="/m", queue_limit_s=1.5)
     assert Config.from_json(c.to_json()) == c
+
+
+def test_boolean_settings():
+    """on/off switches parse from the environment; nonsense is refused."""
+    assert Config.from_env({"RINGSERVE_PREFIX_CACHING": "off"}).prefix_caching is False
+    assert Config.from_env({"RINGSERVE_PREFIX_CACHING": "ON"}).prefix_caching is True
+    with pytest.raises(ConfigError, match="RINGSERVE_PREFIX_CACHING"):
+        Config.from_env({"RINGSERVE_PREFIX_CACHING": "maybe"})
