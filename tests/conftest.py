@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# CI and dev machines here are small and shared: several OpenMP threads per torch process fighting
+# over two cores make tiny CPU model steps 10-30x slower (workers spin at every barrier). One
+# thread per process, set before anything imports torch; child processes inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _cuda_available() -> bool:
