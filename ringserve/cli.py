@@ -27,6 +27,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "api": ("ringserve.tools.bench_api", "tokens/s one API worker streams"),
     "kernels": ("ringserve.tools.bench_kernels", "CUDA attention kernels against the bandwidth bound"),
     "sched": ("ringserve.tools.sched_compare", "static / dynamic / continuous / chunked schedulers"),
+    "prefix": ("ringserve.tools.bench_prefix", "TTFT and throughput with and without prefix caching"),
 }
 
 
