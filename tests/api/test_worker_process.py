@@ -69,16 +69,15 @@ def _post(port: int, body: dict) -> tuple[int, bytes]:
         return err.code, err.read()
 
 
-def _wait_ready(port: int, procs, timeout: float = 30.0) -> None:
+def _wait_serving(procs, logs, timeout: float = 60.0) -> None:
+    """Until every worker has logged that it serves (its socket is listening)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
-            raise AssertionError("a worker exited during start-up")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
+            raise AssertionError(f"a worker exited during start-up: {[l.read_text() for l in logs]}")
+        if all("serving" in log.read_text() for log in logs):
+            return
+        time.sleep(0.05)
     raise AssertionError("workers did not start")
 
 
@@ -92,13 +91,15 @@ def test_two_workers_over_shared_memory(tmp_path, tiny_model_dir, codec):
     port = _free_port()
     env = {**os.environ, "RINGSERVE_PORT": str(port)}
     fds = shm.bell_fds()
+    logs = [tmp_path / f"worker{slot}.log" for slot in (0, 1)]
     procs = [subprocess.Popen(
         [sys.executable, "-m", "ringserve.api.worker", "--tokenizer", str(tiny_model_dir),
          "--attach", shm.instance, "--slot", str(slot), "--bell-fds", ",".join(map(str, fds)),
          "--shm-dir", str(tmp_path), "--model-name", "tiny"],
-        env=env, pass_fds=fds, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for slot in (0, 1)]
+        env=env, pass_fds=fds, stdout=logs[slot].open("w"), stderr=subprocess.STDOUT)
+        for slot in (0, 1)]
     try:
-        _wait_ready(port, procs)
+        _wait_serving(procs, logs)
         status, body = _post(port, {"prompt": "x"})
         assert status == 503  # the GPU process has not said READY yet
         shm.control.set_gpu_state(L.GpuState.READY)
@@ -121,4 +122,4 @@ def test_two_workers_over_shared_memory(tmp_path, tiny_model_dir, codec):
         gpu.join(timeout=5)
         shm.close()
         shm.unlink()
-    assert codes == [0, 0], [p.stdout.read().decode()[-2000:] for p in procs]
+    assert codes == [0, 0], [log.read_text()[-2000:] for log in logs]
