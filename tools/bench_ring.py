@@ -59,6 +59,7 @@ class _RingEnd:
         self.space = env["space"][direction]
         self.ring = Ring.producer(seg.buf) if sending else Ring.consumer(seg.buf)
         self.flush = self.bell.ring  # the doorbell, rung once per batch of pushes
+        self.backed_up = False
 
     def send(self, data) -> None:
         if not self.ring.try_push(data):
@@ -76,8 +77,10 @@ class _RingEnd:
             batch = ring.pop_views(BATCH) if views else ring.pop_many(BATCH)
             if batch:
                 # A full batch means the ring was backed up: the producer may be waiting for
-                # space. Waking it only then keeps the syscall off the common path.
-                if len(batch) == BATCH:
+                # space. Waking it only then keeps the syscall off the common path; views free
+                # their space only on release(), so wake it there.
+                self.backed_up = len(batch) == BATCH
+                if self.backed_up and not views:
                     self.space.ring()
                 return batch
             self.bell.wait(0.05)
@@ -96,6 +99,8 @@ class _RingEnd:
 
     def release(self) -> None:
         self.ring.release()
+        if self.backed_up:
+            self.space.ring()
 
 
 class _ZmqEnd:
