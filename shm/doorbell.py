@@ -19,11 +19,13 @@ import select
 class Doorbell:
     """One eventfd, read by one process (the bell's consumer) and rung by any number.
 
-    The descriptor is left *blocking*: `wait(None)` is then a single blocking `read`, the
+    The descriptor is made *blocking*: `wait(None)` is then a single blocking `read`, the
     cheapest wake-up the kernel offers (about 2 us less per round trip than poll + read on
     this class of machine). Every other read happens only after `poll` reports the counter
     non-zero, so nothing else ever blocks; writes of 1 cannot block in practice (the counter
-    would have to reach 2**64 - 2).
+    would have to reach 2**64 - 2). The open file description is shared with every process
+    that inherited it, so code here also works when another process (an event loop) has
+    switched it to non-blocking.
     """
 
     __slots__ = ("_fd", "_poll", "_owned")
@@ -52,21 +54,37 @@ class Doorbell:
 
     def ring(self) -> None:
         """Wake the waiter. Never blocks."""
-        os.eventfd_write(self._fd, 1)
+        try:
+            os.eventfd_write(self._fd, 1)
+        except BlockingIOError:
+            pass  # counter at its maximum (non-blocking description): the waiter will wake
 
     def drain(self) -> int:
         """Clear pending rings without blocking; return how many there were (0 if none)."""
         if not self._poll.poll(0):
             return 0
-        return os.eventfd_read(self._fd)
+        return self._read()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until rung or `timeout` seconds pass (None: forever); drain; True if rung."""
         if timeout is None:
-            return os.eventfd_read(self._fd) > 0  # EINTR is retried by Python (PEP 475)
-        if not self._poll.poll(max(0, int(timeout * 1000 + 0.999))):
+            try:
+                return os.eventfd_read(self._fd) > 0  # EINTR is retried by Python (PEP 475)
+            except BlockingIOError:
+                # The description is shared with other processes, and an event loop there
+                # (libuv sets O_NONBLOCK on fds it polls) may have made it non-blocking.
+                ms = -1
+        else:
+            ms = max(0, int(timeout * 1000 + 0.999))
+        if not self._poll.poll(ms):
             return False
-        return os.eventfd_read(self._fd) > 0
+        return self._read() > 0
+
+    def _read(self) -> int:
+        try:
+            return os.eventfd_read(self._fd)
+        except BlockingIOError:  # drained by someone else between poll and read
+            return 0
 
     def close(self) -> None:
         if self._fd >= 0 and self._owned:

@@ -50,3 +50,22 @@ def test_usable_with_asyncio_add_reader():
 
     assert asyncio.run(main()) == 1
     bell.close()
+
+
+def test_wait_forever_survives_a_non_blocking_description():
+    """If another process's event loop made the shared fd non-blocking, wait(None) still
+    sleeps until rung instead of failing."""
+    bell = Doorbell.create()
+    os.set_blocking(bell.fileno(), False)  # what libuv does to fds it polls
+    proc = multiprocessing.get_context("fork").Process(target=_ring_later, args=(bell,))
+    proc.start()
+    assert bell.wait(None) is True
+    proc.join()
+    bell.ring()
+    assert bell.drain() == 1 and bell.drain() == 0
+    bell.close()
+
+
+def _ring_later(bell: Doorbell) -> None:
+    time.sleep(0.05)
+    bell.ring()
