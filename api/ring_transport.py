@@ -19,6 +19,9 @@ from ringserve.shm.messages import Cancel, Error, Message, Submit, decode, encod
 from ringserve.shm.ring import Ring
 
 
+GENERATION_CHECK_S = 0.25
+
+
 class RingTransport:
     """Transport for worker slot `i` of a shared-memory instance."""
 
@@ -31,6 +34,7 @@ class RingTransport:
         self._deliver: Callable[[Message], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._generation = outputs.generation
+        self._timer: asyncio.TimerHandle | None = None
 
     @classmethod
     def for_slot(cls, instance, slot: int) -> "RingTransport":
@@ -46,6 +50,7 @@ class RingTransport:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self.output_bell.fileno(), self._on_bell)
         self._on_bell()  # records pushed before we listened
+        self._watch()
 
     def send(self, msg: Submit | Cancel) -> bool:
         if not self.requests.try_push(encode(msg)):
@@ -54,9 +59,19 @@ class RingTransport:
         return True
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         if self._loop is not None and self.output_bell.fileno() >= 0:
             self._loop.remove_reader(self.output_bell.fileno())
         self._deliver = None
+
+    def _watch(self) -> None:
+        """Check the generation even while the GPU process sends us nothing: a restarted one may
+        never ring this worker's bell, and open streams must not wait forever."""
+        if self._deliver is None:
+            return
+        self._check_generation(self._deliver)
+        self._timer = self._loop.call_later(GENERATION_CHECK_S, self._watch)
 
     # incoming --------------------------------------------------------------------------------
     def _on_bell(self) -> None:
