@@ -181,8 +181,9 @@ async def run(args) -> list[dict]:
     else:
         n = (args.requests or max(1, round(args.duration * max(args.rates)))) * len(args.rates)
         base = builtin_mix(n, seed=args.seed, keys=args.keys)
-    base = scaled(base, args.scale)
-    print(f"trace: {describe(base)} (lengths x{args.scale}), {args.keys} keys", file=sys.stderr)
+    base = scaled(base, args.scale, args.prompt_scale)
+    print(f"trace: {describe(base)} (outputs x{args.scale}, prompts x{args.prompt_scale or args.scale}), "
+          f"{args.keys} keys", file=sys.stderr)
     rows = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -214,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", type=_floats, default=[0.5, 1, 1.5, 2, 2.5], help="arrival rates, req/s (comma list)")
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply every rate (small hardware: > 1 or < 1)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply prompt and output lengths")
+    p.add_argument("--prompt-scale", type=float, help="multiply prompt lengths by this instead of --scale")
     count = p.add_mutually_exclusive_group()
     count.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate (default)")
     count.add_argument("--requests", type=int, help="requests per rate instead of --duration")

@@ -5,13 +5,19 @@ window), continuous (row cap 32, whole prompts), chunked (row cap 32, chunk 256)
 row caps 16 / 48 and chunks 128 / 512. Three runs of them:
 
 1. `real`: the real engine on this machine (CPU by default) with the tiny model, on the built-in
-   mix with every length times `--scale` and the prefill chunks times the same factor (so a chunk is
-   the same share of a prompt as in the seed); row caps are unchanged. Time is the measured wall
-   time of every pass (see `sched_sim.replay`).
+   mix with output lengths times `--scale` (default 0.1: 1..100 tokens), prompt lengths times
+   `--prompt-scale` (default 0.02: 1..160 tokens; a prompt token costs a larger share of a step on
+   CPU than on the seed's GPU, so prompts shrink more to keep prefill's share of the work near the
+   seed's) and prefill chunks times `--chunk-scale` (default 0.25: 32 / 64 / 128, so chunks still
+   split the longer scaled prompts); row caps are unchanged. Time is the measured wall time of
+   every pass (see `sched_sim.replay`).
 2. `sim-fit`: the simulator with `step_ms = a + b*rows + c*prefill_tokens` fitted by least squares
    to the step times of run 1, on the same trace — how far the model is from the engine.
 3. `sim-seed`: the simulator with the seed's 7B/A100 model (25 ms at 1 row, 40 ms at 32, 0.1 ms per
    prompt token), the unscaled mix and a 7,152-block pool: the seed's numbers on paper.
+
+With `--hf`, the real run also replays the trace through Hugging Face `generate` with static
+batches of 32 (`hf_baseline.run_hf`) and reports ringserve's throughput ratio against it.
 
 Output: a markdown table per run, `--json`, and with `--plot DIR` one PNG per run of throughput
 against p95 TPOT.
@@ -102,7 +108,8 @@ def plot(rows: list[dict], title: str, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"static": "tab:red", "dynamic": "tab:orange", "continuous": "tab:blue", "chunked": "tab:green"}
+    colors = {"static": "tab:red", "dynamic": "tab:orange", "continuous": "tab:blue", "chunked": "tab:green",
+              "hf": "tab:purple"}
     for r in rows:
         ax.scatter(r["tpot_p95_ms"], r["throughput_tok_s"], color=colors[r["kind"]], s=40)
         ax.annotate(r["label"], (r["tpot_p95_ms"], r["throughput_tok_s"]), fontsize=7,
@@ -131,9 +138,20 @@ def _real(args, trace, arrivals, log) -> tuple[list[dict], dict]:
     engine = build_engine(Config(device=args.device, dtype="float32", num_blocks=args.num_blocks), model_dir)
     vocab = (3, min(engine.vocab_size, 1000))
     rows = run_variants(_variants(args), trace, arrivals, lambda: EngineExecutor(engine), num_blocks=args.num_blocks,
-                        chunk_scale=args.scale, vocab=vocab, progress=log)
+                        chunk_scale=args.chunk_scale, vocab=vocab, progress=log)
     facts = {"device": str(engine.device), "model_dir": model_dir, "threads": args.threads,
              "num_blocks": args.num_blocks}
+    if args.hf:
+        from .hf_baseline import load_hf_model, run_hf
+
+        log("HF transformers generate, static batches of 32 ...")
+        hf = run_hf(load_hf_model(model_dir), trace, arrivals, batch=32, vocab=vocab).summary()
+        hf |= {"label": "HF generate static batch=32", "kind": "hf", "max_rows": 32, "chunk": None, "_samples": []}
+        rows.append(hf)
+        ours = next(r for r in rows if r["label"] == Variant("chunked", chunk=256).label)
+        facts["hf_throughput_ratio"] = ours["throughput_tok_s"] / hf["throughput_tok_s"]
+        facts["hf_tpot_p95_ms"], facts["ours_tpot_p95_ms"] = hf["tpot_p95_ms"], ours["tpot_p95_ms"]
+        log(f"ringserve / HF throughput: {facts['hf_throughput_ratio']:.2f}x")
     return rows, facts
 
 
@@ -149,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ringserve bench sched", description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=64, help="requests in the trace")
     p.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate of the real/sim-fit runs, req/s")
-    p.add_argument("--scale", type=float, default=0.05, help="length (and chunk) factor for the real run")
+    p.add_argument("--scale", type=float, default=0.1, help="output length factor for the real run")
+    p.add_argument("--prompt-scale", type=float, default=0.02, help="prompt length factor for the real run")
+    p.add_argument("--chunk-scale", type=float, default=0.25, help="prefill chunk factor for the real run")
     p.add_argument("--trace", help="JSONL trace instead of the built-in mix")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", help="checkpoint directory (default: build the tiny model)")
@@ -160,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed-rate", type=float, default=1.5, help="arrival rate of the paper run (the seed's plan)")
     p.add_argument("--skip-real", action="store_true", help="only the simulator with the seed's model")
     p.add_argument("--limit-variants", type=int, default=0, help="run only the first N variants (tests)")
+    p.add_argument("--hf", action="store_true", help="add HF transformers static batching to the real run")
     p.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     p.add_argument("--plot", metavar="DIR", help="write throughput-vs-TPOT PNGs here")
     args = p.parse_args(argv)
@@ -170,18 +191,20 @@ def main(argv: list[str] | None = None) -> int:
     base = read_jsonl(args.trace) if args.trace else builtin_mix(args.requests, seed=args.seed)
     report: dict = {"runs": {}}
     if not args.skip_real:
-        trace = scaled(base, args.scale)
+        trace = scaled(base, args.scale, args.prompt_scale)
         arrivals = poisson_arrivals(len(trace), args.rate, seed=args.seed)
-        log(f"real engine: {describe(trace)} at {args.rate} req/s (lengths and chunks x{args.scale})")
+        log(f"real engine: {describe(trace)} at {args.rate} req/s (outputs x{args.scale}, prompts "
+            f"x{args.prompt_scale}, chunks x{args.chunk_scale})")
         real, facts = _real(args, trace, arrivals, log)
-        samples = [s for r in real for s in r["_samples"]]
+        samples = [s for r in real for s in r["_samples"]]  # the HF row has none
         cost = StepCost.fit(samples)
         fit = {"model": cost.describe(), "a_ms": cost.a_ms, "b_ms": cost.b_ms, "c_ms": cost.c_ms,
                "r_squared": cost.r_squared(samples), "steps": len(samples)}
         log(f"fit over {len(samples)} steps: {cost.describe()} (R^2 {fit['r_squared']:.3f})")
         simfit = run_variants(_variants(args), trace, arrivals, lambda: SimExecutor(cost), num_blocks=args.num_blocks,
-                              chunk_scale=args.scale)
-        report["runs"]["real"] = {"trace": describe(trace), "rate": args.rate, "scale": args.scale, **facts,
+                              chunk_scale=args.chunk_scale)
+        report["runs"]["real"] = {"trace": describe(trace), "rate": args.rate, "scale": args.scale,
+                                  "prompt_scale": args.prompt_scale, "chunk_scale": args.chunk_scale, **facts,
                                   "rows": _strip(real)}
         report["runs"]["sim-fit"] = {"trace": describe(trace), "rate": args.rate, "fit": fit, "rows": _strip(simfit)}
     seed_trace = builtin_mix(args.seed_requests, seed=args.seed) if not args.trace else base
@@ -205,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
             extra = run.get("fit", {}).get("model") or run.get("model") or f"device {run.get('device')}"
             print(f"\n### {name}: {run['trace']} at {run['rate']} req/s ({extra})\n")
             print(markdown(run["rows"]))
+            if "hf_throughput_ratio" in run:
+                print(f"\nringserve (chunked rows=32 chunk=256) / HF generate throughput: "
+                      f"{run['hf_throughput_ratio']:.2f}x; p95 TPOT {run['ours_tpot_p95_ms']:.1f} ms vs "
+                      f"{run['hf_tpot_p95_ms']:.1f} ms")
     return 0
 
 

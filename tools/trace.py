@@ -84,11 +84,16 @@ def read_jsonl(path: str | Path, *, keys: int = 1) -> list[TraceRequest]:
     return out
 
 
-def scaled(trace: list[TraceRequest], factor: float) -> list[TraceRequest]:
-    """Every length times `factor` (rounded, at least 1): the same skew on smaller hardware."""
-    if not factor > 0:
-        raise ValueError(f"scale factor must be > 0, got {factor}")
-    return [TraceRequest(max(1, round(r.prompt_tokens * factor)), max(1, round(r.output_tokens * factor)), r.key)
+def scaled(trace: list[TraceRequest], factor: float, prompt_factor: float | None = None) -> list[TraceRequest]:
+    """Every length times `factor` (rounded, at least 1): the same skew on smaller hardware.
+
+    `prompt_factor`, when given, scales prompts apart from outputs: on hardware where a prompt
+    token costs a larger share of a decode step than on the seed's GPU, a smaller prompt factor
+    keeps prefill's share of the work near the seed's."""
+    pf = factor if prompt_factor is None else prompt_factor
+    if not (factor > 0 and pf > 0):
+        raise ValueError(f"scale factors must be > 0, got {factor} and {pf}")
+    return [TraceRequest(max(1, round(r.prompt_tokens * pf)), max(1, round(r.output_tokens * factor)), r.key)
             for r in trace]
 
 
