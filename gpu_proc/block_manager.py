@@ -7,11 +7,21 @@ partial block before a sample appends to it).
 
 Free-list order is FIFO: a freed block goes to the back and allocation takes from the front, so
 block ids are predictable (tests assert exact ids) and a just-freed block is reused last.
+
+With a prefix cache attached (`attach_cache`), a freed block that the cache has registered (a full
+block with a known prefix) is *parked* in the cache's LRU instead: still free, but kept until
+needed. Allocation takes plain free blocks first and then evicts the oldest parked block; `acquire`
+takes a reference to a cache hit, un-parking it. A table is freed last block first, so a
+sequence's tail is evicted before the head its descendants hang from.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ringserve.gpu_proc.prefix_cache import PrefixCache
 
 
 class NoFreeBlocks(RuntimeError):
@@ -25,7 +35,7 @@ class BlockError(RuntimeError):
 class BlockManager:
     """Allocate, share and free fixed-size KV blocks of `block_size` token slots each."""
 
-    __slots__ = ("num_blocks", "block_size", "_free", "_refs")
+    __slots__ = ("num_blocks", "block_size", "cache", "_free", "_refs")
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         if num_blocks <= 0:
@@ -36,16 +46,39 @@ class BlockManager:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._refs: list[int] = [0] * num_blocks
+        self.cache: PrefixCache | None = None
+
+    def attach_cache(self, cache: PrefixCache) -> None:
+        """Keep registered blocks cached when freed (see the module docstring); only on a pool
+        with nothing allocated yet, so every block's history is known to the cache."""
+        if self.cache is not None:
+            raise BlockError("a prefix cache is already attached")
+        if self.num_used:
+            raise BlockError(f"attach the prefix cache before allocating ({self.num_used} blocks in use)")
+        if (cache.num_blocks, cache.block_size) != (self.num_blocks, self.block_size):
+            raise ValueError(f"cache is for {cache.num_blocks} x {cache.block_size}-token blocks, "
+                             f"pool has {self.num_blocks} x {self.block_size}")
+        self.cache = cache
 
     # -- queries ---------------------------------------------------------------------------------
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take now, parked cached blocks included."""
+        return len(self._free) + (self.cache.num_parked if self.cache is not None else 0)
+
+    @property
+    def num_cached(self) -> int:
+        """Free blocks that still hold a cached prefix (parked)."""
+        return self.cache.num_parked if self.cache is not None else 0
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    def free_order(self) -> list[int]:
+        """Every free block in the order allocation takes them (plain first, then oldest parked)."""
+        return list(self._free) + (self.cache.parked() if self.cache is not None else [])
 
     def ref_count(self, block_id: int) -> int:
         return self._refs[block_id]
@@ -55,7 +88,7 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, count: int) -> bool:
-        return count <= len(self._free)
+        return count <= self.num_free
 
     # -- verbs -----------------------------------------------------------------------------------
 
@@ -63,21 +96,41 @@ class BlockManager:
         """`count` fresh blocks, each with reference count 1; all or nothing."""
         if count < 0:
             raise ValueError(f"cannot allocate {count} blocks")
-        if count > len(self._free):
-            raise NoFreeBlocks(f"asked for {count} KV blocks, {len(self._free)} free")
+        if count > self.num_free:
+            raise NoFreeBlocks(f"asked for {count} KV blocks, {self.num_free} free")
         free, refs = self._free, self._refs
-        out = [free.popleft() for _ in range(count)]
+        plain = min(count, len(free))
+        out = [free.popleft() for _ in range(plain)]
+        if plain < count:
+            evict = self.cache.evict_oldest  # type: ignore[union-attr]
+            out += [evict() for _ in range(count - plain)]
         for b in out:
             refs[b] = 1
         return out
 
     def allocate_one(self) -> int:
         """One fresh block (the hot path: a decoding row crossing a block boundary)."""
-        if not self._free:
+        if self._free:
+            b = self._free.popleft()
+        elif self.cache is not None and self.cache.num_parked:
+            b = self.cache.evict_oldest()
+        else:
             raise NoFreeBlocks("asked for 1 KV block, 0 free")
-        b = self._free.popleft()
         self._refs[b] = 1
         return b
+
+    def acquire(self, block_ids: list[int]) -> None:
+        """One more reference to each cached block of a prefix hit, un-parking the free ones."""
+        cache, refs = self.cache, self._refs
+        if cache is None:
+            raise BlockError("acquire() needs a prefix cache")
+        for b in block_ids:
+            if not cache.is_registered(b):
+                raise BlockError(f"block {b} acquired but not cached")
+        for b in block_ids:
+            if refs[b] == 0:
+                cache.unpark(b)
+            refs[b] += 1
 
     def share(self, block_ids: list[int]) -> None:
         """Add one reference to each of `block_ids` (another sample now reads them)."""
@@ -90,33 +143,41 @@ class BlockManager:
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference to each of `block_ids`; a block reaching 0 returns to the free list."""
-        refs, free = self._refs, self._free
-        for b in block_ids:
+        refs, free, cache = self._refs, self._free, self.cache
+        for b in (block_ids if cache is None else reversed(block_ids)):
             r = refs[b]
             if r <= 0:
                 raise BlockError(f"block {b} freed while already free (double free)")
             refs[b] = r - 1
             if r == 1:
-                free.append(b)
+                if cache is not None and cache.is_registered(b):
+                    cache.park(b)
+                else:
+                    free.append(b)
 
     # -- n > 1: shared prompt, copy-on-write -----------------------------------------------------
 
-    def allocate_shared(self, prefix_tokens: int, row_tokens: list[int]) -> tuple[list[int], list[list[int]]]:
+    def allocate_shared(self, prefix_tokens: int, row_tokens: list[int],
+                        cached: list[int] | None = None) -> tuple[list[int], list[list[int]]]:
         """Blocks for a prefix computed once plus one table per sample row.
 
-        The prefix gets its own blocks. Each row's table shares the prefix's *full* blocks (one
+        The prefix gets its own blocks, starting with `cached` (full blocks of a prefix-cache hit,
+        already acquired by the caller). Each row's table shares the prefix's *full* blocks (one
         more reference each) and owns fresh blocks for the rest of its `row_tokens[i]` tokens,
         starting with a private block for the prefix's partial last block: `fork` fills that one
         by copy once the prefix is computed. All or nothing.
         """
         full = prefix_tokens // self.block_size
+        cached = cached or []
+        if len(cached) > full:
+            raise ValueError(f"{len(cached)} cached blocks for a prefix of {full} full blocks")
         own = [self.blocks_for(t) - full for t in row_tokens]
         if min(own, default=1) < 1:
             raise ValueError("every row must extend past the shared prefix")
-        if self.blocks_for(prefix_tokens) + sum(own) > len(self._free):
-            raise NoFreeBlocks(f"asked for {self.blocks_for(prefix_tokens) + sum(own)} KV blocks, "
-                               f"{len(self._free)} free")
-        prefix = self.allocate(self.blocks_for(prefix_tokens))
+        need = self.blocks_for(prefix_tokens) - len(cached) + sum(own)
+        if need > self.num_free:
+            raise NoFreeBlocks(f"asked for {need} KV blocks, {self.num_free} free")
+        prefix = cached + self.allocate(self.blocks_for(prefix_tokens) - len(cached))
         shared = prefix[:full]
         tables = []
         for count in own:
@@ -137,7 +198,8 @@ class BlockManager:
     # -- checks ----------------------------------------------------------------------------------
 
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:
-        """Raise BlockError unless free + used == total and counts agree with the free list.
+        """Raise BlockError unless free + cached + used == total and counts agree with the free
+        lists (and, with a cache, the cache's own check: hashes unique, parked == registered free).
 
         With `expected_refs` (block id -> references held by live sequences, as the scheduler
         recounts them from its block tables), every count must match it exactly.
@@ -145,6 +207,18 @@ class BlockManager:
         free_set = set(self._free)
         if len(free_set) != len(self._free):
             raise BlockError("a block appears twice in the free list")
+        if self.cache is not None:
+            parked = set(self.cache.parked())
+            if parked & free_set:
+                raise BlockError(f"blocks {sorted(parked & free_set)} are both free and parked")
+            for b in free_set:
+                if self.cache.is_registered(b):
+                    raise BlockError(f"block {b} is on the plain free list but still cached")
+            free_set |= parked
+            try:
+                self.cache.check_integrity(self._refs)
+            except RuntimeError as exc:
+                raise BlockError(str(exc)) from None
         for b in range(self.num_blocks):
             r = self._refs[b]
             if r < 0:

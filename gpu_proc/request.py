@@ -64,6 +64,9 @@ class SampleRow:
     num_computed: int = 0
     block_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    # Prefix-cache chain hashes of this row's full token blocks so far (a pure function of the
+    # tokens and the salt, kept so a recompute or a repeated lookup does not rehash).
+    block_hashes: list[int] = field(default_factory=list)
 
     def num_tokens(self, prompt_len: int) -> int:
         return prompt_len + len(self.generated)
@@ -92,6 +95,7 @@ class Request:
     deadline_ts: float
     n: int = 1
     logprobs: int | None = None
+    cache_salt: str | None = None  # prefix-cache isolation: only equal salts share cached blocks
     # -- set by the scheduler ------------------------------------------------------------------
     est_gpu_ms: float = 0.0
     queued_est_ms: float = 0.0  # what this request adds to queued_gpu_seconds while it waits
@@ -102,6 +106,7 @@ class Request:
     prefix_computed: int = 0  # n > 1 only: tokens of prompt[:-1] in the shared prefix blocks
     prefix_blocks: list[int] = field(default_factory=list)
     forked: bool = False  # n > 1: rows have taken over the prefix
+    prefix_hashes: list[int] = field(default_factory=list)  # n > 1: chain hashes of prompt[:-1]'s full blocks
     cancel_reason: str | None = None
     first_join_ts: float | None = None
     first_token_ts: float | None = None
@@ -122,7 +127,8 @@ class Request:
                    prompt_ids=list(msg.prompt_ids), max_tokens=msg.max_tokens,
                    sampling=SamplingSpec(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
                                          stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos),
-                   arrival_ts=msg.arrival_ts, deadline_ts=msg.deadline_ts, n=msg.n, logprobs=msg.logprobs)
+                   arrival_ts=msg.arrival_ts, deadline_ts=msg.deadline_ts, n=msg.n, logprobs=msg.logprobs,
+                   cache_salt=getattr(msg, "cache_salt", None))
 
     # -- derived -------------------------------------------------------------------------------
 

@@ -24,6 +24,11 @@ Rules (the seed's steps 4-10):
   request is preempted: all its blocks are freed and it goes to the front of its key's queue. It is
   recomputed later (prompt plus tokens already produced) and resumes sampling where it stopped, so
   nothing is re-emitted and, with a seed, the output is unchanged.
+- Prefix cache (`config.prefix_caching`): a joining request takes the longest verified run of
+  cached full blocks for its tokens (n > 1: for the shared prefix) by reference and starts
+  `num_computed` past them; at least the last token is always computed, so it samples. Blocks a
+  step fills are registered when the step is built (its writes land before any later step reads).
+  Cached free blocks count as free for the admission margin; a hit on one uses it up.
 """
 
 from __future__ import annotations
@@ -39,12 +44,16 @@ from typing import TYPE_CHECKING
 from ringserve.gpu_proc.admission import AdmissionController, Decision
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.fairness import FairQueue
+from ringserve.gpu_proc.prefix_cache import PrefixCache
 from ringserve.gpu_proc.request import FinishEvent, Request, RequestKey, RequestState, SampleRow, TokenEvent
+from ringserve.gpu_proc.scheduler_checks import SchedulerIntegrityError, check_scheduler
 from ringserve.gpu_proc.step import RowSampling, SeqStep, StepBatch
 from ringserve.gpu_proc.stops import stop_reason
 
 if TYPE_CHECKING:
     from ringserve.config import Config
+
+__all__ = ["Scheduler", "SchedulerIntegrityError", "SchedulerStats"]
 
 Event = TokenEvent | FinishEvent
 _WASTED = ("cancelled", "deadline")  # finish reasons whose generated tokens count as cancelled_tokens
@@ -66,6 +75,9 @@ class SchedulerStats:
     generation_tokens_total: int
     c_prefill_ms: float
     c_decode_ms: float
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of those, tokens served from cached blocks
+    kv_blocks_cached: int = 0  # free blocks still holding a cached prefix (part of kv_blocks_free)
 
 
 class Scheduler:
@@ -80,6 +92,12 @@ class Scheduler:
                              f"config says {config.block_size}")
         self.bm = block_manager
         self.block_size = block_manager.block_size
+        if config.prefix_caching and block_manager.cache is None:
+            namespace = config.model_name or config.model or ""
+            block_manager.attach_cache(PrefixCache(block_manager.num_blocks, self.block_size, namespace=namespace))
+        elif not config.prefix_caching and block_manager.cache is not None:
+            raise ValueError("prefix caching is off in the config but the block manager has a cache")
+        self.cache = block_manager.cache
         self.max_rows = config.max_rows
         self.prefill_budget = config.prefill_budget
         self.context_limit = config.context_limit
@@ -221,7 +239,9 @@ class Scheduler:
             rows = len(req.live_rows)
             if self._running_rows + rows > self.max_rows:
                 return
-            need = self._blocks_to_join(req)
+            hits = self._cached_prefix(req) if self.cache is not None else []
+            # a hit on a parked block uses up a free one; a hit on a block in use costs nothing
+            need = self._blocks_to_join(req) - sum(1 for b in hits if bm.ref_count(b))
             free = bm.num_free
             # NOTE: an idle server admits a request that fits without the margin; otherwise a pool
             # smaller than one request plus the margin could never serve it.
@@ -230,7 +250,7 @@ class Scheduler:
             queue.rows_started(req.tenant, rows)  # first, so the key stays active across pop()
             queue.pop(req)
             self._unqueue_cost(req)
-            self._allocate_on_join(req)
+            self._allocate_on_join(req, hits)
             if req.admit_seq < 0:
                 req.admit_seq = self._next_admit_seq
                 self._next_admit_seq += 1
@@ -255,18 +275,42 @@ class Scheduler:
         full = req.prefix_len // self.block_size
         return bm.blocks_for(req.prefix_len) + sum(bm.blocks_for(plen + len(r.generated)) - full for r in req.live_rows)
 
-    def _allocate_on_join(self, req: Request) -> None:
-        bm, plen = self.bm, req.prompt_len
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """Cached blocks for the request's leading full blocks: its whole token run for n == 1
+        (short of the last token, which must be computed to sample), else the shared prefix."""
+        cache, bs, prompt = self.cache, self.block_size, req.prompt_ids
         if req.n == 1:
             row = req.rows[0]
-            row.block_ids = bm.allocate(bm.blocks_for(plen + len(row.generated)))
-            row.num_computed = 0
+            tokens = _row_tokens(row, prompt)
+            limit = (req.prompt_len + len(row.generated) - 1) // bs
+            hashes = row.block_hashes
+        else:
+            tokens = _prompt_tokens(prompt)
+            limit = req.prefix_len // bs
+            hashes = req.prefix_hashes
+        if len(hashes) < limit:
+            cache.extend_hashes(hashes, tokens, limit, req.cache_salt)  # type: ignore[union-attr]
+        return cache.match(hashes[:limit], tokens, req.cache_salt)  # type: ignore[union-attr]
+
+    def _allocate_on_join(self, req: Request, hits: list[int]) -> None:
+        bm, plen = self.bm, req.prompt_len
+        if hits:
+            bm.acquire(hits)
+        if req.n == 1:
+            row = req.rows[0]
+            total = plen + len(row.generated)
+            row.block_ids = hits + bm.allocate(bm.blocks_for(total) - len(hits))
+            row.num_computed = len(hits) * self.block_size
+            if self.cache is not None:
+                self.cache.record(total, row.num_computed)
             return
         # n > 1: the prefix phase fills prompt[:-1] into prefix_blocks; rows share its full blocks
         # now and own the rest, including a private copy of the partial one (made at the fork).
         live = req.live_rows
-        req.prefix_blocks, tables = bm.allocate_shared(req.prefix_len, [plen + len(r.generated) for r in live])
-        req.prefix_computed = 0
+        req.prefix_blocks, tables = bm.allocate_shared(req.prefix_len, [plen + len(r.generated) for r in live], hits)
+        req.prefix_computed = len(hits) * self.block_size
+        if self.cache is not None:
+            self.cache.record(plen, req.prefix_computed)
         req.forked = False
         for row, table in zip(live, tables):
             row.block_ids = table
@@ -286,6 +330,7 @@ class Scheduler:
         seqs: list[SeqStep] = []
         copies: list[tuple[int, int]] = []
         sampling = self._sampling = []
+        owners: list[tuple[Request, SampleRow | None]] = []  # in lockstep with seqs
         pending: list[tuple[Request, SampleRow | None]] = []  # prompt work, oldest request first
         running = self._running
         i = 0
@@ -321,11 +366,12 @@ class Scheduler:
                         break
                     blocks.append(bm.allocate_one())
                 seqs.append(SeqStep(row.seq_id, [gen[-1] if gen else prompt[-1]], p, blocks, row.sampling))
+                owners.append((req, row))
                 sampling.append((req, row))
                 row.num_computed = p + 1
             if evicted_self:
                 # Undo what this pass gave the request; it was the newest, so nothing follows it.
-                del seqs[marks[0]:], sampling[marks[1]:], pending[marks[2]:], copies[marks[3]:]
+                del seqs[marks[0]:], owners[marks[0]:], sampling[marks[1]:], pending[marks[2]:], copies[marks[3]:]
                 break
             i += 1
         decode_rows = len(seqs)
@@ -338,6 +384,7 @@ class Scheduler:
                 start = req.prefix_computed
                 end = min(req.prefix_len, start + budget)
                 seqs.append(SeqStep(req.prefix_seq_id, req.prompt_ids[start:end], start, req.prefix_blocks))
+                owners.append((req, None))
                 req.prefix_computed = end
             else:
                 start = row.num_computed
@@ -346,6 +393,7 @@ class Scheduler:
                 samples = end == total
                 seqs.append(SeqStep(row.seq_id, row.tokens(req.prompt_ids, start, end), start, row.block_ids,
                                     row.sampling if samples else None))
+                owners.append((req, row))
                 if samples:
                     sampling.append((req, row))
                 row.num_computed = end
@@ -354,9 +402,30 @@ class Scheduler:
             self.queue.charge(req.tenant, end - start, 0)
         self.last_prefill_tokens = prefill_tokens
         self.last_decode_rows = decode_rows
+        if self.cache is not None:
+            self._register_filled(seqs, owners)
         # NOTE: `sampling` was appended in lockstep with `seqs`, so it is in batch.sampling_seqs
         # order, which is the order of the runner's logits and the sampler's output.
         return StepBatch(seqs=seqs, block_copies=copies)
+
+    def _register_filled(self, seqs: list[SeqStep], owners: list[tuple[Request, SampleRow | None]]) -> None:
+        """Name every block this step fills up in the prefix cache. NOTE: safe before the step runs:
+        a later request can only read a registered block in a later step, after these writes."""
+        cache, bs = self.cache, self.block_size
+        for s, (req, row) in zip(seqs, owners):
+            first, last = s.start_pos // bs, (s.start_pos + len(s.token_ids)) // bs
+            if first >= last:
+                continue  # the usual decode row: no block filled
+            if row is None:
+                hashes, tokens = req.prefix_hashes, _prompt_tokens(req.prompt_ids)
+            else:
+                hashes, tokens = row.block_hashes, _row_tokens(row, req.prompt_ids)
+            salt = req.cache_salt
+            cache.extend_hashes(hashes, tokens, last, salt)  # type: ignore[union-attr]
+            table = s.block_table
+            for j in range(first, last):
+                cache.register(table[j], hashes[j], tokens(j * bs, (j + 1) * bs),  # type: ignore[union-attr]
+                               table[j - 1] if j else None, salt)
 
     def prefill_budget_for(self, decode_rows: int) -> int:
         """Prompt tokens allowed in a step with `decode_rows` decoding rows (see module doc)."""
@@ -475,62 +544,32 @@ class Scheduler:
         return list(self._live)
 
     def stats(self) -> SchedulerStats:
+        cache = self.cache
         return SchedulerStats(
             queue_depth=len(self.queue), queued_gpu_seconds=max(self._queued_ms, 0.0) / 1000.0,
             running_requests=len(self._running), running_rows=self._running_rows,
             kv_blocks_free=self.bm.num_free, kv_blocks_total=self.bm.num_blocks,
             preemptions=self.preemptions, cancelled_tokens=self.cancelled_tokens,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
-            c_prefill_ms=self.admission.costs.c_prefill_ms, c_decode_ms=self.admission.costs.c_decode_ms)
+            c_prefill_ms=self.admission.costs.c_prefill_ms, c_decode_ms=self.admission.costs.c_decode_ms,
+            prefix_cache_queries=cache.queries if cache is not None else 0,
+            prefix_cache_hits=cache.hits if cache is not None else 0, kv_blocks_cached=self.bm.num_cached)
 
     def check_integrity(self) -> None:
-        """Raise SchedulerIntegrityError unless every block table, row count, queue and account
-        agrees with the others (tests run it after every step; cheap enough to run when idle)."""
-        expected: dict[int, int] = {}
-        rows_by_key: dict[str, int] = {}
-        rows = 0
-        bs = self.block_size
-        for k, req in enumerate(self._running):
-            _require(req.is_running, f"{req.key} is in the running list in state {req.state.name}")
-            _require(k == 0 or self._running[k - 1].admit_seq < req.admit_seq, "running list out of admission order")
-            _require(self._live.get(req.key) is req, f"running {req.key} is not live")
-            for b in req.prefix_blocks:
-                expected[b] = expected.get(b, 0) + 1
-            for row in req.rows:
-                if row.finish_reason is not None:
-                    _require(not row.block_ids, f"{req.key}#{row.index} finished but holds blocks")
-                    continue
-                rows += 1
-                for b in row.block_ids:
-                    expected[b] = expected.get(b, 0) + 1
-                _require(len(row.block_ids) * bs >= row.num_computed,
-                         f"{req.key}#{row.index}: {row.num_computed} tokens computed in {len(row.block_ids)} blocks")
-            rows_by_key[req.tenant] = rows_by_key.get(req.tenant, 0) + len(req.live_rows)
-        self.bm.check_integrity(expected)
-        for req in self._running:
-            if req.n > 1 and not req.forked:
-                continue
-            for row in req.live_rows:  # a block a row will write into must be its alone
-                for b in row.block_ids[row.num_computed // bs:]:
-                    _require(self.bm.ref_count(b) == 1, f"{req.key}#{row.index} would write shared block {b}")
-        _require(rows == self._running_rows, f"running_rows {self._running_rows}, block tables say {rows}")
-        _require(rows <= self.max_rows, f"{rows} rows running over the cap of {self.max_rows}")
-        try:
-            self.queue.check_integrity(rows_by_key)
-        except ValueError as exc:
-            raise SchedulerIntegrityError(str(exc)) from None
-        waiting = list(self.queue.waiting())
-        for req in waiting:
-            _require(not req.prefix_blocks and all(not r.block_ids for r in req.rows), f"queued {req.key} holds blocks")
-        _require(len(waiting) + len(self._running) == len(self._live), "live requests are neither queued nor running")
-        queued = sum(r.queued_est_ms for r in waiting)
-        _require(abs(queued - self._queued_ms) <= 1e-6 * max(1.0, queued), "queued_gpu_ms drifted from its requests")
+        """Raise SchedulerIntegrityError unless every block table, row count, queue, cached block
+        and account agrees with the others (tests run it after every step; cheap enough when idle)."""
+        check_scheduler(self)
 
 
-class SchedulerIntegrityError(RuntimeError):
-    """The scheduler's books disagree: a bug that would leak blocks or mix requests' caches."""
+def _row_tokens(row: SampleRow, prompt: list[int]) -> Callable[[int, int], list[int]]:
+    """`tokens(start, end)` over a row's `prompt + generated`."""
+    def tokens(start: int, end: int) -> list[int]:
+        return row.tokens(prompt, start, end)
+    return tokens
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise SchedulerIntegrityError(message)
+def _prompt_tokens(prompt: list[int]) -> Callable[[int, int], list[int]]:
+    """`tokens(start, end)` over the prompt alone (the n > 1 shared prefix)."""
+    def tokens(start: int, end: int) -> list[int]:
+        return prompt[start:end]
+    return tokens

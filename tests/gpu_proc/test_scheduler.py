@@ -65,7 +65,9 @@ def test_prefill_budget_rule():
 def test_newest_request_is_preempted_and_resumes_without_re_emitting():
     """Pool of 4 blocks: when the oldest needs a block the newest is preempted, its blocks freed,
     and it later recomputes prompt + produced tokens in one chunk and continues the same stream."""
-    h = make_harness(num_blocks=4, block_size=4)
+    # NOTE: exact ids of the no-cache path; with the prefix cache b would hit its own block 1
+    # (test_prefix_cache_scheduler.py pins that).
+    h = make_harness(num_blocks=4, block_size=4, prefix_caching=False)
     a = make_request(1, 4, max_tokens=6, ignore_eos=True, seed=11)
     b = make_request(2, 4, max_tokens=8, ignore_eos=True, seed=12)
     h.sched.admit(a)
@@ -249,7 +251,8 @@ def test_newest_request_needing_a_block_preempts_itself_and_leaves_the_step():
 
 def test_preemption_takes_a_newer_request_mid_prefill():
     """An older decoding row needing a block preempts a newer request still in chunked prefill."""
-    h = make_harness(num_blocks=6, block_size=4, max_rows=2, prefill_budget=1)  # 2 tokens/step beside 1 row
+    # NOTE: no cache, so b's freed blocks return in FIFO order (the cache parks full ones instead)
+    h = make_harness(num_blocks=6, block_size=4, max_rows=2, prefill_budget=1, prefix_caching=False)
     a = make_request(1, 2, max_tokens=8, ignore_eos=True)
     h.sched.admit(a)
     h.step()  # a prefilled into [0]
