@@ -125,6 +125,15 @@ def run_attached(config: Config, *, slot: int, instance: str, bell_fds: list[int
         shm.close()
 
 
+def _config(host: str | None, port: int | None) -> Config:
+    """The supervisor's Config (RINGSERVE_CONFIG_JSON) when there is one, else the environment;
+    then --host / --port."""
+    raw = os.environ.get("RINGSERVE_CONFIG_JSON")
+    config = Config.from_json(raw) if raw else Config.from_env()
+    changes = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    return config.replace(**changes) if changes else config
+
+
 def _exit_cleanly(signum, frame) -> None:
     raise SystemExit(0)
 
@@ -151,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.attach and "RINGSERVE_CONFIG_JSON" in os.environ:
         config = Config.from_json(os.environ["RINGSERVE_CONFIG_JSON"])  # the supervisor's one Config
     else:
-        config = Config.from_env(host=args.host, port=args.port)
+        config = _config(args.host, args.port)
     if args.attach:
         fds = [int(x) for x in args.bell_fds.split(",") if x]
         return run_attached(config, slot=args.slot, instance=args.attach, bell_fds=fds,

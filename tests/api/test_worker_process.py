@@ -16,6 +16,7 @@ import urllib.request
 
 import pytest
 
+from ringserve.config import Config
 from ringserve.shm import layout as L
 from ringserve.shm.instance import ShmInstance
 from ringserve.shm.messages import Accepted, Finish, StepOutput, Submit, Token, decode, encode
@@ -89,7 +90,8 @@ def test_two_workers_over_shared_memory(tmp_path, tiny_model_dir, codec):
     gpu = _EchoGpu(shm)
     gpu.start()
     port = _free_port()
-    env = {**os.environ, "RINGSERVE_PORT": str(port)}
+    # As the supervisor hands it over: the whole Config as JSON in the environment.
+    env = {**os.environ, "RINGSERVE_CONFIG_JSON": Config(port=port, workers=2).to_json()}
     fds = shm.bell_fds()
     logs = [tmp_path / f"worker{slot}.log" for slot in (0, 1)]
     procs = [subprocess.Popen(
