@@ -43,7 +43,7 @@ def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name:
     source = stats_source or (lambda st: StatsSnapshot(workers=[st.stats.as_dict()]))
     state = ApiState(config=config, client=client, codec=codec, model_name=model_name, ready=ready,
                      stats_source=lambda: source(state), auth=auth or Authenticator(),
-                     registry=Registry(worker), remote_cancel=remote_cancel)
+                     registry=Registry(worker), remote_cancel=remote_cancel, publish=publish)
     app[STATE] = state
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_delete("/v1/requests/{request_id}", _handle_delete)
@@ -122,7 +122,10 @@ async def _handle_ready(request: web.Request) -> web.Response:
 
 
 async def _handle_metrics(request: web.Request) -> web.Response:
-    body = render(request.app[STATE].stats_source())
+    st = request.app[STATE]
+    if st.publish is not None:
+        st.publish(st.stats)  # this worker's own numbers as of now; the others' lag <= one period
+    body = render(st.stats_source())
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

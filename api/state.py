@@ -42,6 +42,8 @@ class ApiState:
     # SO_REUSEPORT): (request_id, tenant) -> True if the owning worker cancelled it.
     # None: such ids are 404.
     remote_cancel: Callable[[str, str], Awaitable[bool]] | None = None
+    # Copies this worker's stats into its control-block region (None: not attached).
+    publish: Callable[[WorkerStats], None] | None = None
 
 
 STATE: web.AppKey[ApiState] = web.AppKey("ringserve_api_state", ApiState)
