@@ -1,0 +1,198 @@
+"""Scheduler + prefix cache on tiny pools with the fake engine: exact hits, block ids and free-list
+order, and streams equal to the no-cache reference (the fake reads every context back through the
+block table, so a block holding the wrong tokens changes the stream)."""
+
+import random
+
+from ringserve.config import Config
+from ringserve.gpu_proc.block_manager import BlockManager
+from ringserve.gpu_proc.prefix_cache import PrefixCache
+from ringserve.gpu_proc.request import RequestState
+from ringserve.gpu_proc.scheduler import Scheduler
+from tests.gpu_proc.test_scheduler_fakes import EOS, FakeEngine, Harness, expected_stream, make_harness, make_request
+
+P = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # 10 tokens: two full 4-token blocks and a partial one
+
+
+def _serve(h: Harness, *reqs) -> None:
+    for r in reqs:
+        assert h.sched.admit(r).accepted
+    h.run_until_idle()
+    for r in reqs:
+        for i in range(r.n):
+            assert h.tokens[(r.key, i)] == expected_stream(h, r, i)[0]
+
+
+def _first_seq(batch, req, index: int = 0):
+    sid = req.rows[index].seq_id
+    return next((s.start_pos, len(s.token_ids), list(s.block_table)) for s in batch.seqs if s.seq_id == sid)
+
+
+def test_repeat_prompt_reuses_full_blocks_and_prefills_only_the_rest():
+    """A finished 10-token prompt leaves blocks 0 and 1 cached; the same prompt later takes them
+    by reference and prefills only tokens 8-9 into a fresh block."""
+    h = make_harness(num_blocks=8, block_size=4)
+    a = make_request(1, P, max_tokens=3, ignore_eos=True, seed=1)
+    _serve(h, a)
+    assert h.sched.bm.free_order() == [3, 4, 5, 6, 7, 2, 1, 0]  # a's table freed tail first, all full
+    b = make_request(2, P, max_tokens=3, ignore_eos=True, seed=2)
+    assert h.sched.admit(b).accepted
+    batch = h.step()
+    assert _first_seq(batch, b) == (8, 2, [0, 1, 3])
+    assert h.sched.bm.free_order() == [4, 5, 6, 7, 2]
+    h.run_until_idle()
+    assert h.tokens[(b.key, 0)] == expected_stream(h, b)[0]
+    s = h.sched.stats()
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (20, 8)
+    assert s.kv_blocks_free == 8
+
+
+def test_diverging_prompt_hits_only_the_common_blocks():
+    """A prompt sharing only the first block with a cached one reuses just that block."""
+    h = make_harness(num_blocks=8, block_size=4)
+    _serve(h, make_request(1, P, max_tokens=2, ignore_eos=True))
+    c = make_request(2, P[:4] + [30, 31, 32, 33, 34], max_tokens=2, ignore_eos=True)
+    assert h.sched.admit(c).accepted
+    assert _first_seq(h.step(), c) == (4, 5, [0, 3, 4])
+    h.run_until_idle()
+    assert h.tokens[(c.key, 0)] == expected_stream(h, c)[0]
+
+
+def test_block_aligned_prompt_still_computes_its_last_token():
+    """An 8-token prompt fully cached hits one block only: the last block is recomputed so the
+    request samples its first token from its own logits."""
+    h = make_harness(num_blocks=8, block_size=4)
+    _serve(h, make_request(1, P[:8], max_tokens=1, ignore_eos=True))
+    b = make_request(2, P[:8], max_tokens=2, ignore_eos=True, seed=5)
+    assert h.sched.admit(b).accepted
+    start, count, table = _first_seq(h.step(), b)
+    assert (start, count) == (4, 4) and table[0] in (0, 1) and len(table) == 2
+    h.run_until_idle()
+    assert h.tokens[(b.key, 0)] == expected_stream(h, b)[0]
+
+
+def test_running_requests_share_cached_blocks_in_use():
+    """A request joining while another with the same prompt decodes shares its full blocks (ref
+    count 2) and needs only its own tail blocks from the pool."""
+    h = make_harness(num_blocks=8, block_size=4)
+    a = make_request(1, P, max_tokens=6, ignore_eos=True, seed=1)
+    assert h.sched.admit(a).accepted
+    h.step()
+    b = make_request(2, P, max_tokens=6, ignore_eos=True, seed=2)
+    assert h.sched.admit(b).accepted
+    free_before = h.sched.bm.num_free
+    batch = h.step()
+    assert _first_seq(batch, b) == (8, 2, [0, 1, 3])
+    assert (h.sched.bm.ref_count(0), h.sched.bm.ref_count(1)) == (2, 2)
+    assert h.sched.bm.num_free == free_before - 1
+    h.run_until_idle()
+    for r in (a, b):
+        assert h.tokens[(r.key, 0)] == expected_stream(h, r)[0]
+
+
+def test_cancelling_a_sharer_keeps_the_other_requests_blocks():
+    """Cancelling one of two requests sharing cached blocks drops only its references."""
+    h = make_harness(num_blocks=8, block_size=4)
+    a = make_request(1, P, max_tokens=8, ignore_eos=True, seed=1)
+    b = make_request(2, P, max_tokens=8, ignore_eos=True, seed=2)
+    assert h.sched.admit(a).accepted
+    h.step()
+    assert h.sched.admit(b).accepted
+    h.step()
+    assert h.sched.cancel(b.key)
+    h.step()
+    assert b.state == RequestState.CANCELLED and h.sched.bm.ref_count(0) == 1
+    h.run_until_idle()
+    assert h.tokens[(a.key, 0)] == expected_stream(h, a)[0]
+    assert h.sched.bm.num_free == 8
+
+
+def test_preempted_request_recomputes_from_its_own_cached_blocks():
+    """The preempted request's full block stays cached; its recompute hits it and computes only
+    the rest, and the stream continues unchanged."""
+    h = make_harness(num_blocks=4, block_size=4)
+    a = make_request(1, 4, max_tokens=6, ignore_eos=True, seed=11)
+    b = make_request(2, 4, max_tokens=8, ignore_eos=True, seed=12)
+    assert h.sched.admit(a).accepted and h.sched.admit(b).accepted
+    for _ in range(5):
+        h.step()
+    batch = h.step()  # a needs a block at position 8: b is preempted, its block 1 parked
+    assert b.state == RequestState.PREEMPTED and h.sched.bm.cache.is_registered(1)
+    batch = h.step()  # b rejoins: block 1 is a hit, 5 of its 9 tokens are recomputed
+    assert _first_seq(batch, b) == (4, 5, [1, 3, 2])
+    h.run_until_idle()
+    for r in (a, b):
+        assert h.tokens[(r.key, 0)] == expected_stream(h, r)[0]
+
+
+def test_cache_salt_isolates_tenants():
+    """The same prompt under another salt misses; under the same salt it hits."""
+    h = make_harness(num_blocks=16, block_size=4)
+    a = make_request(1, P, max_tokens=2, ignore_eos=True)
+    a.cache_salt = "tenant-a"
+    _serve(h, a)
+    for rid, salt, hit in ((2, None, 0), (3, "tenant-b", 0), (4, "tenant-a", 8)):
+        r = make_request(rid, P, max_tokens=2, ignore_eos=True)
+        r.cache_salt = salt
+        before = h.sched.stats().prefix_cache_hits
+        _serve(h, r)
+        assert h.sched.stats().prefix_cache_hits - before == hit
+
+
+def test_colliding_hashes_never_share_blocks_between_different_prompts():
+    """With a hash function that returns one value for everything, different prompts never read
+    each other's blocks (their streams equal the reference) and an identical one still hits."""
+    cfg = Config(queue_limit_s=1e6, block_size=4)
+    bm = BlockManager(16, 4)
+    bm.attach_cache(PrefixCache(16, 4, hash_fn=lambda parent, tokens: 7))
+    h = Harness(sched=None, engine=FakeEngine(16, 4))  # type: ignore[arg-type]
+    h.sched = Scheduler(cfg, bm, eos_token_ids={EOS}, clock=lambda: h.now, rng=random.Random(7))
+    first = make_request(1, P, max_tokens=3, ignore_eos=True)
+    _serve(h, first)
+    rng = random.Random(3)
+    for rid in range(2, 8):
+        other = [rng.randrange(1, 40) for _ in range(10)]
+        _serve(h, make_request(rid, other, max_tokens=3, ignore_eos=True, seed=rid))
+    assert h.sched.stats().prefix_cache_hits == 0
+    same = make_request(9, P[:4] + [1, 2, 3, 4, 5], max_tokens=3, ignore_eos=True)
+    h2_hits = h.sched.stats().prefix_cache_hits
+    _serve(h, same)
+    assert h.sched.stats().prefix_cache_hits - h2_hits in (0, 4)  # a hit only on P's own first block
+
+
+def test_n_greater_than_one_starts_its_shared_prefix_from_cached_blocks():
+    """n = 2 after the same prompt was served: the prefix phase computes only token 8, both rows
+    fork from it and stream their reference tokens."""
+    h = make_harness(num_blocks=16, block_size=4)
+    _serve(h, make_request(1, P, max_tokens=2, ignore_eos=True))
+    r = make_request(2, P, max_tokens=5, ignore_eos=True, n=2, seed=9)
+    assert h.sched.admit(r).accepted
+    batch = h.step()
+    prefix = [s for s in batch.seqs if s.seq_id == r.prefix_seq_id]
+    assert [(s.start_pos, s.token_ids, s.block_table[:2]) for s in prefix] == [(8, [P[8]], [0, 1])]
+    assert r.prefix_computed == 9
+    h.run_until_idle()
+    for i in range(2):
+        assert h.tokens[(r.key, i)] == expected_stream(h, r, i)[0]
+    assert h.sched.stats().prefix_cache_hits == 8
+
+
+def test_large_request_evicts_cached_blocks_and_cached_blocks_count_as_free():
+    """Cached blocks are free for admission; a request needing the whole pool evicts them all."""
+    h = make_harness(num_blocks=8, block_size=4)
+    _serve(h, make_request(1, P, max_tokens=3, ignore_eos=True))
+    s = h.sched.stats()
+    assert (s.kv_blocks_free, s.kv_blocks_cached) == (8, 3)
+    big = make_request(2, 29, max_tokens=3, ignore_eos=True)  # 32 tokens at most: all 8 blocks
+    _serve(h, big)
+    assert h.sched.stats().kv_blocks_free == 8
+
+
+def test_caching_off_keeps_no_cache():
+    """With prefix_caching=False nothing is cached and a repeat prompt is fully prefilled."""
+    h = make_harness(num_blocks=8, block_size=4, prefix_caching=False)
+    _serve(h, make_request(1, P, max_tokens=2, ignore_eos=True))
+    b = make_request(2, P, max_tokens=2, ignore_eos=True)
+    assert h.sched.admit(b).accepted
+    assert _first_seq(h.step(), b)[:2] == (0, 10)
+    assert h.sched.bm.cache is None and h.sched.stats().prefix_cache_queries == 0
