@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -76,16 +77,27 @@ VARIANTS = (
 
 
 def run_variants(variants, trace, arrivals, make_executor, *, num_blocks: int, chunk_scale: float = 1.0,
-                 vocab: tuple[int, int] = (3, 1000), progress=None) -> list[dict]:
-    """Replay the trace once per variant; returns one summary dict per variant (plus its step samples)."""
+                 vocab: tuple[int, int] = (3, 1000), repeat: int = 1, progress=None) -> list[dict]:
+    """Replay the trace through every variant, `repeat` rounds interleaved (so load from other
+    processes falls on all variants alike); each figure is the median over the rounds. Returns one
+    summary dict per variant, with every round's step samples under `_samples`."""
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    rounds: list[list[dict]] = [[] for _ in variants]
+    for _ in range(repeat):
+        for v, runs in zip(variants, rounds):
+            res = replay(v.policy(num_blocks, chunk_scale), trace, arrivals, make_executor(), vocab=vocab)
+            runs.append(res.summary() | {"_samples": res.step_samples})
+            if progress:
+                progress(f"{v.label}: {runs[-1]['throughput_tok_s']:.1f} tok/s, "
+                         f"p95 TPOT {runs[-1]['tpot_p95_ms']:.1f} ms")
     rows = []
-    for v in variants:
-        res = replay(v.policy(num_blocks, chunk_scale), trace, arrivals, make_executor(), vocab=vocab)
-        summary = res.summary() | {"label": v.label, "kind": v.kind, "max_rows": v.max_rows, "chunk": v.chunk}
-        summary["_samples"] = res.step_samples
-        rows.append(summary)
-        if progress:
-            progress(f"{v.label}: {summary['throughput_tok_s']:.1f} tok/s, p95 TPOT {summary['tpot_p95_ms']:.1f} ms")
+    for v, runs in zip(variants, rounds):
+        row = {k: (statistics.median(r[k] for r in runs) if isinstance(val, (int, float)) else val)
+               for k, val in runs[0].items() if k != "_samples"}
+        row |= {"label": v.label, "kind": v.kind, "max_rows": v.max_rows, "chunk": v.chunk, "rounds": repeat,
+                "_samples": [s for r in runs for s in r["_samples"]]}
+        rows.append(row)
     return rows
 
 
@@ -138,15 +150,19 @@ def _real(args, trace, arrivals, log) -> tuple[list[dict], dict]:
     engine = build_engine(Config(device=args.device, dtype="float32", num_blocks=args.num_blocks), model_dir)
     vocab = (3, min(engine.vocab_size, 1000))
     rows = run_variants(_variants(args), trace, arrivals, lambda: EngineExecutor(engine), num_blocks=args.num_blocks,
-                        chunk_scale=args.chunk_scale, vocab=vocab, progress=log)
+                        chunk_scale=args.chunk_scale, vocab=vocab, repeat=args.repeat, progress=log)
     facts = {"device": str(engine.device), "model_dir": model_dir, "threads": args.threads,
              "num_blocks": args.num_blocks}
     if args.hf:
         from .hf_baseline import load_hf_model, run_hf
 
-        log("HF transformers generate, static batches of 32 ...")
-        hf = run_hf(load_hf_model(model_dir), trace, arrivals, batch=32, vocab=vocab).summary()
-        hf |= {"label": "HF generate static batch=32", "kind": "hf", "max_rows": 32, "chunk": None, "_samples": []}
+        log(f"HF transformers generate, static batches of 32, {args.repeat} rounds ...")
+        model = load_hf_model(model_dir)
+        runs = [run_hf(model, trace, arrivals, batch=32, vocab=vocab).summary() for _ in range(args.repeat)]
+        hf = {k: (statistics.median(r[k] for r in runs) if isinstance(val, (int, float)) else val)
+              for k, val in runs[0].items()}
+        hf |= {"label": "HF generate static batch=32", "kind": "hf", "max_rows": 32, "chunk": None,
+               "rounds": args.repeat, "_samples": []}
         rows.append(hf)
         ours = next(r for r in rows if r["label"] == Variant("chunked", chunk=256).label)
         facts["hf_throughput_ratio"] = ours["throughput_tok_s"] / hf["throughput_tok_s"]
@@ -180,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed-rate", type=float, default=1.5, help="arrival rate of the paper run (the seed's plan)")
     p.add_argument("--skip-real", action="store_true", help="only the simulator with the seed's model")
     p.add_argument("--limit-variants", type=int, default=0, help="run only the first N variants (tests)")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved rounds of the real run (medians reported)")
     p.add_argument("--hf", action="store_true", help="add HF transformers static batching to the real run")
     p.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     p.add_argument("--plot", metavar="DIR", help="write throughput-vs-TPOT PNGs here")
@@ -218,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
 
         os.makedirs(args.plot, exist_ok=True)
         for name, run in report["runs"].items():
-            path = os.path.join(args.plot, f"sched-{name}.png")
+            path = os.path.join(args.plot, f"sched-{name}-r{run['rate']:g}.png")
             plot(run["rows"], f"bench sched ({name}): {run['trace']} @ {run['rate']} req/s", path)
             run["plot"] = path
     if args.json:

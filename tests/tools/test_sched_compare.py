@@ -125,4 +125,15 @@ def test_cli_paper_run_writes_json_and_a_plot(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     rows = report["runs"]["sim-seed"]["rows"]
     assert [r["label"] for r in rows] == [v.label for v in sched_compare.VARIANTS]
-    assert (tmp_path / "sched-sim-seed.png").stat().st_size > 1000
+    assert (tmp_path / "sched-sim-seed-r1.5.png").stat().st_size > 1000
+
+
+def test_repeated_rounds_report_medians_and_pool_the_step_samples():
+    """With a deterministic executor, three rounds give the one-round figures and thrice the samples."""
+    trace = scaled(builtin_mix(8, seed=9), 0.05)
+    arrivals = poisson_arrivals(8, 10.0, seed=9)
+    one, three = (sched_compare.run_variants(sched_compare.VARIANTS[:2], trace, arrivals, lambda: SimExecutor(FLAT),
+                                             num_blocks=256, repeat=n) for n in (1, 3))
+    for a, b in zip(one, three):
+        assert a["throughput_tok_s"] == b["throughput_tok_s"] and a["tpot_p95_ms"] == b["tpot_p95_ms"]
+        assert len(b["_samples"]) == 3 * len(a["_samples"]) and b["rounds"] == 3
