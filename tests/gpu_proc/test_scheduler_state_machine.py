@@ -1,6 +1,11 @@
 """Hypothesis state machine: random submits, cancels, deadlines and steps on tiny pools that force
 preemption. After every step the books balance (check_integrity); at the end every block is free
-and every stream equals what the request produces alone (or a prefix of it, when cut short)."""
+and every stream equals what the request produces alone (or a prefix of it, when cut short).
+
+Prompts often start with one of a few shared prefixes (some under a cache salt), so the prefix
+cache hits, shares blocks between running requests, parks and evicts them under preemption; the
+fake engine reads every context back through the block table, so a wrong hit changes a stream.
+"""
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -9,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tests.gpu_proc.test_scheduler_fakes import VOCAB, expected_stream, make_harness, make_request
 
 NUM_BLOCKS = 20
+SHARED = ([], [3, 1, 4, 1, 5, 9, 2, 6], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7, 1, 8])
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -18,14 +24,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.accepted = []
         self.next_rid = 0
 
-    @rule(tenant=st.sampled_from("abc"), prompt=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=24),
+    @rule(tenant=st.sampled_from("abc"), shared=st.sampled_from(SHARED),
+          prompt=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=24),
           max_tokens=st.integers(1, 32), n=st.integers(1, 3), seed=st.integers(0, 2**32), ignore_eos=st.booleans(),
-          ttl=st.sampled_from([None, None, None, None, 0.03, 0.3]))
-    def submit(self, tenant, prompt, max_tokens, n, seed, ignore_eos, ttl):
+          ttl=st.sampled_from([None, None, None, None, 0.03, 0.3]), salt=st.sampled_from([None, None, "s"]))
+    def submit(self, tenant, shared, prompt, max_tokens, n, seed, ignore_eos, ttl, salt):
         self.next_rid += 1
+        prompt = (shared + prompt)[:24]
         deadline = 1e12 if ttl is None else self.h.now + ttl
         req = make_request(self.next_rid, prompt, max_tokens, tenant=tenant, n=n, seed=seed,
                            ignore_eos=ignore_eos, deadline=deadline, worker=self.next_rid % 3)
+        req.cache_salt = salt
         d = self.h.sched.admit(req)
         if d.accepted:
             self.accepted.append(req)
@@ -69,6 +78,18 @@ class SchedulerMachine(RuleBasedStateMachine):
 SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                               suppress_health_check=[HealthCheck.too_slow])
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+def test_state_machine_shared_prefixes_hit_the_cache():
+    """The machine's shared prefixes really produce cache hits, also across preemption."""
+    h = make_harness(num_blocks=NUM_BLOCKS, block_size=4, max_rows=8, prefill_budget=8, key_row_cap=2)
+    for i in range(6):
+        req = make_request(i, SHARED[2] + [i + 1], max_tokens=20, ignore_eos=True, n=1 + i % 2, seed=i)
+        assert h.sched.admit(req).accepted
+        h.step()
+    h.run_until_idle()
+    s = h.sched.stats()
+    assert s.prefix_cache_hits > 0 and s.preemptions > 0 and h.sched.bm.num_free == NUM_BLOCKS
 
 
 def test_state_machine_forces_preemptions():
