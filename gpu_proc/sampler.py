@@ -107,7 +107,7 @@ def plan_sampling(rows: list[RowSampling], positions: list[int], device: torch.d
         raise ValueError(f"{len(rows)} sampling rows but {len(positions)} positions")
     rand = [i for i, r in enumerate(rows) if r.temperature > 0.0]
     top_n = [r.logprobs for r in rows]
-    max_top_n = max((n for n in top_n if n), default=0)
+    max_top_n = max(filter(None, top_n), default=0)
     if not rand:
         return SamplingPlan(len(rows), None, None, None, None, None, None, None, top_n, max_top_n)
     sel = rows if len(rand) == len(rows) else [rows[i] for i in rand]
@@ -116,17 +116,20 @@ def plan_sampling(rows: list[RowSampling], positions: list[int], device: torch.d
     if min(seeds) < 0 or max(seeds) >= 1 << 63:  # rare: reinterpret as the int64 bit pattern
         seeds = [_signed64(x) for x in seeds]
     # array -> frombuffer: about twice as fast as torch.tensor(list) at a few hundred rows.
-    floats = torch.frombuffer(array("f", [r.temperature for r in sel] + [min(r.top_p, 1.0) for r in sel]),
+    # top_p and top_k are clamped on the device: per-row min/max calls cost more than the rest here.
+    floats = torch.frombuffer(array("f", [r.temperature for r in sel] + [r.top_p for r in sel]),
                               dtype=torch.float32).to(device, non_blocking=True)
-    filt = [j for j, r in enumerate(sel) if r.top_k > 0 or r.top_p < 1.0]
-    unf = [j for j, r in enumerate(sel) if not (r.top_k > 0 or r.top_p < 1.0)]
-    ints = torch.frombuffer(array("q", rand + [max(r.top_k, 0) for r in sel] + seeds
-                                  + [r.sample_index for r in sel] + pos + filt + unf),
+    filters = [r.top_k > 0 or r.top_p < 1.0 for r in sel]
+    filt = [j for j, f in enumerate(filters) if f]
+    unf = [j for j, f in enumerate(filters) if not f]
+    top_k = [r.top_k for r in sel]
+    ints = torch.frombuffer(array("q", rand + top_k + seeds + [r.sample_index for r in sel] + pos + filt + unf),
                             dtype=torch.int64).to(device, non_blocking=True)
     n, nf = len(rand), len(filt)
-    return SamplingPlan(len(rows), ints[:n], floats[:n], ints[2 * n:5 * n].view(3, n), ints[n:2 * n], floats[n:],
+    return SamplingPlan(len(rows), ints[:n], floats[:n], ints[2 * n:5 * n].view(3, n),
+                        ints[n:2 * n].clamp(min=0), floats[n:].clamp(max=1.0),
                         ints[5 * n:5 * n + nf] if filt else None, ints[5 * n + nf:] if unf else None,
-                        top_n, max_top_n, max((r.top_k for r in sel), default=0))
+                        top_n, max_top_n, max(top_k))
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -225,7 +228,7 @@ def to_output(plan: SamplingPlan, tokens: torch.Tensor, logprobs: torch.Tensor,
     """Host half: one device-to-host transfer, then plain Python lists."""
     # float64 holds every token id exactly, so ids and logprobs travel as one tensor.
     packed = torch.stack((tokens.double(), logprobs.double())).tolist()
-    token_ids = [int(t) for t in packed[0]]
+    token_ids = list(map(int, packed[0]))
     tops: list[list[tuple[int, float]] | None] = [None] * plan.num_rows
     if top_ids is not None:
         ids_l, lp_l = top_ids.tolist(), top_lp.tolist()

@@ -2,12 +2,13 @@
 
 The step is one flat list of T new tokens from S sequences (decode rows and prefill chunks alike,
 no padding). Building it is the runner's host overhead, so `build_step_inputs` does the per-row
-work in plain Python lists and makes exactly one host tensor (one host-to-device copy); the int32 views
-are cut from it on the device.
+work in plain Python lists and makes two host tensors (int64 and int32 fields; two host-to-device
+copies); every field is a view cut from them.
 """
 
 from __future__ import annotations
 
+import operator
 from array import array
 from dataclasses import dataclass
 
@@ -60,74 +61,77 @@ class StepBatchError(ValueError):
     """A step description the runner cannot execute (empty, or a block table too short)."""
 
 
+def _raise_bad_row(seqs, block_size: int) -> None:
+    for s in seqs:
+        end = s.start_pos + len(s.token_ids)
+        need = (end + block_size - 1) // block_size
+        if not s.token_ids:
+            raise StepBatchError(f"seq {s.seq_id}: no new tokens")
+        if len(s.block_table) < need:
+            raise StepBatchError(
+                f"seq {s.seq_id}: block table has {len(s.block_table)} blocks, {need} needed for {end} tokens")
+
+
 def build_step_inputs(batch: StepBatch, block_size: int, device: torch.device) -> StepInputs:
     """Turn a step description into device tensors: one host tensor from flat lists, one copy."""
     seqs = batch.seqs
     if not seqs:
         raise StepBatchError("empty step: no sequences")
-    # The block-table width is known up front, so each row's padded table is appended in the one
-    # pass over rows (a second pass costs as much as the first at 256 rows).
-    max_len = max(s.start_pos + len(s.token_ids) for s in seqs)
-    width = (max_len + block_size - 1) // block_size
+    # Column-wise list comprehensions instead of one loop body per row: this is the hot host path
+    # (about half the time at 32-256 decode rows), and comprehensions run it at C speed.
+    lens = [len(s.token_ids) for s in seqs]
+    starts = [s.start_pos for s in seqs]
+    seq_lens = [a + n for a, n in zip(starts, lens)]
+    nblocks = [(e + block_size - 1) // block_size for e in seq_lens]
+    tables_in = [s.block_table for s in seqs]
+    if min(lens) == 0 or any(map(operator.lt, map(len, tables_in), nblocks)):
+        _raise_bad_row(seqs, block_size)
+    max_q = max(lens)
+    max_len = max(seq_lens)
+    width = max(nblocks)
+    ns = len(seqs)
+    if max_q == 1:  # decode rows only: one token per sequence
+        ids = [s.token_ids[0] for s in seqs]
+        positions = starts
+        slots = [bt[p // block_size] * block_size + p % block_size for bt, p in zip(tables_in, starts)]
+        token_seq = list(range(ns))
+        qsl = list(range(ns + 1))
+    else:
+        ids = [t for s in seqs for t in s.token_ids]
+        positions = [p for a, e in zip(starts, seq_lens) for p in range(a, e)]
+        slots = [bt[p // block_size] * block_size + p % block_size
+                 for bt, a, e in zip(tables_in, starts, seq_lens) for p in range(a, e)]
+        token_seq = [i for i, n in enumerate(lens) for _ in range(n)]
+        qsl = [0]
+        total = 0
+        for n in lens:
+            total += n
+            qsl.append(total)
+    logits_indices = [qsl[i + 1] - 1 for i, s in enumerate(seqs) if s.sampling is not None]
     zeros = [0] * width
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    token_seq: list[int] = []
-    qsl = [0]
-    seq_lens: list[int] = []
-    logits_indices: list[int] = []
     tables: list[int] = []
-    max_q = 0
-    total = 0
-    for i, s in enumerate(seqs):
-        n = len(s.token_ids)
-        start = s.start_pos
-        end = start + n
-        bt = s.block_table
-        nblocks = (end + block_size - 1) // block_size
-        if n == 0:
-            raise StepBatchError(f"seq {s.seq_id}: no new tokens")
-        if len(bt) < nblocks:
-            raise StepBatchError(
-                f"seq {s.seq_id}: block table has {len(bt)} blocks, {nblocks} needed for {end} tokens")
-        ids += s.token_ids
-        if n == 1:  # decode row: skip the range/comprehension machinery
-            positions.append(start)
-            slots.append(bt[start // block_size] * block_size + start % block_size)
-            token_seq.append(i)
-        else:
-            positions += range(start, end)
-            slots += [bt[p // block_size] * block_size + p % block_size for p in range(start, end)]
-            token_seq += [i] * n
-            if n > max_q:
-                max_q = n
-        total += n
-        qsl.append(total)
-        seq_lens.append(end)
-        if s.sampling is not None:
-            logits_indices.append(total - 1)
-        tables += bt[:nblocks] if len(bt) > nblocks else bt
-        if nblocks < width:
-            tables += zeros[nblocks:]
-    max_q = max(max_q, 1)
+    for bt, nb in zip(tables_in, nblocks):
+        tables += bt if len(bt) == nb else bt[:nb]
+        if nb < width:
+            tables += zeros[nb:]
 
-    t, ns, r = len(ids), len(seqs), len(logits_indices)
-    # array -> frombuffer converts a list about twice as fast as torch.tensor(list).
-    flat = torch.frombuffer(array("q", ids + positions + slots + token_seq + logits_indices + qsl + seq_lens
-                                  + tables), dtype=torch.int64)
-    if flat.device != device:
+    t, r = len(ids), len(logits_indices)
+    # array -> frombuffer converts a list about twice as fast as torch.tensor(list); int32 fields
+    # get their own buffer so nothing is converted on the device afterwards.
+    flat = torch.frombuffer(array("q", ids + positions + slots + token_seq + logits_indices), dtype=torch.int64)
+    flat32 = torch.frombuffer(array("i", qsl + seq_lens + tables), dtype=torch.int32)
+    if device.type != "cpu":
         flat = flat.to(device, non_blocking=True)
-    o = 4 * t + r
+        flat32 = flat32.to(device, non_blocking=True)
     meta = AttentionMetadata(
         slot_mapping=flat[2 * t:3 * t],
-        query_start_loc=flat[o:o + ns + 1].to(torch.int32),
-        seq_lens=flat[o + ns + 1:o + 2 * ns + 1].to(torch.int32),
-        block_tables=flat[o + 2 * ns + 1:].view(ns, width).to(torch.int32),  # [S, max_blocks]
+        query_start_loc=flat32[:ns + 1],
+        seq_lens=flat32[ns + 1:2 * ns + 1],
+        block_tables=flat32[2 * ns + 1:].view(ns, width),  # [S, max_blocks]
         positions=flat[t:2 * t],
         token_seq=flat[3 * t:4 * t],
         max_query_len=max_q,
         max_seq_len=max_len,
         block_size=block_size,
     )
-    return StepInputs(input_ids=flat[:t], logits_indices=flat[4 * t:o], meta=meta)
+    return StepInputs(input_ids=flat[:t], logits_indices=flat[4 * t:], meta=meta)
