@@ -31,6 +31,9 @@ class Notifier:
         # An abstract socket name starts with a NUL byte; systemd writes it as '@'.
         self.address = "\0" + address[1:] if address[0] == "@" else address
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        # NOTE: never block: a unix datagram send waits while the receiver's queue is full, and
+        # the supervision loop must not stall on a busy (or fake) service manager.
+        self._sock.setblocking(False)
 
     @property
     def enabled(self) -> bool:

@@ -37,7 +37,7 @@ from ringserve.sdnotify import Notifier, watchdog_interval_s
 from ringserve.shm import layout as L
 from ringserve.shm.instance import ShmInstance
 from ringserve.shm.ring import Ring
-from ringserve.shm.segment import ShmSpaceError, cleanup_stale
+from ringserve.shm.segment import cleanup_stale
 
 log = logging.getLogger("ringserve.supervisor")
 
@@ -357,7 +357,9 @@ class Supervisor:
             self.drain()
             log.info("stopped")
             return 0
-        except (SupervisorError, ShmSpaceError) as exc:
+        except (SupervisorError, OSError) as exc:
+            # OSError: the shared-memory directory is missing or full (ShmSpaceError names the
+            # bytes needed), or a child could not be spawned; the message says which.
             log.error("%s", exc)
             self.notifier.status(f"failed: {exc}")
             return 1

@@ -74,3 +74,13 @@ def test_watchdog_interval_is_half_watchdog_usec(monkeypatch):
     assert watchdog_interval_s() is None
     monkeypatch.delenv("WATCHDOG_USEC")
     assert watchdog_interval_s() is None
+
+
+@pytest.mark.timeout(10)
+def test_a_full_receiver_queue_never_blocks(tmp_path):
+    """Nobody reading the socket: sends fail fast (False) instead of stalling the supervisor."""
+    sock = _fake_socket(str(tmp_path / "notify"))
+    n = Notifier(str(tmp_path / "notify"))
+    sent = [n.watchdog() for _ in range(500)]
+    assert sent[0] and not all(sent)  # the queue filled and later sends were refused
+    sock.close()
