@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from typing import Awaitable, Callable
+from typing import Callable
 
 import msgspec
 from aiohttp import web
@@ -21,6 +21,7 @@ from ringserve.api.completions import handle_completions
 from ringserve.api.errors import ApiError, from_http_exception
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.metrics import CONTENT_TYPE, StatsSnapshot, render
+from ringserve.api.peer_cancel import PeerCancel
 from ringserve.api.registry import Registry
 from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState
 from ringserve.api.tokenizer import TextCodec
@@ -31,19 +32,21 @@ from ringserve.config import Config
 def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name: str,
              ready: Callable[[], bool], stats_source: Callable[[ApiState], StatsSnapshot] | None = None,
              auth: Authenticator | None = None, worker: int = 0,
-             remote_cancel: Callable[[str, str], Awaitable[bool]] | None = None,
+             peers: PeerCancel | None = None,
              publish: Callable[[WorkerStats], None] | None = None,
              publish_every_s: float = 0.25) -> web.Application:
     """Build a worker's app. `ready()` says whether the GPU process is ready (control block);
     `stats_source(state)` returns the server-wide stats snapshot for /metrics (default: this
     worker's own counters only); `publish(stats)`, if given, runs every `publish_every_s` and at
-    shutdown to copy this worker's stats into its control-block region (and beat its heartbeat)."""
+    shutdown to copy this worker's stats into its control-block region (and beat its heartbeat);
+    `peers`, if given, lets a DELETE reach the request's worker whichever worker receives it."""
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[_error_middleware, _auth_middleware])
     source = stats_source or (lambda st: StatsSnapshot(workers=[st.stats.as_dict()]))
     state = ApiState(config=config, client=client, codec=codec, model_name=model_name, ready=ready,
                      stats_source=lambda: source(state), auth=auth or Authenticator(),
-                     registry=Registry(worker), remote_cancel=remote_cancel, publish=publish)
+                     registry=Registry(worker), publish=publish,
+                     remote_cancel=peers.cancel if peers is not None else None)
     app[STATE] = state
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_delete("/v1/requests/{request_id}", _handle_delete)
@@ -56,6 +59,8 @@ def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name:
     app.cleanup_ctx.append(_slow_reader_ctx)
     if publish is not None:
         app.cleanup_ctx.append(_publisher(publish, publish_every_s))
+    if peers is not None:
+        app.cleanup_ctx.append(_peers_ctx(peers))
     return app
 
 
@@ -95,7 +100,8 @@ async def _handle_delete(request: web.Request) -> web.Response:
     if entry is not None and entry.tenant == request[TENANT]:
         entry.end("delete")
         return _json({"id": request_id, "object": "request.cancelled", "cancelled": True})
-    if entry is None and st.remote_cancel is not None and await st.remote_cancel(request_id, request[TENANT]):
+    if entry is None and st.remote_cancel is not None \
+            and await st.remote_cancel(request_id, request[TENANT]):
         return _json({"id": request_id, "object": "request.cancelled", "cancelled": True})
     raise ApiError(404, f"No open request {request_id!r} for this API key.", param="request_id",
                    code="request_not_found")
@@ -157,6 +163,15 @@ async def _slow_reader_ctx(app: web.Application):
         await task
     except asyncio.CancelledError:
         pass
+
+
+def _peers_ctx(peers: PeerCancel):
+    async def ctx(app: web.Application):
+        await peers.start(app[STATE].registry)
+        yield
+        await peers.stop()
+
+    return ctx
 
 
 def _publisher(publish: Callable[[WorkerStats], None], every_s: float):

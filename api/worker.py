@@ -26,6 +26,7 @@ from ringserve.api.app import init_app
 from ringserve.api.auth import Authenticator, load_keys
 from ringserve.api.gpu_client import GpuClient, Transport
 from ringserve.api.metrics import StatsSnapshot
+from ringserve.api.peer_cancel import PeerCancel
 from ringserve.api.state import STATE, ApiState
 from ringserve.api.tokenizer import TextCodec
 from ringserve.api.worker_stats import WorkerStats
@@ -73,7 +74,7 @@ def run_worker(config: Config, *, index: int, transport: Callable[[], Transport]
                tokenizer_dir: str, model_name: str, ready: Callable[[], bool],
                stats_source: Callable[[ApiState], StatsSnapshot] | None = None,
                publish: Callable[[WorkerStats], None] | None = None,
-               sock: socket.socket | None = None) -> int:
+               peers: PeerCancel | None = None, sock: socket.socket | None = None) -> int:
     """The worker process's main: runs until SIGTERM (drain) or SIGINT."""
     # A SIGTERM while still starting (nothing to drain yet) is a clean exit; the event loop's own
     # handler, installed below, takes over once serving.
@@ -89,7 +90,7 @@ def run_worker(config: Config, *, index: int, transport: Callable[[], Transport]
             loop.add_signal_handler(sig, stop.set)
         app = init_app(config, GpuClient(transport(), worker=index), codec, model_name=model_name,
                        ready=ready, stats_source=stats_source, auth=auth, worker=index,
-                       publish=publish)
+                       publish=publish, peers=peers)
         await serve(config, app, sock, stop)
 
     uvloop.run(main())
@@ -120,7 +121,8 @@ def run_attached(config: Config, *, slot: int, instance: str, bell_fds: list[int
         return run_worker(config, index=slot, transport=lambda: RingTransport.for_slot(shm, slot),
                           tokenizer_dir=tokenizer_dir, model_name=model_name,
                           ready=lambda: control.gpu_state == L.GpuState.READY,
-                          stats_source=lambda st: from_control(control), publish=publish, sock=sock)
+                          stats_source=lambda st: from_control(control), publish=publish,
+                          peers=PeerCancel(instance, slot, control.n_workers), sock=sock)
     finally:
         shm.close()
 
