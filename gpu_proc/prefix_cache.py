@@ -21,6 +21,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ringserve.gpu_proc.request import Request, SampleRow
+    from ringserve.gpu_proc.step import SeqStep
 
 HashFn = Callable[[int, Hashable], int]
 RootKey = tuple[str, str | None]  # ("root", salt): the parent of every chain's first block
@@ -185,3 +190,58 @@ class PrefixCache:
                 raise PrefixCacheError(f"block {b}: ref count {refs[b]} but {'' if b in self._lru else 'not '}parked")
         if registered != len(self._by_hash):
             raise PrefixCacheError(f"{len(self._by_hash)} hashes for {registered} registered blocks (not unique)")
+
+
+# -- the scheduler's two uses: a joining request's hits, and the blocks a step fills --------------
+
+
+def cached_prefix(cache: PrefixCache, req: Request) -> list[int]:
+    """Cached blocks for `req`'s leading full blocks: its whole token run for n == 1 (short of
+    the last token, which must be computed so the request samples), else its shared prefix."""
+    bs, prompt = cache.block_size, req.prompt_ids
+    if req.n == 1:
+        row = req.rows[0]
+        tokens = _row_tokens(row, prompt)
+        limit = (req.prompt_len + len(row.generated) - 1) // bs
+        hashes = row.block_hashes
+    else:
+        tokens = _prompt_tokens(prompt)
+        limit = req.prefix_len // bs
+        hashes = req.prefix_hashes
+    if len(hashes) < limit:
+        cache.extend_hashes(hashes, tokens, limit, req.cache_salt)
+    return cache.match(hashes[:limit], tokens, req.cache_salt)
+
+
+def register_filled(cache: PrefixCache, seqs: list[SeqStep], owners: list[tuple[Request, SampleRow | None]]) -> None:
+    """Register every block the step `seqs` fills up; `owners[i]` is seqs[i]'s request and row
+    (None: the n > 1 shared prefix). NOTE: safe before the step runs, since a later request can
+    read a registered block only in a later step, after these writes."""
+    bs = cache.block_size
+    for s, (req, row) in zip(seqs, owners):
+        first, last = s.start_pos // bs, (s.start_pos + len(s.token_ids)) // bs
+        if first >= last:
+            continue  # the usual decode row: no block filled
+        if row is None:
+            hashes, tokens = req.prefix_hashes, _prompt_tokens(req.prompt_ids)
+        else:
+            hashes, tokens = row.block_hashes, _row_tokens(row, req.prompt_ids)
+        salt = req.cache_salt
+        cache.extend_hashes(hashes, tokens, last, salt)
+        table = s.block_table
+        for j in range(first, last):
+            cache.register(table[j], hashes[j], tokens(j * bs, (j + 1) * bs), table[j - 1] if j else None, salt)
+
+
+def _row_tokens(row: SampleRow, prompt: list[int]) -> Callable[[int, int], list[int]]:
+    """`tokens(start, end)` over a row's `prompt + generated`."""
+    def tokens(start: int, end: int) -> list[int]:
+        return row.tokens(prompt, start, end)
+    return tokens
+
+
+def _prompt_tokens(prompt: list[int]) -> Callable[[int, int], list[int]]:
+    """`tokens(start, end)` over the prompt alone (the n > 1 shared prefix)."""
+    def tokens(start: int, end: int) -> list[int]:
+        return prompt[start:end]
+    return tokens

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 from ringserve.gpu_proc.admission import AdmissionController, Decision
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.fairness import FairQueue
-from ringserve.gpu_proc.prefix_cache import PrefixCache
+from ringserve.gpu_proc.prefix_cache import PrefixCache, cached_prefix, register_filled
 from ringserve.gpu_proc.request import FinishEvent, Request, RequestKey, RequestState, SampleRow, TokenEvent
 from ringserve.gpu_proc.scheduler_checks import SchedulerIntegrityError, check_scheduler
 from ringserve.gpu_proc.step import RowSampling, SeqStep, StepBatch
@@ -239,7 +239,7 @@ class Scheduler:
             rows = len(req.live_rows)
             if self._running_rows + rows > self.max_rows:
                 return
-            hits = self._cached_prefix(req) if self.cache is not None else []
+            hits = cached_prefix(self.cache, req) if self.cache is not None else []
             # a hit on a parked block uses up a free one; a hit on a block in use costs nothing
             need = self._blocks_to_join(req) - sum(1 for b in hits if bm.ref_count(b))
             free = bm.num_free
@@ -274,23 +274,6 @@ class Scheduler:
             return bm.blocks_for(plen + len(req.rows[0].generated))
         full = req.prefix_len // self.block_size
         return bm.blocks_for(req.prefix_len) + sum(bm.blocks_for(plen + len(r.generated)) - full for r in req.live_rows)
-
-    def _cached_prefix(self, req: Request) -> list[int]:
-        """Cached blocks for the request's leading full blocks: its whole token run for n == 1
-        (short of the last token, which must be computed to sample), else the shared prefix."""
-        cache, bs, prompt = self.cache, self.block_size, req.prompt_ids
-        if req.n == 1:
-            row = req.rows[0]
-            tokens = _row_tokens(row, prompt)
-            limit = (req.prompt_len + len(row.generated) - 1) // bs
-            hashes = row.block_hashes
-        else:
-            tokens = _prompt_tokens(prompt)
-            limit = req.prefix_len // bs
-            hashes = req.prefix_hashes
-        if len(hashes) < limit:
-            cache.extend_hashes(hashes, tokens, limit, req.cache_salt)  # type: ignore[union-attr]
-        return cache.match(hashes[:limit], tokens, req.cache_salt)  # type: ignore[union-attr]
 
     def _allocate_on_join(self, req: Request, hits: list[int]) -> None:
         bm, plen = self.bm, req.prompt_len
@@ -403,29 +386,10 @@ class Scheduler:
         self.last_prefill_tokens = prefill_tokens
         self.last_decode_rows = decode_rows
         if self.cache is not None:
-            self._register_filled(seqs, owners)
+            register_filled(self.cache, seqs, owners)
         # NOTE: `sampling` was appended in lockstep with `seqs`, so it is in batch.sampling_seqs
         # order, which is the order of the runner's logits and the sampler's output.
         return StepBatch(seqs=seqs, block_copies=copies)
-
-    def _register_filled(self, seqs: list[SeqStep], owners: list[tuple[Request, SampleRow | None]]) -> None:
-        """Name every block this step fills up in the prefix cache. NOTE: safe before the step runs:
-        a later request can only read a registered block in a later step, after these writes."""
-        cache, bs = self.cache, self.block_size
-        for s, (req, row) in zip(seqs, owners):
-            first, last = s.start_pos // bs, (s.start_pos + len(s.token_ids)) // bs
-            if first >= last:
-                continue  # the usual decode row: no block filled
-            if row is None:
-                hashes, tokens = req.prefix_hashes, _prompt_tokens(req.prompt_ids)
-            else:
-                hashes, tokens = row.block_hashes, _row_tokens(row, req.prompt_ids)
-            salt = req.cache_salt
-            cache.extend_hashes(hashes, tokens, last, salt)  # type: ignore[union-attr]
-            table = s.block_table
-            for j in range(first, last):
-                cache.register(table[j], hashes[j], tokens(j * bs, (j + 1) * bs),  # type: ignore[union-attr]
-                               table[j - 1] if j else None, salt)
 
     def prefill_budget_for(self, decode_rows: int) -> int:
         """Prompt tokens allowed in a step with `decode_rows` decoding rows (see module doc)."""
@@ -560,16 +524,3 @@ class Scheduler:
         and account agrees with the others (tests run it after every step; cheap enough when idle)."""
         check_scheduler(self)
 
-
-def _row_tokens(row: SampleRow, prompt: list[int]) -> Callable[[int, int], list[int]]:
-    """`tokens(start, end)` over a row's `prompt + generated`."""
-    def tokens(start: int, end: int) -> list[int]:
-        return row.tokens(prompt, start, end)
-    return tokens
-
-
-def _prompt_tokens(prompt: list[int]) -> Callable[[int, int], list[int]]:
-    """`tokens(start, end)` over the prompt alone (the n > 1 shared prefix)."""
-    def tokens(start: int, end: int) -> list[int]:
-        return prompt[start:end]
-    return tokens
