@@ -215,11 +215,7 @@ async def run_drill(fault: str, url: str, shm_dir: str, *, streams: int = 8, max
             if fault != "term":
                 recovery = asyncio.create_task(_recovered(session, url, control, fault, before,
                                                           t_fault, ready_timeout_s))
-            drain_status = None
-            if fault == "term":
-                await asyncio.sleep(0.3)  # let the supervisor's SIGTERM reach the workers
-                drain_status = await _status(session, url, "/v1/completions",
-                                             {"prompt": "late", "max_tokens": 1})
+            drain_status = await _probe_drain(session, url) if fault == "term" else None
             await asyncio.gather(*tasks)
             ready_s = await recovery if recovery is not None else None
             free, total = await _blocks_settled(control, fault)
@@ -227,6 +223,21 @@ async def run_drill(fault: str, url: str, shm_dir: str, *, streams: int = 8, max
         seg.close()
     leaked = await _leaked_segments(shm_dir, instance, fault, target)
     return _report(fault, results, t_fault, ready_s, drain_status, free, total, leaked)
+
+
+async def _probe_drain(session: aiohttp.ClientSession, url: str) -> int | None:
+    """The answer to a new request once the drain has begun (503 expected; None: server gone).
+
+    The supervisor passes SIGTERM on to the workers within a supervision pass, so requests sent
+    before that are served normally (200) and the probe tries again.
+    """
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        status = await _status(session, url, "/v1/completions", {"prompt": "late", "max_tokens": 1})
+        if status != 200:
+            return status
+        await asyncio.sleep(0.02)
+    return 200
 
 
 def _generation(fault: str, control: Control) -> int:
