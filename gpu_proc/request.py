@@ -128,7 +128,7 @@ class Request:
                    sampling=SamplingSpec(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
                                          stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos),
                    arrival_ts=msg.arrival_ts, deadline_ts=msg.deadline_ts, n=msg.n, logprobs=msg.logprobs,
-                   cache_salt=getattr(msg, "cache_salt", None))
+                   cache_salt=msg.cache_salt)
 
     # -- derived -------------------------------------------------------------------------------
 

@@ -64,8 +64,9 @@ def test_from_submit_maps_every_field():
     msg = Submit(rid=7, request_id="cmpl-1", tenant="key", prompt_ids=[4, 5], max_tokens=9,
                  sampling=SamplingParams(temperature=0.5, top_k=3, top_p=0.9, seed=11, stop_token_ids=(2,),
                                          ignore_eos=True),
-                 arrival_ts=1.0, deadline_ts=2.0, n=2, logprobs=1)
+                 arrival_ts=1.0, deadline_ts=2.0, n=2, logprobs=1, cache_salt="tenant-salt")
     r = Request.from_submit(3, msg)
+    assert r.cache_salt == "tenant-salt"
     assert (r.key, r.request_id, r.tenant, r.prompt_ids, r.max_tokens, r.n, r.logprobs) == (
         (3, 7), "cmpl-1", "key", [4, 5], 9, 2, 1)
     assert r.sampling == SamplingSpec(0.5, 3, 0.9, 11, (2,), True)
