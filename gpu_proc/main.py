@@ -89,8 +89,6 @@ class GpuLoop:
                     self._submit(slot, msg)
                 elif isinstance(msg, M.Cancel):
                     self.scheduler.cancel((slot, msg.rid), "stop" if msg.reason == "stop" else msg.reason)
-                elif isinstance(msg, M.CancelById):
-                    self._cancel_by_id(slot, msg)
                 else:
                     raise TypeError(f"worker {slot} sent {type(msg).__name__}, which only flows GPU -> worker")
             self.outboxes[slot].flush()
@@ -113,14 +111,6 @@ class GpuLoop:
             reply = M.Rejected(rid=msg.rid, status=decision.status, code=decision.code,
                                message=decision.message, retry_after_s=decision.retry_after_s)
         self.outboxes[slot].send(reply)
-
-    def _cancel_by_id(self, slot: int, msg: M.CancelById) -> None:
-        # NOTE: a scan of the live requests: DELETEs are rare, and no id index has to be kept in step.
-        sched = self.scheduler
-        key = next((k for k in sched.live_keys()
-                    if sched.get(k).request_id == msg.request_id and sched.get(k).tenant == msg.tenant), None)
-        found = key is not None and sched.cancel(key, "cancelled")
-        self.outboxes[slot].send(M.CancelResult(ref=msg.ref, found=found))
 
     def check_worker_slots(self) -> None:
         """A restarted worker (new slot generation) no longer wants its predecessor's rows."""

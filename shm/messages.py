@@ -46,21 +46,6 @@ class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel"):
     reason: str = "cancelled"  # cancelled | stop (a stop string matched) | disconnect | slow_reader
 
 
-class CancelById(msgspec.Struct, frozen=True, kw_only=True, tag="cancel_by_id"):
-    """`DELETE /v1/requests/{id}` that reached a worker other than the request's own: the GPU
-    process, which sees every request, cancels it if `tenant` submitted it and answers with
-    `CancelResult` carrying the same `ref`."""
-
-    ref: int
-    request_id: str
-    tenant: str
-
-
-class CancelResult(msgspec.Struct, frozen=True, kw_only=True, tag="cancel_result"):
-    ref: int
-    found: bool
-
-
 class Accepted(msgspec.Struct, frozen=True, kw_only=True, tag="accepted"):
     rid: int
     est_gpu_ms: float
@@ -110,7 +95,7 @@ class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
     rid: int | None = None
 
 
-Message = Union[Submit, Cancel, CancelById, CancelResult, Accepted, Rejected, StepOutput, Error]
+Message = Union[Submit, Cancel, Accepted, Rejected, StepOutput, Error]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -135,20 +135,3 @@ def test_bad_token_id_is_400(gpu_process):
     w.pump(lambda: w.finishes(2))
     assert proc.poll() is None
 
-
-def test_cancel_by_id_only_for_its_tenant(gpu_process):
-    """A DELETE forwarded by id cancels the request for its own tenant only; unknown ids are not found."""
-    shm, _ = gpu_process
-    w = _Worker(shm)
-    w.send(_submit(1, [5, 6, 7], max_tokens=200))
-    w.pump(lambda: len(w.tokens(1)) >= 1)
-
-    def result(ref):
-        return next((m for m in w.messages if isinstance(m, M.CancelResult) and m.ref == ref), None)
-
-    w.send(M.CancelById(ref=1, request_id="req-1", tenant="someone-else"))
-    w.send(M.CancelById(ref=2, request_id="nope", tenant="t"))
-    w.send(M.CancelById(ref=3, request_id="req-1", tenant="t"))
-    w.pump(lambda: result(3) is not None and w.finishes(1))
-    assert (result(1).found, result(2).found, result(3).found) == (False, False, True)
-    assert w.finishes(1)[0].reason == "cancelled"
