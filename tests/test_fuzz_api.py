@@ -1,0 +1,202 @@
+"""Bad input never hurts the server: requests generated from docs/openapi.yaml (valid ones and
+type-confused ones) plus hand-picked nasties against a real server on the tiny model. Every answer
+is a valid completion or a 4xx with the OpenAI error object; afterwards no process restarted, every
+KV block is free and the server still serves."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ringserve.tools.drill import attach_control, find_instance
+from tests.serverutil import ServerProcess, http_json
+
+pytestmark = pytest.mark.timeout(300)
+
+SPEC = yaml.safe_load((Path(__file__).resolve().parents[1] / "docs" / "openapi.yaml").read_text())
+# Keep generated work small on a CPU: the spec's ranges, clamped for these fields only.
+CLAMP = {"max_tokens": (1, 4), "n": (1, 2), "logprobs": (0, 3)}
+MAX_TEXT = 40
+MAX_ITEMS = 6
+
+
+def _resolve(schema: dict) -> dict:
+    while "$ref" in schema:
+        node = SPEC
+        for part in schema["$ref"].lstrip("#/").split("/"):
+            node = node[part]
+        schema = node
+    return schema
+
+
+def from_schema(schema: dict, name: str | None = None) -> st.SearchStrategy:
+    """A hypothesis strategy for the JSON-schema subset docs/openapi.yaml uses."""
+    schema = _resolve(schema)
+    if "const" in schema:
+        return st.just(schema["const"])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    if "oneOf" in schema:
+        return st.one_of(*(from_schema(s, name) for s in schema["oneOf"]))
+    kind = schema.get("type")
+    if kind == "integer":
+        lo, hi = CLAMP.get(name, (schema.get("minimum"), schema.get("maximum")))
+        return st.integers(lo, hi)
+    if kind == "number":
+        lo = schema.get("minimum", schema.get("exclusiveMinimum"))
+        return st.floats(lo, schema.get("maximum"), exclude_min="exclusiveMinimum" in schema,
+                         allow_nan=False)
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "string":
+        return st.text(min_size=schema.get("minLength", 0), max_size=min(schema.get("maxLength", MAX_TEXT), MAX_TEXT))
+    if kind == "array":
+        return st.lists(from_schema(schema["items"], name), min_size=schema.get("minItems", 0),
+                        max_size=min(schema.get("maxItems", MAX_ITEMS), MAX_ITEMS))
+    if kind == "object":
+        props = schema.get("properties", {})
+        required = set(schema.get("required", ()))
+        return st.fixed_dictionaries({k: from_schema(v, k) for k, v in props.items() if k in required},
+                                     optional={k: from_schema(v, k) for k, v in props.items()
+                                               if k not in required})
+    raise ValueError(f"schema construct not supported by the fuzz strategies: {schema}")
+
+
+REQUEST = SPEC["components"]["schemas"]["CompletionRequest"]
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+                           | st.text(max_size=10), lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=8)
+# Valid bodies (always with a prompt), and bodies where one field holds any JSON value at all.
+valid_bodies = from_schema(REQUEST).map(lambda b: b if ("prompt" in b) != ("prompt_token_ids" in b)
+                                        else {**{k: v for k, v in b.items() if k != "prompt_token_ids"},
+                                              "prompt": "fuzz"})
+confused_bodies = st.builds(lambda b, k, v: {**b, k: v}, valid_bodies,
+                            st.sampled_from(sorted(REQUEST["properties"]) + ["unknown_field"]), json_values)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("shm"), workers=2, queue_limit_s=600,
+                       max_body_bytes=1 << 20) as srv:
+        seg, control = attach_control(srv.shm_dir, find_instance(srv.shm_dir))
+        srv.generations = lambda: (control.gpu_generation,
+                                   tuple(control.worker_slot(i)["generation"] for i in range(2)))
+        srv.blocks = lambda: (control.gpu_stats.read()["kv_blocks_free"], control.gpu_stats.read()["kv_blocks_total"])
+        before = srv.generations()
+        yield srv
+        assert srv.generations() == before, "a process restarted during the fuzz run:\n" + srv.log()
+        seg.close()
+        assert srv.stop() == 0, srv.log()
+
+
+def _check_answer(status: int, body, body_sent) -> None:
+    assert status < 500, (status, body, body_sent)
+    if status == 200:
+        if isinstance(body, dict) and body.get("object") == "text_completion":
+            assert all(c["finish_reason"] in ("stop", "length", "cancelled") for c in body["choices"])
+        return
+    assert 400 <= status < 500 and isinstance(body, dict), (status, body, body_sent)
+    err = body["error"]
+    assert {"message", "type", "param", "code"} <= err.keys() and err["message"], body
+
+
+OUTCOMES = {"completion": 0, "4xx": 0}  # so the last test can tell the fuzz exercised both paths
+
+
+def _post(srv, body) -> None:
+    status, answer, _ = http_json(srv.url + "/v1/completions", body, timeout=60)
+    _check_answer(status, answer, body)
+    OUTCOMES["completion" if status == 200 else "4xx"] += 1
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(body=st.one_of(valid_bodies.map(lambda b: {**b, "stream": False}), confused_bodies))
+def test_generated_requests_get_a_completion_or_a_4xx(server, body):
+    """Bodies generated from the spec: never a 5xx; errors carry the error object."""
+    _post(server, body)
+
+
+def _raw(srv, payload: bytes, read: bool = True, timeout: float = 20.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=timeout) as s:
+        s.sendall(payload)
+        if not read:
+            return b""
+        chunks = []
+        try:
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+        except TimeoutError:
+            pass
+        return b"".join(chunks)
+
+
+def _http(body: bytes, extra: str = "") -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n").encode() + body
+
+
+@pytest.mark.parametrize("raw", [
+    pytest.param(b'{"prompt": "\xff\xfe\xfd", "max_tokens": 2}', id="invalid-utf8", marks=pytest.mark.xfail(
+        strict=True, reason="known bug: api/protocol.py parse_body lets msgspec's UnicodeDecodeError "
+        "escape as a 500; it should be a 400 invalid_json (owner: the API session)")),
+    b'{"prompt": "x", "max_tokens": 1e400}',  # a float that overflows
+    b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",  # a 5000-digit integer
+    b'{"prompt": "x", "temperature": NaN}',
+    b'{"prompt": "x", "temperature": Infinity}',
+    b"[" * 100_000 + b"]" * 100_000,  # deeply nested
+    b'{"prompt": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}",
+    b"",
+    b"null",
+    b'{"prompt": "x", "prompt": [1, 2]}',
+    b'{"prompt": "\\ud800", "max_tokens": 2}',  # a lone surrogate
+])
+def test_nasty_bodies_get_4xx(server, raw):
+    """Malformed, huge-number, NaN, deeply nested bodies: a 4xx (or a completion), never a 5xx."""
+    reply = _raw(server, _http(raw))
+    status = int(reply.split(b" ", 2)[1])
+    assert status < 500, reply[:500]
+    if status != 200:
+        assert b'"error"' in reply, reply[:500]
+
+
+def test_ten_megabyte_body_is_413(server):
+    """A body over max_body_bytes is refused with 413 and the error object."""
+    reply = _raw(server, _http(b'{"prompt": "' + b"a" * (10 << 20) + b'"}'))
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:300]
+    assert b'"error"' in reply
+
+
+def test_half_sent_requests_and_idle_connections_do_not_block_others(server):
+    """Connections that stop mid-body or never send anything: a normal request still completes."""
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(200)]
+    half = []
+    for _ in range(20):
+        s = socket.create_connection(("127.0.0.1", server.port))
+        s.sendall(_http(b'{"prompt": "x", "max_tokens": 1}')[:-10])  # body cut short
+        half.append(s)
+    try:
+        t0 = time.monotonic()
+        _post(server, {"prompt": "still serving", "max_tokens": 2})
+        assert time.monotonic() - t0 < 30
+    finally:
+        for s in idle + half:
+            s.close()
+
+
+def test_server_is_whole_after_the_fuzz(server):
+    """Last: /ready is 200, every KV block is back (no leak from any refused request), and the
+    generated requests produced both completions and refusals."""
+    assert OUTCOMES["completion"] > 0 and OUTCOMES["4xx"] > 0, OUTCOMES
+    assert http_json(server.url + "/ready")[0] == 200
+    deadline = time.monotonic() + 10
+    while server.blocks()[0] != server.blocks()[1] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    free, total = server.blocks()
+    assert free == total > 0
