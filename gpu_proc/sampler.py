@@ -28,11 +28,11 @@ and the Python lists).
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
 
 import torch
 
+from .attention.metadata import host_tensor
 from .step import RowSampling
 
 _MASK64 = (1 << 64) - 1
@@ -115,16 +115,14 @@ def plan_sampling(rows: list[RowSampling], positions: list[int], device: torch.d
     seeds = [r.seed for r in sel]
     if min(seeds) < 0 or max(seeds) >= 1 << 63:  # rare: reinterpret as the int64 bit pattern
         seeds = [_signed64(x) for x in seeds]
-    # array -> frombuffer: about twice as fast as torch.tensor(list) at a few hundred rows.
     # top_p and top_k are clamped on the device: per-row min/max calls cost more than the rest here.
-    floats = torch.frombuffer(array("f", [r.temperature for r in sel] + [r.top_p for r in sel]),
-                              dtype=torch.float32).to(device, non_blocking=True)
+    floats = host_tensor("f", [r.temperature for r in sel] + [r.top_p for r in sel]).to(device, non_blocking=True)
     filters = [r.top_k > 0 or r.top_p < 1.0 for r in sel]
     filt = [j for j, f in enumerate(filters) if f]
     unf = [j for j, f in enumerate(filters) if not f]
     top_k = [r.top_k for r in sel]
-    ints = torch.frombuffer(array("q", rand + top_k + seeds + [r.sample_index for r in sel] + pos + filt + unf),
-                            dtype=torch.int64).to(device, non_blocking=True)
+    ints = host_tensor("q", rand + top_k + seeds + [r.sample_index for r in sel] + pos + filt + unf
+                       ).to(device, non_blocking=True)
     n, nf = len(rand), len(filt)
     return SamplingPlan(len(rows), ints[:n], floats[:n], ints[2 * n:5 * n].view(3, n),
                         ints[n:2 * n].clamp(min=0), floats[n:].clamp(max=1.0),
@@ -187,8 +185,10 @@ def _nucleus_bound(probs: torch.Tensor, top_p: torch.Tensor) -> int:
 
 
 def sample_tensors(logits: torch.Tensor, plan: SamplingPlan
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Device half: (token ids `[R]`, their logprobs `[R]`, top-N ids `[R, N]`, top-N logprobs)."""
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Device half: (`[2, R]` float64 of token ids and their logprobs, top-N ids `[R, N]`, top-N
+    logprobs `[R, N]`). float64 holds every token id exactly, so ids and logprobs leave the device
+    as one tensor."""
     if logits.dim() != 2 or logits.shape[0] != plan.num_rows:
         raise ValueError(f"logits {tuple(logits.shape)} do not match {plan.num_rows} sampling rows")
     logits = logits.float()
@@ -220,22 +220,21 @@ def sample_tensors(logits: torch.Tensor, plan: SamplingPlan
     if plan.max_top_n:
         top_vals, top_ids = torch.topk(logits, min(plan.max_top_n, logits.shape[-1]), dim=-1)  # [R, N]
         top_lp = top_vals - lse[:, None]
-    return tokens, logprobs, top_ids, top_lp
+    return torch.stack((tokens.double(), logprobs.double())), top_ids, top_lp
 
 
-def to_output(plan: SamplingPlan, tokens: torch.Tensor, logprobs: torch.Tensor,
-              top_ids: torch.Tensor | None, top_lp: torch.Tensor | None) -> SampleOutput:
+def to_output(plan: SamplingPlan, packed: torch.Tensor, top_ids: torch.Tensor | None,
+              top_lp: torch.Tensor | None) -> SampleOutput:
     """Host half: one device-to-host transfer, then plain Python lists."""
-    # float64 holds every token id exactly, so ids and logprobs travel as one tensor.
-    packed = torch.stack((tokens.double(), logprobs.double())).tolist()
-    token_ids = list(map(int, packed[0]))
+    ids_f, logprobs = packed.tolist()
+    token_ids = list(map(int, ids_f))
     tops: list[list[tuple[int, float]] | None] = [None] * plan.num_rows
     if top_ids is not None:
         ids_l, lp_l = top_ids.tolist(), top_lp.tolist()
         for i, n in enumerate(plan.top_n):
             if n:
                 tops[i] = list(zip(ids_l[i][:n], lp_l[i][:n]))
-    return SampleOutput(token_ids=token_ids, logprobs=packed[1], top_logprobs=tops)
+    return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=tops)
 
 
 def sample(logits: torch.Tensor, rows: list[RowSampling], positions: list[int]) -> SampleOutput:

