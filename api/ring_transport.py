@@ -20,6 +20,7 @@ from ringserve.shm.ring import Ring
 
 
 GENERATION_CHECK_S = 0.25
+MAX_RECORDS_PER_WAKE = 16  # StepOutputs handled per event-loop callback (one per GPU step)
 
 
 class RingTransport:
@@ -78,12 +79,17 @@ class RingTransport:
         # NOTE: drain first, then pop until empty: a ring after the drain stays in the counter and
         # wakes us again, so no record is left behind (see shm/doorbell.py).
         self.output_bell.drain()
+        self._take()
+
+    def _take(self) -> None:
         deliver = self._deliver
         if deliver is None:
             return
         self._check_generation(deliver)
         outputs = self.outputs
-        views = outputs.pop_views()
+        # A bounded batch per callback: after a backlog (the worker fell behind) the event loop
+        # still gets to write to clients and accept requests between batches.
+        views = outputs.pop_views(MAX_RECORDS_PER_WAKE)
         try:
             # decode() copies everything out of the view, so the space can be released after.
             messages = [decode(v) for v in views]
@@ -95,6 +101,8 @@ class RingTransport:
         self.requests.producer_heartbeat()
         for msg in messages:
             deliver(msg)
+        if len(views) == MAX_RECORDS_PER_WAKE and not outputs.is_empty():
+            self._loop.call_soon(self._take)  # the bell was drained: come back for the rest
 
     def _check_generation(self, deliver: Callable[[Message], None]) -> None:
         generation = self.outputs.generation

@@ -64,3 +64,20 @@ async def test_generation_change_fails_open_requests(instance):
         items = await stream.next_batch()
     assert isinstance(items[0], Error) and items[0].code == "gpu_restart"
     client.close()
+
+
+async def test_backlog_is_delivered_in_bounded_batches(instance):
+    """A backlog larger than one batch is delivered whole and in order after a single bell."""
+    client = GpuClient(RingTransport.for_slot(instance, 0))
+    client.start()
+    _, gpu_out = instance.gpu_rings()
+    stream = client.open_stream()
+    for step in range(40):
+        assert gpu_out[0].try_push(encode(StepOutput(step=step, tokens=[Token(stream.rid, 0, step, 0.0)])))
+    instance.output_bells[0].ring()
+    got: list[int] = []
+    async with asyncio.timeout(2):
+        while len(got) < 40:
+            got += [t.token_id for t in await stream.next_batch()]
+    assert got == list(range(40))
+    client.close()
