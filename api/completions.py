@@ -107,11 +107,11 @@ def _record(st: ApiState, gen: Generation, prompt_tokens: int) -> None:
     for s in gen.samples:
         stats.count_finish(s.reason if s.reason is not None else "error" if gen.error else "cancelled")
     if gen.worker_ttft_ms is not None:
-        stats.observe("ttft_ms", gen.worker_ttft_ms)
+        stats.observe("ttft_ms", gen.worker_ttft_ms, prompt_tokens)
         stats.observe("max_gap_ms", gen.max_gap_s * 1000.0)
     tpot = gen.tpot_ms()
     if tpot is not None:
-        stats.observe("tpot_ms", tpot)
+        stats.observe("tpot_ms", tpot, prompt_tokens)
 
 
 def _count_gone(st: ApiState, entry: OpenRequest) -> None:

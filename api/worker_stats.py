@@ -10,6 +10,16 @@ from ringserve.shm import layout as L
 from ringserve.shm.messages import FINISH_REASONS
 
 _HISTS = {h.name: h for h in L.HISTOGRAMS}
+# Prompt-length buckets for the split latency histograms: (label, upper bound in tokens). A split
+# histogram is observed only where the layout defines `<hist>_plen_<label>`.
+PROMPT_LEN_BUCKETS = (("0_512", 512), ("512_2048", 2048), ("2048_8192", 8192), ("8192_plus", 1 << 62))
+
+
+def prompt_len_label(prompt_tokens: int) -> str:
+    for label, bound in PROMPT_LEN_BUCKETS:
+        if prompt_tokens <= bound:
+            return label
+    return PROMPT_LEN_BUCKETS[-1][0]
 
 
 class WorkerStats:
@@ -26,8 +36,13 @@ class WorkerStats:
     def get(self, name: str) -> float:
         return self.values[name]
 
-    def observe(self, hist_name: str, value: float) -> None:
-        """Count `value` into the named histogram (bucket, sum and count)."""
+    def observe(self, hist_name: str, value: float, prompt_tokens: int | None = None) -> None:
+        """Count `value` into the named histogram (bucket, sum and count), and into its
+        prompt-length split when `prompt_tokens` is given and the layout has one."""
+        if prompt_tokens is not None:
+            split = f"{hist_name}_plen_{prompt_len_label(prompt_tokens)}"
+            if split in _HISTS:
+                self.observe(split, value)
         hist = _HISTS[hist_name]
         bucket = len(hist.bounds)
         for i, bound in enumerate(hist.bounds):

@@ -73,3 +73,16 @@ def test_prompt_length_histograms_are_labelled(monkeypatch):
     assert s[("ringserve_ttft_by_prompt_len_seconds_bucket", (("le", "0.1"), ("prompt_len", "0_512")))] == 1
     assert s[("ringserve_ttft_by_prompt_len_seconds_bucket", (("le", "0.1"), ("prompt_len", "512_8192")))] == 0
     assert s[("ringserve_ttft_by_prompt_len_seconds_count", (("prompt_len", "512_8192"),))] == 1
+
+
+def test_worker_observes_prompt_length_split_when_the_layout_has_it(monkeypatch):
+    """WorkerStats counts a TTFT into its prompt-length split histogram if the layout defines it."""
+    from ringserve.api import worker_stats
+
+    extra = L.Histogram("ttft_ms_plen_512_2048", (100.0,))
+    monkeypatch.setattr(worker_stats, "_HISTS", {**worker_stats._HISTS, extra.name: extra})
+    stats = worker_stats.WorkerStats()
+    stats.values.update(dict.fromkeys(extra.field_names, 0.0))
+    stats.observe("ttft_ms", 50.0, prompt_tokens=1000)
+    stats.observe("ttft_ms", 50.0, prompt_tokens=100)  # 0_512: not in this layout, total only
+    assert stats.get("ttft_ms_plen_512_2048_count") == 1 and stats.get("ttft_ms_count") == 2
