@@ -192,18 +192,31 @@ def sample_tensors(logits: torch.Tensor, plan: SamplingPlan
     if logits.dim() != 2 or logits.shape[0] != plan.num_rows:
         raise ValueError(f"logits {tuple(logits.shape)} do not match {plan.num_rows} sampling rows")
     logits = logits.float()
-    tokens = logits.argmax(dim=-1)  # greedy rows keep this
+    # Each pass over [rows, vocab] costs about as much as the whole host side at 256 rows, so
+    # subsets are only cut out (copied) when a batch really mixes kinds of rows.
+    all_random = plan.random_rows is not None and plan.random_rows.shape[0] == plan.num_rows
+    tokens = None if all_random else logits.argmax(dim=-1)  # greedy rows keep this
     if plan.random_rows is not None:
-        z = logits.index_select(0, plan.random_rows) / plan.temperature[:, None]  # [Rr, V]
+        if all_random:
+            z = logits / plan.temperature[:, None]  # [Rr, V]
+        else:
+            z = logits.index_select(0, plan.random_rows).div_(plan.temperature[:, None])
         probs = torch.softmax(z, dim=-1)
+        del z
         u = uniforms(plan.hash_inputs[0], plan.hash_inputs[1], plan.hash_inputs[2])  # [Rr]
         picked = torch.empty_like(plan.random_rows)
         if plan.unfiltered is not None:
             ru = plan.unfiltered
-            picked[ru] = _inverse_cdf(probs[ru], u[ru])
+            if plan.filtered is None:
+                picked = _inverse_cdf(probs, u)
+            else:
+                picked[ru] = _inverse_cdf(probs[ru], u[ru])
         if plan.filtered is not None:
             rf = plan.filtered
-            pf, top_k, top_p, uf = probs[rf], plan.top_k[rf], plan.top_p[rf], u[rf]
+            if plan.unfiltered is None:
+                pf, top_k, top_p, uf = probs, plan.top_k, plan.top_p, u
+            else:
+                pf, top_k, top_p, uf = probs[rf], plan.top_k[rf], plan.top_p[rf], u[rf]
             vocab = probs.shape[-1]
             c = min(vocab, max(_TOP_P_CANDIDATES, plan.max_top_k))
             chosen, covered = _filtered_pick(pf, top_k, top_p, uf, c)
@@ -212,8 +225,11 @@ def sample_tensors(logits: torch.Tensor, plan: SamplingPlan
                 wide = max(c, _nucleus_bound(pf[r], top_p[r]))
                 again, _ = _filtered_pick(pf[r], top_k[r], top_p[r], uf[r], wide)
                 chosen = chosen.index_put((r,), again)
-            picked[rf] = chosen
-        tokens = tokens.index_put((plan.random_rows,), picked)
+            if plan.unfiltered is None:
+                picked = chosen
+            else:
+                picked[rf] = chosen
+        tokens = picked if all_random else tokens.index_put((plan.random_rows,), picked)
     lse = torch.logsumexp(logits, dim=-1)  # [R]
     logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - lse
     top_ids = top_lp = None

@@ -187,3 +187,13 @@ def test_wide_nucleus_matches_full_sort_reference():
     agree = sum(a == b for a, b in zip(out.token_ids, expected))
     # float32 vs float64 cumulative sums may move a boundary by one token in a rare row.
     assert agree >= 46
+
+
+def test_all_random_mixed_filters_match_rows_alone():
+    """Without greedy rows (the all-random fast path), filtered and unfiltered rows still sample as
+    they do alone."""
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(5))
+    rows = [RowSampling(temperature=1.0, seed=1), RowSampling(temperature=0.8, top_p=0.8, seed=2),
+            RowSampling(temperature=1.2, seed=3), RowSampling(temperature=0.9, top_k=7, seed=4)]
+    together = sample(logits, rows, [3, 4, 5, 6]).token_ids
+    assert together == [sample(logits[i:i + 1], [r], [3 + i]).token_ids[0] for i, r in enumerate(rows)]
