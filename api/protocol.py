@@ -96,6 +96,9 @@ def parse_body(raw: bytes, *, max_tokens_limit: int, default_max_tokens: int = 1
                           code="invalid_type") from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}", None, code="invalid_json") from None
+    except UnicodeDecodeError as exc:  # msgspec's error for invalid UTF-8 inside a string
+        raise bad_request(f"Request body is not valid UTF-8 ({exc.reason} at byte {exc.start}); "
+                          "JSON text must be UTF-8.", None, code="invalid_json") from None
     _check_ignored(body)
     prompt_text, prompt_ids = _prompt(body)
     max_tokens = default_max_tokens if body.max_tokens is None else body.max_tokens

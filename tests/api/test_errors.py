@@ -118,3 +118,12 @@ async def test_rejections_are_counted(serve):
     stats = served.state.stats
     assert (stats.get("requests_total"), stats.get("requests_rejected_400"),
             stats.get("requests_rejected_other")) == (2, 1, 1)
+
+
+async def test_invalid_utf8_is_400(serve):
+    """A body whose strings are not UTF-8 is a 400, not a server error."""
+    served = await serve()
+    resp = await served.client.post("/v1/completions", data=b'{"prompt": "\xff\xfe\xfd", "max_tokens": 2}',
+                                    headers={"Content-Type": "application/json"})
+    err = await _error(resp, 400)
+    assert err["code"] == "invalid_json" and "UTF-8" in err["message"]
