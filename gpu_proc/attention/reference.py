@@ -11,11 +11,12 @@ Two functions make a backend:
   reads only the cache, through the block table. Grouped-query attention: query head `h` reads KV
   head `h // (num_heads // num_kv_heads)`.
 
-The reference is vectorised over tokens (no Python loop per row or per layer): each token gathers
-its sequence's blocks, scores them with one batched matmul, and masks keys past its position. Memory
-for the gathered keys grows with tokens x context, so tokens are processed in slices that keep the
-gather under `_GATHER_BUDGET_BYTES`; the tiny model and typical decode steps take one slice.
-Softmax runs in float32 whatever the cache dtype.
+The reference is vectorised (no Python loop per row or per layer). Single-token rows (decode):
+each token gathers its sequence's blocks, scores them with one batched matmul and masks keys past
+its position; tokens go in slices that keep the gather under `_GATHER_BUDGET_BYTES` (typical steps
+take one slice). Multi-token rows (prefill chunks): queries are padded per sequence and each such
+sequence's blocks are gathered once for all of its tokens, so a 256-token chunk at 8k context does
+not gather its context 256 times. Softmax runs in float32 whatever the cache dtype.
 """
 
 from __future__ import annotations
@@ -56,16 +57,77 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     group = num_heads // num_kv_heads
     nblocks = (meta.max_seq_len + block_size - 1) // block_size
-    ctx = nblocks * block_size
-    per_token = ctx * num_kv_heads * head_dim * k_cache.element_size() * 2  # K and V gathers
+    key_pos = torch.arange(nblocks * block_size, device=q.device)
+    if meta.max_query_len == 1:  # decode rows only
+        return _by_token(q, k_cache, v_cache, meta.block_tables[meta.token_seq, :nblocks], meta.positions,
+                         key_pos, group, scale)
+    # Rows with several new tokens (prefill chunks) gather their sequence's blocks once for all of
+    # their tokens; single-token rows gather per token. Each group is one vectorised pass.
+    qlen = meta.query_start_loc[1:] - meta.query_start_loc[:-1]  # [S]
+    multi = qlen > 1
+    tok_multi = multi[meta.token_seq]  # [T]
+    chunk_scores = int(multi.sum()) * num_heads * meta.max_query_len * key_pos.shape[0] * 4
+    if chunk_scores > _GATHER_BUDGET_BYTES:  # huge chunks: bounded memory beats the shared gather
+        return _by_token(q, k_cache, v_cache, meta.block_tables[meta.token_seq, :nblocks], meta.positions,
+                         key_pos, group, scale)
+    out = torch.empty_like(q)
+    single = (~tok_multi).nonzero().squeeze(1)
+    if single.numel():
+        out[single] = _by_token(q[single], k_cache, v_cache, meta.block_tables[meta.token_seq[single], :nblocks],
+                                meta.positions[single], key_pos, group, scale)
+    chunk = tok_multi.nonzero().squeeze(1)
+    out[chunk] = _by_sequence(q, chunk, multi, k_cache, v_cache, meta, nblocks, key_pos, group, scale)
+    return out
+
+
+def _by_token(q, k_cache, v_cache, tables, positions, key_pos, group, scale) -> torch.Tensor:
+    """Each token gathers its own sequence's blocks; tokens in slices under the memory budget."""
+    t, _, head_dim = q.shape
+    per_token = key_pos.shape[0] * k_cache.shape[1] * head_dim * k_cache.element_size() * 2  # K and V
     step = max(1, min(t, _GATHER_BUDGET_BYTES // max(per_token, 1)))
-    key_pos = torch.arange(ctx, device=q.device)
+    if step >= t:
+        return _attend(q, k_cache, v_cache, tables, positions, key_pos, group, scale)
     out = torch.empty_like(q)
     for lo in range(0, t, step):
         hi = min(t, lo + step)
-        out[lo:hi] = _attend(q[lo:hi], k_cache, v_cache, meta.block_tables[meta.token_seq[lo:hi], :nblocks],
-                             meta.positions[lo:hi], key_pos, group, scale)
+        out[lo:hi] = _attend(q[lo:hi], k_cache, v_cache, tables[lo:hi], positions[lo:hi], key_pos, group, scale)
     return out
+
+
+def _by_sequence(q, chunk, multi, k_cache, v_cache, meta, nblocks, key_pos, group, scale) -> torch.Tensor:
+    """Tokens `chunk` of multi-token rows: queries padded per sequence to `[SB, max_q]`, one gather
+    of each such sequence's blocks. Returns `[len(chunk), num_heads, head_dim]`."""
+    _, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    seqs = multi.nonzero().squeeze(1)  # [SB]
+    sb, max_q, ctx = seqs.shape[0], meta.max_query_len, key_pos.shape[0]
+    tseq = meta.token_seq[chunk]
+    row = (torch.cumsum(multi.long(), 0) - 1)[tseq]  # padded row of each chunk token
+    col = chunk - meta.query_start_loc[tseq].long()  # its index within its chunk
+    qp = q.new_zeros(sb, max_q, num_heads, head_dim)
+    qp[row, col] = q[chunk]
+    # Padding queries sit at position 0: they attend to one real key and are never read back.
+    pos = torch.zeros(sb, max_q, dtype=torch.long, device=q.device)
+    pos[row, col] = meta.positions[chunk]
+    idx = meta.block_tables[seqs, :nblocks].reshape(-1).long()
+    k = k_cache.index_select(0, idx).view(sb, nblocks, num_kv_heads, block_size, head_dim)
+    v = v_cache.index_select(0, idx).view(sb, nblocks, num_kv_heads, block_size, head_dim)
+    # [SB, max_q, H, d] -> [SB, 1, kvh, group * max_q, d]
+    qg = qp.view(sb, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(sb, 1, num_kv_heads, group * max_q, head_dim).to(k.dtype)
+    scores = torch.matmul(qg, k.transpose(-1, -2))  # [SB, nblocks, kvh, group * max_q, bs]
+    # -> [SB, kvh, group, max_q, ctx]: keys in position order
+    scores = scores.permute(0, 2, 3, 1, 4).reshape(sb, num_kv_heads, group, max_q, ctx).float() * scale
+    masked = key_pos[None, None, :] > pos[:, :, None]  # [SB, max_q, ctx]
+    scores.masked_fill_(masked[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    # [SB, kvh, group * max_q, nblocks, bs] -> [SB, nblocks, kvh, group * max_q, bs]
+    probs = probs.view(sb, num_kv_heads, group * max_q, nblocks, block_size).permute(0, 3, 1, 2, 4)
+    out = torch.matmul(probs, v).sum(dim=1)  # [SB, kvh, group * max_q, d]
+    # [SB, kvh, group, max_q, d] -> [SB, max_q, H, d]
+    out = out.view(sb, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    out = out.reshape(sb, max_q, num_heads, head_dim)
+    return out[row, col].to(q.dtype)
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

@@ -141,3 +141,16 @@ def test_cpu_backend_is_the_reference():
     backend = get_backend("cpu")
     assert backend.name == "reference"
     assert backend.write_kv is write_kv and backend.paged_attention is paged_attention
+
+
+def test_small_memory_budget_slices_tokens_with_same_result(monkeypatch):
+    """With a tiny gather budget (token slices, and chunks falling back to per-token gathers) the
+    result is unchanged."""
+    from ringserve.gpu_proc.attention import reference
+
+    spec = [(20, 1), (0, 9), (31, 2), (5, 1), (40, 20)]
+    full, dense = _run_case(spec, 4, 2, 16, 32, random.Random(11))
+    monkeypatch.setattr(reference, "_GATHER_BUDGET_BYTES", 4096)
+    sliced, _ = _run_case(spec, 4, 2, 16, 32, random.Random(11))
+    torch.testing.assert_close(sliced, full, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(sliced, dense, atol=1e-5, rtol=1e-4)
