@@ -12,7 +12,7 @@ from ringserve.shm.messages import FINISH_REASONS
 _HISTS = {h.name: h for h in L.HISTOGRAMS}
 # Prompt-length buckets for the split latency histograms: (label, upper bound in tokens). A split
 # histogram is observed only where the layout defines `<hist>_plen_<label>`.
-PROMPT_LEN_BUCKETS = (("0_512", 512), ("512_2048", 2048), ("2048_8192", 8192), ("8192_plus", 1 << 62))
+PROMPT_LEN_BUCKETS = tuple(zip(L.PROMPT_LEN_LABELS, (512, 2048, 8192, 1 << 62)))
 
 
 def prompt_len_label(prompt_tokens: int) -> str:

@@ -149,11 +149,18 @@ class Histogram:
         return buckets + (f"{self.name}_sum", f"{self.name}_count")
 
 
+TTFT_MS_BOUNDS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
+TPOT_MS_BOUNDS = (5, 10, 20, 30, 40, 50, 70, 100, 150, 250, 500, 1000)
+# The seed's "latency split by prompt-length bucket": TTFT and TPOT again per bucket of prompt
+# tokens, named `<base>_plen_<label>` (the worker observes them, /metrics labels them).
+PROMPT_LEN_LABELS = ("0_512", "512_2048", "2048_8192", "8192_plus")
+
 HISTOGRAMS: tuple[Histogram, ...] = (
-    Histogram("ttft_ms", (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)),
-    Histogram("tpot_ms", (5, 10, 20, 30, 40, 50, 70, 100, 150, 250, 500, 1000)),
+    Histogram("ttft_ms", TTFT_MS_BOUNDS),
+    Histogram("tpot_ms", TPOT_MS_BOUNDS),
     Histogram("max_gap_ms", (25, 50, 100, 250, 500, 1000, 2500, 5000)),
-)
+) + tuple(Histogram(f"{base}_plen_{label}", bounds) for base, bounds in
+          (("ttft_ms", TTFT_MS_BOUNDS), ("tpot_ms", TPOT_MS_BOUNDS)) for label in PROMPT_LEN_LABELS)
 
 WORKER_COUNTER_NAMES: tuple[str, ...] = (
     "requests_total", "requests_rejected_400", "requests_rejected_429", "requests_rejected_other",
