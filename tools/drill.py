@@ -59,6 +59,7 @@ class DrillReport:
     completed: int
     error_events: int
     dropped: int  # connection closed under the client (the killed worker's streams)
+    rejected: int  # refused at admission (429/503 with the error object) before the fault
     lost: int  # neither completed nor told: hung, or closed without [DONE]
     error_latency_p50_s: float | None
     error_latency_max_s: float | None
@@ -184,7 +185,7 @@ def _inject(fault: str, seg: Segment, control: Control) -> int:
     return pid
 
 
-async def run_drill(fault: str, url: str, shm_dir: str, *, streams: int = 8, max_tokens: int = 500,
+async def run_drill(fault: str, url: str, shm_dir: str, *, streams: int = 8, max_tokens: int = 200,
                     instance: str | None = None, ready_timeout_s: float = 120.0,
                     stream_timeout_s: float = 120.0) -> DrillReport:
     """Run one drill against the server at `url` whose shared memory lives in `shm_dir`."""
@@ -286,12 +287,13 @@ async def _leaked_segments(shm_dir: str, instance: str, fault: str, supervisor: 
 
 def _report(fault: str, results: list[StreamResult], t_fault: float, ready_s: float | None,
             drain_status: int | None, free: int | None, total: int | None, leaked: int) -> DrillReport:
-    count = {k: sum(r.outcome == k for r in results) for k in ("completed", "error_event", "dropped", "lost")}
+    count = {k: sum(r.outcome == k for r in results)
+             for k in ("completed", "error_event", "dropped", "rejected", "lost")}
     lat = sorted(r.error_t - t_fault for r in results if r.error_t is not None)
     rep = DrillReport(
         fault=fault, streams_open=len(results), completed=count["completed"],
-        error_events=count["error_event"], dropped=count["dropped"],
-        lost=count["lost"] + sum(r.outcome in ("open", "rejected") for r in results),
+        error_events=count["error_event"], dropped=count["dropped"], rejected=count["rejected"],
+        lost=count["lost"] + sum(r.outcome == "open" for r in results),
         error_latency_p50_s=statistics.median(lat) if lat else None,
         error_latency_max_s=lat[-1] if lat else None, ready_again_s=ready_s,
         drain_new_request_status=drain_status, kv_blocks_free=free, kv_blocks_total=total,
@@ -316,8 +318,9 @@ def _report(fault: str, results: list[StreamResult], t_fault: float, ready_s: fl
         if bad:
             v.append(f"{len(bad)} streams of surviving workers did not complete")
     if fault == "term":
-        if rep.completed != rep.streams_open:
-            v.append(f"{rep.streams_open - rep.completed} streams did not finish during the drain")
+        unfinished = rep.streams_open - rep.completed - rep.rejected
+        if unfinished:
+            v.append(f"{unfinished} streams did not finish during the drain")
         if drain_status != 503:
             v.append(f"a new request during the drain got {drain_status}, not 503")
     return rep
@@ -338,6 +341,7 @@ def format_table(rep: DrillReport) -> str:
         ("streams open", rep.streams_open), ("streams completed", rep.completed),
         ("streams with the error event", rep.error_events),
         ("streams dropped (connection closed)", rep.dropped),
+        ("refused at admission, before the fault", rep.rejected),
         ("fault -> error event, p50", rep.error_latency_p50_s),
         ("fault -> error event, max", rep.error_latency_max_s),
         ("fault -> /ready again", rep.ready_again_s),
@@ -350,6 +354,9 @@ def format_table(rep: DrillReport) -> str:
              ("leaked shm segments (must be 0)", rep.leaked_segments)]
     width = max(len(name) for name, _ in rows)
     lines = [f"drill {rep.fault}", *(f"  {name:<{width}}  {_fmt(val)}" for name, val in rows)]
+    if rep.rejected:
+        lines.append(f"  note: {rep.rejected} streams were refused before the fault (queue full): "
+                     "lower --streams or --max-tokens to put them all under the fault")
     lines.append("  PASS" if rep.ok else "  FAIL: " + "; ".join(rep.violations))
     return "\n".join(lines)
 
@@ -359,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("fault", choices=FAULTS)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     p.add_argument("--streams", type=int, default=8, help="streams open when the fault hits")
-    p.add_argument("--max-tokens", type=int, default=500, help="tokens each stream asks for")
+    p.add_argument("--max-tokens", type=int, default=200, help="tokens each stream asks for")
     p.add_argument("--shm-dir", default=L.DEFAULT_DIRECTORY, help="the server's shared-memory directory")
     p.add_argument("--instance", help="instance id, when several servers share --shm-dir")
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for /ready")

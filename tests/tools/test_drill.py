@@ -18,7 +18,7 @@ WATCHDOG_S = 2.0
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("shm"), workers=2, queue_limit_s=600,
-                       watchdog_timeout_s=WATCHDOG_S, drain_timeout_s=15) as srv:
+                       watchdog_timeout_s=WATCHDOG_S, drain_timeout_s=20) as srv:
         yield srv
 
 
@@ -63,7 +63,7 @@ def test_kill_worker_leaves_other_workers_streams_alone(server):
 def test_term_drains_and_unlinks_everything(server):
     """SIGTERM the supervisor: open streams finish, a new request gets 503, the server exits 0
     and no segment is left."""
-    rep = _drill(server, "term", streams=4, max_tokens=60)
+    rep = _drill(server, "term", streams=4, max_tokens=30)
     assert rep.ok, format_table(rep) + server.log()
     assert rep.completed == 4 and rep.drain_new_request_status == 503
     assert rep.leaked_segments == 0
@@ -113,3 +113,12 @@ def test_cli_json_output(monkeypatch, capsys):
     assert drill.main(["kill-gpu", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] is True and out["error_events"] == 1 and out["ready_again_s"] == 2.0
+
+
+def test_report_counts_admission_refusals_apart_from_losses():
+    """A stream refused at admission (an explicit 429) is not lost, and the table says so."""
+    results = [StreamResult(worker=0, outcome="rejected", error_code="overloaded"),
+               StreamResult(worker=1, outcome="error_event", error_t=0.1)]
+    rep = _report("kill-gpu", results, 0.0, 2.0, None, 8, 8, 0)
+    assert rep.ok and rep.rejected == 1 and rep.lost == 0
+    assert "refused before the fault" in format_table(rep)
