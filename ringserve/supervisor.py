@@ -9,7 +9,7 @@ Then it watches its children every POLL_S:
   stamps it on every output ring, and rings the workers' bells, so each worker fails its open
   streams with an error event at once; it restarts the process with exponential backoff, and
   after `restart_limit` crashes in `restart_window_s` gives up with a non-zero exit;
-* a worker exits: it is restarted in its slot (a new slot generation, so the GPU process drops the
+* a worker exits, or its heartbeat goes stale (a stuck event loop): it is restarted in its slot (a new slot generation, so the GPU process drops the
   dead worker's rows and frees their blocks);
 * SIGTERM / SIGINT: drain (workers refuse new requests, open streams get up to drain_timeout_s),
   stop the GPU process, unlink the shared memory, exit 0.
@@ -272,9 +272,21 @@ class Supervisor:
             bell.ring()
 
     def _watch_workers(self, now: float) -> None:
+        control = self.shm.control
         for slot, proc in enumerate(self.workers):
-            if proc is None or proc.poll() is None:
+            if proc is None:
                 continue
+            if proc.poll() is None:
+                # A worker beats every 0.25 s from its event loop; a stale beat means the loop is
+                # stuck (or the process stopped), and its clients are stuck with it.
+                age = control.worker_slot(slot)["heartbeat_age_s"]
+                if self.announced and age is not None and age > self.config.watchdog_timeout_s:
+                    log.error("API worker %d (pid %d) sent no heartbeat for %.1f s; killing it",
+                              slot, proc.pid, age)
+                    proc.kill()
+                    proc.wait()
+                else:
+                    continue
             if not self.announced:
                 raise SupervisorError(f"API worker {slot} exited with status {proc.returncode} at "
                                       f"start-up (is port {self.config.port} in use?)")

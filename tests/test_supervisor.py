@@ -117,3 +117,23 @@ def test_children_exit_when_supervisor_is_killed_and_next_start_cleans_up(tiny_m
         assert old not in instances and len(instances) == 1
         assert srv2.stop() == 0
     assert not list_segments(str(shm))
+
+
+def test_stuck_worker_is_killed_and_replaced(tiny_model_dir, tmp_path):
+    """A worker whose heartbeat stops (SIGSTOP) is killed after watchdog_timeout_s and restarted
+    in its slot; the server serves again."""
+    with ServerProcess(tiny_model_dir, tmp_path / "shm", workers=2, watchdog_timeout_s=1.5) as srv:
+        seg, control = attach_control(srv.shm_dir, find_instance(srv.shm_dir))
+        old = control.worker_slot(1)
+        os.kill(old["pid"], signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            slot = control.worker_slot(1)
+            if slot["generation"] > old["generation"] and slot["heartbeat_age_s"] is not None:
+                break
+            time.sleep(0.05)
+        assert slot["generation"] == old["generation"] + 1 and slot["pid"] != old["pid"], srv.log()
+        assert not pid_alive(old["pid"])
+        assert "API worker 1" in srv.log() and "sent no heartbeat" in srv.log()
+        seg.close()
+        assert srv.stop() == 0
