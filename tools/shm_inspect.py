@@ -1,9 +1,11 @@
-"""`ringserve shm [--json] [--clean] [--dir DIR]`: list ringserve shared-memory segments.
+"""`ringserve shm [--json] [--clean] [--watch [S]] [--dir DIR]`: list ringserve shared-memory segments.
 
 For each ring: capacity, head, tail, bytes in use, generation, heartbeat ages, producer and
 consumer pids, and the owner pid with whether it is alive; for each control segment: the GPU
-generation, state, heartbeat age and model facts. `--clean` removes segments whose owner is dead.
-Segments are mapped read-only; nothing here writes to a live instance.
+generation, state, heartbeat age and model facts, KV pool use, queue depth and running rows, and
+every worker slot (pid, generation, heartbeat age). `--clean` removes segments whose owner is
+dead; `--watch` redraws every S seconds (default 1) until Ctrl-C (with `--json`: one object per
+line). Segments are mapped read-only; nothing here writes to a live instance.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from ringserve.shm import layout as L
 from ringserve.shm.control import Control, ControlError
@@ -97,8 +100,16 @@ def format_table(segments: list[dict]) -> str:
             facts = c["model_facts"] or {}
             lines.append(f"  {seg['part']:<9} gpu generation {c['gpu_generation']}, state "
                          f"{c['gpu_state']}, pid {c['gpu_pid'] or '-'}, heartbeat "
-                         f"{_age(c['gpu_heartbeat_age_s'])}, model {facts.get('name', '-')}, "
-                         f"{c['n_workers']} worker slots")
+                         f"{_age(c['gpu_heartbeat_age_s'])}, model "
+                         f"{facts.get('model', facts.get('name', '-'))}, {c['n_workers']} worker slots")
+            g = c["gpu_stats"]
+            total, free = int(g["kv_blocks_total"]), int(g["kv_blocks_free"])
+            lines.append(f"  {'':<9} kv blocks {total - free}/{total} used, queue depth "
+                         f"{int(g['queue_depth'])}, running rows {int(g['running_rows'])}, "
+                         f"steps {int(g['steps'])}")
+            for i, w in enumerate(c["workers"]):
+                lines.append(f"  {'':<9} worker {i}: pid {_pid(w['pid'], _pid_alive(w['pid']))}, "
+                             f"generation {w['generation']}, heartbeat {_age(w['heartbeat_age_s'])}")
         elif seg["kind"] == "ring":
             r = seg["ring"]
             row = (seg["part"], f"{r['capacity']:,}", str(r["head"]), str(r["tail"]),
@@ -113,13 +124,42 @@ def format_table(segments: list[dict]) -> str:
     return "\n".join(lines).lstrip("\n")
 
 
+def watch(directory: str, interval_s: float, *, as_json: bool = False,
+          iterations: int | None = None) -> int:
+    """Redraw the table (or print one JSON object per line) every `interval_s` until Ctrl-C, or
+    `iterations` times."""
+    n = 0
+    try:
+        while iterations is None or n < iterations:
+            segments = inspect(directory)
+            if as_json:
+                print(json.dumps({"directory": directory, "time": time.time(), "segments": segments}),
+                      flush=True)
+            else:
+                # Home the cursor and clear the screen, so the table redraws in place.
+                print("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + directory + "\n"
+                      + format_table(segments), flush=True)
+            n += 1
+            if iterations is None or n < iterations:
+                time.sleep(interval_s)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ringserve shm", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--clean", action="store_true", help="remove segments of dead owners")
     parser.add_argument("--dir", default=L.DEFAULT_DIRECTORY,
                         help="segment directory (default %(default)s)")
+    parser.add_argument("--watch", nargs="?", type=float, const=1.0, metavar="SECONDS",
+                        help="redraw every SECONDS (default 1) until Ctrl-C")
     args = parser.parse_args(argv)
+    if args.watch is not None:
+        if args.watch <= 0:
+            parser.error("--watch takes a positive number of seconds")
+        return watch(args.dir, args.watch, as_json=args.json)
     removed = cleanup_stale(args.dir) if args.clean else []
     segments = inspect(args.dir)
     if args.json:

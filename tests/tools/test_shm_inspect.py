@@ -98,3 +98,17 @@ def test_default_directory_is_dev_shm(capsys):
     finally:
         shm.unlink()
         shm.close()
+
+
+def test_watch_redraws_and_shows_pool_and_slots(holder, capsys):
+    """--watch prints one snapshot per interval (JSON lines with --json); the table shows KV pool
+    use, queue depth and every worker slot."""
+    directory, instance, _ = holder
+    assert shm_inspect.watch(directory, 0.01, as_json=True, iterations=2) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2
+    snaps = [json.loads(line) for line in lines]
+    assert all(any(s["instance"] == instance for s in snap["segments"]) for snap in snaps)
+    assert shm_inspect.watch(directory, 0.01, iterations=1) == 0
+    out = capsys.readouterr().out
+    assert "kv blocks 0/0 used" in out and "queue depth 0" in out and "worker 0: pid" in out
