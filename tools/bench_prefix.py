@@ -8,8 +8,9 @@ The real engine (tiny model unless `--model`) under the real Scheduler, no rings
 - Throughput: a trace of `--requests` requests, `--share` of which start with one `--system`-token
   system prompt (the rest have unique prompts of the same length), each with a 32-128-token user
   tail and `--max-tokens` generated tokens (seeded sampling, EOS ignored); one request arrives per
-  engine step. Run with caching on and then off; tokens/s is generated tokens per wall second,
-  and the streams of the two runs are compared (they must be identical).
+  engine step. Run with caching on and off, alternating `--trace-reps` times (the median run of
+  each is reported); tokens/s is generated tokens per wall second, and the streams of every run
+  are compared (they must be identical).
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def measure_ttft(bench: _Bench, prefix: int, suffix: int, reps: int, seed: int) 
             "ttft_speedup": round(x_ms / c_ms, 2), "reps": reps}
 
 
-def measure_trace(bench: _Bench, requests: int, share: float, system: int, max_tokens: int, seed: int) -> dict:
+def measure_trace(bench: _Bench, requests: int, share: float, system: int, max_tokens: int, seed: int,
+                  reps: int = 1) -> dict:
     rng = random.Random(seed)
     vocab = bench.engine.vocab_size
     sys_prompt = _tokens(rng, vocab, system)
@@ -113,23 +115,25 @@ def measure_trace(bench: _Bench, requests: int, share: float, system: int, max_t
         prompts.append((sys_prompt if rng.random() < share else _tokens(rng, vocab, system)) + tail)
     shared_count = sum(p[:system] == sys_prompt for p in prompts)
     out = {"requests": requests, "shared_requests": shared_count, "system_tokens": system,
-           "max_tokens": max_tokens}
-    runs = {}
+           "max_tokens": max_tokens, "reps": reps}
+    runs: dict = {True: [], False: []}
+    for _ in range(reps):  # alternate on and off, so a change in machine load hits both alike
+        for caching in (True, False):
+            arrivals = [_request(k, p, max_tokens, 1000 + k) for k, p in enumerate(prompts)]
+            runs[caching].append(bench.drive(bench.scheduler(caching), arrivals))
     for caching in (True, False):
-        arrivals = [_request(k, p, max_tokens, 1000 + k) for k, p in enumerate(prompts)]
-        runs[caching] = r = bench.drive(bench.scheduler(caching), arrivals)
+        r = sorted(runs[caching], key=lambda x: x["wall_s"])[len(runs[caching]) // 2]  # the median run
         st = r["stats"]
         gen = st.generation_tokens_total
-        name = "on" if caching else "off"
-        out[name] = {"wall_s": round(r["wall_s"], 3), "gen_tokens_per_s": round(gen / r["wall_s"], 1),
-                     "requests_per_s": round(requests / r["wall_s"], 2),
-                     "ttft_mean_ms": round(1e3 * statistics.fmean(r["ttft"].values()), 1),
-                     "ttft_p50_ms": round(1e3 * statistics.median(r["ttft"].values()), 1),
-                     "prompt_tokens": st.prompt_tokens_total, "prompt_tokens_cached": st.prefix_cache_hits,
-                     "hit_rate": round(st.prefix_cache_hits / st.prefix_cache_queries, 3)
-                     if st.prefix_cache_queries else 0.0}
+        out["on" if caching else "off"] = {
+            "wall_s": round(r["wall_s"], 3), "wall_s_all": [round(x["wall_s"], 3) for x in runs[caching]],
+            "gen_tokens_per_s": round(gen / r["wall_s"], 1), "requests_per_s": round(requests / r["wall_s"], 2),
+            "ttft_mean_ms": round(1e3 * statistics.fmean(r["ttft"].values()), 1),
+            "ttft_p50_ms": round(1e3 * statistics.median(r["ttft"].values()), 1),
+            "prompt_tokens": st.prompt_tokens_total, "prompt_tokens_cached": st.prefix_cache_hits,
+            "hit_rate": round(st.prefix_cache_hits / st.prefix_cache_queries, 3) if st.prefix_cache_queries else 0.0}
     out["throughput_speedup"] = round(out["on"]["gen_tokens_per_s"] / out["off"]["gen_tokens_per_s"], 2)
-    out["streams_identical"] = runs[True]["streams"] == runs[False]["streams"]
+    out["streams_identical"] = all(r["streams"] == runs[False][0]["streams"] for r in runs[True] + runs[False])
     return out
 
 
@@ -149,7 +153,8 @@ def run(args) -> dict:
                             "max_rows": args.max_rows, "prefill_budget": args.prefill_budget,
                             "kv_blocks": args.blocks}}
         report["ttft"] = measure_ttft(bench, args.prefix, args.suffix, args.reps, args.seed)
-        report["trace"] = measure_trace(bench, args.requests, args.share, args.system, args.max_tokens, args.seed)
+        report["trace"] = measure_trace(bench, args.requests, args.share, args.system, args.max_tokens, args.seed,
+                                        args.trace_reps)
     return report
 
 
@@ -161,7 +166,7 @@ def _table(r: dict) -> str:
              f"  cached prefix ({t['cached_tokens']} tokens hit)  {t['ttft_cached_ms']:>9.2f} ms",
              f"  cold prefix                     {t['ttft_cold_ms']:>9.2f} ms   ({t['ttft_speedup']}x)",
              f"trace: {tr['requests']} requests, {tr['shared_requests']} share a {tr['system_tokens']}-token "
-             f"system prompt, {tr['max_tokens']} tokens each:"]
+             f"system prompt, {tr['max_tokens']} tokens each (median of {tr['reps']} runs per mode):"]
     for name in ("on", "off"):
         x = tr[name]
         lines.append(f"  caching {name:<3}  {x['wall_s']:>7.2f} s  {x['gen_tokens_per_s']:>8.1f} tok/s  "
@@ -181,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--share", type=float, default=0.8, help="fraction of trace requests with the system prompt")
     p.add_argument("--system", type=int, default=1000, help="system prompt tokens")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--trace-reps", type=int, default=1,
+                   help="trace runs per mode, on and off alternating; the median run is reported")
     p.add_argument("--max-rows", type=int, default=32)
     p.add_argument("--prefill-budget", type=int, default=256)
     p.add_argument("--blocks", type=int, default=4096, help="KV blocks in the pool")
@@ -190,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 0.0 <= args.share <= 1.0:
         p.error("--share must be in [0, 1]")
-    if min(args.prefix, args.suffix, args.reps, args.requests, args.system, args.max_tokens, args.threads) < 1:
-        p.error("--prefix, --suffix, --reps, --requests, --system, --max-tokens and --threads must be >= 1")
+    if min(args.prefix, args.suffix, args.reps, args.requests, args.system, args.max_tokens, args.threads,
+           args.trace_reps) < 1:
+        p.error("--prefix, --suffix, --reps, --trace-reps, --requests, --system, --max-tokens and --threads "
+                "must be >= 1")
     report = run(args)
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0
