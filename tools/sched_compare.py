@@ -181,8 +181,9 @@ def _strip(rows):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ringserve bench sched", description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=64, help="requests in the trace")
-    p.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate of the real/sim-fit runs, req/s")
+    p.add_argument("--requests", type=int, default=256, help="requests in the trace")
+    p.add_argument("--rate", type=float, default=50.0,
+                   help="Poisson arrival rate of the real/sim-fit runs, req/s (inf: a burst)")
     p.add_argument("--scale", type=float, default=0.1, help="output length factor for the real run")
     p.add_argument("--prompt-scale", type=float, default=0.02, help="prompt length factor for the real run")
     p.add_argument("--chunk-scale", type=float, default=0.25, help="prefill chunk factor for the real run")
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.plot, exist_ok=True)
         for name, run in report["runs"].items():
             path = os.path.join(args.plot, f"sched-{name}-r{run['rate']:g}.png")
-            plot(run["rows"], f"bench sched ({name}): {run['trace']} @ {run['rate']} req/s", path)
+            plot(run["rows"], f"bench sched ({name}) at {run['rate']} req/s\n{run['trace']}", path)
             run["plot"] = path
     if args.json:
         print(json.dumps(report, indent=2))
