@@ -123,7 +123,8 @@ def markdown(rows: list[dict], *, ttft_target_ms: float, tpot_target_ms: float) 
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], directory: str, *, ttft_target_ms: float, tpot_target_ms: float, title: str = "") -> list[str]:
+def plot(rows: list[dict], directory: str, *, ttft_target_ms: float, tpot_target_ms: float,
+         title: str = "") -> list[str]:
     """Latency percentiles against rate (one panel per metric) and attainment against rate."""
     import os
 

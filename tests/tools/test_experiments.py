@@ -19,7 +19,6 @@ import urllib.request
 
 import pytest
 
-from ringserve.tools.loadtest import parse_metrics
 from ringserve.tools.sched_sim import percentile
 
 aiohttp = pytest.importorskip("aiohttp")
