@@ -124,6 +124,9 @@ def test_stuck_worker_is_killed_and_replaced(tiny_model_dir, tmp_path):
     in its slot; the server serves again."""
     with ServerProcess(tiny_model_dir, tmp_path / "shm", workers=2, watchdog_timeout_s=1.5) as srv:
         seg, control = attach_control(srv.shm_dir, find_instance(srv.shm_dir))
+        deadline = time.monotonic() + 30
+        while control.worker_slot(1)["heartbeat_age_s"] is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # /ready answered from one worker; wait for the other to listen
         old = control.worker_slot(1)
         os.kill(old["pid"], signal.SIGSTOP)
         deadline = time.monotonic() + 30

@@ -99,13 +99,19 @@ _OWNER_PID = next(f for f in L.CONTROL_FIELDS if f.name == "owner_pid")
 
 
 def pid_alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not yet reaped by its parent) counts as gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # NOTE: the state follows the last ')' (the command name may itself hold one).
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 # -- load ------------------------------------------------------------------------------------------
@@ -169,6 +175,15 @@ async def _wait_ready(session: aiohttp.ClientSession, url: str, timeout_s: float
     return False
 
 
+async def _wait_workers(control: Control, timeout_s: float) -> None:
+    """Every worker slot listening (one /ready answer only proves that one worker is)."""
+    deadline = time.monotonic() + timeout_s
+    while any(control.worker_slot(i)["heartbeat_age_s"] is None for i in range(control.n_workers)):
+        if time.monotonic() > deadline:
+            raise DrillError(f"not every API worker was listening within {timeout_s:.0f} s")
+        await asyncio.sleep(0.05)
+
+
 # -- the drill -------------------------------------------------------------------------------------
 
 def _inject(fault: str, seg: Segment, control: Control) -> int:
@@ -200,6 +215,7 @@ async def run_drill(fault: str, url: str, shm_dir: str, *, streams: int = 8, max
         async with aiohttp.ClientSession(connector=conn) as session:
             if not await _wait_ready(session, url, ready_timeout_s):
                 raise DrillError(f"{url}/ready did not answer 200 within {ready_timeout_s:.0f} s")
+            await _wait_workers(control, ready_timeout_s)
             results = [StreamResult() for _ in range(streams)]
             events = [asyncio.Event() for _ in range(streams)]
             tasks = [asyncio.create_task(_stream(session, url, body, r, e, stream_timeout_s))
