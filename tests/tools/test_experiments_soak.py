@@ -1,0 +1,42 @@
+"""The soak tool: its process and shared-memory probes, and a short soak of `ringserve serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from ringserve.tools import soak
+
+
+def test_server_pids_finds_grandchildren():
+    """The process tree includes children of children (the supervisor's GPU process and workers)."""
+    code = "import subprocess, sys; p = subprocess.Popen(['sleep', '30']); print(p.pid, flush=True); p.wait()"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild = int(child.stdout.readline())
+        pids = soak.server_pids(os.getpid())
+        assert child.pid in pids and grandchild in pids
+        assert soak.fd_count(os.getpid()) > 0 and soak.rss_bytes(os.getpid()) > 0
+    finally:
+        os.kill(grandchild, 15)
+        child.wait(timeout=10)
+
+
+def test_shm_segments_are_matched_by_supervisor_pid(tmp_path):
+    """Only this instance's segments count, not another supervisor's."""
+    for name in ("ringserve.123-456.control", "ringserve.123-456.ring0", "ringserve.1234-9.control", "other"):
+        (tmp_path / name).write_bytes(b"")
+    assert soak.shm_segments(str(tmp_path), 123) == {"ringserve.123-456.control", "ringserve.123-456.ring0"}
+
+
+def test_short_soak_passes_every_check(tiny_model_dir, capsys):
+    """Three seconds of load with 20 % hang-ups: blocks, fds, segments and RSS all hold."""
+    code = soak.main(["--duration", "3", "--rate", "15", "--model", str(tiny_model_dir), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0, report
+    names = [c["check"] for c in report["checks"]]
+    assert names[0] == "KV blocks all free" and names[-1] == "no shm segments left after stop"
+    assert sum(n.startswith("fds of pid") for n in names) == 3  # supervisor, GPU process, one worker
+    assert report["load"]["sent"] > 10

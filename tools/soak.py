@@ -1,0 +1,270 @@
+"""Soak test: run `ringserve serve` under steady load for a while and fail on any leak.
+
+    python -m ringserve.tools.soak --duration 3600 [--rate 20] [--disconnect 0.2] [--model DIR]
+
+Starts the server itself (so it can watch its processes), sends open-loop Poisson load with the
+built-in length mix (scaled for CPU by default) in which `--disconnect` of the clients hang up
+mid-stream, then stops the load and checks:
+
+- KV blocks: once idle, `kv_blocks_free == kv_blocks_total` (from /metrics);
+- file descriptors: each server process holds no more than at the start of the soak (+ `--fd-slack`);
+- shared memory: the instance's segments under /dev/shm are the same set throughout, and none is
+  left after the server stops;
+- RSS: each process's median RSS over the last quarter of the soak is within `--rss-growth` (a
+  fraction) or 32 MiB of its median over the first quarter — memory that keeps growing fails.
+
+Exit status 0 when every check holds, 1 otherwise; a table of the checks goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+from .loadtest import parse_metrics
+from .trace import builtin_mix, poisson_arrivals, scaled
+
+RSS_FLOOR_BYTES = 32 << 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_pids(root: int) -> list[int]:
+    """`root` and its descendants, from /proc (children of children included)."""
+    parents: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    # NOTE: the command name (field 2) may hold spaces; ppid is the 2nd field after ')'.
+                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, ppid in parents.items() if ppid in frontier]
+        out += frontier
+    return out
+
+
+def fd_count(pid: int) -> int | None:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
+def rss_bytes(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def shm_segments(directory: str, supervisor_pid: int) -> set[str]:
+    prefix = f"ringserve.{supervisor_pid}-"
+    try:
+        return {n for n in os.listdir(directory) if n.startswith(prefix)}
+    except OSError:
+        return set()
+
+
+def _metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = parse_metrics(text)
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in ("ringserve_kv_blocks_free", "ringserve_kv_blocks_total", "ringserve_queue_depth"):
+                out[s.name] = s.value
+    return out
+
+
+async def _client(session, url: str, body: dict, key: str, hang_up_after: int | None, counts: dict) -> None:
+    import aiohttp
+
+    try:
+        async with session.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                                timeout=aiohttp.ClientTimeout(total=120)) as resp:
+            counts[resp.status] = counts.get(resp.status, 0) + 1
+            seen = 0
+            async for raw in resp.content:
+                if raw.startswith(b"data:") and b'"token_id"' in raw:
+                    seen += 1
+                    if hang_up_after is not None and seen >= hang_up_after:
+                        counts["hung_up"] = counts.get("hung_up", 0) + 1
+                        resp.close()  # NOTE: a client going away mid-stream
+                        return
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        counts[type(exc).__name__] = counts.get(type(exc).__name__, 0) + 1
+
+
+async def drive_load(url: str, *, seconds: float, rate: float, disconnect: float, scale: float, prompt_scale: float,
+                     seed: int, on_tick=None) -> dict:
+    """Open-loop Poisson load for `seconds`; returns status counts. `on_tick()` runs about once a second."""
+    import aiohttp
+
+    n = max(1, int(seconds * rate * 1.2) + 10)
+    trace = scaled(builtin_mix(n, seed=seed, keys=4), scale, prompt_scale)
+    arrivals = [t for t in poisson_arrivals(n, rate, seed=seed) if t < seconds]
+    rng = random.Random(seed)
+    counts: dict = {}
+    tasks = []
+    start = time.perf_counter()
+    next_tick = start
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for req, at in zip(trace, arrivals):
+            while True:
+                now = time.perf_counter()
+                if on_tick and now >= next_tick:
+                    on_tick()
+                    next_tick = now + 1.0
+                delay = start + at - now
+                if delay <= 0:
+                    break
+                await asyncio.sleep(min(delay, 0.5))
+            hang = rng.randint(1, max(1, req.output_tokens - 1)) if rng.random() < disconnect else None
+            body = {"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(req.prompt_tokens)],
+                    "max_tokens": req.output_tokens, "stream": True, "ignore_eos": True, "temperature": 0.8,
+                    "seed": rng.randrange(1 << 30)}
+            tasks.append(asyncio.create_task(_client(session, url, body, req.key, hang, counts)))
+        while time.perf_counter() < start + seconds:
+            if on_tick:
+                on_tick()
+            await asyncio.sleep(1.0)
+        await asyncio.gather(*tasks)
+    counts["sent"] = len(tasks)
+    return counts
+
+
+def _wait(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def soak(args) -> tuple[bool, list[tuple[str, bool, str]], dict]:
+    """Run one soak; returns (all passed, [(check, passed, detail)], load counts)."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "ringserve.cli", "serve", "--port", str(port), "--workers", str(args.workers),
+           "--log-level", "warning"]
+    if args.model:
+        cmd += ["--model", args.model]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    checks: list[tuple[str, bool, str]] = []
+    try:
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"ringserve serve exited with status {proc.returncode}")
+            try:
+                return urllib.request.urlopen(f"{url}/ready", timeout=1).status == 200
+            except OSError:
+                return False
+
+        _wait(ready, 90, "the server to become ready")
+        # Warm up, so lazily opened files and first allocations are in the baseline.
+        asyncio.run(drive_load(url, seconds=min(5.0, args.duration), rate=args.rate, disconnect=args.disconnect,
+                               scale=args.scale, prompt_scale=args.prompt_scale, seed=args.seed + 1))
+        pids = server_pids(proc.pid)
+        fds0 = {pid: fd_count(pid) for pid in pids}
+        segs0 = shm_segments(args.shm_dir, proc.pid)
+        rss: dict[int, list[int]] = {pid: [] for pid in pids}
+        seg_changes: list[str] = []
+
+        def tick() -> None:
+            for pid in pids:
+                r = rss_bytes(pid)
+                if r is not None:
+                    rss[pid].append(r)
+            segs = shm_segments(args.shm_dir, proc.pid)
+            if segs != segs0:
+                seg_changes.append(f"{sorted(segs ^ segs0)}")
+
+        counts = asyncio.run(drive_load(url, seconds=args.duration, rate=args.rate, disconnect=args.disconnect,
+                                        scale=args.scale, prompt_scale=args.prompt_scale, seed=args.seed,
+                                        on_tick=tick))
+        _wait(lambda: (m := _metrics(url)).get("running_rows", 1) == 0 and m.get("ringserve_queue_depth", 1) == 0,
+              60, "the server to go idle")
+        m = _metrics(url)
+        free, total = m.get("ringserve_kv_blocks_free"), m.get("ringserve_kv_blocks_total")
+        checks.append(("KV blocks all free", free == total and total is not None, f"{free:g} of {total:g} free"))
+        for pid in pids:
+            now, before = fd_count(pid), fds0[pid]
+            if now is None or before is None:
+                checks.append((f"process {pid} alive", False, "exited during the soak"))
+                continue
+            checks.append((f"fds of pid {pid}", now <= before + args.fd_slack, f"{before} -> {now}"))
+        checks.append(("shm segments unchanged", not seg_changes, "; ".join(seg_changes[:3]) or f"{len(segs0)} segments"))
+        for pid, xs in rss.items():
+            if len(xs) < 8:  # one sample a second: a soak under 8 s cannot show a trend
+                checks.append((f"RSS of pid {pid}", True, f"not judged: {len(xs)} samples, 8 needed"))
+                continue
+            q = len(xs) // 4
+            first, last = statistics.median(xs[:q]), statistics.median(xs[-q:])
+            limit = max(first * (1 + args.rss_growth), first + RSS_FLOOR_BYTES)
+            checks.append((f"RSS of pid {pid}", last <= limit,
+                           f"{first / 2**20:.0f} -> {last / 2**20:.0f} MiB (limit {limit / 2**20:.0f})"))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    left = shm_segments(args.shm_dir, proc.pid)
+    checks.append(("no shm segments left after stop", not left, ", ".join(sorted(left)) or "none"))
+    return all(ok for _, ok, _ in checks), checks, counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ringserve.tools.soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load (document runs: 3600)")
+    p.add_argument("--rate", type=float, default=20.0, help="Poisson arrival rate, req/s")
+    p.add_argument("--disconnect", type=float, default=0.2, help="share of clients that hang up mid-stream")
+    p.add_argument("--scale", type=float, default=0.1, help="output length factor (CPU)")
+    p.add_argument("--prompt-scale", type=float, default=0.02, help="prompt length factor (CPU)")
+    p.add_argument("--model", help="checkpoint directory (default: the server's built-in tiny model)")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--fd-slack", type=int, default=4, help="fds a process may gain (sockets of open streams)")
+    p.add_argument("--rss-growth", type=float, default=0.1, help="allowed RSS growth, first to last quarter")
+    p.add_argument("--shm-dir", default="/dev/shm")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if not args.duration > 0:
+        raise SystemExit("soak: --duration must be > 0")
+    ok, checks, counts = soak(args)
+    if args.json:
+        print(json.dumps({"ok": ok, "load": {str(k): v for k, v in counts.items()},
+                          "checks": [{"check": c, "ok": o, "detail": d} for c, o, d in checks]}, indent=2))
+    else:
+        print(f"load: {counts}")
+        print("| check | result | detail |\n|---|---|---|")
+        for c, o, d in checks:
+            print(f"| {c} | {'ok' if o else 'FAIL'} | {d} |")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
