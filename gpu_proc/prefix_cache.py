@@ -213,15 +213,13 @@ def cached_prefix(cache: PrefixCache, req: Request) -> list[int]:
     return cache.match(hashes[:limit], tokens, req.cache_salt)
 
 
-def register_filled(cache: PrefixCache, seqs: list[SeqStep], owners: list[tuple[Request, SampleRow | None]]) -> None:
-    """Register every block the step `seqs` fills up; `owners[i]` is seqs[i]'s request and row
-    (None: the n > 1 shared prefix). NOTE: safe before the step runs, since a later request can
-    read a registered block only in a later step, after these writes."""
+def register_filled(cache: PrefixCache, filled: list[tuple[SeqStep, Request, SampleRow | None]]) -> None:
+    """Register every block a step fills up: `filled` holds each such step entry with its request
+    and row (None: the n > 1 shared prefix). NOTE: safe before the step runs, since a later
+    request can read a registered block only in a later step, after these writes."""
     bs = cache.block_size
-    for s, (req, row) in zip(seqs, owners):
+    for s, req, row in filled:
         first, last = s.start_pos // bs, (s.start_pos + len(s.token_ids)) // bs
-        if first >= last:
-            continue  # the usual decode row: no block filled
         if row is None:
             hashes, tokens = req.prefix_hashes, _prompt_tokens(req.prompt_ids)
         else:

@@ -313,13 +313,13 @@ class Scheduler:
         seqs: list[SeqStep] = []
         copies: list[tuple[int, int]] = []
         sampling = self._sampling = []
-        owners: list[tuple[Request, SampleRow | None]] = []  # in lockstep with seqs
+        filled: list[tuple[SeqStep, Request, SampleRow | None]] = []  # seqs that fill a block up
         pending: list[tuple[Request, SampleRow | None]] = []  # prompt work, oldest request first
         running = self._running
         i = 0
         while i < len(running):
             req = running[i]
-            marks = (len(seqs), len(sampling), len(pending), len(copies))
+            marks = (len(seqs), len(sampling), len(pending), len(copies), len(filled))
             if req.n > 1 and not req.forked:
                 if req.prefix_computed < req.prefix_len:
                     pending.append((req, None))
@@ -349,12 +349,13 @@ class Scheduler:
                         break
                     blocks.append(bm.allocate_one())
                 seqs.append(SeqStep(row.seq_id, [gen[-1] if gen else prompt[-1]], p, blocks, row.sampling))
-                owners.append((req, row))
+                if (p + 1) % bs == 0:
+                    filled.append((seqs[-1], req, row))
                 sampling.append((req, row))
                 row.num_computed = p + 1
             if evicted_self:
                 # Undo what this pass gave the request; it was the newest, so nothing follows it.
-                del seqs[marks[0]:], owners[marks[0]:], sampling[marks[1]:], pending[marks[2]:], copies[marks[3]:]
+                del seqs[marks[0]:], sampling[marks[1]:], pending[marks[2]:], copies[marks[3]:], filled[marks[4]:]
                 break
             i += 1
         decode_rows = len(seqs)
@@ -367,7 +368,8 @@ class Scheduler:
                 start = req.prefix_computed
                 end = min(req.prefix_len, start + budget)
                 seqs.append(SeqStep(req.prefix_seq_id, req.prompt_ids[start:end], start, req.prefix_blocks))
-                owners.append((req, None))
+                if end // bs > start // bs:
+                    filled.append((seqs[-1], req, None))
                 req.prefix_computed = end
             else:
                 start = row.num_computed
@@ -376,7 +378,8 @@ class Scheduler:
                 samples = end == total
                 seqs.append(SeqStep(row.seq_id, row.tokens(req.prompt_ids, start, end), start, row.block_ids,
                                     row.sampling if samples else None))
-                owners.append((req, row))
+                if end // bs > start // bs:
+                    filled.append((seqs[-1], req, row))
                 if samples:
                     sampling.append((req, row))
                 row.num_computed = end
@@ -385,8 +388,8 @@ class Scheduler:
             self.queue.charge(req.tenant, end - start, 0)
         self.last_prefill_tokens = prefill_tokens
         self.last_decode_rows = decode_rows
-        if self.cache is not None:
-            register_filled(self.cache, seqs, owners)
+        if self.cache is not None and filled:
+            register_filled(self.cache, filled)
         # NOTE: `sampling` was appended in lockstep with `seqs`, so it is in batch.sampling_seqs
         # order, which is the order of the runner's logits and the sampler's output.
         return StepBatch(seqs=seqs, block_copies=copies)
