@@ -1,6 +1,6 @@
 """`ringserve drill {kill-gpu,hang-gpu,kill-worker,term} --url URL`: inject a fault under load.
 
-The drill opens N streaming completions against a running server, waits until every stream has
+The drill (its HTTP side is `drill_client.py`) opens N streaming completions against a running server, waits until every stream has
 its first token, injects the fault, and measures what clients saw:
 
     kill-gpu     SIGKILL the GPU process           every stream completes or gets the error event
@@ -31,25 +31,14 @@ import aiohttp
 from ringserve.shm import layout as L
 from ringserve.shm.control import Control
 from ringserve.shm.segment import Segment, list_segments, owner_alive, segment_name
+from ringserve.tools.drill_client import (StreamResult, http_status, probe_drain, stream_completion,
+                                          wait_ready)
 
 FAULTS = ("kill-gpu", "hang-gpu", "kill-worker", "term")
 
 
 class DrillError(Exception):
     """The drill could not run (no server, no instance, streams never started)."""
-
-
-@dataclass(slots=True)
-class StreamResult:
-    """What one client saw."""
-
-    worker: int | None = None  # from the request id (cmpl-<worker>-...)
-    tokens: int = 0
-    outcome: str = "open"  # completed | error_event | dropped | rejected | lost
-    error_code: str | None = None
-    tokens_at_error: int | None = None
-    error_t: float | None = None  # monotonic time of the error event
-    end_t: float | None = None  # monotonic time the stream ended, however it ended
 
 
 @dataclass
@@ -114,67 +103,6 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-# -- load ------------------------------------------------------------------------------------------
-
-async def _stream(session: aiohttp.ClientSession, url: str, body: dict, res: StreamResult,
-                  started: asyncio.Event, timeout_s: float) -> None:
-    try:
-        async with asyncio.timeout(timeout_s):
-            async with session.post(url + "/v1/completions", json=body) as resp:
-                rid = resp.headers.get("x-request-id", "")
-                parts = rid.split("-")
-                res.worker = int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else None
-                if resp.status != 200:
-                    res.outcome = "rejected"
-                    res.error_code = (await resp.json(content_type=None) or {}).get("error", {}).get("code")
-                    started.set()
-                    return
-                async for raw in resp.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data: "):
-                        continue
-                    data = line[6:]
-                    if data == b"[DONE]":
-                        if res.outcome == "open":
-                            res.outcome = "completed"
-                        return
-                    ev = json.loads(data)
-                    if "error" in ev:
-                        res.outcome, res.error_t = "error_event", time.monotonic()
-                        res.error_code, res.tokens_at_error = ev["error"].get("code"), res.tokens
-                    elif ev.get("choices") and ev["choices"][0].get("finish_reason") is None:
-                        res.tokens += 1
-                        started.set()
-                # EOF without [DONE]: the server closed the stream without telling the client.
-                res.outcome = "lost" if res.outcome == "open" else res.outcome
-    except TimeoutError:
-        res.outcome = "lost" if res.outcome == "open" else res.outcome
-    except (aiohttp.ClientError, ConnectionError):
-        if res.outcome == "open":
-            res.outcome = "dropped"
-    finally:
-        res.end_t = time.monotonic()
-
-
-async def _status(session: aiohttp.ClientSession, url: str, path: str, body: dict | None = None) -> int | None:
-    try:
-        async with session.request("POST" if body else "GET", url + path, json=body,
-                                   timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            await resp.read()
-            return resp.status
-    except (aiohttp.ClientError, TimeoutError, ConnectionError):
-        return None
-
-
-async def _wait_ready(session: aiohttp.ClientSession, url: str, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await _status(session, url, "/ready") == 200:
-            return True
-        await asyncio.sleep(0.05)
-    return False
-
-
 async def _wait_workers(control: Control, timeout_s: float) -> None:
     """Every worker slot listening (one /ready answer only proves that one worker is)."""
     deadline = time.monotonic() + timeout_s
@@ -213,12 +141,12 @@ async def run_drill(fault: str, url: str, shm_dir: str, *, streams: int = 8, max
     conn = aiohttp.TCPConnector(limit=streams + 8, force_close=True)
     try:
         async with aiohttp.ClientSession(connector=conn) as session:
-            if not await _wait_ready(session, url, ready_timeout_s):
+            if not await wait_ready(session, url, ready_timeout_s):
                 raise DrillError(f"{url}/ready did not answer 200 within {ready_timeout_s:.0f} s")
             await _wait_workers(control, ready_timeout_s)
             results = [StreamResult() for _ in range(streams)]
             events = [asyncio.Event() for _ in range(streams)]
-            tasks = [asyncio.create_task(_stream(session, url, body, r, e, stream_timeout_s))
+            tasks = [asyncio.create_task(stream_completion(session, url, body, r, e, stream_timeout_s))
                      for r, e in zip(results, events)]
             try:
                 async with asyncio.timeout(30):
@@ -232,7 +160,7 @@ async def run_drill(fault: str, url: str, shm_dir: str, *, streams: int = 8, max
             if fault != "term":
                 recovery = asyncio.create_task(_recovered(session, url, control, fault, before,
                                                           t_fault, ready_timeout_s))
-            drain_status = await _probe_drain(session, url) if fault == "term" else None
+            drain_status = await probe_drain(session, url) if fault == "term" else None
             await asyncio.gather(*tasks)
             ready_s = await recovery if recovery is not None else None
             free, total = await _blocks_settled(control, fault)
@@ -240,21 +168,6 @@ async def run_drill(fault: str, url: str, shm_dir: str, *, streams: int = 8, max
         seg.close()
     leaked = await _leaked_segments(shm_dir, instance, fault, target)
     return _report(fault, results, t_fault, ready_s, drain_status, free, total, leaked)
-
-
-async def _probe_drain(session: aiohttp.ClientSession, url: str) -> int | None:
-    """The answer to a new request once the drain has begun (503 expected; None: server gone).
-
-    The supervisor passes SIGTERM on to the workers within a supervision pass, so requests sent
-    before that are served normally (200) and the probe tries again.
-    """
-    deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline:
-        status = await _status(session, url, "/v1/completions", {"prompt": "late", "max_tokens": 1})
-        if status != 200:
-            return status
-        await asyncio.sleep(0.02)
-    return 200
 
 
 def _generation(fault: str, control: Control) -> int:
@@ -272,7 +185,7 @@ async def _recovered(session: aiohttp.ClientSession, url: str, control: Control,
             replaced = slot["generation"] > before and slot["heartbeat_age_s"] is not None
         else:
             replaced = control.gpu_generation > before and control.gpu_state == L.GpuState.READY
-        if replaced and await _status(session, url, "/ready") == 200:
+        if replaced and await http_status(session, url, "/ready") == 200:
             return time.monotonic() - t_fault
         await asyncio.sleep(0.05)
     return None
