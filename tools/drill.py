@@ -138,6 +138,7 @@ async def run_drill(fault: str, url: str, shm_dir: str, *, streams: int = 8, max
     seg, control = attach_control(shm_dir, instance)
     body = {"prompt": "drill", "max_tokens": max_tokens, "stream": True, "temperature": 1.0,
             "ignore_eos": True}
+    target: int | None = None
     conn = aiohttp.TCPConnector(limit=streams + 8, force_close=True)
     try:
         async with aiohttp.ClientSession(connector=conn) as session:
@@ -166,6 +167,10 @@ async def run_drill(fault: str, url: str, shm_dir: str, *, streams: int = 8, max
             free, total = await _blocks_settled(control, fault)
     finally:
         seg.close()
+        if fault == "hang-gpu" and target is not None and pid_alive(target):
+            # The watchdog did not kill the stopped process (the table says so); do not leave
+            # the server hung behind us.
+            os.kill(target, signal.SIGCONT)
     leaked = await _leaked_segments(shm_dir, instance, fault, target)
     return _report(fault, results, t_fault, ready_s, drain_status, free, total, leaked)
 
