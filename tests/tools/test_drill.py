@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from ringserve.tools import drill
-from ringserve.tools.drill import StreamResult, _report, format_table, run_drill
-from tests.serverutil import ServerProcess
+from ringserve.tools.drill import StreamResult, _report, attach_control, find_instance, format_table, run_drill
+from tests.serverutil import ServerProcess, http_json
 
 WATCHDOG_S = 2.0
 
@@ -57,6 +61,33 @@ def test_kill_worker_leaves_other_workers_streams_alone(server):
     assert rep.completed + rep.dropped == 8 and rep.error_events == 0
     assert rep.ready_again_s is not None
     assert rep.kv_blocks_free == rep.kv_blocks_total
+
+
+@pytest.mark.timeout(120)
+def test_gpu_death_answers_plain_requests_503_and_ready_fails(server):
+    """A non-streaming request in flight when the GPU process dies gets 503 with the error
+    object; right after, /ready and new requests are 503 with Retry-After until it is back."""
+    seg, control = attach_control(server.shm_dir, find_instance(server.shm_dir))
+    body = {"prompt": "plain", "max_tokens": 900, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(http_json, server.url + "/v1/completions", body, timeout=60)
+        deadline = time.monotonic() + 20
+        while control.gpu_stats.read()["running_rows"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        gen = control.gpu_generation
+        os.kill(control.gpu_pid, signal.SIGKILL)
+        status, answer, _ = pending.result(30)
+    assert status == 503 and answer["error"]["code"] == "gpu_restart", answer
+    deadline = time.monotonic() + 10
+    while control.gpu_generation == gen and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the supervisor has noticed
+    assert control.gpu_generation == gen + 1
+    ready_status, _, _ = http_json(server.url + "/ready")
+    new_status, new_answer, headers = http_json(server.url + "/v1/completions", {"prompt": "x", "max_tokens": 1})
+    seg.close()
+    assert ready_status == 503
+    assert new_status == 503 and new_answer["error"]["code"] == "gpu_not_ready"
+    assert int(headers["Retry-After"]) > 0
 
 
 @pytest.mark.timeout(120)
