@@ -29,10 +29,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 
 from ringserve.config import Config, ConfigError, parse_bool
+from ringserve.restart_policy import RestartPolicy
 from ringserve.sdnotify import Notifier, watchdog_interval_s
 from ringserve.shm import layout as L
 from ringserve.shm.instance import ShmInstance
@@ -43,8 +44,6 @@ log = logging.getLogger("ringserve.supervisor")
 
 _PR_SET_PDEATHSIG = 1
 POLL_S = 0.05  # supervision pass period: bounds how late a death or a hang is noticed
-BACKOFF_BASE_S = 0.25  # first restart delay; doubles with each crash in the window
-BACKOFF_MAX_S = 10.0
 LOAD_TIMEOUT_S = 900.0  # a GPU process still loading after this long is killed (and counted)
 EXTEND_EVERY_S = 10.0  # EXTEND_TIMEOUT_USEC cadence while the first model load runs
 WORKER_START_TIMEOUT_S = 60.0
@@ -79,27 +78,6 @@ def _die_with_parent() -> None:
 
 class SupervisorError(RuntimeError):
     """The supervisor cannot keep the server up (crash loop, start-up failure); it exits non-zero."""
-
-
-@dataclass(slots=True)
-class RestartPolicy:
-    """Crash accounting for one child: restart with exponential backoff, give up after `limit`
-    crashes within `window_s` seconds (a crash loop is for systemd, not for us, to handle)."""
-
-    limit: int
-    window_s: float
-    crashes: list[float] = field(default_factory=list)
-
-    def record_crash(self, now: float) -> float | None:
-        """Count a crash at `now`; the backoff before the restart, or None to give up."""
-        self.crashes = [t for t in self.crashes if now - t <= self.window_s] + [now]
-        if len(self.crashes) >= self.limit:
-            return None
-        return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (len(self.crashes) - 1))
-
-    @property
-    def recent(self) -> int:
-        return len(self.crashes)
 
 
 class Supervisor:

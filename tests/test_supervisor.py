@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from ringserve.supervisor import BACKOFF_BASE_S, BACKOFF_MAX_S, RestartPolicy
+from ringserve.restart_policy import BACKOFF_BASE_S, BACKOFF_MAX_S, RestartPolicy
 from ringserve.shm.segment import list_segments
 from ringserve.tools.drill import attach_control, find_instance, pid_alive
 from tests.serverutil import ServerProcess, free_port
