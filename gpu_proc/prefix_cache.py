@@ -77,6 +77,10 @@ class PrefixCache:
     def root_hash(self, salt: str | None) -> int:
         return self._hash_fn(0, ("root", self.namespace, salt))
 
+    def link_hash(self, parent: int, tokens: tuple[int, ...]) -> int:
+        """The chain hash of a block holding `tokens` after the block hashed `parent`."""
+        return self._hash_fn(parent, tokens)
+
     def extend_hashes(self, hashes: list[int], tokens: Callable[[int, int], Sequence[int]], num_blocks: int,
                       salt: str | None) -> list[int]:
         """Grow `hashes` (a sequence's chain hashes, one per full block) to `num_blocks` entries;
@@ -124,7 +128,8 @@ class PrefixCache:
                 return False
             parent = pe.serial
         self._next_serial += 1
-        self._entries[block] = CachedBlock(block_hash, self._next_serial, parent, tuple(tokens))
+        self._entries[block] = CachedBlock(block_hash, self._next_serial, parent,
+                                           tokens if type(tokens) is tuple else tuple(tokens))
         self._by_hash[block_hash] = block
         return True
 
@@ -225,10 +230,14 @@ def register_filled(cache: PrefixCache, filled: list[tuple[SeqStep, Request, Sam
         else:
             hashes, tokens = row.block_hashes, _row_tokens(row, req.prompt_ids)
         salt = req.cache_salt
-        cache.extend_hashes(hashes, tokens, last, salt)
+        if len(hashes) < first:
+            cache.extend_hashes(hashes, tokens, first, salt)
         table = s.block_table
         for j in range(first, last):
-            cache.register(table[j], hashes[j], tokens(j * bs, (j + 1) * bs), table[j - 1] if j else None, salt)
+            block_tokens = tuple(tokens(j * bs, (j + 1) * bs))  # one tuple for the hash and the entry
+            if len(hashes) == j:
+                hashes.append(cache.link_hash(hashes[-1] if j else cache.root_hash(salt), block_tokens))
+            cache.register(table[j], hashes[j], block_tokens, table[j - 1] if j else None, salt)
 
 
 def _row_tokens(row: SampleRow, prompt: list[int]) -> Callable[[int, int], list[int]]:
