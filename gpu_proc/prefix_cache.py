@@ -69,7 +69,7 @@ class PrefixCache:
         self._entries: list[CachedBlock | None] = [None] * num_blocks
         self._lru: OrderedDict[int, None] = OrderedDict()  # parked blocks, oldest first
         self._next_serial = 0
-        self.queries = 0  # tokens looked up at admission (the vLLM metric's unit)
+        self.queries = 0  # tokens looked up when requests join (the vLLM metric's unit)
         self.hits = 0  # of those, tokens found cached
 
     # -- hashing ---------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ class SchedulerStats:
     generation_tokens_total: int
     c_prefill_ms: float
     c_decode_ms: float
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at each join (recompute too)
     prefix_cache_hits: int = 0  # of those, tokens served from cached blocks
     kv_blocks_cached: int = 0  # free blocks still holding a cached prefix (part of kv_blocks_free)
 
