@@ -196,3 +196,19 @@ def test_caching_off_keeps_no_cache():
     assert h.sched.admit(b).accepted
     assert _first_seq(h.step(), b)[:2] == (0, 10)
     assert h.sched.bm.cache is None and h.sched.stats().prefix_cache_queries == 0
+
+
+def test_equal_block_after_another_prefix_is_not_a_hit():
+    """With a hash that ignores the parent, [3333][2222] finds [3333] cached, and a cached
+    [2222] computed after [1111]: the parent check refuses that block (its keys depend on
+    [1111]; the fake engine would fail the read), so only one block is reused."""
+    cfg = Config(queue_limit_s=1e6, block_size=4)
+    bm = BlockManager(16, 4)
+    bm.attach_cache(PrefixCache(16, 4, hash_fn=lambda parent, tokens: hash(tokens)))
+    h = Harness(sched=None, engine=FakeEngine(16, 4))  # type: ignore[arg-type]
+    h.sched = Scheduler(cfg, bm, eos_token_ids={EOS}, clock=lambda: h.now, rng=random.Random(7))
+    _serve(h, make_request(1, [1, 1, 1, 1, 2, 2, 2, 2, 5], max_tokens=2, ignore_eos=True))
+    _serve(h, make_request(2, [3, 3, 3, 3, 9, 9, 9, 9, 5], max_tokens=2, ignore_eos=True))
+    hits = h.sched.stats().prefix_cache_hits
+    _serve(h, make_request(3, [3, 3, 3, 3, 2, 2, 2, 2, 6], max_tokens=2, ignore_eos=True))
+    assert h.sched.stats().prefix_cache_hits - hits == 4

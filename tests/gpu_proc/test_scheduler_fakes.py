@@ -6,6 +6,12 @@ sampling row reads the row's whole context back through its block table and deri
 token from (seed, sample_index, position, context). A wrong block table, a block freed while
 still read, a missed copy-on-write or a recompute that skips a token all change the tokens, so
 tests compare against `reference_tokens`, which generates the same function with no scheduler.
+
+Real keys and values at a position depend on every earlier token, not only on the token there, so
+each slot also holds a chain value hashed from the token and the previous position's chain value
+(read back through the block table, as attention would). Sampling checks the chain against the
+tokens it reads: a block reused after a different prefix (a prefix-cache bug that token ids alone
+would not show) fails loudly.
 """
 
 from __future__ import annotations
@@ -44,21 +50,33 @@ class FakeEngine:
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         self.block_size = block_size
         self.cache: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.chain: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.steps = 0
 
     def run(self, batch: StepBatch) -> FakeSamples:
         bs = self.block_size
         for src, dst in batch.block_copies:
             self.cache[dst] = list(self.cache[src])
+            self.chain[dst] = list(self.chain[src])
         for s in batch.seqs:
             if len(s.block_table) * bs < s.context_len:
                 raise AssertionError(f"seq {s.seq_id}: {len(s.block_table)} blocks for {s.context_len} tokens")
+            table = s.block_table
             for j, tok in enumerate(s.token_ids):
                 p = s.start_pos + j
-                self.cache[s.block_table[p // bs]][p % bs] = tok
+                prev = self.chain[table[(p - 1) // bs]][(p - 1) % bs] if p else 0
+                if prev is None:
+                    raise AssertionError(f"seq {s.seq_id}: position {p - 1} read before it was written")
+                self.cache[table[p // bs]][p % bs] = tok
+                self.chain[table[p // bs]][p % bs] = hash((prev, tok))
         out = FakeSamples([], [], [])
         for s in batch.sampling_seqs:
             ctx = tuple(self.cache[s.block_table[p // bs]][p % bs] for p in range(s.context_len))
+            chain = 0
+            for p, tok in enumerate(ctx):
+                chain = hash((chain, tok))
+                if self.chain[s.block_table[p // bs]][p % bs] != chain:
+                    raise AssertionError(f"seq {s.seq_id}: keys at position {p} were computed after other tokens")
             sp = s.sampling
             out.token_ids.append(fake_token(sp.seed, sp.sample_index, s.context_len, ctx))
             out.logprobs.append(-0.5)
@@ -170,6 +188,16 @@ def test_fake_engine_detects_a_wrong_block_table():
     right = eng.run(StepBatch([SeqStep(1, [13], 4, [0, 2], s)])).token_ids
     wrong = eng.run(StepBatch([SeqStep(1, [13], 4, [1, 2], s)])).token_ids
     assert right != wrong
+
+
+def test_fake_engine_detects_a_block_computed_after_another_prefix():
+    """Two sequences whose second blocks hold equal tokens after different first blocks: reading
+    one's second block behind the other's first is caught (the keys there depend on the prefix)."""
+    eng = FakeEngine(4, 2)
+    eng.run(StepBatch([SeqStep(1, [5, 6, 7, 8], 0, [0, 1]), SeqStep(2, [9, 9, 7, 8], 0, [2, 3])]))
+    eng.run(StepBatch([SeqStep(1, [], 4, [0, 1], RowSampling())]))  # its own blocks: fine
+    with pytest.raises(AssertionError, match="computed after other tokens"):
+        eng.run(StepBatch([SeqStep(1, [], 4, [0, 3], RowSampling())]))
 
 
 def test_fake_engine_rejects_a_short_block_table():

@@ -7,14 +7,21 @@ cache hits, shares blocks between running requests, parks and evicts them under 
 fake engine reads every context back through the block table, so a wrong hit changes a stream.
 """
 
+import random
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tests.gpu_proc.test_scheduler_fakes import VOCAB, expected_stream, make_harness, make_request
+from ringserve.config import Config
+from ringserve.gpu_proc.block_manager import BlockManager
+from ringserve.gpu_proc.prefix_cache import PrefixCache
+from ringserve.gpu_proc.scheduler import Scheduler
+from tests.gpu_proc.test_scheduler_fakes import EOS, VOCAB, expected_stream, make_harness, make_request
 
 NUM_BLOCKS = 20
-SHARED = ([], [3, 1, 4, 1, 5, 9, 2, 6], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7, 1, 8])
+# the last shares its second block with the second: equal tokens after different parents
+SHARED = ([], [3, 1, 4, 1, 5, 9, 2, 6], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7, 1, 8, 5, 9, 2, 6])
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -78,6 +85,25 @@ class SchedulerMachine(RuleBasedStateMachine):
 SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                               suppress_health_check=[HealthCheck.too_slow])
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+class CollidingHashMachine(SchedulerMachine):
+    """The same machine with a prefix cache whose hash ignores the parent and has eight values:
+    lookups collide often, and only the token and parent checks keep other prompts' blocks out
+    (the streams prove it)."""
+
+    def __init__(self):
+        super().__init__()
+        h = self.h
+        bm = BlockManager(NUM_BLOCKS, 4)
+        bm.attach_cache(PrefixCache(NUM_BLOCKS, 4, hash_fn=lambda parent, tokens: hash(tokens) % 8))
+        h.sched = Scheduler(Config(queue_limit_s=1e6, block_size=4, max_rows=8, prefill_budget=8, key_row_cap=2),
+                            bm, eos_token_ids={EOS}, clock=lambda: h.now, rng=random.Random(7))
+
+
+CollidingHashMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None,
+                                                  suppress_health_check=[HealthCheck.too_slow])
+TestCollidingHashMachine = CollidingHashMachine.TestCase
 
 
 def test_state_machine_shared_prefixes_hit_the_cache():
