@@ -9,6 +9,7 @@ HAS_CUDA   := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/d
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS     ?= test
 PYTEST_ARGS ?=
+SOAK_S ?= 60
 
 .PHONY: install serve test test-fast bench soak kernels-ptx clean
 
@@ -32,6 +33,14 @@ bench: $(STAMP)
 	$(VENV)/bin/ringserve bench ring --json | tee bench-results/ring.json
 	$(VENV)/bin/ringserve bench step --json | tee bench-results/step.json
 	$(VENV)/bin/ringserve bench sched-overhead --json | tee bench-results/sched-overhead.json
+	$(VENV)/bin/ringserve bench api --json | tee bench-results/api.json
+	$(VENV)/bin/ringserve bench prefix --json | tee bench-results/prefix.json
+	$(VENV)/bin/ringserve bench sched --json | tee bench-results/sched.json
+
+# Serve under Poisson load with 20 % hang-ups for SOAK_S seconds, then fail on any leaked KV block,
+# file descriptor or shared-memory segment, or RSS that keeps growing (`make soak SOAK_S=3600`).
+soak: $(STAMP)
+	$(PY) -m ringserve.tools.soak --duration $(SOAK_S)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

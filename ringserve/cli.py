@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny-model": ("ringserve.tools.make_tiny_model", "build the small test Llama checkpoint"),
     "drill": ("ringserve.tools.drill", "crash-and-restart drills against a running server"),
     "loadtest": ("ringserve.tools.loadtest", "open-loop load test of a /v1/completions endpoint"),
+    "soak": ("ringserve.tools.soak", "serve under load, then check blocks, fds, shm and RSS for leaks"),
 }
 
 # `ringserve bench NAME` -> module
@@ -27,6 +28,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "api": ("ringserve.tools.bench_api", "tokens/s one API worker streams"),
     "kernels": ("ringserve.tools.bench_kernels", "CUDA attention kernels against the bandwidth bound"),
     "sched": ("ringserve.tools.sched_compare", "static / dynamic / continuous / chunked schedulers"),
+    "hf": ("ringserve.tools.hf_baseline", "the same trace through transformers generate (static batches)"),
     "prefix": ("ringserve.tools.bench_prefix", "TTFT and throughput with and without prefix caching"),
 }
 

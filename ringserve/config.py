@@ -23,6 +23,9 @@ class Config:
     model_name: str | None = None  # the `model` id the API reports; default: the directory name
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     device: str = "auto"  # auto | cpu | cuda
+    # torch threads of the GPU process when it computes on the CPU: the API workers share the
+    # cores, and oversubscribed torch threads slow each step many times over.
+    cpu_threads: int = 1
     api_keys_file: str | None = None
     # KV pool
     block_size: int = 16
@@ -57,7 +60,9 @@ class Config:
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_rows", "prefill_budget", "context_limit", "max_tokens_limit",
-                    "key_row_cap", "ring_bytes", "max_body_bytes", "cpu_kv_blocks", "restart_limit")
+                    "key_row_cap", "ring_bytes", "max_body_bytes", "cpu_kv_blocks", "restart_limit",
+                    "cpu_threads", "watchdog_timeout_s", "drain_timeout_s", "restart_window_s",
+                    "slow_reader_s", "request_timeout_s", "queue_limit_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
