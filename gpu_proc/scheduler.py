@@ -86,7 +86,9 @@ class Scheduler:
     def __init__(self, config: Config, block_manager: BlockManager, *, eos_token_ids=frozenset(),
                  clock: Callable[[], float] = time.time, rng: random.Random | None = None,
                  admission: AdmissionController | None = None) -> None:
-        """`config` is a `ringserve.config.Config` (or any object with its scheduler fields)."""
+        """`config` is a `ringserve.config.Config` (or any object with its scheduler fields). With
+        `config.prefix_caching` the scheduler attaches a `PrefixCache` to the fresh `block_manager`
+        unless it already has one (tests attach their own, e.g. with a colliding hash)."""
         if block_manager.block_size != config.block_size:
             raise ValueError(f"block manager has {block_manager.block_size}-token blocks, "
                              f"config says {config.block_size}")
