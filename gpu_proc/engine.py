@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ringserve.config import Config
+from ringserve.gpu_proc.cpu_tuning import tune_cpu_process
 from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.kv_sizing import estimate_activation_bytes, plan_kv_blocks_on_device
 from ringserve.gpu_proc.model.loader import load_model, read_special_tokens
@@ -66,6 +67,9 @@ def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype)
 
 def build_engine(config: Config, model_dir: str | Path) -> Engine:
     device = resolve_device(config.device)
+    if device.type == "cpu":
+        # API workers share these cores: torch's default of one thread per core starves them.
+        tune_cpu_process(config.cpu_threads)
     model = load_model(model_dir, device, config.dtype)
     dtype = next(model.parameters()).dtype
     special = read_special_tokens(model_dir)

@@ -27,6 +27,10 @@ class AttentionMetadata:
     block_tables    int32[S, max_blocks]  padded with 0; entries past a row's length are never read
     positions       int64[T]   absolute position of each new token
     token_seq       int64[T]   sequence index (0..S-1) of each new token
+
+    `reference_plan` is the torch reference attention's grouping of this step's rows
+    (`reference_plan.ReferencePlan`), built by its first layer and reused by the others; other
+    backends leave it None.
     """
 
     slot_mapping: torch.Tensor
@@ -38,6 +42,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int = 16
+    reference_plan: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,14 +9,15 @@ Two functions make a backend:
   attends to its own sequence's keys at positions `0..its own position`: the cached prefix fully and
   the new tokens of its chunk causally. All of those are in the cache after `write_kv`, so attention
   reads only the cache, through the block table. Grouped-query attention: query head `h` reads KV
-  head `h // (num_heads // num_kv_heads)`.
+  head `h // (num_heads // num_kv_heads)`. Slots a token may not see can hold anything, NaN
+  included (unwritten slots, a freed block's old contents): they never reach the output.
 
-The reference is vectorised (no Python loop per row or per layer). Single-token rows (decode):
-each token gathers its sequence's blocks, scores them with one batched matmul and masks keys past
-its position; tokens go in slices that keep the gather under `_GATHER_BUDGET_BYTES` (typical steps
-take one slice). Multi-token rows (prefill chunks): queries are padded per sequence and each such
-sequence's blocks are gathered once for all of its tokens, so a 256-token chunk at 8k context does
-not gather its context 256 times. Softmax runs in float32 whatever the cache dtype.
+Work is proportional to each row's own context (`reference_plan.py`): decode rows are bucketed by
+block count and each bucket is one vectorised pass (no Python loop per row); each prefill chunk
+gathers its sequence's blocks once for all of its tokens. Softmax runs in float32 whatever the
+cache dtype; probabilities are rounded to the cache dtype before P.V. `paged_attention_naive` is the
+same math with every token padded to the step's longest context: the simplest statement of the
+spec, kept for tests to compare the fast path against.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from __future__ import annotations
 import torch
 
 from .metadata import AttentionMetadata
+from .reference_plan import DecodeBucket, PrefillChunk, ReferencePlan, build_reference_plan
 
+# Bounds the K/V gathered by one decode pass and the scores of one slice of a prefill chunk.
 _GATHER_BUDGET_BYTES = 256 * 1024 * 1024
 
 
@@ -51,104 +54,101 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached keys. q: `[T, num_heads, head_dim]`."""
-    t, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    group = _group(q, k_cache)
+    plan = meta.reference_plan
+    if plan is None:  # first layer of the step: the grouping is the same for every layer
+        _, num_kv_heads, block_size, head_dim = k_cache.shape
+        row_bytes = 2 * num_kv_heads * block_size * head_dim * k_cache.element_size()  # K and V
+        plan = meta.reference_plan = build_reference_plan(meta, row_bytes, _GATHER_BUDGET_BYTES)
+    if not isinstance(plan, ReferencePlan):
+        raise TypeError(f"meta.reference_plan is a {type(plan).__name__}, not a ReferencePlan")
+    if len(plan.decode) == 1 and not plan.chunks:  # the common decode step: rows already in order
+        return _decode_bucket(q, k_cache, v_cache, plan.decode[0], group, scale)
+    out = torch.empty_like(q)
+    for bucket in plan.decode:
+        out[bucket.tokens] = _decode_bucket(q[bucket.tokens], k_cache, v_cache, bucket, group, scale)
+    for chunk in plan.chunks:
+        out[chunk.lo:chunk.hi] = _prefill_chunk(q[chunk.lo:chunk.hi], k_cache, v_cache, chunk, group, scale)
+    return out
+
+
+def _group(q: torch.Tensor, k_cache: torch.Tensor) -> int:
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    group = num_heads // num_kv_heads
-    nblocks = (meta.max_seq_len + block_size - 1) // block_size
-    key_pos = torch.arange(nblocks * block_size, device=q.device)
-    if meta.max_query_len == 1:  # decode rows only
-        return _by_token(q, k_cache, v_cache, meta.block_tables[meta.token_seq, :nblocks], meta.positions,
-                         key_pos, group, scale)
-    # Rows with several new tokens (prefill chunks) gather their sequence's blocks once for all of
-    # their tokens; single-token rows gather per token. Each group is one vectorised pass.
-    qlen = meta.query_start_loc[1:] - meta.query_start_loc[:-1]  # [S]
-    multi = qlen > 1
-    tok_multi = multi[meta.token_seq]  # [T]
-    chunk_scores = int(multi.sum()) * num_heads * meta.max_query_len * key_pos.shape[0] * 4
-    if chunk_scores > _GATHER_BUDGET_BYTES:  # huge chunks: bounded memory beats the shared gather
-        return _by_token(q, k_cache, v_cache, meta.block_tables[meta.token_seq, :nblocks], meta.positions,
-                         key_pos, group, scale)
-    out = torch.empty_like(q)
-    single = (~tok_multi).nonzero().squeeze(1)
-    if single.numel():
-        out[single] = _by_token(q[single], k_cache, v_cache, meta.block_tables[meta.token_seq[single], :nblocks],
-                                meta.positions[single], key_pos, group, scale)
-    chunk = tok_multi.nonzero().squeeze(1)
-    out[chunk] = _by_sequence(q, chunk, multi, k_cache, v_cache, meta, nblocks, key_pos, group, scale)
-    return out
+    return num_heads // num_kv_heads
 
 
-def _by_token(q, k_cache, v_cache, tables, positions, key_pos, group, scale) -> torch.Tensor:
-    """Each token gathers its own sequence's blocks; tokens in slices under the memory budget."""
-    t, _, head_dim = q.shape
-    per_token = key_pos.shape[0] * k_cache.shape[1] * head_dim * k_cache.element_size() * 2  # K and V
-    step = max(1, min(t, _GATHER_BUDGET_BYTES // max(per_token, 1)))
-    if step >= t:
-        return _attend(q, k_cache, v_cache, tables, positions, key_pos, group, scale)
-    out = torch.empty_like(q)
-    for lo in range(0, t, step):
-        hi = min(t, lo + step)
-        out[lo:hi] = _attend(q[lo:hi], k_cache, v_cache, tables[lo:hi], positions[lo:hi], key_pos, group, scale)
-    return out
-
-
-def _by_sequence(q, chunk, multi, k_cache, v_cache, meta, nblocks, key_pos, group, scale) -> torch.Tensor:
-    """Tokens `chunk` of multi-token rows: queries padded per sequence to `[SB, max_q]`, one gather
-    of each such sequence's blocks. Returns `[len(chunk), num_heads, head_dim]`."""
-    _, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
-    seqs = multi.nonzero().squeeze(1)  # [SB]
-    sb, max_q, ctx = seqs.shape[0], meta.max_query_len, key_pos.shape[0]
-    tseq = meta.token_seq[chunk]
-    row = (torch.cumsum(multi.long(), 0) - 1)[tseq]  # padded row of each chunk token
-    col = chunk - meta.query_start_loc[tseq].long()  # its index within its chunk
-    qp = q.new_zeros(sb, max_q, num_heads, head_dim)
-    qp[row, col] = q[chunk]
-    # Padding queries sit at position 0: they attend to one real key and are never read back.
-    pos = torch.zeros(sb, max_q, dtype=torch.long, device=q.device)
-    pos[row, col] = meta.positions[chunk]
-    idx = meta.block_tables[seqs, :nblocks].reshape(-1).long()
-    k = k_cache.index_select(0, idx).view(sb, nblocks, num_kv_heads, block_size, head_dim)
-    v = v_cache.index_select(0, idx).view(sb, nblocks, num_kv_heads, block_size, head_dim)
-    # [SB, max_q, H, d] -> [SB, 1, kvh, group * max_q, d]
-    qg = qp.view(sb, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    qg = qg.reshape(sb, 1, num_kv_heads, group * max_q, head_dim).to(k.dtype)
-    scores = torch.matmul(qg, k.transpose(-1, -2))  # [SB, nblocks, kvh, group * max_q, bs]
-    # -> [SB, kvh, group, max_q, ctx]: keys in position order
-    scores = scores.permute(0, 2, 3, 1, 4).reshape(sb, num_kv_heads, group, max_q, ctx).float() * scale
-    masked = key_pos[None, None, :] > pos[:, :, None]  # [SB, max_q, ctx]
-    scores.masked_fill_(masked[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    # [SB, kvh, group * max_q, nblocks, bs] -> [SB, nblocks, kvh, group * max_q, bs]
-    probs = probs.view(sb, num_kv_heads, group * max_q, nblocks, block_size).permute(0, 3, 1, 2, 4)
-    out = torch.matmul(probs, v).sum(dim=1)  # [SB, kvh, group * max_q, d]
-    # [SB, kvh, group, max_q, d] -> [SB, max_q, H, d]
-    out = out.view(sb, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-    out = out.reshape(sb, max_q, num_heads, head_dim)
-    return out[row, col].to(q.dtype)
-
-
-def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-            positions: torch.Tensor, key_pos: torch.Tensor, group: int, scale: float) -> torch.Tensor:
+def _decode_bucket(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: DecodeBucket,
+                   group: int, scale: float) -> torch.Tensor:
+    """One query per row over the row's blocks. q: `[n, num_heads, head_dim]` in bucket order."""
     n, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
-    nblocks = tables.shape[1]
-    idx = tables.reshape(-1).long()
-    # Gathered blocks stay in cache layout: [n, nblocks, kvh, bs, d]. Matmuls batch over
-    # (token, block, kv head), so the big K/V gathers are never permuted into another copy.
-    k = k_cache.index_select(0, idx).view(n, nblocks, num_kv_heads, block_size, head_dim)
-    v = v_cache.index_select(0, idx).view(n, nblocks, num_kv_heads, block_size, head_dim)
+    width = bucket.width
+    # Gathered blocks stay in cache layout: [n, width, kvh, bs, d]. Matmuls batch over
+    # (row, block, kv head), so the big K/V gathers are never permuted into another copy.
+    k = k_cache.index_select(0, bucket.blocks).view(n, width, num_kv_heads, block_size, head_dim)
     qg = q.view(n, 1, num_kv_heads, group, head_dim).to(k.dtype)  # [n, 1, kvh, group, d]
-    scores = torch.matmul(qg, k.transpose(-1, -2))  # [n, nblocks, kvh, group, bs]
-    # [n, nblocks, kvh, group, bs] -> [n, kvh, group, nblocks * bs]: keys in position order
-    scores = scores.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group, nblocks * block_size).float() * scale
-    # Keys after the token's own position are the future of its chunk or unwritten/padding slots.
-    masked = key_pos[None, :] > positions[:, None]  # [n, ctx]
-    scores.masked_fill_(masked[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    # [n, kvh, group, nblocks, bs] -> [n, nblocks, kvh, group, bs] to meet V block by block
-    probs = probs.view(n, num_kv_heads, group, nblocks, block_size).permute(0, 3, 1, 2, 4)
-    out = torch.matmul(probs, v).sum(dim=1)  # [n, nblocks, kvh, group, d] -> [n, kvh, group, d]
+    scores = torch.matmul(qg, k.transpose(-1, -2))  # [n, width, kvh, group, bs]
+    # [n, width, kvh, group, bs] -> [n, kvh, group, width * bs]: keys in position order
+    scores = scores.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group, width * block_size).float() * scale
+    # masked_fill (not an added -inf) also clears NaN scores of garbage keys.
+    scores.masked_fill_(~bucket.valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v_cache.dtype)
+    v = v_cache.index_select(0, bucket.blocks).view(n, width, num_kv_heads, block_size, head_dim)
+    # A zero probability times a NaN value is NaN: clear the values of slots the row may not see.
+    v.masked_fill_(~bucket.valid.view(n, width, 1, block_size, 1), 0)
+    # [n, kvh, group, width, bs] -> [n, width, kvh, group, bs] to meet V block by block
+    probs = probs.view(n, num_kv_heads, group, width, block_size).permute(0, 3, 1, 2, 4)
+    out = torch.matmul(probs, v).sum(dim=1)  # [n, width, kvh, group, d] -> [n, kvh, group, d]
     return out.reshape(n, num_heads, head_dim).to(q.dtype)
+
+
+def _prefill_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk,
+                   group: int, scale: float) -> torch.Tensor:
+    """The chunk's queries `[n, num_heads, head_dim]` over its sequence's first `seq_len` keys."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    seq_len = chunk.seq_len
+    # [nb, kvh, bs, d] -> [kvh, nb * bs, d] -> the first seq_len keys: every one of them is written,
+    # so no garbage slot is ever read here.
+    k = k_cache.index_select(0, chunk.blocks).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
+    v = v_cache.index_select(0, chunk.blocks).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
+    # Query rows in slices so the float32 scores [kvh, group * rows, seq_len] stay under the budget.
+    rows = max(1, _GATHER_BUDGET_BYTES // max(1, 4 * num_heads * seq_len))
+    out = torch.empty_like(q)
+    for lo in range(0, n, rows):
+        hi = min(n, lo + rows)
+        m = hi - lo
+        # [m, H, d] -> [kvh, group * m, d]: one matrix per KV head
+        qg = q[lo:hi].view(m, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(
+            num_kv_heads, group * m, head_dim).to(k.dtype)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [kvh, group * m, seq_len]
+        scores = scores.view(num_kv_heads, group, m, seq_len).masked_fill_(~chunk.allowed[lo:hi], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(num_kv_heads, group * m, seq_len)
+        o = torch.matmul(probs, v)  # [kvh, group * m, d]
+        out[lo:hi] = o.view(num_kv_heads, group, m, head_dim).permute(2, 0, 1, 3).reshape(m, num_heads, head_dim)
+    return out
+
+
+def paged_attention_naive(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The spec in its plainest form: every token gathers its sequence's blocks up to the step's
+    longest context and masks keys after its own position. Slow on mixed steps; for tests."""
+    t, num_heads, head_dim = q.shape
+    group = _group(q, k_cache)
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    nblocks = (meta.max_seq_len + block_size - 1) // block_size
+    idx = meta.block_tables[meta.token_seq, :nblocks].reshape(-1).long()  # [t * nblocks]
+    k = k_cache.index_select(0, idx).view(t, nblocks, num_kv_heads, block_size, head_dim)
+    v = v_cache.index_select(0, idx).view(t, nblocks, num_kv_heads, block_size, head_dim)
+    # -> [t, kvh, ctx, d]: each token's keys and values in position order
+    k = k.permute(0, 2, 1, 3, 4).reshape(t, num_kv_heads, nblocks * block_size, head_dim)
+    v = v.permute(0, 2, 1, 3, 4).reshape(t, num_kv_heads, nblocks * block_size, head_dim)
+    visible = torch.arange(nblocks * block_size, device=q.device)[None, :] <= meta.positions[:, None]  # [t, ctx]
+    v = v.masked_fill(~visible[:, None, :, None], 0)
+    qg = q.view(t, num_kv_heads, group, head_dim).to(k.dtype)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [t, kvh, group, ctx]
+    scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(t, num_heads, head_dim).to(q.dtype)  # [t, kvh, group, d]

@@ -9,7 +9,7 @@ import torch
 
 from ringserve.gpu_proc.attention import get_backend
 from ringserve.gpu_proc.attention.metadata import build_step_inputs
-from ringserve.gpu_proc.attention.reference import paged_attention, write_kv
+from ringserve.gpu_proc.attention.reference import paged_attention, paged_attention_naive, write_kv
 from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.step import SeqStep, StepBatch
 
@@ -30,12 +30,15 @@ def _dense_attention(q, k, v, scale, start):
 
 
 def _run_case(seqs_spec, num_heads, num_kv_heads, head_dim, num_blocks, rng, shared_prefix=0,
-              dtype=torch.float32):
+              dtype=torch.float32, fill=0.0, attention=paged_attention):
     """Build sequences (cached, new) with random block tables, write their K/V through write_kv, and
     return (paged output, dense output). With shared_prefix > 0, every sequence reuses the first
-    sequence's first `shared_prefix` blocks (and their contents), as n samples of one prompt do."""
+    sequence's first `shared_prefix` blocks (and their contents), as n samples of one prompt do.
+    Slots never written hold `fill`; `attention` is the function under test."""
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     pool = KVPool(1, num_blocks, num_kv_heads, head_dim, dtype=dtype)
+    pool.k_all.fill_(fill)
+    pool.v_all.fill_(fill)
     ids = list(range(num_blocks))
     rng.shuffle(ids)
     full_k, full_v, steps, qs = [], [], [], []
@@ -69,7 +72,7 @@ def _run_case(seqs_spec, num_heads, num_kv_heads, head_dim, num_blocks, rng, sha
     new_v = torch.cat([v[s.start_pos:] for v, s in zip(full_v, steps)])
     write_kv(new_k, new_v, pool.k[0], pool.v[0], inputs.meta.slot_mapping)
     scale = head_dim ** -0.5
-    paged = paged_attention(torch.cat(qs).to(dtype), pool.k[0], pool.v[0], inputs.meta, scale).float()
+    paged = attention(torch.cat(qs).to(dtype), pool.k[0], pool.v[0], inputs.meta, scale).float()
     dense = torch.cat([_dense_attention(q, k, v, scale, s.start_pos)
                        for q, k, v, s in zip(qs, full_k, full_v, steps)])
     return paged, dense
@@ -154,3 +157,41 @@ def test_small_memory_budget_slices_tokens_with_same_result(monkeypatch):
     sliced, _ = _run_case(spec, 4, 2, 16, 32, random.Random(11))
     torch.testing.assert_close(sliced, full, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(sliced, dense, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attention", [paged_attention, paged_attention_naive])
+def test_nan_in_unwritten_slots_never_reaches_the_output(attention):
+    """A pool whose unwritten slots (block tails, padding blocks, block 0) are NaN gives the dense
+    answer: garbage a token may not see is masked out of both the scores and the values."""
+    spec = [(3, 1), (70, 1), (0, 5), (17, 30), (200, 1), (33, 2)]
+    paged, dense = _run_case(spec, 4, 2, 16, 64, random.Random(5), fill=float("nan"))
+    assert not paged.isnan().any()
+    torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_fast_path_equals_naive_on_mixed_steps(trial):
+    """Decode rows of very different contexts next to prefill chunks: the bucketed path gives the
+    naive dense-gather answer."""
+    rng = random.Random(50 + trial)
+    spec = [(rng.choice([0, 5, 15, 16, 40, 130, 300]), 1) for _ in range(12)]
+    spec += [(rng.randrange(0, 100), rng.randrange(2, 50)) for _ in range(2)]
+    rng.shuffle(spec)
+    fast, dense = _run_case(spec, 8, 2, 16, 512, random.Random(trial))
+    naive, _ = _run_case(spec, 8, 2, 16, 512, random.Random(trial), attention=paged_attention_naive)
+    torch.testing.assert_close(fast, naive, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(fast, dense, atol=1e-5, rtol=1e-4)
+
+
+def test_decode_rows_pad_only_to_their_own_bucket():
+    """Next to one 4,000-token row, short decode rows are gathered at most twice their own blocks,
+    and a prefill chunk gathers only its own sequence's blocks."""
+    from ringserve.gpu_proc.attention.reference_plan import build_reference_plan
+
+    seqs = [SeqStep(i, [0], ctx, list(range(ctx // BS + 1))) for i, ctx in enumerate([10, 40, 4000, 20])]
+    seqs.append(SeqStep(4, [0] * 8, 24, [0, 1]))
+    meta = build_step_inputs(StepBatch(seqs), BS, torch.device("cpu")).meta
+    plan = build_reference_plan(meta, row_bytes_per_block=1, budget_bytes=1 << 30)
+    widths = {tuple(b.tokens.tolist()): b.width for b in plan.decode}
+    assert widths == {(0,): 1, (3,): 2, (1,): 3, (2,): 251}
+    assert [(c.lo, c.hi, c.seq_len, c.blocks.tolist()) for c in plan.chunks] == [(4, 12, 32, [0, 1])]
