@@ -59,7 +59,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if plan is None:  # first layer of the step: the grouping is the same for every layer
         _, num_kv_heads, block_size, head_dim = k_cache.shape
         row_bytes = 2 * num_kv_heads * block_size * head_dim * k_cache.element_size()  # K and V
-        plan = meta.reference_plan = build_reference_plan(meta, row_bytes, _GATHER_BUDGET_BYTES)
+        plan = meta.reference_plan = build_reference_plan(meta, num_kv_heads, row_bytes, _GATHER_BUDGET_BYTES)
     if not isinstance(plan, ReferencePlan):
         raise TypeError(f"meta.reference_plan is a {type(plan).__name__}, not a ReferencePlan")
     if len(plan.decode) == 1 and not plan.chunks:  # the common decode step: rows already in order
@@ -81,27 +81,18 @@ def _group(q: torch.Tensor, k_cache: torch.Tensor) -> int:
 
 def _decode_bucket(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: DecodeBucket,
                    group: int, scale: float) -> torch.Tensor:
-    """One query per row over the row's blocks. q: `[n, num_heads, head_dim]` in bucket order."""
+    """One query per row over the row's keys. q: `[n, num_heads, head_dim]` in bucket order."""
     n, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
-    width = bucket.width
-    # Gathered blocks stay in cache layout: [n, width, kvh, bs, d]. Matmuls batch over
-    # (row, block, kv head), so the big K/V gathers are never permuted into another copy.
-    k = k_cache.index_select(0, bucket.blocks).view(n, width, num_kv_heads, block_size, head_dim)
-    qg = q.view(n, 1, num_kv_heads, group, head_dim).to(k.dtype)  # [n, 1, kvh, group, d]
-    scores = torch.matmul(qg, k.transpose(-1, -2))  # [n, width, kvh, group, bs]
-    # [n, width, kvh, group, bs] -> [n, kvh, group, width * bs]: keys in position order
-    scores = scores.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group, width * block_size).float() * scale
-    # masked_fill (not an added -inf) also clears NaN scores of garbage keys.
+    num_kv_heads, ctx = k_cache.shape[1], bucket.ctx
+    # Key by key straight into [n, kvh, ctx, d]: no permuted copy of the blocks, and positions past
+    # a row's context read written data (see DecodeBucket), so NaN garbage is never gathered.
+    k = k_cache.view(-1, head_dim).index_select(0, bucket.rows).view(n, num_kv_heads, ctx, head_dim)
+    v = v_cache.view(-1, head_dim).index_select(0, bucket.rows).view(n, num_kv_heads, ctx, head_dim)
+    qg = q.view(n, num_kv_heads, group, head_dim).to(k.dtype)  # [n, kvh, group, d]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [n, kvh, group, ctx]
     scores.masked_fill_(~bucket.valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v_cache.dtype)
-    v = v_cache.index_select(0, bucket.blocks).view(n, width, num_kv_heads, block_size, head_dim)
-    # A zero probability times a NaN value is NaN: clear the values of slots the row may not see.
-    v.masked_fill_(~bucket.valid.view(n, width, 1, block_size, 1), 0)
-    # [n, kvh, group, width, bs] -> [n, width, kvh, group, bs] to meet V block by block
-    probs = probs.view(n, num_kv_heads, group, width, block_size).permute(0, 3, 1, 2, 4)
-    out = torch.matmul(probs, v).sum(dim=1)  # [n, width, kvh, group, d] -> [n, kvh, group, d]
-    return out.reshape(n, num_heads, head_dim).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(n, num_heads, head_dim).to(q.dtype)  # [n, kvh, group, d]
 
 
 def _prefill_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk,

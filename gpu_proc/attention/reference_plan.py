@@ -4,9 +4,10 @@ A step mixes decode rows (one new token each) and prefill chunks (several new to
 sequence). Padding every row to the step's longest context makes a 32-row decode step next to one
 4k-token prompt pay 32 × 4k; the plan avoids that:
 
-- decode rows are bucketed by block count in powers of two (1, 2, 3-4, 5-8, ... blocks) and padded
-  only to the widest row of their bucket, so no row reads more than twice its own blocks; a bucket
-  is cut into row slices that keep its K/V gather under a memory budget;
+- decode rows are bucketed by block count: taken from the fewest blocks up, a bucket closes before
+  the first row with more than twice the blocks of its first row, and every row is padded to the
+  widest of its bucket, so no row reads more than twice its own blocks and rows of similar context
+  share one pass; a bucket is cut into row slices that keep its K/V gather under a memory budget;
 - each prefill chunk gathers its own sequence's blocks once, for all of its tokens.
 
 The plan depends only on the step, so it is built once (on the first layer's call) and cached on
@@ -24,17 +25,22 @@ from .metadata import AttentionMetadata, host_tensor
 
 @dataclass(frozen=True, slots=True)
 class DecodeBucket:
-    """Decode rows padded to `width` blocks.
+    """Decode rows padded to `ctx` key positions (a whole number of blocks).
 
-    tokens  int64[n]            the rows' token indices in the step (their query rows)
-    blocks  int64[n * width]    block ids, row-major; padding entries point at block 0
-    valid   bool[n, width * bs] key position < the row's context length (False: padding or unwritten)
+    tokens  int64[n]               the rows' token indices in the step (their query rows)
+    rows    int64[n * kvh * ctx]   for row r, KV head h, key position p: the cache row holding that
+                                   key in the cache viewed as `[num_blocks * kvh * bs, head_dim]`
+    valid   bool[n, ctx]           p < the row's context length
+
+    NOTE: positions past a row's context point at its position 0 instead of at padding or unwritten
+    slots, so the gathered keys and values are always written data (never NaN); `valid` masks them
+    out of the scores.
     """
 
     tokens: torch.Tensor
-    blocks: torch.Tensor
+    rows: torch.Tensor
     valid: torch.Tensor
-    width: int
+    ctx: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +64,21 @@ class ReferencePlan:
     chunks: tuple[PrefillChunk, ...]
 
 
-def _width_class(nblocks: int) -> int:
-    """Bucket key: rows with 1, 2, 3-4, 5-8, ... blocks share a bucket."""
-    return (nblocks - 1).bit_length()
+def _buckets(nblocks: dict[int, int]) -> list[list[int]]:
+    """Decode sequences (id -> block count) grouped so that a bucket's widest row has at most twice
+    the blocks of its narrowest; each bucket lists its sequences in step order."""
+    groups: list[list[int]] = []
+    first = 0
+    for s in sorted(nblocks, key=nblocks.__getitem__):
+        if not groups or nblocks[s] > 2 * first:
+            groups.append([])
+            first = nblocks[s]
+        groups[-1].append(s)
+    return [sorted(g) for g in groups]
 
 
-def build_reference_plan(meta: AttentionMetadata, row_bytes_per_block: int, budget_bytes: int) -> ReferencePlan:
+def build_reference_plan(meta: AttentionMetadata, num_kv_heads: int, row_bytes_per_block: int,
+                         budget_bytes: int) -> ReferencePlan:
     """Group the step's rows for the reference attention. `row_bytes_per_block` is what one row's
     gather of one block costs (K and V); a decode slice stays under `budget_bytes` (at least one row)."""
     bs = meta.block_size
@@ -72,27 +87,32 @@ def build_reference_plan(meta: AttentionMetadata, row_bytes_per_block: int, budg
     # only runs in tests); everything after is grouping in Python over S rows.
     qsl = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
-    buckets: dict[int, list[int]] = {}
+    decode_blocks: dict[int, int] = {}
     chunk_seqs: list[int] = []
     for s, seq_len in enumerate(seq_lens):
         if qsl[s + 1] - qsl[s] == 1:
-            buckets.setdefault(_width_class((seq_len + bs - 1) // bs), []).append(s)
+            decode_blocks[s] = (seq_len + bs - 1) // bs
         else:
             chunk_seqs.append(s)
 
     decode: list[DecodeBucket] = []
-    for key in sorted(buckets):
-        rows = buckets[key]
-        width = max((seq_lens[s] + bs - 1) // bs for s in rows)
+    heads = torch.arange(num_kv_heads, device=device)
+    for seqs in _buckets(decode_blocks):
+        width = max(decode_blocks[s] for s in seqs)
         per_slice = max(1, budget_bytes // max(1, width * row_bytes_per_block))
-        for lo in range(0, len(rows), per_slice):
-            part = rows[lo:lo + per_slice]
+        key_pos = torch.arange(width * bs, device=device)
+        for lo in range(0, len(seqs), per_slice):
+            part = seqs[lo:lo + per_slice]
             idx = host_tensor("q", part).to(device)
             tokens = host_tensor("q", [qsl[s] for s in part]).to(device)
-            blocks = meta.block_tables[idx, :width].reshape(-1).long()  # [n * width]
-            key_pos = torch.arange(width * bs, device=device)
-            valid = key_pos[None, :] < meta.seq_lens[idx].long()[:, None]  # [n, width * bs]
-            decode.append(DecodeBucket(tokens, blocks, valid, width))
+            valid = key_pos[None, :] < meta.seq_lens[idx].long()[:, None]  # [n, ctx]
+            tables = meta.block_tables[idx, :width].long()  # [n, width]
+            # Past the context: the row's first block, offset 0 (its position 0, always written).
+            block = torch.where(valid, tables[:, key_pos // bs], tables[:, :1])  # [n, ctx]
+            offset = (key_pos % bs).masked_fill(~valid, 0)  # [n, ctx]
+            # [n, 1, ctx] and [1, kvh, 1] -> [n, kvh, ctx]: row (block * kvh + h) * bs + offset
+            rows = (block[:, None, :] * num_kv_heads + heads[None, :, None]) * bs + offset[:, None, :]
+            decode.append(DecodeBucket(tokens, rows.reshape(-1), valid, width * bs))
 
     chunks: list[PrefillChunk] = []
     for s in chunk_seqs:

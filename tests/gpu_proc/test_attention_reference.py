@@ -191,7 +191,7 @@ def test_decode_rows_pad_only_to_their_own_bucket():
     seqs = [SeqStep(i, [0], ctx, list(range(ctx // BS + 1))) for i, ctx in enumerate([10, 40, 4000, 20])]
     seqs.append(SeqStep(4, [0] * 8, 24, [0, 1]))
     meta = build_step_inputs(StepBatch(seqs), BS, torch.device("cpu")).meta
-    plan = build_reference_plan(meta, row_bytes_per_block=1, budget_bytes=1 << 30)
-    widths = {tuple(b.tokens.tolist()): b.width for b in plan.decode}
-    assert widths == {(0,): 1, (3,): 2, (1,): 3, (2,): 251}
+    plan = build_reference_plan(meta, num_kv_heads=1, row_bytes_per_block=1, budget_bytes=1 << 30)
+    widths = {tuple(b.tokens.tolist()): b.ctx // BS for b in plan.decode}
+    assert widths == {(0, 3): 2, (1,): 3, (2,): 251}  # 1, 2 | 3 | 251 blocks
     assert [(c.lo, c.hi, c.seq_len, c.blocks.tolist()) for c in plan.chunks] == [(4, 12, 32, [0, 1])]
