@@ -55,13 +55,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached keys. q: `[T, num_heads, head_dim]`."""
     group = _group(q, k_cache)
+    _, num_kv_heads, block_size, head_dim = k_cache.shape
+    if block_size != meta.block_size:
+        raise ValueError(f"cache blocks hold {block_size} tokens but the step's block tables count "
+                         f"{meta.block_size}-token blocks")
     plan = meta.reference_plan
-    if plan is None:  # first layer of the step: the grouping is the same for every layer
-        _, num_kv_heads, block_size, head_dim = k_cache.shape
+    # Built by the first layer of the step and reused by the others (same rows, same cache shape).
+    if not isinstance(plan, ReferencePlan) or plan.num_kv_heads != num_kv_heads:
         row_bytes = 2 * num_kv_heads * block_size * head_dim * k_cache.element_size()  # K and V
         plan = meta.reference_plan = build_reference_plan(meta, num_kv_heads, row_bytes, _GATHER_BUDGET_BYTES)
-    if not isinstance(plan, ReferencePlan):
-        raise TypeError(f"meta.reference_plan is a {type(plan).__name__}, not a ReferencePlan")
     if len(plan.decode) == 1 and not plan.chunks:  # the common decode step: rows already in order
         return _decode_bucket(q, k_cache, v_cache, plan.decode[0], group, scale)
     out = torch.empty_like(q)

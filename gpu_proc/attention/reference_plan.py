@@ -60,6 +60,10 @@ class PrefillChunk:
 
 @dataclass(frozen=True, slots=True)
 class ReferencePlan:
+    """One step's rows grouped for the reference attention; valid for caches with `num_kv_heads`
+    KV heads (the decode rows index the cache by head)."""
+
+    num_kv_heads: int
     decode: tuple[DecodeBucket, ...]
     chunks: tuple[PrefillChunk, ...]
 
@@ -122,4 +126,4 @@ def build_reference_plan(meta: AttentionMetadata, num_kv_heads: int, row_bytes_p
         q_pos = torch.arange(first, seq_len, device=device)
         allowed = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]  # [n, seq_len]
         chunks.append(PrefillChunk(lo, hi, seq_len, blocks, allowed))
-    return ReferencePlan(tuple(decode), tuple(chunks))
+    return ReferencePlan(num_kv_heads, tuple(decode), tuple(chunks))

@@ -195,3 +195,11 @@ def test_decode_rows_pad_only_to_their_own_bucket():
     widths = {tuple(b.tokens.tolist()): b.ctx // BS for b in plan.decode}
     assert widths == {(0, 3): 2, (1,): 3, (2,): 251}  # 1, 2 | 3 | 251 blocks
     assert [(c.lo, c.hi, c.seq_len, c.blocks.tolist()) for c in plan.chunks] == [(4, 12, 32, [0, 1])]
+
+
+def test_cache_block_size_must_match_the_step():
+    """A cache of 8-token blocks under block tables of 16-token blocks is refused, not misread."""
+    meta = build_step_inputs(StepBatch([SeqStep(0, [0], 3, [1])]), BS, torch.device("cpu")).meta
+    cache = torch.zeros(4, 1, 8, 8)
+    with pytest.raises(ValueError, match="8 tokens"):
+        paged_attention(torch.zeros(1, 1, 8), cache, cache, meta, 1.0)
