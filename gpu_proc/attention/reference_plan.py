@@ -81,6 +81,26 @@ def _buckets(nblocks: dict[int, int]) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
+def _decode_bucket(meta: AttentionMetadata, seqs: list[int], tokens: list[int], width: int,
+                   num_kv_heads: int) -> DecodeBucket:
+    bs = meta.block_size
+    device = meta.seq_lens.device
+    if len(seqs) == meta.num_seqs:  # every row of the step (the common decode step): no row gather
+        seq_lens, tables = meta.seq_lens, meta.block_tables[:, :width]
+    else:
+        idx = host_tensor("q", seqs).to(device)
+        seq_lens, tables = meta.seq_lens[idx], meta.block_tables[idx, :width]
+    key_pos = torch.arange(width * bs, device=device)
+    valid = key_pos[None, :] < seq_lens[:, None]  # [n, ctx]
+    # Past the context: the row's first block at offset 0 (its position 0, always written).
+    block = torch.where(valid, tables[:, key_pos // bs], tables[:, :1]).long()  # [n, ctx]
+    offset = (key_pos % bs).masked_fill(~valid, 0)  # [n, ctx]
+    heads = torch.arange(num_kv_heads, device=device)
+    # [n, 1, ctx] and [1, kvh, 1] -> [n, kvh, ctx]: row (block * kvh + h) * bs + offset
+    rows = (block[:, None, :] * num_kv_heads + heads[None, :, None]) * bs + offset[:, None, :]
+    return DecodeBucket(host_tensor("q", tokens).to(device), rows.reshape(-1), valid, width * bs)
+
+
 def build_reference_plan(meta: AttentionMetadata, num_kv_heads: int, row_bytes_per_block: int,
                          budget_bytes: int) -> ReferencePlan:
     """Group the step's rows for the reference attention. `row_bytes_per_block` is what one row's
@@ -100,23 +120,12 @@ def build_reference_plan(meta: AttentionMetadata, num_kv_heads: int, row_bytes_p
             chunk_seqs.append(s)
 
     decode: list[DecodeBucket] = []
-    heads = torch.arange(num_kv_heads, device=device)
     for seqs in _buckets(decode_blocks):
         width = max(decode_blocks[s] for s in seqs)
         per_slice = max(1, budget_bytes // max(1, width * row_bytes_per_block))
-        key_pos = torch.arange(width * bs, device=device)
         for lo in range(0, len(seqs), per_slice):
             part = seqs[lo:lo + per_slice]
-            idx = host_tensor("q", part).to(device)
-            tokens = host_tensor("q", [qsl[s] for s in part]).to(device)
-            valid = key_pos[None, :] < meta.seq_lens[idx].long()[:, None]  # [n, ctx]
-            tables = meta.block_tables[idx, :width].long()  # [n, width]
-            # Past the context: the row's first block, offset 0 (its position 0, always written).
-            block = torch.where(valid, tables[:, key_pos // bs], tables[:, :1])  # [n, ctx]
-            offset = (key_pos % bs).masked_fill(~valid, 0)  # [n, ctx]
-            # [n, 1, ctx] and [1, kvh, 1] -> [n, kvh, ctx]: row (block * kvh + h) * bs + offset
-            rows = (block[:, None, :] * num_kv_heads + heads[None, :, None]) * bs + offset[:, None, :]
-            decode.append(DecodeBucket(tokens, rows.reshape(-1), valid, width * bs))
+            decode.append(_decode_bucket(meta, part, [qsl[s] for s in part], width, num_kv_heads))
 
     chunks: list[PrefillChunk] = []
     for s in chunk_seqs:
