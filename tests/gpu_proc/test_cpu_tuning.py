@@ -30,3 +30,17 @@ def test_tune_rejects_zero_threads():
 def test_glibc_accepts_the_thresholds():
     """On glibc the mmap and trim thresholds are accepted."""
     assert keep_freed_memory() is True
+
+
+def test_cpu_engine_applies_config_cpu_threads(tiny_model_dir):
+    """Building the engine on the CPU leaves torch with `config.cpu_threads` threads."""
+    from ringserve.config import Config
+    from ringserve.gpu_proc.engine import build_engine
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        build_engine(Config(device="cpu", num_blocks=16, cpu_threads=1), tiny_model_dir)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
