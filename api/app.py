@@ -23,7 +23,7 @@ from ringserve.api.gpu_client import GpuClient
 from ringserve.api.metrics import CONTENT_TYPE, StatsSnapshot, render
 from ringserve.api.peer_cancel import PeerCancel
 from ringserve.api.registry import Registry
-from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState
+from ringserve.api.state import DEFAULT_RELOAD_S, REQUEST_ID, STATE, TENANT, ApiState
 from ringserve.api.tokenizer import TextCodec
 from ringserve.api.worker_stats import WorkerStats
 from ringserve.config import Config
@@ -34,12 +34,14 @@ def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name:
              auth: Authenticator | None = None, worker: int = 0,
              peers: PeerCancel | None = None,
              publish: Callable[[WorkerStats], None] | None = None,
-             publish_every_s: float = 0.25) -> web.Application:
+             publish_every_s: float = 0.25,
+             reload_s: Callable[[], float | None] | None = None) -> web.Application:
     """Build a worker's app. `ready()` says whether the GPU process is ready (control block);
     `stats_source(state)` returns the server-wide stats snapshot for /metrics (default: this
     worker's own counters only); `publish(stats)`, if given, runs every `publish_every_s` and at
     shutdown to copy this worker's stats into its control-block region (and beat its heartbeat);
-    `peers`, if given, lets a DELETE reach the request's worker whichever worker receives it."""
+    `peers`, if given, lets a DELETE reach the request's worker whichever worker receives it;
+    `reload_s()` is the GPU process's measured load time (None: unknown), for Retry-After."""
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[_error_middleware, _auth_middleware])
     source = stats_source or (lambda st: StatsSnapshot(workers=[st.stats.as_dict()]))
@@ -47,6 +49,8 @@ def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name:
                      stats_source=lambda: source(state), auth=auth or Authenticator(),
                      registry=Registry(worker), publish=publish,
                      remote_cancel=peers.cancel if peers is not None else None)
+    if reload_s is not None:
+        state.reload_s = lambda: _reload_or_default(reload_s)
     app[STATE] = state
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_delete("/v1/requests/{request_id}", _handle_delete)
@@ -123,7 +127,8 @@ async def _handle_ready(request: web.Request) -> web.Response:
     if st.draining:
         raise ApiError(503, "The server is draining.", code="server_draining", retry_after_s=5.0)
     if not st.ready():
-        raise ApiError(503, "The GPU process is not ready.", code="gpu_not_ready", retry_after_s=5.0)
+        raise ApiError(503, "The GPU process is not ready.", code="gpu_not_ready",
+                       retry_after_s=st.reload_s())
     return _json({"status": "ready"})
 
 
@@ -133,6 +138,14 @@ async def _handle_metrics(request: web.Request) -> web.Response:
         st.publish(st.stats)  # this worker's own numbers as of now; the others' lag <= one period
     body = render(st.stats_source())
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def _reload_or_default(reload_s: Callable[[], float | None]) -> float:
+    try:
+        value = reload_s()
+    except Exception:  # a torn or missing control-block read must not turn a 503 into a 500
+        value = None
+    return value if value is not None and value > 0 else DEFAULT_RELOAD_S
 
 
 def _json(obj: dict, status: int = 200) -> web.Response:

@@ -127,8 +127,10 @@ async def _complete(st: ApiState, entry: OpenRequest, gen: Generation) -> web.Re
     while not gen.finished:
         gen.consume(await stream.next_batch())
     if gen.error is not None:
-        raise ApiError(503, f"The GPU process failed during the request: {gen.error.message}. "
-                            "Retry it.", code=gen.error.code, retry_after_s=1.0)
+        err = gen.error_body()["error"]
+        extra = {k: v for k, v in err.items() if k not in ("message", "type", "param", "code")}
+        raise ApiError(503, err["message"], code=err["code"], type_=err["type"], extra=extra,
+                       retry_after_s=st.reload_s())
     await _settle(st, entry, gen)
     body = {"id": entry.request_id, "object": "text_completion", "created": int(gen.arrival),
             "model": st.model_name, "choices": gen.choices(), "usage": gen.usage(),
@@ -171,8 +173,10 @@ def _check_available(st: ApiState) -> None:
         raise ApiError(503, "The server is draining for shutdown; retry on another instance.",
                        code="server_draining", retry_after_s=5.0)
     if not st.ready():
-        raise ApiError(503, "The GPU process is not ready (starting or restarting); retry shortly.",
-                       code="gpu_not_ready", retry_after_s=5.0)
+        # Retry-After: about how long the GPU process takes to load (it measured its last load).
+        raise ApiError(503, "The GPU process is not ready (starting or restarting); retry after "
+                            "the Retry-After seconds.", code="gpu_not_ready",
+                       retry_after_s=st.reload_s())
 
 
 async def _tokenize(st: ApiState, req: CompletionRequest) -> list[int]:

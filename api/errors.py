@@ -26,12 +26,36 @@ _TYPES = {
 }
 
 
+# Failures a client should tell apart from a generic server error get their own `type` (and the
+# same `code`): the GPU process restarted under the request, or the server is shutting down.
+_OWN_TYPES = frozenset({"gpu_process_restart", "server_shutdown"})
+
+
+def error_type(code: str | None, default: str = "server_error") -> str:
+    """The OpenAI `type` for an error raised by the GPU side with `code`."""
+    return code if code in _OWN_TYPES else default
+
+
+def error_object(message: str, code: str | None, *, type_: str, param: str | None = None,
+                 extra: dict | None = None) -> dict:
+    """`{"error": {...}}` — the one error shape, on responses and in SSE error events."""
+    err = {"message": message, "type": type_, "param": param, "code": code}
+    if extra:
+        err.update(extra)
+    return {"error": err}
+
+
 class ApiError(Exception):
     """An error answered to the client with `status` and the OpenAI error object."""
 
     def __init__(self, status: int, message: str, *, code: str | None = None,
-                 param: str | None = None, retry_after_s: float | None = None) -> None:
+                 param: str | None = None, retry_after_s: float | None = None,
+                 type_: str | None = None, extra: dict | None = None) -> None:
+        """`type_` overrides the type derived from `status`; `extra` adds fields to the error
+        object (e.g. `tokens_streamed`)."""
         super().__init__(message)
+        self._type = type_
+        self.extra = extra
         self.status = status
         self.message = message
         self.code = code
@@ -40,12 +64,14 @@ class ApiError(Exception):
 
     @property
     def type(self) -> str:
+        if self._type is not None:
+            return self._type
         return _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
 
     def body(self) -> dict:
         """The OpenAI error object."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return error_object(self.message, self.code, type_=self.type, param=self.param,
+                            extra=self.extra)
 
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:

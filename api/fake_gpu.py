@@ -6,6 +6,11 @@ a stop token id (`stop`) or on Cancel (`cancelled`), with usage and timing like 
 The tokens a sample produces come from `script(submit, index)`, by default the prompt ids repeated
 in order, so a test knows exactly which text must come out. Used by the API tests and
 `ringserve bench api` (where `step_interval_s=0` makes it a producer that never waits).
+
+`restart()` simulates a GPU-process death and the supervisor's fence: rows are dropped, the worker
+is told (the generation-change Error the ring transport delivers), and until `come_back()` the fake
+is not ready and silently discards every Submit, as a new GPU process adopting its rings with
+discard=True does with records pushed before it was READY.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class FakeGpu:
     admit: Callable[[Submit], Rejected | None] | None = None
     wire: bool = True  # round-trip every message through msgpack, as the ring does
     paused: bool = False  # hold every running row (no tokens) until resumed
+    ready: bool = True  # False between restart() and come_back()
+    restarts: int = 0
+    discarded: list[Submit] = field(default_factory=list)  # Submits sent while not ready
     submits: list[Submit] = field(default_factory=list)
     cancels: list[Cancel] = field(default_factory=list)
     finished: dict[str, int] = field(default_factory=dict)
@@ -63,6 +71,10 @@ class FakeGpu:
     def send(self, msg: Submit | Cancel) -> bool:
         if self.wire:
             msg = decode(encode(msg))
+        if not self.ready:
+            if isinstance(msg, Submit):
+                self.discarded.append(msg)
+            return True  # pushed onto a ring the next process will discard
         if isinstance(msg, Submit):
             self.submits.append(msg)
             refusal = self.admit(msg) if self.admit is not None else None
@@ -91,6 +103,18 @@ class FakeGpu:
         """Simulate a GPU-process crash: every open request gets an error, rows are dropped."""
         self._rows.clear()
         self._post(Error(code=code, message=message))
+
+    def restart(self) -> None:
+        """The GPU process died and the supervisor fenced the rings: see the module docstring."""
+        self._rows.clear()
+        self._cancelled.clear()
+        self.ready = False
+        self.restarts += 1
+        self._post(Error(code="gpu_restart", message="The GPU process restarted."))
+
+    def come_back(self) -> None:
+        """The restarted GPU process adopted the rings and is READY."""
+        self.ready = True
 
     @property
     def running(self) -> int:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from ringserve.api.detokenizer import Detokenizer
+from ringserve.api.errors import error_object, error_type
 from ringserve.api.sse import EventEncoder
 from ringserve.api.stop_strings import StopMatcher
 from ringserve.api.tokenizer import TextCodec
@@ -136,8 +137,14 @@ class Generation:
             return
         self.error = err
         if self.encoder is not None:
-            out.append(self.encoder.error({"error": {"message": err.message, "type": "server_error",
-                                                     "param": None, "code": err.code}}))
+            out.append(self.encoder.error(self.error_body()))
+
+    def error_body(self) -> dict:
+        """The OpenAI error object for the request's failure, with how many tokens the client
+        already has (all samples together), so it knows what a retry repeats."""
+        err = self.error
+        return error_object(err.message, err.code, type_=error_type(err.code),
+                            extra={"tokens_streamed": self.tokens})
 
     # ------------------------------------------------------------------------------------------
     @property

@@ -7,19 +7,33 @@ messages in order and retries them shortly, so a Cancel can never overtake its S
 
 Two transports implement the interface: the shared-memory ring pair (`ring_transport.py`, used by
 the real worker) and an in-process fake GPU (`fake_gpu.py`, used by tests and `bench api`).
+
+GPU-process restart (the transport delivers `Error(code=RESTART_CODE, rid=None)`): a request that
+has streamed a token gets the `gpu_process_restart` error (its tokens cannot be continued); every
+other open request is held and resubmitted, under a fresh rid, once the restarted GPU process is
+READY ("retry before the first token"). That also covers a Submit pushed after the supervisor's
+fence but before this worker noticed it, which the new GPU process discards when it adopts the
+rings: it sits in the same held set. Submits made while held wait for READY rather than be pushed
+onto rings that are about to be discarded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from typing import Callable, Protocol
 
-from ringserve.api.errors import ApiError
+import msgspec
+
+from ringserve.api.errors import ApiError, error_type
 from ringserve.shm.messages import (Accepted, Cancel, Error, Finish, Message, Rejected, StepOutput,
                                     Submit, Token)
 
 _RETRY_S = 0.001  # how soon a refused send (full ring) is retried
+RESTART_CODE = "gpu_restart"  # Error(rid=None) from a transport: the GPU process was replaced
+RESTART_ERROR = "gpu_process_restart"  # the code and type a client sees for a restart
+READY_POLL_S = 0.05  # how often held requests check whether the restarted GPU process is READY
 
 
 class Transport(Protocol):
@@ -38,11 +52,14 @@ class Transport(Protocol):
 class RequestStream:
     """One request's inbox: its admission answer, then batches of Token / Finish / Error records."""
 
-    __slots__ = ("rid", "admission", "_items", "_waiter")
+    __slots__ = ("rid", "admission", "submit", "streamed", "resubmits", "_items", "_waiter")
 
     def __init__(self, rid: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.rid = rid
+        self.rid = rid  # changes when the request is resubmitted after a GPU-process restart
         self.admission: asyncio.Future = loop.create_future()
+        self.submit: Submit | None = None  # as last sent, for a resubmission
+        self.streamed = False  # a Token arrived: the request can no longer be resubmitted
+        self.resubmits = 0
         self._items: list[Token | Finish | Error] = []
         self._waiter: asyncio.Future | None = None
 
@@ -70,10 +87,18 @@ class RequestStream:
 class GpuClient:
     """Request bookkeeping for one worker; all methods run on the worker's event loop."""
 
-    def __init__(self, transport: Transport, worker: int = 0) -> None:
+    def __init__(self, transport: Transport, worker: int = 0,
+                 ready: Callable[[], bool] | None = None) -> None:
+        """`ready()` says whether the GPU process is READY (the control block); held requests are
+        resubmitted once it is. None: always ready (a transport without restarts)."""
         self.transport = transport
         self.worker = worker
+        self.ready = ready or (lambda: True)
         self._streams: dict[int, RequestStream] = {}
+        self._held: dict[int, RequestStream] = {}  # by rid: waiting for READY to be resubmitted
+        self._poll: asyncio.TimerHandle | None = None
+        self._restarting = False  # a restart was seen and the GPU process is not READY again yet
+        self.resubmitted = 0  # requests resubmitted after a restart (for tests and stats)
         self._next_rid = 1
         self._pending: deque[Submit | Cancel] = deque()
         self._retry: asyncio.TimerHandle | None = None
@@ -87,6 +112,9 @@ class GpuClient:
     def close(self) -> None:
         if self._retry is not None:
             self._retry.cancel()
+        if self._poll is not None:
+            self._poll.cancel()
+            self._poll = None
         self.transport.close()
         self.fail_all("shutdown", "The server is shutting down.")
 
@@ -107,7 +135,13 @@ class GpuClient:
         """Send `msg` and wait for admission; a refusal raises the ApiError to answer with."""
         if msg.rid != stream.rid:
             raise ValueError("Submit.rid must be the stream's rid")
-        self._send(msg)
+        stream.submit = msg
+        if self._restarting:
+            # A restart is in progress: this Submit would land on rings the next GPU process
+            # discards; it goes out with the held ones once that process is READY.
+            self._held[stream.rid] = stream
+        else:
+            self._send(msg)
         try:
             answer = await stream.admission
         except asyncio.CancelledError:
@@ -122,8 +156,11 @@ class GpuClient:
         if isinstance(answer, Rejected):
             raise ApiError(answer.status, answer.message, code=answer.code,
                            retry_after_s=answer.retry_after_s)
-        raise ApiError(503, f"The GPU process failed: {answer.message}", code=answer.code,
-                       retry_after_s=1.0)
+        kind = error_type(answer.code)
+        message = answer.message if kind != "server_error" else \
+            f"The GPU process failed: {answer.message}"
+        raise ApiError(503, message, code=answer.code, type_=kind, retry_after_s=1.0,
+                       extra={"tokens_streamed": 0})
 
     def cancel(self, rid: int, reason: str = "cancelled") -> None:
         self._send(Cancel(rid=rid, reason=reason))
@@ -131,10 +168,12 @@ class GpuClient:
     def release(self, stream: RequestStream) -> None:
         """Forget a finished request; records that still arrive for it are dropped."""
         self._streams.pop(stream.rid, None)
+        self._held.pop(stream.rid, None)
 
     def fail_all(self, code: str, message: str) -> None:
         """Every open request gets an error (GPU restart, shutdown)."""
         err = Error(code=code, message=message)
+        self._held.clear()
         for stream in list(self._streams.values()):
             stream.set_admission(err)
             stream.feed(err)
@@ -147,6 +186,7 @@ class GpuClient:
             for item in msg.tokens:
                 s = streams.get(item.rid)
                 if s is not None:
+                    s.streamed = True
                     s.feed(item)
             for item in msg.finishes:
                 s = streams.get(item.rid)
@@ -157,13 +197,66 @@ class GpuClient:
             if s is not None:
                 s.set_admission(msg)
         elif type(msg) is Error:
-            if msg.rid is None:
+            if msg.rid is None and msg.code == RESTART_CODE:
+                self._on_restart()
+            elif msg.rid is None:
                 self.fail_all(msg.code, msg.message)
             else:
                 s = streams.get(msg.rid)
                 if s is not None:
                     s.set_admission(msg)
                     s.feed(msg)
+
+    # GPU-process restart -------------------------------------------------------------------
+    def _on_restart(self) -> None:
+        """Fail what has streamed; hold the rest for resubmission once the GPU is READY."""
+        for stream in list(self._streams.values()):
+            if stream.streamed:
+                stream.feed(Error(code=RESTART_ERROR, message="The GPU process restarted after this "
+                                         "request had streamed tokens; they cannot be continued. "
+                                         "Retry the request.", rid=stream.rid))
+            elif stream.submit is not None:
+                self._held[stream.rid] = stream
+        # Messages parked for the old rings are void: their Submits are all held (none streamed),
+        # and their Cancels name rows the new process never had.
+        self._pending.clear()
+        self._restarting = True
+        self._schedule_poll()
+
+    def _schedule_poll(self) -> None:
+        if self._poll is None and self._loop is not None:
+            self._poll = self._loop.call_later(READY_POLL_S, self._resubmit_held)
+
+    def _resubmit_held(self) -> None:
+        self._poll = None
+        if not self.ready():
+            self._schedule_poll()
+            return
+        self._restarting = False
+        held, self._held = self._held, {}
+        now = time.time()
+        for old_rid, stream in held.items():
+            if self._streams.get(old_rid) is not stream:
+                continue  # released meanwhile
+            if now >= stream.submit.deadline_ts:
+                err = Error(code=RESTART_ERROR, message="The GPU process restarted and the request's "
+                                   "deadline passed before it could be resubmitted. Retry it.",
+                                   rid=old_rid)
+                stream.set_admission(err)
+                stream.feed(err)
+                continue
+            # A fresh rid: if the old Submit did reach the new process after all (pushed after it
+            # adopted the rings), its row is cancelled and any records it sends are dropped.
+            rid = self._next_rid
+            self._next_rid += 1
+            del self._streams[old_rid]
+            self._streams[rid] = stream
+            stream.rid = rid
+            stream.resubmits += 1
+            stream.submit = msgspec.structs.replace(stream.submit, rid=rid)
+            self.resubmitted += 1
+            self._send(Cancel(rid=old_rid, reason="cancelled"))
+            self._send(stream.submit)
 
     # outgoing --------------------------------------------------------------------------------
     def _send(self, msg: Submit | Cancel) -> None:

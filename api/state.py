@@ -19,6 +19,8 @@ from ringserve.config import Config
 # Prompts longer than this (characters) are tokenized in a thread, so a long prompt's tokenization
 # never holds up the event loop that is streaming everyone else's tokens.
 TOKENIZE_INLINE_CHARS = 2048
+# Retry-After while the GPU process is not ready, when its load time is not known yet.
+DEFAULT_RELOAD_S = 5.0
 
 
 @dataclass(slots=True)
@@ -44,6 +46,8 @@ class ApiState:
     remote_cancel: Callable[[str, str], Awaitable[bool]] | None = None
     # Copies this worker's stats into its control-block region (None: not attached).
     publish: Callable[[WorkerStats], None] | None = None
+    # Seconds the GPU process takes to (re)load, for Retry-After while it is not ready.
+    reload_s: Callable[[], float] = lambda: DEFAULT_RELOAD_S
 
 
 STATE: web.AppKey[ApiState] = web.AppKey("ringserve_api_state", ApiState)

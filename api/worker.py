@@ -66,15 +66,34 @@ async def serve(config: Config, app: web.Application, sock: socket.socket,
         deadline = loop.time() + config.drain_timeout_s
         while len(state.registry) and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        if len(state.registry):
+            await _end_unfinished(state, loop)
     finally:
         await runner.cleanup()
+
+
+SHUTDOWN_WRITE_S = 2.0  # how long the handlers get to write the shutdown error event and [DONE]
+
+
+async def _end_unfinished(state: ApiState, loop: asyncio.AbstractEventLoop) -> None:
+    """The drain deadline passed: give every open request the `server_shutdown` error (an SSE
+    error event and [DONE], or a 503) instead of dropping its connection, and let the handlers
+    write it before the runner closes the connections."""
+    log.warning("drain timeout: ending %d unfinished requests with the server_shutdown error",
+                len(state.registry))
+    state.client.fail_all("server_shutdown", "The server is shutting down and the request did not "
+                          "finish within the drain timeout. Retry it on another instance.")
+    deadline = loop.time() + SHUTDOWN_WRITE_S
+    while len(state.registry) and loop.time() < deadline:
+        await asyncio.sleep(0.02)
 
 
 def run_worker(config: Config, *, index: int, transport: Callable[[], Transport],
                tokenizer_dir: str, model_name: str, ready: Callable[[], bool],
                stats_source: Callable[[ApiState], StatsSnapshot] | None = None,
                publish: Callable[[WorkerStats], None] | None = None,
-               peers: PeerCancel | None = None, sock: socket.socket | None = None) -> int:
+               peers: PeerCancel | None = None, sock: socket.socket | None = None,
+               reload_s: Callable[[], float | None] | None = None) -> int:
     """The worker process's main: runs until SIGTERM (drain) or SIGINT."""
     # A SIGTERM while still starting (nothing to drain yet) is a clean exit; the event loop's own
     # handler, installed below, takes over once serving.
@@ -88,9 +107,9 @@ def run_worker(config: Config, *, index: int, transport: Callable[[], Transport]
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        app = init_app(config, GpuClient(transport(), worker=index), codec, model_name=model_name,
-                       ready=ready, stats_source=stats_source, auth=auth, worker=index,
-                       publish=publish, peers=peers)
+        app = init_app(config, GpuClient(transport(), worker=index, ready=ready), codec,
+                       model_name=model_name, ready=ready, stats_source=stats_source, auth=auth,
+                       worker=index, publish=publish, peers=peers, reload_s=reload_s)
         await serve(config, app, sock, stop)
 
     uvloop.run(main())
@@ -122,7 +141,8 @@ def run_attached(config: Config, *, slot: int, instance: str, bell_fds: list[int
                           tokenizer_dir=tokenizer_dir, model_name=model_name,
                           ready=lambda: control.gpu_state == L.GpuState.READY,
                           stats_source=lambda st: from_control(control), publish=publish,
-                          peers=PeerCancel(instance, slot, control.n_workers), sock=sock)
+                          peers=PeerCancel(instance, slot, control.n_workers), sock=sock,
+                          reload_s=lambda: (control.model_facts() or {}).get("load_s"))
     finally:
         shm.close()
 

@@ -41,7 +41,7 @@ def serve(aiohttp_client, codec) -> Callable:
                      ready: Callable[[], bool] = lambda: True, app_kw: dict | None = None,
                      **config) -> Served:
         fake = fake or FakeGpu()
-        app = init_app(Config(**config), GpuClient(fake), codec, model_name=MODEL, ready=ready,
+        app = init_app(Config(**config), GpuClient(fake, ready=ready), codec, model_name=MODEL, ready=ready,
                        auth=Authenticator(keys),
                        stats_source=lambda st: StatsSnapshot(gpu=fake.stats(),
                                                              workers=[st.stats.as_dict()],

@@ -82,13 +82,13 @@ async def test_step_output_routed_per_request():
 
 
 async def test_error_for_all_reaches_every_stream():
-    """An Error without a rid (GPU restart) fails pending admissions and open streams."""
+    """An Error without a rid (other than a restart) fails pending admissions and open streams."""
     ring = _Ring(room=10)
     client = GpuClient(ring)
     client.start()
     a, b = client.open_stream(), client.open_stream()
     ring.deliver(Accepted(rid=a.rid, est_gpu_ms=1.0))
-    ring.deliver(Error(code="gpu_restart", message="restarted"))
+    ring.deliver(Error(code="gpu_fatal", message="the engine failed"))
     assert isinstance((await a.next_batch())[0], Error)
     with pytest.raises(ApiError) as err:
         await client.submit(b, _submit(b.rid))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -23,9 +24,9 @@ def instance(tmp_path):
     inst.unlink()
 
 
-def _submit(rid: int) -> Submit:
+def _submit(rid: int, deadline_ts: float = 1.0) -> Submit:
     return Submit(rid=rid, request_id=f"r{rid}", tenant="t", prompt_ids=[1, 2, 3], max_tokens=2,
-                  sampling=SamplingParams(), arrival_ts=0.0, deadline_ts=1.0)
+                  sampling=SamplingParams(), arrival_ts=0.0, deadline_ts=deadline_ts)
 
 
 async def test_submit_and_step_output_over_rings(instance):
@@ -52,17 +53,40 @@ async def test_submit_and_step_output_over_rings(instance):
     client.close()
 
 
-async def test_generation_change_fails_open_requests(instance):
-    """A new ring generation (GPU process restarted) gives every open request an error, even
-    when the new GPU process never rings this worker's bell."""
-    client = GpuClient(RingTransport.for_slot(instance, 0))
+async def test_generation_change_fails_streamed_and_resubmits_the_rest(instance):
+    """A new ring generation (GPU process restarted), found even without a bell: the request that
+    streamed a token gets the gpu_process_restart error; the one without tokens is resubmitted,
+    under a new rid, once the GPU process is READY again."""
+    ready = [True]
+    client = GpuClient(RingTransport.for_slot(instance, 0), ready=lambda: ready[0])
     client.start()
-    _, gpu_out = instance.gpu_rings()
-    stream = client.open_stream()
+    gpu_in, gpu_out = instance.gpu_rings()
+    a, b = client.open_stream(), client.open_stream()
+    for s in (a, b):
+        asyncio.create_task(client.submit(s, _submit(s.rid, deadline_ts=time.time() + 60)))
+    await asyncio.sleep(0)
+    assert gpu_out[0].try_push(encode(StepOutput(step=1, tokens=[Token(a.rid, 0, 9, 0.0)])))
+    instance.output_bells[0].ring()
+    async with asyncio.timeout(2):
+        assert isinstance((await a.next_batch())[0], Token)
+    while gpu_in[0].pop() is not None:
+        pass  # the first process read them
+    ready[0] = False
+    old_b = b.rid
     gpu_out[0].adopt_producer(generation=gpu_out[0].generation + 1)  # no bell: found by polling
     async with asyncio.timeout(2):
-        items = await stream.next_batch()
-    assert isinstance(items[0], Error) and items[0].code == "gpu_restart"
+        items = await a.next_batch()
+    assert isinstance(items[0], Error) and items[0].code == "gpu_process_restart"
+    await asyncio.sleep(0.1)
+    assert gpu_in[0].pop() is None  # nothing is sent while the GPU process is not ready
+    ready[0] = True
+    async with asyncio.timeout(2):
+        while b.rid == old_b:
+            await asyncio.sleep(0.01)
+    sent = [decode(gpu_in[0].pop()), decode(gpu_in[0].pop())]
+    assert sent[0].rid == old_b and type(sent[0]).__name__ == "Cancel"
+    assert isinstance(sent[1], Submit) and sent[1].rid == b.rid
+    assert sent[1].request_id == f"r{old_b}" and sent[1].prompt_ids == [1, 2, 3]
     client.close()
 
 

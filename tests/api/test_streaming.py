@@ -193,7 +193,8 @@ async def test_gpu_failure_mid_stream_sends_error_event(serve):
     fake.fail()
     events = sse_events(await resp.read())
     assert events[-1] == "[DONE]"
-    assert events[-2]["error"]["code"] == "gpu_restart"
+    assert events[-2]["error"]["code"] == "gpu_process_restart"
+    assert events[-2]["error"]["type"] == "gpu_process_restart"
 
 
 async def test_logprobs_streaming_and_not(serve, codec):

@@ -1,0 +1,210 @@
+"""What clients see when the GPU process restarts under them, on the in-process fake GPU: the
+error event for streams that had tokens, transparent resubmission for requests that had none
+(including the Submit a restarted process discards), 503 + Retry-After while not ready."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from ringserve.api.errors import ApiError
+from ringserve.api.fake_gpu import FakeGpu
+from ringserve.api.gpu_client import RESTART_ERROR, GpuClient
+from ringserve.shm.messages import Accepted, Error, Finish, SamplingParams, Submit, Token
+from tests.api.conftest import prompt_text_of, sse_events
+
+pytestmark = pytest.mark.asyncio
+
+
+def _submit(rid: int, deadline_s: float = 60.0) -> Submit:
+    now = time.time()
+    return Submit(rid=rid, request_id=f"r{rid}", tenant="t", prompt_ids=[5, 6, 7], max_tokens=6,
+                  sampling=SamplingParams(), arrival_ts=now, deadline_ts=now + deadline_s)
+
+
+async def _until(cond, timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not cond():
+            await asyncio.sleep(0.005)
+
+
+async def _collect(stream) -> list:
+    """Every record of a stream until all its samples finished or it failed."""
+    items: list = []
+    async with asyncio.timeout(5):
+        while not any(isinstance(i, (Finish, Error)) for i in items):
+            items += await stream.next_batch()
+    return items
+
+
+# GpuClient -------------------------------------------------------------------------------------
+async def test_streamed_request_gets_restart_error_with_its_rid():
+    """A request that already had a token is failed with the gpu_process_restart error."""
+    fake = FakeGpu(step_interval_s=0.01, paused=False)
+    client = GpuClient(fake, ready=lambda: fake.ready)
+    client.start()
+    stream = client.open_stream()
+    await client.submit(stream, _submit(stream.rid))
+    first = await stream.next_batch()
+    assert isinstance(first[0], Token)
+    fake.restart()
+    items = await _collect(stream)
+    errors = [i for i in items if isinstance(i, Error)]
+    assert errors and errors[0].code == RESTART_ERROR and errors[0].rid == stream.rid
+    assert client.resubmitted == 0
+    client.close()
+
+
+async def test_request_without_tokens_is_resubmitted_under_a_new_rid():
+    """Admitted but no token yet at the restart: resubmitted once READY, same tokens come out."""
+    fake = FakeGpu(paused=True)
+    client = GpuClient(fake, ready=lambda: fake.ready)
+    client.start()
+    stream = client.open_stream()
+    old_rid = stream.rid
+    await client.submit(stream, _submit(old_rid))
+    fake.restart()
+    await asyncio.sleep(0.12)  # a few readiness polls: nothing may be sent while not ready
+    assert fake.discarded == [] and len(fake.submits) == 1
+    fake.paused = False
+    fake.come_back()
+    items = await _collect(stream)
+    assert stream.rid != old_rid and client.resubmitted == 1
+    assert [i.token_id for i in items if isinstance(i, Token)] == [5, 6, 7, 5, 6, 7]
+    assert isinstance(items[-1], Finish) and items[-1].reason == "length"
+    assert [s.rid for s in fake.submits] == [old_rid, stream.rid]
+    client.close()
+
+
+async def test_submit_discarded_after_the_fence_is_resubmitted():
+    """The race: a Submit pushed after the fence but before the worker noticed it is discarded by
+    the new process; the worker resubmits it once READY instead of waiting forever."""
+    fake = FakeGpu()
+    client = GpuClient(fake, ready=lambda: fake.ready)
+    client.start()
+    stream = client.open_stream()
+    fake.ready = False  # fenced: what is pushed now, the next process discards
+    admission = asyncio.ensure_future(client.submit(stream, _submit(stream.rid)))
+    await _until(lambda: fake.discarded)
+    fake.restart()  # only now does the worker see the generation change
+    fake.come_back()
+    answer = await asyncio.wait_for(admission, 5)
+    assert isinstance(answer, Accepted) and answer.rid == stream.rid
+    items = await _collect(stream)
+    assert isinstance(items[-1], Finish) and items[-1].reason == "length"
+    assert len(fake.discarded) == 1 and client.resubmitted == 1
+    client.close()
+
+
+async def test_submit_while_restarting_waits_for_ready():
+    """A Submit made after the restart was seen is held, not pushed onto doomed rings."""
+    fake = FakeGpu()
+    client = GpuClient(fake, ready=lambda: fake.ready)
+    client.start()
+    fake.restart()
+    await asyncio.sleep(0.01)  # the restart notice is delivered
+    stream = client.open_stream()
+    admission = asyncio.ensure_future(client.submit(stream, _submit(stream.rid)))
+    await asyncio.sleep(0.12)
+    assert fake.discarded == [] and fake.submits == [] and not admission.done()
+    fake.come_back()
+    assert isinstance(await asyncio.wait_for(admission, 5), Accepted)
+    client.close()
+
+
+async def test_held_request_past_its_deadline_fails_with_restart_error():
+    """Resubmission is only within the request's deadline; after it the admission fails."""
+    fake = FakeGpu(paused=True)
+    client = GpuClient(fake, ready=lambda: fake.ready)
+    client.start()
+    stream = client.open_stream()
+    admission = asyncio.ensure_future(client.submit(stream, _submit(stream.rid, deadline_s=0.05)))
+    fake.restart()
+    await asyncio.sleep(0.1)
+    fake.come_back()
+    with pytest.raises(ApiError) as err:
+        await asyncio.wait_for(admission, 5)
+    assert err.value.status == 503 and err.value.type == RESTART_ERROR
+    assert err.value.body()["error"]["tokens_streamed"] == 0
+    assert client.resubmitted == 0
+    client.close()
+
+
+# through the app -----------------------------------------------------------------------------
+async def test_sse_restart_error_event_carries_type_request_id_and_tokens(serve):
+    """The error event: type gpu_process_restart, the request id, tokens streamed; then [DONE]."""
+    fake = FakeGpu(step_interval_s=0.005)
+    served = await serve(fake=fake, ready=lambda: fake.ready)
+    resp = await served.client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 1000,
+                                                             "stream": True})
+    for _ in range(3):
+        await resp.content.readuntil(b"\n\n")
+    fake.restart()
+    events = sse_events(await resp.read())
+    assert events[-1] == "[DONE]"
+    err = events[-2]
+    tokens = 3 + sum(1 for e in events[:-2] if e["choices"])
+    assert err["error"]["type"] == "gpu_process_restart" == err["error"]["code"]
+    assert err["error"]["tokens_streamed"] == tokens
+    assert err["request_id"] == resp.headers["x-request-id"]
+
+
+async def test_non_streaming_restart_is_503_with_the_same_error_object(serve):
+    """A plain request that had tokens gets 503, the error object and Retry-After (load time)."""
+    fake = FakeGpu(step_interval_s=0.005)
+    served = await serve(fake=fake, ready=lambda: fake.ready,
+                         app_kw={"reload_s": lambda: 7.2})
+    pending = asyncio.ensure_future(served.client.post(
+        "/v1/completions", json={"prompt": "abc", "max_tokens": 1000}))
+    await _until(lambda: any(r.generated[0] > 2 for r in fake._rows.values()))
+    fake.restart()
+    resp = await asyncio.wait_for(pending, 5)
+    body = await resp.json()
+    assert resp.status == 503 and resp.headers["Retry-After"] == "8"
+    assert body["error"]["type"] == "gpu_process_restart" and body["error"]["tokens_streamed"] > 2
+    assert resp.headers["x-request-id"]
+
+
+async def test_stream_without_tokens_completes_after_restart(serve, codec):
+    """A stream queued (no token) at the restart completes normally once the GPU is back."""
+    fake = FakeGpu(paused=True)
+    served = await serve(fake=fake, ready=lambda: fake.ready)
+    pending = asyncio.ensure_future(served.client.post(
+        "/v1/completions", json={"prompt": "hello", "max_tokens": 4, "stream": True}))
+    await _until(lambda: fake.submits)
+    fake.restart()
+    await asyncio.sleep(0.06)
+    fake.paused = False
+    fake.come_back()
+    resp = await asyncio.wait_for(pending, 5)
+    events = sse_events(await asyncio.wait_for(resp.read(), 5))
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    ids = prompt_text_of(codec, "hello")
+    text = "".join(e["text"] for e in events[:-1] if "text" in e)
+    assert text == codec.decode((ids * 4)[:4])
+    assert served.state.client.resubmitted == 1 and len(fake.submits) == 2
+
+
+async def test_not_ready_is_503_with_retry_after_from_load_time(serve):
+    """While the GPU is not ready, /ready and new requests are 503 with Retry-After ≈ load_s."""
+    fake = FakeGpu()
+    fake.ready = False
+    served = await serve(fake=fake, ready=lambda: fake.ready, app_kw={"reload_s": lambda: 2.4})
+    ready = await served.client.get("/ready")
+    resp = await served.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert ready.status == 503 and ready.headers["Retry-After"] == "3"
+    assert resp.status == 503 and resp.headers["Retry-After"] == "3"
+    assert (await resp.json())["error"]["code"] == "gpu_not_ready"
+
+
+async def test_retry_after_falls_back_when_load_time_unknown(serve):
+    """No published load time (None) or a failing read: Retry-After is the default, never 500."""
+    def broken():
+        raise OSError("torn")
+
+    for source in (lambda: None, broken):
+        served = await serve(ready=lambda: False, app_kw={"reload_s": source})
+        resp = await served.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert resp.status == 503 and resp.headers["Retry-After"] == "5"
