@@ -81,7 +81,7 @@ def _buckets(nblocks: dict[int, int]) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
-def _decode_bucket(meta: AttentionMetadata, seqs: list[int], tokens: list[int], width: int,
+def _bucket(meta: AttentionMetadata, seqs: list[int], tokens: list[int], width: int,
                    num_kv_heads: int) -> DecodeBucket:
     bs = meta.block_size
     device = meta.seq_lens.device
@@ -125,7 +125,7 @@ def build_reference_plan(meta: AttentionMetadata, num_kv_heads: int, row_bytes_p
         per_slice = max(1, budget_bytes // max(1, width * row_bytes_per_block))
         for lo in range(0, len(seqs), per_slice):
             part = seqs[lo:lo + per_slice]
-            decode.append(_decode_bucket(meta, part, [qsl[s] for s in part], width, num_kv_heads))
+            decode.append(_bucket(meta, part, [qsl[s] for s in part], width, num_kv_heads))
 
     chunks: list[PrefillChunk] = []
     for s in chunk_seqs:
