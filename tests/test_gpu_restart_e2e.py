@@ -1,0 +1,100 @@
+"""End to end through a real server (tiny model, CPU): SIGKILL the GPU process while two streams
+run and a seeded one waits in the queue. The running streams get the gpu_process_restart error
+event (request id, tokens streamed) and [DONE]; the queued one, which had no token yet, is
+resubmitted to the restarted GPU process and completes with the same tokens as a fresh run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from ringserve.tools.drill import attach_control, find_instance
+from tests.serverutil import ServerProcess
+
+LONG = {"prompt": "long", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+SEEDED = {"prompt": "seeded", "max_tokens": 12, "ignore_eos": True, "stream": True,
+          "temperature": 1.0, "seed": 1234}
+
+
+class _Reader:
+    """One streaming request's events as they arrive."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+        self.request_id = ""
+        self.tokens = 0
+        self.error_t: float | None = None
+
+    async def run(self, session: aiohttp.ClientSession, url: str, body: dict) -> None:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            self.request_id = resp.headers["x-request-id"]
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:]
+                ev = "[DONE]" if data == b"[DONE]" else json.loads(data)
+                self.events.append(ev)
+                if ev == "[DONE]":
+                    return
+                if "error" in ev:
+                    self.error_t = time.monotonic()
+                elif ev["choices"] and ev["choices"][0]["finish_reason"] is None:
+                    self.tokens += 1
+
+    def token_ids(self) -> list[int]:
+        return [e["token_id"] for e in self.events
+                if isinstance(e, dict) and "token_id" in e]
+
+
+async def _until(cond, timeout_s: float) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
+async def _scenario(url: str, control) -> None:
+    async with aiohttp.ClientSession() as session:
+        longs = [_Reader(), _Reader()]
+        tasks = [asyncio.create_task(r.run(session, url, LONG)) for r in longs]
+        await _until(lambda: all(r.tokens >= 2 for r in longs), 30)
+        seeded = _Reader()
+        tasks.append(asyncio.create_task(seeded.run(session, url, SEEDED)))
+        await _until(lambda: control.gpu_stats.read()["queue_depth"] >= 1, 10)
+        assert seeded.tokens == 0  # both rows are taken: it waits, with no token yet
+        kill_t = time.monotonic()
+        os.kill(control.gpu_pid, signal.SIGKILL)
+        async with asyncio.timeout(90):
+            await asyncio.gather(*tasks)
+        for r in longs:
+            assert r.events[-1] == "[DONE]"
+            err = r.events[-2]["error"]
+            assert err["type"] == "gpu_process_restart" == err["code"], r.events[-2]
+            assert err["tokens_streamed"] == r.tokens > 0
+            assert r.events[-2]["request_id"] == r.request_id
+            assert r.error_t - kill_t < 2.0  # the issue's bound is 1 s; slack for a loaded CI box
+        assert seeded.events[-1] == "[DONE]"
+        assert not any(isinstance(e, dict) and "error" in e for e in seeded.events)
+        assert seeded.tokens == 12
+        fresh = _Reader()
+        await asyncio.wait_for(fresh.run(session, url, SEEDED), 30)
+        assert fresh.token_ids() == seeded.token_ids()
+
+
+@pytest.mark.timeout(150)
+def test_gpu_kill_errors_streaming_requests_and_resubmits_queued_one(tiny_model_dir, tmp_path):
+    """Running streams get the restart error event; a queued seeded one completes, same tokens."""
+    with ServerProcess(tiny_model_dir, tmp_path / "shm", workers=1, queue_limit_s=600,
+                       max_rows=2) as srv:
+        seg, control = attach_control(srv.shm_dir, find_instance(srv.shm_dir))
+        try:
+            asyncio.run(_scenario(srv.url, control))
+        finally:
+            seg.close()
