@@ -5,9 +5,11 @@ sequence). Padding every row to the step's longest context makes a 32-row decode
 4k-token prompt pay 32 × 4k; the plan avoids that:
 
 - decode rows are bucketed by block count: taken from the fewest blocks up, a bucket closes before
-  the first row with more than twice the blocks of its first row, and every row is padded to the
-  widest of its bucket, so no row reads more than twice its own blocks and rows of similar context
-  share one pass; a bucket is cut into row slices that keep its K/V gather under a memory budget;
+  the first row with more than twice, and more than `_SLACK_BLOCKS` more than, the blocks of its
+  first row; every row is padded to the widest of its bucket. So no row reads more than twice its
+  own blocks (or a few blocks more: each pass has a fixed cost of a dozen tensor ops, which at short
+  contexts outweighs a little padding), and rows of similar context share one pass; a bucket is
+  cut into row slices that keep its K/V gather under a memory budget;
 - each prefill chunk gathers its own sequence's blocks once, for all of its tokens.
 
 The plan depends only on the step, so it is built once (on the first layer's call) and cached on
@@ -68,13 +70,17 @@ class ReferencePlan:
     chunks: tuple[PrefillChunk, ...]
 
 
+_SLACK_BLOCKS = 8
+
+
 def _buckets(nblocks: dict[int, int]) -> list[list[int]]:
-    """Decode sequences (id -> block count) grouped so that a bucket's widest row has at most twice
-    the blocks of its narrowest; each bucket lists its sequences in step order."""
+    """Decode sequences (id -> block count) grouped so that a bucket's widest row has at most twice,
+    or `_SLACK_BLOCKS` more than, the blocks of its narrowest; each bucket lists its sequences in
+    step order."""
     groups: list[list[int]] = []
     first = 0
     for s in sorted(nblocks, key=nblocks.__getitem__):
-        if not groups or nblocks[s] > 2 * first:
+        if not groups or nblocks[s] > max(2 * first, first + _SLACK_BLOCKS):
             groups.append([])
             first = nblocks[s]
         groups[-1].append(s)

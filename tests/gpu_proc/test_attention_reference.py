@@ -184,17 +184,18 @@ def test_fast_path_equals_naive_on_mixed_steps(trial):
 
 
 def test_decode_rows_pad_only_to_their_own_bucket():
-    """Next to one 4,000-token row, short decode rows are gathered at most twice their own blocks,
-    and a prefill chunk gathers only its own sequence's blocks."""
+    """Next to one 4,000-token row, short decode rows are gathered at most twice (or 8 blocks past)
+    their own blocks, and a prefill chunk gathers only its own sequence's blocks."""
     from ringserve.gpu_proc.attention.reference_plan import build_reference_plan
 
-    seqs = [SeqStep(i, [0], ctx, list(range(ctx // BS + 1))) for i, ctx in enumerate([10, 40, 4000, 20])]
-    seqs.append(SeqStep(4, [0] * 8, 24, [0, 1]))
+    contexts = [10, 40, 4000, 20, 300, 600]  # 1, 3, 251, 2, 19, 38 blocks
+    seqs = [SeqStep(i, [0], ctx, list(range(ctx // BS + 1))) for i, ctx in enumerate(contexts)]
+    seqs.append(SeqStep(6, [0] * 8, 24, [0, 1]))
     meta = build_step_inputs(StepBatch(seqs), BS, torch.device("cpu")).meta
     plan = build_reference_plan(meta, num_kv_heads=1, row_bytes_per_block=1, budget_bytes=1 << 30)
     widths = {tuple(b.tokens.tolist()): b.ctx // BS for b in plan.decode}
-    assert widths == {(0, 3): 2, (1,): 3, (2,): 251}  # 1, 2 | 3 | 251 blocks
-    assert [(c.lo, c.hi, c.seq_len, c.blocks.tolist()) for c in plan.chunks] == [(4, 12, 32, [0, 1])]
+    assert widths == {(0, 1, 3): 3, (4, 5): 38, (2,): 251}  # 1, 2, 3 | 19, 38 | 251 blocks
+    assert [(c.lo, c.hi, c.seq_len, c.blocks.tolist()) for c in plan.chunks] == [(6, 14, 32, [0, 1])]
 
 
 def test_cache_block_size_must_match_the_step():
