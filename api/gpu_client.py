@@ -20,6 +20,7 @@ onto rings that are about to be discarded.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from typing import Callable, Protocol
@@ -29,6 +30,8 @@ import msgspec
 from ringserve.api.errors import ApiError, error_type
 from ringserve.shm.messages import (Accepted, Cancel, Error, Finish, Message, Rejected, StepOutput,
                                     Submit, Token)
+
+log = logging.getLogger("ringserve.api.gpu_client")
 
 _RETRY_S = 0.001  # how soon a refused send (full ring) is retried
 RESTART_CODE = "gpu_restart"  # Error(rid=None) from a transport: the GPU process was replaced
@@ -52,13 +55,15 @@ class Transport(Protocol):
 class RequestStream:
     """One request's inbox: its admission answer, then batches of Token / Finish / Error records."""
 
-    __slots__ = ("rid", "admission", "submit", "streamed", "resubmits", "_items", "_waiter")
+    __slots__ = ("rid", "admission", "submit", "streamed", "cancelled", "resubmits", "_items",
+                 "_waiter")
 
     def __init__(self, rid: int, loop: asyncio.AbstractEventLoop) -> None:
         self.rid = rid  # changes when the request is resubmitted after a GPU-process restart
         self.admission: asyncio.Future = loop.create_future()
         self.submit: Submit | None = None  # as last sent, for a resubmission
         self.streamed = False  # a Token arrived: the request can no longer be resubmitted
+        self.cancelled = False  # a Cancel was sent: never resubmit it
         self.resubmits = 0
         self._items: list[Token | Finish | Error] = []
         self._waiter: asyncio.Future | None = None
@@ -163,6 +168,9 @@ class GpuClient:
                        extra={"tokens_streamed": 0})
 
     def cancel(self, rid: int, reason: str = "cancelled") -> None:
+        stream = self._streams.get(rid)
+        if stream is not None:
+            stream.cancelled = True
         self._send(Cancel(rid=rid, reason=reason))
 
     def release(self, stream: RequestStream) -> None:
@@ -210,17 +218,23 @@ class GpuClient:
     # GPU-process restart -------------------------------------------------------------------
     def _on_restart(self) -> None:
         """Fail what has streamed; hold the rest for resubmission once the GPU is READY."""
+        failed = 0
         for stream in list(self._streams.values()):
+            if stream.cancelled:
+                continue  # ended for its client already; nothing to resubmit or tell
             if stream.streamed:
-                stream.feed(Error(code=RESTART_ERROR, message="The GPU process restarted after this "
-                                         "request had streamed tokens; they cannot be continued. "
-                                         "Retry the request.", rid=stream.rid))
+                failed += 1
+                stream.feed(Error(code=RESTART_ERROR, rid=stream.rid, message=(
+                    "The GPU process restarted after this request had streamed tokens; they "
+                    "cannot be continued. Retry the request.")))
             elif stream.submit is not None:
                 self._held[stream.rid] = stream
         # Messages parked for the old rings are void: their Submits are all held (none streamed),
         # and their Cancels name rows the new process never had.
         self._pending.clear()
         self._restarting = True
+        log.warning("worker %d: GPU process restarted; %d streaming requests failed, %d held for "
+                    "resubmission once it is READY", self.worker, failed, len(self._held))
         self._schedule_poll()
 
     def _schedule_poll(self) -> None:
@@ -239,9 +253,9 @@ class GpuClient:
             if self._streams.get(old_rid) is not stream:
                 continue  # released meanwhile
             if now >= stream.submit.deadline_ts:
-                err = Error(code=RESTART_ERROR, message="The GPU process restarted and the request's "
-                                   "deadline passed before it could be resubmitted. Retry it.",
-                                   rid=old_rid)
+                err = Error(code=RESTART_ERROR, rid=old_rid, message=(
+                    "The GPU process restarted and the request's deadline passed before it "
+                    "could be resubmitted. Retry it."))
                 stream.set_admission(err)
                 stream.feed(err)
                 continue
@@ -257,6 +271,9 @@ class GpuClient:
             self.resubmitted += 1
             self._send(Cancel(rid=old_rid, reason="cancelled"))
             self._send(stream.submit)
+        if held:
+            log.info("worker %d: resubmitted %d requests to the restarted GPU process",
+                     self.worker, self.resubmitted)
 
     # outgoing --------------------------------------------------------------------------------
     def _send(self, msg: Submit | Cancel) -> None:

@@ -208,3 +208,18 @@ async def test_retry_after_falls_back_when_load_time_unknown(serve):
         served = await serve(ready=lambda: False, app_kw={"reload_s": source})
         resp = await served.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert resp.status == 503 and resp.headers["Retry-After"] == "5"
+
+
+async def test_cancelled_request_is_not_resubmitted():
+    """A request cancelled before its first token is not brought back by a restart."""
+    fake = FakeGpu(paused=True)
+    client = GpuClient(fake, ready=lambda: fake.ready)
+    client.start()
+    stream = client.open_stream()
+    await client.submit(stream, _submit(stream.rid))
+    client.cancel(stream.rid, "disconnect")
+    fake.restart()
+    fake.come_back()
+    await asyncio.sleep(0.15)
+    assert client.resubmitted == 0 and len(fake.submits) == 1
+    client.close()
