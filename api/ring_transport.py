@@ -5,8 +5,9 @@ GPU process's input doorbell is rung. Incoming records arrive on the output ring
 output doorbell (an eventfd) is registered with the event loop, so the loop wakes exactly when the
 GPU process has pushed a step's records and never polls.
 
-When the ring generation changes (the supervisor restarted the GPU process and the new one adopted
-the rings), every open request is failed with one `Error`: its tokens would never come.
+When the ring generation changes (the supervisor fenced the rings after the GPU process died), one
+`Error(code=RESTART_CODE, rid=None)` is delivered: `GpuClient` fails the requests that streamed
+tokens and resubmits the others once the restarted GPU process is READY.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
+from ringserve.api.gpu_client import RESTART_CODE
 from ringserve.shm.doorbell import Doorbell
 from ringserve.shm.messages import Cancel, Error, Message, Submit, decode, encode
 from ringserve.shm.ring import Ring
@@ -108,5 +110,4 @@ class RingTransport:
         generation = self.outputs.generation
         if generation != self._generation:
             self._generation = generation
-            deliver(Error(code="gpu_restart", message="The GPU process restarted; the request was "
-                          "lost. Retry it."))
+            deliver(Error(code=RESTART_CODE, message="The GPU process restarted."))
