@@ -169,3 +169,4 @@ def test_term_streams_longer_than_the_drain_get_the_error_event(tiny_model_dir, 
         rep = _drill(srv, "term", streams=2, max_tokens=900)
         assert srv.proc.wait(30) == 0
     assert rep.dropped == 0 and rep.error_events == 2, format_table(rep)
+    assert rep.ok, format_table(rep)
