@@ -1,12 +1,14 @@
 """End to end through a real server (tiny model, CPU): SIGKILL the GPU process while two streams
 run and a seeded one waits in the queue. The running streams get the gpu_process_restart error
 event (request id, tokens streamed) and [DONE]; the queued one, which had no token yet, is
-resubmitted to the restarted GPU process and completes with the same tokens as a fresh run."""
+resubmitted to the restarted GPU process and completes with the same tokens as a fresh run.
+Meanwhile /ready is 503 with Retry-After from the GPU process's measured load time."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import time
@@ -69,8 +71,15 @@ async def _scenario(url: str, control) -> None:
         tasks.append(asyncio.create_task(seeded.run(session, url, SEEDED)))
         await _until(lambda: control.gpu_stats.read()["queue_depth"] >= 1, 10)
         assert seeded.tokens == 0  # both rows are taken: it waits, with no token yet
+        load_s = control.model_facts()["load_s"]
+        generation = control.gpu_generation
         kill_t = time.monotonic()
         os.kill(control.gpu_pid, signal.SIGKILL)
+        await _until(lambda: control.gpu_generation != generation, 10)
+        async with session.get(url + "/ready") as ready:
+            # Not ready at once, Retry-After from the measured load time (whole seconds, >= 1).
+            assert ready.status == 503
+            assert int(ready.headers["Retry-After"]) == max(1, math.ceil(load_s))
         async with asyncio.timeout(90):
             await asyncio.gather(*tasks)
         for r in longs:
