@@ -21,6 +21,7 @@ MAX_LOGPROBS = 20
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 _SEED_RANGE = (-(2**63), 2**64 - 1)
+_MAX_ID = 2**31 - 1  # no vocabulary is larger; bigger ints would not even fit the wire format
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -142,8 +143,8 @@ def _prompt(body: _Body) -> tuple[str | None, tuple[int, ...] | None]:
 def _token_ids(ids: list[int], param: str) -> tuple[int, ...]:
     if not ids:
         raise bad_request(f"{param} must not be empty.", param)
-    if min(ids) < 0:
-        raise bad_request(f"{param} must hold non-negative token ids.", param)
+    if min(ids) < 0 or max(ids) > _MAX_ID:
+        raise bad_request(f"{param} must hold token ids between 0 and {_MAX_ID}.", param)
     return tuple(ids)
 
 
@@ -155,13 +156,11 @@ def _sampling(body: _Body) -> SamplingParams:
     if not 0.0 < top_p <= 1.0:
         raise bad_request(f"top_p must be in (0, 1], got {top_p}.", "top_p")
     top_k = 0 if body.top_k is None or body.top_k == -1 else body.top_k  # -1: vLLM's "off"
-    if top_k < 0:
+    if not 0 <= top_k <= _MAX_ID:
         raise bad_request(f"top_k must be >= 0 (0 or -1: off), got {top_k}.", "top_k")
     if body.seed is not None and not _SEED_RANGE[0] <= body.seed <= _SEED_RANGE[1]:
         raise bad_request("seed must fit in 64 bits.", "seed")
-    stop_ids = tuple(body.stop_token_ids or ())
-    if stop_ids and min(stop_ids) < 0:
-        raise bad_request("stop_token_ids must be non-negative token ids.", "stop_token_ids")
+    stop_ids = _token_ids(body.stop_token_ids, "stop_token_ids") if body.stop_token_ids else ()
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=body.seed,
                           stop_token_ids=stop_ids, ignore_eos=body.ignore_eos)
 

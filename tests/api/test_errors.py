@@ -37,6 +37,10 @@ async def _error(resp, status: int) -> dict:
     ({"prompt": "x", "prompt_token_ids": [1]}, "prompt"),
     ({"prompt_token_ids": [1, -1]}, "prompt_token_ids"),
     ({"prompt_token_ids": [10**9]}, "prompt"),
+    ({"prompt_token_ids": [2**64]}, "prompt_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [2**64]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": "x", "top_k": 2**70}, "top_k"),
 ])
 async def test_bad_fields_are_400_naming_the_field(serve, body, param):
     """Wrong types, out-of-range values and result-changing unknown fields name the field."""
