@@ -35,12 +35,14 @@ def _request(key: int, prompt: list[int], max_tokens: int, seed: int):
 class _Bench:
     """One engine, and a fresh scheduler (and block pool) per measured run."""
 
-    def __init__(self, model_dir: str, num_blocks: int, max_rows: int, prefill_budget: int) -> None:
+    def __init__(self, model_dir: str, num_blocks: int, max_rows: int, prefill_budget: int,
+                 threads: int = 1) -> None:
         from ringserve.config import Config
         from ringserve.gpu_proc.engine import build_engine
 
         self.kwargs = dict(num_blocks=num_blocks, max_rows=max_rows, prefill_budget=prefill_budget,
-                           context_limit=8192, max_tokens_limit=1024, queue_limit_s=1e9, device="cpu")
+                           context_limit=8192, max_tokens_limit=1024, queue_limit_s=1e9, device="cpu",
+                           cpu_threads=threads)
         self.engine = build_engine(Config(**self.kwargs), model_dir)
         self.config_cls = Config
 
@@ -147,7 +149,7 @@ def run(args) -> dict:
             from ringserve.tools.make_tiny_model import build_tiny_model
 
             model_dir = str(build_tiny_model(tmp))
-        bench = _Bench(model_dir, args.blocks, args.max_rows, args.prefill_budget)
+        bench = _Bench(model_dir, args.blocks, args.max_rows, args.prefill_budget, args.threads)
         report = {"setup": {"model": args.model or "tiny (built-in)", "device": "cpu",
                             "torch_threads": torch.get_num_threads(), "block_size": 16,
                             "max_rows": args.max_rows, "prefill_budget": args.prefill_budget,

@@ -150,6 +150,11 @@ def run(device_name: str, rows_list: list[int], iters: int, model_dir: str | Non
     if device_name == "cuda" and not torch.cuda.is_available():
         raise SystemExit("ringserve bench step: --device cuda but no CUDA device is available")
     device = torch.device(device_name)
+    if device.type == "cpu":
+        from ringserve.config import Config
+        from ringserve.gpu_proc.cpu_tuning import tune_cpu_process
+
+        tune_cpu_process(Config().cpu_threads)  # what the GPU process does on the CPU
     max_rows = max(rows_list)
     report: dict = {"device": device_name, "iters": iters, "rows": rows_list, "goals_ms": GOALS_MS,
                     "models": {}}

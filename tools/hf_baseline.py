@@ -113,8 +113,9 @@ def compare(model_dir: str, trace: list[TraceRequest], arrivals: list[float], *,
 
     from .batchers import ContinuousPolicy
 
-    torch.set_num_threads(threads)
-    engine = build_engine(Config(device="cpu", dtype="float32", num_blocks=num_blocks), model_dir)
+    torch.set_num_threads(threads)  # HF's generate below runs with the same thread count
+    engine = build_engine(Config(device="cpu", dtype="float32", num_blocks=num_blocks, cpu_threads=threads),
+                          model_dir)
     vocab = (3, min(engine.vocab_size, 1000))
     ours = replay(ContinuousPolicy(max_rows=batch, prefill_budget=chunk, num_blocks=num_blocks), trace, arrivals,
                   EngineExecutor(engine), vocab=vocab).summary()

@@ -147,7 +147,8 @@ def _real(args, trace, arrivals, log) -> tuple[list[dict], dict]:
         from .make_tiny_model import build_tiny_model
 
         model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix="ringserve-tiny-")))
-    engine = build_engine(Config(device=args.device, dtype="float32", num_blocks=args.num_blocks), model_dir)
+    engine = build_engine(Config(device=args.device, dtype="float32", num_blocks=args.num_blocks,
+                                 cpu_threads=args.threads), model_dir)
     vocab = (3, min(engine.vocab_size, 1000))
     rows = run_variants(_variants(args), trace, arrivals, lambda: EngineExecutor(engine), num_blocks=args.num_blocks,
                         chunk_scale=args.chunk_scale, vocab=vocab, repeat=args.repeat, progress=log)
