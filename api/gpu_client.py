@@ -36,6 +36,7 @@ log = logging.getLogger("ringserve.api.gpu_client")
 _RETRY_S = 0.001  # how soon a refused send (full ring) is retried
 RESTART_CODE = "gpu_restart"  # Error(rid=None) from a transport: the GPU process was replaced
 RESTART_ERROR = "gpu_process_restart"  # the code and type a client sees for a restart
+MAX_RESUBMITS = 1  # a request in flight through two crashes may be what crashes the GPU process
 READY_POLL_S = 0.05  # how often held requests check whether the restarted GPU process is READY
 
 
@@ -227,6 +228,13 @@ class GpuClient:
                 stream.feed(Error(code=RESTART_ERROR, rid=stream.rid, message=(
                     "The GPU process restarted after this request had streamed tokens; they "
                     "cannot be continued. Retry the request.")))
+            elif stream.submit is not None and stream.resubmits >= MAX_RESUBMITS:
+                failed += 1
+                err = Error(code=RESTART_ERROR, rid=stream.rid, message=(
+                    "The GPU process restarted again while this request was in it; it is not "
+                    "resubmitted a second time, in case it is what makes the process fail."))
+                stream.set_admission(err)
+                stream.feed(err)
             elif stream.submit is not None:
                 self._held[stream.rid] = stream
         # Messages parked for the old rings are void: their Submits are all held (none streamed),

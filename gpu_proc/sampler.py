@@ -101,11 +101,15 @@ class SamplingPlan:
     max_top_k: int = 0  # known on the host, so choosing the candidate count needs no device sync
 
 
+# Below this a temperature is greedy: dividing logits by a denormal gives inf, and softmax NaN.
+MIN_TEMPERATURE = 1e-5
+
+
 def plan_sampling(rows: list[RowSampling], positions: list[int], device: torch.device) -> SamplingPlan:
     """Host half: gather the rows' parameters into a few tensors (one copy each)."""
     if len(rows) != len(positions):
         raise ValueError(f"{len(rows)} sampling rows but {len(positions)} positions")
-    rand = [i for i, r in enumerate(rows) if r.temperature > 0.0]
+    rand = [i for i, r in enumerate(rows) if r.temperature >= MIN_TEMPERATURE]
     top_n = [r.logprobs for r in rows]
     max_top_n = max(filter(None, top_n), default=0)
     if not rand:

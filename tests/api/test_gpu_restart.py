@@ -78,6 +78,25 @@ async def test_request_without_tokens_is_resubmitted_under_a_new_rid():
     client.close()
 
 
+async def test_request_caught_by_a_second_restart_fails_instead_of_looping():
+    """Resubmitted once and caught by another crash: it gets the restart error, not a resubmission
+    (a request that crashes the GPU process must not crash it forever)."""
+    fake = FakeGpu(paused=True)
+    client = GpuClient(fake, ready=lambda: fake.ready)
+    client.start()
+    stream = client.open_stream()
+    await client.submit(stream, _submit(stream.rid))
+    fake.restart()
+    fake.come_back()
+    await _until(lambda: client.resubmitted == 1)
+    fake.restart()
+    fake.come_back()
+    items = await _collect(stream)
+    assert isinstance(items[-1], Error) and items[-1].code == RESTART_ERROR
+    assert client.resubmitted == 1 and len(fake.submits) == 2
+    client.close()
+
+
 async def test_submit_discarded_after_the_fence_is_resubmitted():
     """The race: a Submit pushed after the fence but before the worker noticed it is discarded by
     the new process; the worker resubmits it once READY instead of waiting forever."""

@@ -28,6 +28,14 @@ def _draws(logits_row, n, **kw):
     return sample(logits, rows, list(range(100, 100 + n))).token_ids
 
 
+def test_denormal_temperature_is_greedy_not_nan():
+    """A temperature too small to divide by (5e-324) samples greedily instead of failing on NaN."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(1))
+    rows = [RowSampling(temperature=5e-324, top_p=0.5, seed=1), RowSampling(temperature=1e-9, top_k=3),
+            RowSampling(temperature=5e-324)]
+    assert sample(logits, rows, [1, 2, 3]).token_ids == logits.argmax(-1).tolist()
+
+
 def test_greedy_is_argmax_with_raw_logprob():
     """Temperature 0 picks the argmax; its logprob is log_softmax of the raw logits."""
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0))
