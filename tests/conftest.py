@@ -5,6 +5,14 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
+
+# CI runs the property and fuzz tests derandomized: the same examples every run, so a red CI means
+# the change broke something, not that a new random example turned up an old bug. Developers'
+# runs explore new examples each time (RINGSERVE_HYPOTHESIS_PROFILE=ci reproduces CI locally).
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI") or os.environ.get("RINGSERVE_HYPOTHESIS_PROFILE") == "ci":
+    settings.load_profile("ci")
 
 # CI and dev machines here are small and shared: several OpenMP threads per torch process fighting
 # over two cores make tiny CPU model steps 10-30x slower (workers spin at every barrier). One
