@@ -48,7 +48,8 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
         await client.submit(stream, Submit(
             rid=stream.rid, request_id=request_id, tenant=request[TENANT], prompt_ids=prompt_ids,
             max_tokens=req.max_tokens, sampling=req.sampling, arrival_ts=arrival,
-            deadline_ts=arrival + st.config.request_timeout_s, n=req.n, logprobs=req.logprobs))
+            deadline_ts=arrival + st.config.request_timeout_s, n=req.n, logprobs=req.logprobs,
+            cache_salt=req.cache_salt))
         encoder = EventEncoder(request_id, st.model_name, int(arrival)) if req.stream else None
         gen = Generation(st.codec, n=req.n, stop=req.stop, prompt_tokens=len(prompt_ids),
                          arrival=arrival, encoder=encoder, logprobs=req.logprobs)

@@ -56,6 +56,9 @@ _GPU_COUNTERS = (
     ("ringserve_steps", "Steps the GPU loop has run.", "steps"),
     ("ringserve_gpu_prompt_tokens", "Prompt tokens prefilled.", "prompt_tokens_total"),
     ("ringserve_gpu_generation_tokens", "Tokens generated.", "generation_tokens_total"),
+    ("ringserve_prefix_cache_queries", "Tokens looked up in the prefix cache when requests join.",
+     "prefix_cache_queries"),
+    ("ringserve_prefix_cache_hits", "Of those, tokens served from cached KV blocks.", "prefix_cache_hits"),
 )
 # name, help, key in the worker regions (summed over workers)
 _WORKER_GAUGES = (("ringserve_open_streams", "Requests open in the API workers.", "open_streams"),)
@@ -112,6 +115,10 @@ class _SnapshotCollector:
                                 value=float(gpu.get("running_rows", 0.0)))
         yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1.",
                                 value=min(1.0, max(0.0, 1.0 - free / total)) if total > 0 else 0.0)
+        yield CounterMetricFamily("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.",
+                                  value=float(gpu.get("prefix_cache_queries", 0.0)))
+        yield CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.",
+                                  value=float(gpu.get("prefix_cache_hits", 0.0)))
         info = GaugeMetricFamily("vllm:cache_config_info", "KV-cache configuration.",
                                  labels=["block_size", "num_gpu_blocks"])
         info.add_metric([str(int(self.snap.block_size)), str(int(total))], 1.0)

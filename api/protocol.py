@@ -47,6 +47,7 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True):
     logprobs: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    cache_salt: str | None = None  # prefix-cache isolation (vLLM's field): equal salts share blocks
     # accepted and ignored at their neutral values
     user: str | None = None
     echo: bool = False
@@ -70,6 +71,7 @@ class CompletionRequest:
     n: int
     logprobs: int | None
     stream: bool
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt_text is None) == (self.prompt_ids is None):
@@ -113,7 +115,7 @@ def parse_body(raw: bytes, *, max_tokens_limit: int, default_max_tokens: int = 1
                           "logprobs")
     return CompletionRequest(prompt_text=prompt_text, prompt_ids=prompt_ids, model=body.model,
                              max_tokens=max_tokens, sampling=_sampling(body), stop=_stops(body.stop),
-                             n=body.n, logprobs=body.logprobs, stream=body.stream)
+                             n=body.n, logprobs=body.logprobs, stream=body.stream, cache_salt=_salt(body))
 
 
 def _prompt(body: _Body) -> tuple[str | None, tuple[int, ...] | None]:
@@ -196,3 +198,13 @@ def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
         raise ApiError(404, f"The model {requested!r} does not exist; this server serves {served!r}.",
                        param="model", code="model_not_found")
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def _salt(body: _Body) -> str | None:
+    if body.cache_salt is not None and not 1 <= len(body.cache_salt) <= MAX_CACHE_SALT_CHARS:
+        raise bad_request(f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters, got "
+                          f"{len(body.cache_salt)}.", "cache_salt")
+    return body.cache_salt

@@ -175,6 +175,7 @@ class GpuLoop:
             "generation_tokens_total": st.generation_tokens_total, "step_ms": step_ms,
             "steps": self.step_no, "rejected_429": self.rejected_429,
             "c_prefill_ms": st.c_prefill_ms, "c_decode_ms": st.c_decode_ms,
+            "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
         })
         region.publish()
         self.control.gpu_heartbeat()

@@ -129,6 +129,7 @@ GPU_STAT_NAMES: tuple[str, ...] = (
     "queue_depth", "queued_gpu_seconds", "running_rows", "kv_blocks_free", "kv_blocks_total",
     "preemptions", "cancelled_tokens", "prompt_tokens_total", "generation_tokens_total",
     "step_ms", "steps", "rejected_429", "c_prefill_ms", "c_decode_ms",
+    "prefix_cache_queries", "prefix_cache_hits",
 )
 
 
