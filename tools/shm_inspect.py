@@ -70,6 +70,12 @@ def inspect(directory: str = L.DEFAULT_DIRECTORY) -> list[dict]:
     return [_describe(info, directory) for info in list_segments(directory)]
 
 
+def _hit_rate(gpu_stats: dict) -> str:
+    """Prompt tokens served from cached KV blocks over tokens looked up ("-" before any lookup)."""
+    queries = gpu_stats.get("prefix_cache_queries", 0.0)
+    return f"{gpu_stats.get('prefix_cache_hits', 0.0) / queries:.1%}" if queries else "-"
+
+
 def _age(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s"
 
@@ -106,7 +112,7 @@ def format_table(segments: list[dict]) -> str:
             total, free = int(g["kv_blocks_total"]), int(g["kv_blocks_free"])
             lines.append(f"  {'':<9} kv blocks {total - free}/{total} used, queue depth "
                          f"{int(g['queue_depth'])}, running rows {int(g['running_rows'])}, "
-                         f"steps {int(g['steps'])}")
+                         f"steps {int(g['steps'])}, prefix cache hit rate {_hit_rate(g)}")
             for i, w in enumerate(c["workers"]):
                 lines.append(f"  {'':<9} worker {i}: pid {_pid(w['pid'], _pid_alive(w['pid']))}, "
                              f"generation {w['generation']}, heartbeat {_age(w['heartbeat_age_s'])}")

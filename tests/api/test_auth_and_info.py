@@ -105,3 +105,12 @@ async def test_worker_stats_are_published_periodically(serve):
         while not seen or seen[-1]["requests_total"] != 1.0:
             await asyncio.sleep(0.01)
     assert seen[-1]["completion_tokens_total"] == 1.0
+
+
+async def test_cache_salt_reaches_the_gpu_process(serve):
+    """A request's cache_salt travels in its Submit (prefix-cache isolation); absent, it is None."""
+    served = await serve()
+    for body in ({**_BODY, "cache_salt": "tenant-secret"}, _BODY):
+        resp = await served.client.post("/v1/completions", json=body)
+        assert resp.status == 200
+    assert [s.cache_salt for s in served.fake.submits] == ["tenant-secret", None]

@@ -41,6 +41,8 @@ async def _error(resp, status: int) -> dict:
     ({"prompt": "x", "stop_token_ids": [2**64]}, "stop_token_ids"),
     ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"prompt": "x", "top_k": 2**70}, "top_k"),
+    ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
+    ({"prompt": "x", "cache_salt": "s" * 300}, "cache_salt"),
 ])
 async def test_bad_fields_are_400_naming_the_field(serve, body, param):
     """Wrong types, out-of-range values and result-changing unknown fields name the field."""

@@ -30,7 +30,8 @@ def test_control_block_snapshot_renders_server_wide(control):
     """GPU stats, both workers' counters and histograms (summed) and model facts all render."""
     control.gpu_stats.update({"queue_depth": 3, "running_rows": 5, "kv_blocks_free": 30,
                               "kv_blocks_total": 120, "preemptions": 2, "cancelled_tokens": 17,
-                              "rejected_429": 4, "queued_gpu_seconds": 1.5})
+                              "rejected_429": 4, "queued_gpu_seconds": 1.5,
+                              "prefix_cache_queries": 200, "prefix_cache_hits": 150})
     control.gpu_stats.publish()
     control.set_model_facts({"block_size": 16, "name": "tiny"})
     for slot, ttft in ((0, 40.0), (1, 700.0)):
@@ -46,6 +47,8 @@ def test_control_block_snapshot_renders_server_wide(control):
     assert s[("vllm:cache_config_info", (("block_size", "16"), ("num_gpu_blocks", "120")))] == 1
     assert s[("ringserve_preemptions_total", ())] == 2
     assert s[("ringserve_cancelled_tokens_total", ())] == 17
+    assert s[("ringserve_prefix_cache_queries_total", ())] == 200 == s[("vllm:prefix_cache_queries_total", ())]
+    assert s[("ringserve_prefix_cache_hits_total", ())] == 150 == s[("vllm:prefix_cache_hits_total", ())]
     assert s[("ringserve_rejected_429_total", ())] == 4
     assert s[("ringserve_queued_gpu_seconds", ())] == 1.5
     assert s[("ringserve_requests_total", ())] == 20

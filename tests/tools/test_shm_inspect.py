@@ -112,3 +112,12 @@ def test_watch_redraws_and_shows_pool_and_slots(holder, capsys):
     assert shm_inspect.watch(directory, 0.01, iterations=1) == 0
     out = capsys.readouterr().out
     assert "kv blocks 0/0 used" in out and "queue depth 0" in out and "worker 0: pid" in out
+    assert "prefix cache hit rate -" in out
+
+
+def test_prefix_cache_hit_rate():
+    """The hit rate is hits over lookups, and a dash before any lookup."""
+    from ringserve.tools.shm_inspect import _hit_rate
+
+    assert _hit_rate({"prefix_cache_queries": 200.0, "prefix_cache_hits": 150.0}) == "75.0%"
+    assert _hit_rate({"prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0}) == "-"
