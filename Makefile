@@ -5,9 +5,11 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # CPU machines get the pinned CPU build of torch (a plain `torch` pulls a multi-GB CUDA build);
 # on a GPU box set TORCH_SPEC, e.g. `make test TORCH_SPEC=torch==2.13.0 EXTRAS=test,cuda` (README).
+# A box with an NVIDIA driver also gets the `cuda` extra (CuPy for the attention kernels).
 HAS_CUDA   := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+COMMA      := ,
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS     ?= test
+EXTRAS     ?= $(if $(HAS_CUDA),test$(COMMA)cuda,test)
 PYTEST_ARGS ?=
 SOAK_S ?= 60
 
