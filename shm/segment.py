@@ -61,6 +61,24 @@ def parse_instance(instance: str) -> tuple[int, int]:
     return int(pid), int(start)
 
 
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not yet reaped by its parent) counts as gone."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # NOTE: the state follows the last ')' (the command name may itself hold one).
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
 def owner_alive(instance: str) -> bool:
     """True when the instance's owner process still runs (same pid *and* same start time).
 

@@ -15,7 +15,8 @@ import pytest
 
 from ringserve.restart_policy import BACKOFF_BASE_S, BACKOFF_MAX_S, RestartPolicy
 from ringserve.shm.segment import list_segments
-from ringserve.tools.drill import attach_control, find_instance, pid_alive
+from ringserve.shm.segment import pid_alive
+from ringserve.tools.drill import attach_control, find_instance
 from tests.serverutil import ServerProcess, free_port
 
 pytestmark = pytest.mark.timeout(180)

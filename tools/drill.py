@@ -30,7 +30,7 @@ import aiohttp
 
 from ringserve.shm import layout as L
 from ringserve.shm.control import Control
-from ringserve.shm.segment import Segment, list_segments, owner_alive, segment_name
+from ringserve.shm.segment import Segment, list_segments, owner_alive, pid_alive, segment_name
 from ringserve.tools.drill_client import (StreamResult, http_status, probe_drain, stream_completion,
                                           wait_ready)
 
@@ -85,22 +85,6 @@ def attach_control(shm_dir: str, instance: str) -> tuple[Segment, Control]:
 
 
 _OWNER_PID = next(f for f in L.CONTROL_FIELDS if f.name == "owner_pid")
-
-
-def pid_alive(pid: int) -> bool:
-    """True while `pid` runs; a zombie (exited, not yet reaped by its parent) counts as gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # NOTE: the state follows the last ')' (the command name may itself hold one).
-            return f.read().rpartition(b")")[2].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 async def _wait_workers(control: Control, timeout_s: float) -> None:

@@ -19,19 +19,7 @@ import time
 from ringserve.shm import layout as L
 from ringserve.shm.control import Control, ControlError
 from ringserve.shm.ring import Ring, RingError
-from ringserve.shm.segment import Segment, SegmentInfo, cleanup_stale, list_segments
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+from ringserve.shm.segment import Segment, SegmentInfo, cleanup_stale, list_segments, pid_alive
 
 
 def _describe(info: SegmentInfo, directory: str) -> dict:
@@ -47,8 +35,8 @@ def _describe(info: SegmentInfo, directory: str) -> dict:
         if magic == L.RING_MAGIC:
             ring = Ring(seg.buf)
             snap = ring.snapshot()
-            snap["producer_alive"] = _pid_alive(snap["producer_pid"])
-            snap["consumer_alive"] = _pid_alive(snap["consumer_pid"])
+            snap["producer_alive"] = pid_alive(snap["producer_pid"])
+            snap["consumer_alive"] = pid_alive(snap["consumer_pid"])
             try:
                 ring.check_integrity()
                 snap["integrity"] = "ok"
@@ -114,7 +102,7 @@ def format_table(segments: list[dict]) -> str:
                          f"{int(g['queue_depth'])}, running rows {int(g['running_rows'])}, "
                          f"steps {int(g['steps'])}, prefix cache hit rate {_hit_rate(g)}")
             for i, w in enumerate(c["workers"]):
-                lines.append(f"  {'':<9} worker {i}: pid {_pid(w['pid'], _pid_alive(w['pid']))}, "
+                lines.append(f"  {'':<9} worker {i}: pid {_pid(w['pid'], pid_alive(w['pid']))}, "
                              f"generation {w['generation']}, heartbeat {_age(w['heartbeat_age_s'])}")
         elif seg["kind"] == "ring":
             r = seg["ring"]

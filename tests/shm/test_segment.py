@@ -113,3 +113,22 @@ def test_read_only_attach_cannot_write(shm_dir):
     assert ro.buf[0:2] == b"ok"
     with pytest.raises(TypeError):
         ro.buf[0:2] = b"no"
+
+
+def test_pid_alive_sees_live_gone_and_zombie_processes():
+    """A running process is alive; an exited one, a zombie and pid 0 are not."""
+    import subprocess
+    import sys
+    import time
+
+    from ringserve.shm.segment import pid_alive
+
+    assert pid_alive(os.getpid())
+    assert not pid_alive(0)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while pid_alive(child.pid) and time.monotonic() < deadline:  # exited, unreaped: a zombie
+        time.sleep(0.01)
+    assert not pid_alive(child.pid)
+    child.wait()
+    assert not pid_alive(child.pid)
