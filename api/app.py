@@ -168,14 +168,19 @@ async def _executor_ctx(app: web.Application):
     st.executor = None
 
 
-async def _slow_reader_ctx(app: web.Application):
-    task = asyncio.create_task(_slow_reader_watchdog(app[STATE]))
-    yield
+async def _stop_task(task: asyncio.Task) -> None:
+    """Cancel a background task and wait until it has ended."""
     task.cancel()
     try:
         await task
     except asyncio.CancelledError:
         pass
+
+
+async def _slow_reader_ctx(app: web.Application):
+    task = asyncio.create_task(_slow_reader_watchdog(app[STATE]))
+    yield
+    await _stop_task(task)
 
 
 def _peers_ctx(peers: PeerCancel):
@@ -198,11 +203,7 @@ def _publisher(publish: Callable[[WorkerStats], None], every_s: float):
 
         task = asyncio.create_task(loop())
         yield
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
+        await _stop_task(task)
         publish(stats)  # the last counts before exit
 
     return ctx
