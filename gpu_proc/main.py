@@ -1,4 +1,5 @@
-"""The GPU process: one thread owns the device and runs the seed's pass in a loop.
+"""The GPU process: one thread owns the device and runs the scheduler pass in a loop
+(`docs/design.md#processes`, `#scheduler-pass`).
 
     drain request rings -> schedule (leave, join, build) -> forward -> sample -> update
     -> push one StepOutput per worker -> publish stats + heartbeat -> sleep on the doorbell if idle
@@ -88,7 +89,7 @@ class GpuLoop:
                 if isinstance(msg, M.Submit):
                     self._submit(slot, msg)
                 elif isinstance(msg, M.Cancel):
-                    self.scheduler.cancel((slot, msg.rid), "stop" if msg.reason == "stop" else msg.reason)
+                    self.scheduler.cancel((slot, msg.rid), msg.reason, msg.index)
                 else:
                     raise TypeError(f"worker {slot} sent {type(msg).__name__}, which only flows GPU -> worker")
             self.outboxes[slot].flush()

@@ -44,6 +44,7 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
 class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel"):
     rid: int
     reason: str = "cancelled"  # cancelled | stop (a stop string matched) | disconnect | slow_reader
+    index: int | None = None  # one sample of an n > 1 request (a stop string ended it); None: all
 
 
 class Accepted(msgspec.Struct, frozen=True, kw_only=True, tag="accepted"):

@@ -24,7 +24,7 @@ def _serve(h: Harness, *reqs) -> None:
 
 
 def _first_seq(batch, req, index: int = 0):
-    sid = req.rows[index].seq_id
+    sid = req.seq_id
     return next((s.start_pos, len(s.token_ids), list(s.block_table)) for s in batch.seqs if s.seq_id == sid)
 
 
@@ -162,20 +162,21 @@ def test_colliding_hashes_never_share_blocks_between_different_prompts():
 
 
 def test_n_greater_than_one_starts_its_shared_prefix_from_cached_blocks():
-    """n = 2 after the same prompt was served: the prefix phase computes only token 8, both rows
-    fork from it and stream their reference tokens."""
+    """n = 2 after the same prompt was served: sample 0 computes only tokens 8-9 behind the cached
+    blocks [0, 1]; sample 1 joins a pass later, hits the same blocks, and both stream their
+    reference tokens."""
     h = make_harness(num_blocks=16, block_size=4)
     _serve(h, make_request(1, P, max_tokens=2, ignore_eos=True))
     r = make_request(2, P, max_tokens=5, ignore_eos=True, n=2, seed=9)
     assert h.sched.admit(r).accepted
-    batch = h.step()
-    prefix = [s for s in batch.seqs if s.seq_id == r.prefix_seq_id]
-    assert [(s.start_pos, s.token_ids, s.block_table[:2]) for s in prefix] == [(8, [P[8]], [0, 1])]
-    assert r.prefix_computed == 9
+    assert _first_seq(h.step(), r)[:2] == (8, 2)
+    second = h.sched.snapshot().live[r.key][1]
+    start, count, table = _first_seq(h.step(), second)
+    assert (start, count, table[:2]) == (8, 2, r.block_ids[:2]) and table[:2] == [0, 1]
     h.run_until_idle()
     for i in range(2):
         assert h.tokens[(r.key, i)] == expected_stream(h, r, i)[0]
-    assert h.sched.stats().prefix_cache_hits == 8
+    assert h.sched.stats().prefix_cache_hits == 2 * 8
 
 
 def test_large_request_evicts_cached_blocks_and_cached_blocks_count_as_free():
@@ -196,7 +197,8 @@ def test_caching_off_keeps_no_cache():
     b = make_request(2, P, max_tokens=2, ignore_eos=True)
     assert h.sched.admit(b).accepted
     assert _first_seq(h.step(), b)[:2] == (0, 10)
-    assert h.sched.bm.cache is None and h.sched.stats().prefix_cache_queries == 0
+    s = h.sched.stats()
+    assert (s.kv_blocks_cached, s.prefix_cache_queries, s.prefix_cache_hits) == (0, 0, 0)
 
 
 def test_equal_block_after_another_prefix_is_not_a_hit():
