@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 
 from ringserve.shm.messages import (Accepted, Cancel, Error, Finish, Message, Rejected, StepOutput,
                                     Submit, Token, decode, encode)
+from ringserve.shm.stats_schema import GPU_STAT_NAMES
 
 
 def echo_prompt(submit: Submit, index: int) -> Iterator[int]:
@@ -121,9 +122,11 @@ class FakeGpu:
         return len(self._rows)
 
     def stats(self) -> dict[str, float]:
-        """A GPU stats region snapshot (`shm.layout.GPU_STAT_NAMES`), as `api.metrics` renders it."""
-        return {"queue_depth": 0.0, "queued_gpu_seconds": 0.0, "running_rows": float(len(self._rows)),
-                "kv_blocks_free": 100.0, "kv_blocks_total": 128.0, "steps": float(self._step)}
+        """A GPU stats region snapshot (every stat `shm.stats_schema.GPU_STATS` declares), as
+        `api.metrics` renders it."""
+        return {name: 0.0 for name in GPU_STAT_NAMES} | {
+            "running_rows": float(len(self._rows)),
+            "kv_blocks_free": 100.0, "kv_blocks_total": 128.0, "steps": float(self._step)}
 
     # the step loop ---------------------------------------------------------------------------
     def _post(self, msg: Message) -> None:

@@ -166,18 +166,10 @@ class GpuLoop:
                 self._drop_worker(slot, f"worker slot {slot} stopped reading its output ring")
 
     def publish(self, step_ms: float) -> None:
-        st = self.scheduler.stats()
+        """The scheduler's stats and the loop's own (`shm/stats_schema.py` declares them all)."""
         region = self.control.gpu_stats
-        region.update({
-            "queue_depth": st.queue_depth, "queued_gpu_seconds": st.queued_gpu_seconds,
-            "running_rows": st.running_rows, "kv_blocks_free": st.kv_blocks_free,
-            "kv_blocks_total": st.kv_blocks_total, "preemptions": st.preemptions,
-            "cancelled_tokens": st.cancelled_tokens, "prompt_tokens_total": st.prompt_tokens_total,
-            "generation_tokens_total": st.generation_tokens_total, "step_ms": step_ms,
-            "steps": self.step_no, "rejected_429": self.rejected_429,
-            "c_prefill_ms": st.c_prefill_ms, "c_decode_ms": st.c_decode_ms,
-            "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
-        })
+        region.update(self.scheduler.stats().as_dict())
+        region.update({"step_ms": step_ms, "steps": self.step_no, "rejected_429": self.rejected_429})
         region.publish()
         self.control.gpu_heartbeat()
 
