@@ -39,6 +39,7 @@ class _Row:
     live: list[bool]
     arrival: float
     first_token: float | None = None
+    cancelled: set[int] = field(default_factory=set)  # samples cancelled one by one (Cancel.index)
 
 
 @dataclass
@@ -85,7 +86,10 @@ class FakeGpu:
                                            [0] * msg.n, [True] * msg.n, time.time())
         else:
             self.cancels.append(msg)
-            if msg.rid in self._rows:
+            row = self._rows.get(msg.rid)
+            if row is not None and msg.index is not None:
+                row.cancelled.add(msg.index)
+            elif row is not None:
                 self._cancelled.add(msg.rid)
         self._wake()
         return True
@@ -161,7 +165,7 @@ class FakeGpu:
             for i in range(row.submit.n):
                 if not row.live[i]:
                     continue
-                if cancelled:
+                if cancelled or i in row.cancelled:
                     finishes.append(self._finish(row, i, "cancelled", now))
                     continue
                 tid = next(row.tokens[i])
