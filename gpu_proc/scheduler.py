@@ -305,8 +305,9 @@ class Scheduler:
             self._settle_starting()
 
     def _start(self, req: Request, now: float) -> bool:
-        """Move `req` (the queue's fair choice) into the running set if a row and its blocks are free."""
-        if len(self._running) >= self.max_rows:
+        """Move `req` (the queue's fair choice) into the running set if a row and its blocks are free
+        (rows kept for the held siblings of running requests are not)."""
+        if len(self._running) + (self.siblings.rows_reserved(self._live) if self.siblings else 0) >= self.max_rows:
             return False
         # NOTE: an idle server admits a request that fits without the margin; otherwise a pool
         # smaller than one request plus the margin could never serve it.

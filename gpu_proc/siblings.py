@@ -72,6 +72,10 @@ class Siblings:
             del self._held[req.key]
         return True
 
+    def rows_reserved(self, live: dict[WorkerRid, list[Request]]) -> int:
+        """Rows the held samples of a running sample 0 will take at a coming pass: kept free."""
+        return sum(len(h) for key, h in self._held.items() if live[key][0].is_running)
+
     def is_held(self, req: Request) -> bool:
         return req in self._held.get(req.key, ())
 

@@ -215,3 +215,45 @@ def test_equal_block_after_another_prefix_is_not_a_hit():
     hits = h.sched.stats().prefix_cache_hits
     _serve(h, make_request(3, [3, 3, 3, 3, 2, 2, 2, 2, 6], max_tokens=2, ignore_eos=True))
     assert h.sched.stats().prefix_cache_hits - hits == 4
+
+
+def test_with_caching_off_siblings_still_share_their_prompt_and_nobody_else_does():
+    """prefix_caching=False: the samples of one n = 3 Submit share the prompt's full blocks (sample
+    0 computes them once), a later request with the same prompt computes everything itself, and
+    the prefix-cache metrics stay at zero (the feature is off)."""
+    h = make_harness(num_blocks=32, block_size=4, prefix_caching=False)
+    r = make_request(1, P, max_tokens=4, n=3, ignore_eos=True, seed=3)
+    assert h.sched.admit(r).accepted
+    samples = h.sched.snapshot().live[r.key]
+    assert _first_seq(h.step(), r)[:2] == (0, 10)
+    batch = h.step()
+    assert [_first_seq(batch, s)[:2] for s in samples[1:]] == [(8, 2), (8, 2)]
+    assert [s.block_ids[:2] for s in samples] == [[0, 1]] * 3 and h.sched.bm.ref_count(0) == 3
+    other = make_request(2, P, max_tokens=2, ignore_eos=True)
+    assert h.sched.admit(other).accepted
+    assert _first_seq(h.step(), other)[:2] == (0, 10)
+    h.run_until_idle()
+    for i in range(3):
+        assert h.tokens[(r.key, i)] == expected_stream(h, r, i)[0]
+    s = h.sched.stats()
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (0, 0) and s.kv_blocks_free == 32
+
+
+def test_siblings_of_a_preempted_first_sample_wait_for_its_recompute():
+    """Sample 0 preempted mid-prefill, before its prompt blocks are registered: its sibling stays
+    held (and counted as waiting) until the recompute registers them; every stream is still the
+    reference."""
+    h = make_harness(num_blocks=9, block_size=4, max_rows=2, prefill_budget=1)
+    a = make_request(1, 4, max_tokens=30, ignore_eos=True, seed=1)
+    assert h.sched.admit(a).accepted
+    h.step()
+    r = make_request(2, P + P + P[:4], max_tokens=3, n=2, ignore_eos=True, seed=2)  # 24 tokens: 6 blocks
+    assert h.sched.admit(r).accepted
+    while not h.sched.stats().preemptions:
+        h.step()
+    assert r.is_waiting and r.num_computed == 0 and h.sched.stats().queue_depth == 2
+    assert len(h.sched.snapshot().held) == 1
+    h.run_until_idle()
+    for req, n in ((a, 1), (r, 2)):
+        for i in range(n):
+            assert h.tokens[(req.key, i)] == expected_stream(h, req, i)[0]

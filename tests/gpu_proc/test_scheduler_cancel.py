@@ -188,3 +188,33 @@ def test_cancel_every_request_of_a_worker_via_live_keys():
     h.step()
     assert sorted(h.sched.live_keys()) == [(0, 0), (0, 2)]
     assert {k for (k, _), f in h.finishes.items() if f.reason == "cancelled"} == {(1, 1), (1, 3)}
+
+
+def test_after_waiting_work_drains_requests_start_now_again():
+    """Requests that waited (priced as waiting work) join and leave; the next requests on a free
+    batch are again not waiting work: no leftover of the earlier prices blocks them."""
+    h = make_harness(num_blocks=1024, max_rows=4)
+    for i in range(12):  # 4 start now, 8 wait
+        assert h.sched.admit(make_request(i, 7 + 3 * i, max_tokens=3 + i % 5, ignore_eos=True)).accepted
+    assert h.sched.stats().queued_gpu_seconds > 0
+    h.run_until_idle()
+    for i in range(4):
+        assert h.sched.admit(make_request(100 + i, 9, max_tokens=5)).accepted
+    assert h.sched.stats().queued_gpu_seconds == 0
+
+
+def test_held_siblings_keep_their_rows_reserved():
+    """An n = 2 request that can start now holds two rows although sample 1 joins a pass later:
+    two more requests start now, a fifth on a 4-row batch is waiting work."""
+    h = make_harness(num_blocks=256, block_size=4, max_rows=4)
+    r = make_request(1, 10, max_tokens=20, n=2, ignore_eos=True)
+    assert h.sched.admit(r).accepted
+    for i in (2, 3):
+        assert h.sched.admit(make_request(i, 5, max_tokens=20, ignore_eos=True)).accepted
+    assert h.sched.stats().queued_gpu_seconds == 0
+    late = make_request(4, 5, max_tokens=20, ignore_eos=True)
+    assert h.sched.admit(late).accepted
+    assert h.sched.stats().queued_gpu_seconds > 0
+    h.step()
+    h.step()
+    assert (h.sched.stats().running_rows, late.is_waiting) == (4, True)

@@ -21,12 +21,14 @@ RECORDED = Path(__file__).parent / "data" / "seeded_n_samples.json"
 # prompt lengths around the 16-token block: shorter than one block, one block exactly, just past
 # it, and several blocks with a partial tail
 PROMPT_LENS = (3, 16, 17, 40)
-CASES = {"cache-on": (True, 256), "cache-off": (False, 256), "cache-on-tight": (True, 14),
-         "cache-off-tight": (False, 14)}
+# the tight pools force preemption (of the code before and after the change alike)
+CASES = {"cache-on": (True, 256), "cache-off": (False, 256), "cache-on-tight": (True, 12),
+         "cache-off-tight": (False, 12)}
 
 
-def _serve(model_dir, prefix_caching: bool, num_blocks: int) -> dict[str, list[int]]:
-    """Four n = 3 requests (and one n = 1) with seeds, served to completion; '<rid>/<index>' -> tokens."""
+def _serve(model_dir, prefix_caching: bool, num_blocks: int) -> tuple[dict[str, list[int]], int]:
+    """Four n = 3 requests (and one n = 1) with seeds, served to completion: '<rid>/<index>' ->
+    tokens, and the preemptions."""
     config = Config(num_blocks=num_blocks, max_rows=8, prefill_budget=24, context_limit=512, max_tokens_limit=64,
                     prefix_caching=prefix_caching)
     engine = build_engine(config, model_dir)
@@ -48,13 +50,13 @@ def _serve(model_dir, prefix_caching: bool, num_blocks: int) -> dict[str, list[i
                 out.setdefault(f"{ev.key[1]}/{ev.index}", []).append(ev.token_id)
         sched.check_integrity()
     assert not sched.has_work
-    return dict(sorted(out.items()))
+    return dict(sorted(out.items())), sched.stats().preemptions
 
 
 @pytest.fixture(scope="module")
 def recorded(tiny_model_dir):
     if os.environ.get("RINGSERVE_RECORD_SEEDED") == "1":
-        RECORDED.write_text(json.dumps({name: _serve(tiny_model_dir, *args) for name, args in CASES.items()},
+        RECORDED.write_text(json.dumps({name: _serve(tiny_model_dir, *args)[0] for name, args in CASES.items()},
                                        indent=1) + "\n")
     return json.loads(RECORDED.read_text())
 
@@ -62,6 +64,7 @@ def recorded(tiny_model_dir):
 @pytest.mark.parametrize("case", list(CASES))
 def test_seeded_samples_equal_the_recording(tiny_model_dir, recorded, case):
     """Each (seed, sample index) streams exactly the tokens recorded before the change."""
-    got = _serve(tiny_model_dir, *CASES[case])
+    got, preemptions = _serve(tiny_model_dir, *CASES[case])
     assert len(got) == 3 * len(PROMPT_LENS) + 1 and all(len(t) == 14 for t in got.values())
+    assert (preemptions > 0) == case.endswith("tight")
     assert got == recorded[case]
