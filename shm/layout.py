@@ -149,8 +149,9 @@ class Histogram:
 
 TTFT_MS_BOUNDS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 TPOT_MS_BOUNDS = (5, 10, 20, 30, 40, 50, 70, 100, 150, 250, 500, 1000)
-# The seed's "latency split by prompt-length bucket": TTFT and TPOT again per bucket of prompt
-# tokens, named `<base>_plen_<label>` (the worker observes them, /metrics labels them).
+# The design's "latency split by prompt-length bucket" (`docs/design.md#limits-and-timeouts`): TTFT
+# and TPOT again per bucket of prompt tokens, named `<base>_plen_<label>` (the worker observes
+# them, /metrics labels them).
 PROMPT_LEN_LABELS = ("0_512", "512_2048", "2048_8192", "8192_plus")
 
 HISTOGRAMS: tuple[Histogram, ...] = (

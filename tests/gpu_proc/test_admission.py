@@ -70,7 +70,7 @@ def test_cost_model_with_constant_rows_follows_the_measured_step():
 
 
 def test_quiet_spell_of_one_row_steps_does_not_inflate_the_price():
-    """25 ms steps with one row (the seed's light load) leave c_decode near 1.25 ms, not 25."""
+    """25 ms steps with one row (the design's light load, `docs/design.md#admission`) leave c_decode near 1.25 ms, not 25."""
     cm = CostModel(0.1, 1.25, max_rows=32)
     for _ in range(500):
         cm.observe(25.0, 0, 1)

@@ -228,7 +228,7 @@ def test_stats_count_tokens_and_blocks():
 
 def test_step_times_recalibrate_admission_costs():
     """observe_step_time with the last batch's counts (1 decode row, no prefill) feeds the decode
-    fit: 1-row steps far slower than the seed's 25 ms raise c_decode; faster ones lower it."""
+    fit: 1-row steps far slower than the design's 25 ms raise c_decode; faster ones lower it."""
     h = make_harness(num_blocks=16)
     h.sched.admit(make_request(1, 3, max_tokens=50, ignore_eos=True))
     h.step()

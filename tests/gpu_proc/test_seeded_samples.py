@@ -14,8 +14,9 @@ import pytest
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.engine import build_engine
-from ringserve.gpu_proc.request import Request, SamplingSpec, TokenEvent
+from ringserve.gpu_proc.request import Request, SamplingSpec
 from ringserve.gpu_proc.scheduler import Scheduler
+from tests.gpu_proc.engine_loop import serve_until_idle
 
 RECORDED = Path(__file__).parent / "data" / "seeded_n_samples.json"
 # prompt lengths around the 16-token block: shorter than one block, one block exactly, just past
@@ -39,18 +40,9 @@ def _serve(model_dir, prefix_caching: bool, num_blocks: int) -> tuple[dict[str, 
                       max_tokens=14, n=3 if i < len(PROMPT_LENS) else 1, arrival_ts=0.0, deadline_ts=1e9,
                       sampling=SamplingSpec(temperature=0.9, top_p=0.95, seed=4242 + i, ignore_eos=True))
         assert sched.admit(req).accepted
-    out: dict[str, list[int]] = {}
-    for _ in range(1000):
-        if not sched.has_work:
-            break
-        batch = sched.schedule()
-        samples = engine.step(batch) if batch.seqs else None
-        for ev in sched.update(samples):
-            if isinstance(ev, TokenEvent):
-                out.setdefault(f"{ev.key[1]}/{ev.index}", []).append(ev.token_id)
-        sched.check_integrity()
-    assert not sched.has_work
-    return dict(sorted(out.items())), sched.stats().preemptions
+    streams: dict[tuple[int, int], list[int]] = {}
+    serve_until_idle(sched, engine, streams, max_steps=1000)
+    return {f"{rid}/{index}": t for (rid, index), t in sorted(streams.items())}, sched.stats().preemptions
 
 
 @pytest.fixture(scope="module")
