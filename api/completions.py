@@ -166,7 +166,7 @@ def _cancel_stopped(st: ApiState, entry: OpenRequest, gen: Generation) -> None:
     request's own Cancel covers the last one)."""
     while gen.stopped:
         index = gen.stopped.pop()
-        if gen.unfinished:
+        if gen.unfinished and not gen.samples[index].gpu_done:
             st.client.cancel(entry.stream.rid, "stop", index=index)
 
 
