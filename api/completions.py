@@ -81,6 +81,7 @@ async def _stream(request: web.Request, st: ApiState, entry: OpenRequest, gen: G
     try:
         while not gen.finished:
             events = gen.consume(await stream.next_batch())
+            _cancel_stopped(st, entry, gen)
             if events:
                 entry.write_since = loop.time()
                 await resp.write(b"".join(events) if len(events) > 1 else events[0])
@@ -127,6 +128,7 @@ async def _complete(st: ApiState, entry: OpenRequest, gen: Generation) -> web.Re
     stream = entry.stream
     while not gen.finished:
         gen.consume(await stream.next_batch())
+        _cancel_stopped(st, entry, gen)
     if gen.error is not None:
         err = gen.error_body()["error"]
         extra = {k: v for k, v in err.items() if k not in ("message", "type", "param", "code")}
@@ -157,6 +159,15 @@ async def _settle(st: ApiState, entry: OpenRequest, gen: Generation) -> None:
     # Without the GPU's answer the Cancel stays in force; the finally block must not resend it.
     for s in gen.samples:
         s.gpu_done = True
+
+
+def _cancel_stopped(st: ApiState, entry: OpenRequest, gen: Generation) -> None:
+    """A stop string ended a sample while others still run: stop that sample's GPU row now (the
+    request's own Cancel covers the last one)."""
+    while gen.stopped:
+        index = gen.stopped.pop()
+        if gen.unfinished and not gen.samples[index].gpu_done:
+            st.client.cancel(entry.stream.rid, "stop", index=index)
 
 
 def _cancel_reason(entry: OpenRequest, gen: Generation) -> str:

@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 
 from ringserve.shm.messages import (Accepted, Cancel, Error, Finish, Message, Rejected, StepOutput,
                                     Submit, Token, decode, encode)
+from ringserve.shm.stats_schema import GPU_STAT_NAMES
 
 
 def echo_prompt(submit: Submit, index: int) -> Iterator[int]:
@@ -38,6 +39,7 @@ class _Row:
     live: list[bool]
     arrival: float
     first_token: float | None = None
+    cancelled: set[int] = field(default_factory=set)  # samples cancelled one by one (Cancel.index)
 
 
 @dataclass
@@ -84,7 +86,10 @@ class FakeGpu:
                                            [0] * msg.n, [True] * msg.n, time.time())
         else:
             self.cancels.append(msg)
-            if msg.rid in self._rows:
+            row = self._rows.get(msg.rid)
+            if row is not None and msg.index is not None:
+                row.cancelled.add(msg.index)
+            elif row is not None:
                 self._cancelled.add(msg.rid)
         self._wake()
         return True
@@ -121,9 +126,11 @@ class FakeGpu:
         return len(self._rows)
 
     def stats(self) -> dict[str, float]:
-        """A GPU stats region snapshot (`shm.layout.GPU_STAT_NAMES`), as `api.metrics` renders it."""
-        return {"queue_depth": 0.0, "queued_gpu_seconds": 0.0, "running_rows": float(len(self._rows)),
-                "kv_blocks_free": 100.0, "kv_blocks_total": 128.0, "steps": float(self._step)}
+        """A GPU stats region snapshot (every stat `shm.stats_schema.GPU_STATS` declares), as
+        `api.metrics` renders it."""
+        return {name: 0.0 for name in GPU_STAT_NAMES} | {
+            "running_rows": float(len(self._rows)),
+            "kv_blocks_free": 100.0, "kv_blocks_total": 128.0, "steps": float(self._step)}
 
     # the step loop ---------------------------------------------------------------------------
     def _post(self, msg: Message) -> None:
@@ -158,7 +165,7 @@ class FakeGpu:
             for i in range(row.submit.n):
                 if not row.live[i]:
                     continue
-                if cancelled:
+                if cancelled or i in row.cancelled:
                     finishes.append(self._finish(row, i, "cancelled", now))
                     continue
                 tid = next(row.tokens[i])

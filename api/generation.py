@@ -67,6 +67,7 @@ class Generation:
         self.max_gap_s = 0.0
         self.tokens = 0
         self.unfinished = n  # samples without a client-visible finish
+        self.stopped: list[int] = []  # samples a stop string ended, whose GPU rows may still run
 
     # ------------------------------------------------------------------------------------------
     def consume(self, batch: list) -> list[bytes]:
@@ -97,6 +98,7 @@ class Generation:
                     s.chars += len(text)
                 if hit:
                     self._finish(s, item.index, "", "stop", out)
+                    self.stopped.append(item.index)
             elif kind is Finish:
                 s = samples[item.index]
                 s.gpu_done = True

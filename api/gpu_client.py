@@ -168,11 +168,12 @@ class GpuClient:
         raise ApiError(503, message, code=answer.code, type_=kind, retry_after_s=1.0,
                        extra={"tokens_streamed": 0})
 
-    def cancel(self, rid: int, reason: str = "cancelled") -> None:
+    def cancel(self, rid: int, reason: str = "cancelled", index: int | None = None) -> None:
+        """End the request on the GPU, or only its sample `index` (the others keep running)."""
         stream = self._streams.get(rid)
-        if stream is not None:
+        if stream is not None and index is None:
             stream.cancelled = True
-        self._send(Cancel(rid=rid, reason=reason))
+        self._send(Cancel(rid=rid, reason=reason, index=index))
 
     def release(self, stream: RequestStream) -> None:
         """Forget a finished request; records that still arrive for it are dropped."""

@@ -2,10 +2,10 @@
 
 The numbers come from shared memory — the GPU process's stats region and one region per worker in
 the control block — so whichever worker answers, the text is the same. This module only renders:
-it takes the regions as plain dicts of named floats (`shm.layout.GPU_STAT_NAMES`,
-`WORKER_STAT_NAMES`, histogram bucket arrays as `<hist>_bucket_<i>`, `_sum`, `_count`) and
-renders every metric of its catalogue (a missing value reads 0), so the set of series does not
-depend on which stats happen to be non-zero.
+it takes the regions as plain dicts of named floats (the GPU stats `shm.stats_schema.GPU_STATS`
+declares, with their metric names and help; `shm.layout.WORKER_STAT_NAMES`, histogram bucket
+arrays as `<hist>_bucket_<i>`, `_sum`, `_count`) and renders every metric of its catalogue (a
+missing value reads 0), so the set of series does not depend on which stats happen to be non-zero.
 
 Histograms named `<base>_plen_<label>` in `shm.layout.HISTOGRAMS` (TTFT / TPOT per prompt-length
 bucket) are rendered as `ringserve_<base>_by_prompt_len_seconds{prompt_len="<label>"}`.
@@ -22,6 +22,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 
 from ringserve.shm import layout as L
 from ringserve.shm.messages import FINISH_REASONS
+from ringserve.shm.stats_schema import GPU_STATS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -35,31 +36,6 @@ class StatsSnapshot:
     block_size: int = 0  # from the model facts; 0 while unknown
 
 
-# name, help, key in the GPU region
-_GPU_GAUGES = (
-    ("ringserve_queue_depth", "Requests waiting for a row.", "queue_depth"),
-    ("ringserve_queued_gpu_seconds", "Estimated GPU seconds of queued work (429 above the limit).",
-     "queued_gpu_seconds"),
-    ("ringserve_running_rows", "Rows in the running batch.", "running_rows"),
-    ("ringserve_kv_blocks_free", "Free KV-cache blocks.", "kv_blocks_free"),
-    ("ringserve_kv_blocks_total", "KV-cache blocks in the pool.", "kv_blocks_total"),
-    ("ringserve_step_ms", "Duration of the last GPU step, ms.", "step_ms"),
-    ("ringserve_cost_prefill_ms", "Cost model: GPU ms per prompt token.", "c_prefill_ms"),
-    ("ringserve_cost_decode_ms", "Cost model: GPU ms per output token.", "c_decode_ms"),
-)
-_GPU_COUNTERS = (
-    ("ringserve_preemptions", "Rows preempted when the KV pool ran out.", "preemptions"),
-    ("ringserve_cancelled_tokens", "Tokens generated for requests later cancelled.",
-     "cancelled_tokens"),
-    ("ringserve_rejected_429", "Requests refused with 429 (queued GPU work over the limit).",
-     "rejected_429"),
-    ("ringserve_steps", "Steps the GPU loop has run.", "steps"),
-    ("ringserve_gpu_prompt_tokens", "Prompt tokens prefilled.", "prompt_tokens_total"),
-    ("ringserve_gpu_generation_tokens", "Tokens generated.", "generation_tokens_total"),
-    ("ringserve_prefix_cache_queries", "Tokens looked up in the prefix cache when requests join.",
-     "prefix_cache_queries"),
-    ("ringserve_prefix_cache_hits", "Of those, tokens served from cached KV blocks.", "prefix_cache_hits"),
-)
 # name, help, key in the worker regions (summed over workers)
 _WORKER_GAUGES = (("ringserve_open_streams", "Requests open in the API workers.", "open_streams"),)
 _WORKER_COUNTERS = (
@@ -83,10 +59,9 @@ class _SnapshotCollector:
 
     def collect(self) -> Iterator[Metric]:
         gpu = self.snap.gpu
-        for name, doc, key in _GPU_GAUGES:
-            yield GaugeMetricFamily(name, doc, value=float(gpu.get(key, 0.0)))
-        for name, doc, key in _GPU_COUNTERS:
-            yield CounterMetricFamily(name, doc, value=float(gpu.get(key, 0.0)))
+        for stat in GPU_STATS:
+            family = GaugeMetricFamily if stat.kind == "gauge" else CounterMetricFamily
+            yield family(stat.metric, stat.help, value=float(gpu.get(stat.name, 0.0)))
         workers = _sum_workers(self.snap.workers)
         for name, doc, key in _WORKER_GAUGES:
             yield GaugeMetricFamily(name, doc, value=workers.get(key, 0.0))

@@ -1,15 +1,16 @@
 """Admission control: the cost model, the 400/429 decisions, and the cost model's online fit.
 
 `est_gpu_ms = prompt_tokens * c_prefill + n * expected_output * c_decode`, where the expected
-output is min(max_tokens, the recent average answer length). The constants start at the seed's
-0.1 ms per prompt token and 1.25 ms per output token (a 40 ms step shared by 32 rows) and follow
-measured step times, so the "2 s of queued GPU work" limit means 2 s on this hardware.
+output is min(max_tokens, the recent average answer length). The constants start at 0.1 ms per
+prompt token and 1.25 ms per output token (a 40 ms step shared by 32 rows) and follow measured step
+times, so the "2 s of waiting GPU work" limit means 2 s on this hardware (`docs/design.md#admission`).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -32,12 +33,12 @@ class CostModel:
     """GPU milliseconds per prompt token and per output token, fitted online from step times.
 
     Decode: a step of r decoding rows takes `base + per_row * r` ms; every step reads all the
-    weights once (base) and each row adds a little (seed: 25 ms at 1 row, 40 ms at 32). Work only
-    queues when the batch is full, so an output token is priced at a full batch:
+    weights once (base) and each row adds a little (`docs/design.md#admission`: 25 ms at 1 row,
+    40 ms at 32). Work only queues when the batch is full, so an output token is priced at a full batch:
     `c_decode = (base + per_row * max_rows) / max_rows`. Pricing at one point of a fitted line,
     rather than averaging ms/row, keeps a quiet spell of 1-row steps (25 ms per token) from making
     the next burst look 20x dearer and drawing spurious 429s. The line is fitted by recursive least
-    squares with forgetting on pure-decode steps, starting from the seed's shape scaled to the
+    squares with forgetting on pure-decode steps, starting from the design's shape scaled to the
     configured c_decode; its covariance is capped at the prior's so constant row counts cannot wind
     it up, and each residual is clipped so one odd step (a GC pause, a first CUDA launch) moves it
     little.
@@ -64,7 +65,7 @@ class CostModel:
         self.alpha = alpha
         self.forget = forget
         full = c_decode_ms * max_rows
-        # The seed's shape (24.5 ms + 0.48 ms/row at 32 x 1.25 ms): 60 % of a full step is the base.
+        # The design's shape (24.5 ms + 0.48 ms/row at 32 x 1.25 ms): 60 % of a full step is the base.
         self._theta = [0.6 * full, 0.4 * full / max_rows]
         self._p = [[self._theta[0] ** 2, 0.0], [0.0, self._theta[1] ** 2]]
         self._p0_trace = self._p[0][0] + self._p[1][1]
@@ -114,7 +115,7 @@ def _clamp(x: float, bounds: tuple[float, float]) -> float:
 
 
 class AnswerLengths:
-    """The mean completion length of the last `window` finished rows (seed: ~300 to start)."""
+    """The mean completion length of the last `window` finished rows (`docs/design.md#admission`: ~300 to start)."""
 
     __slots__ = ("_window", "_sum", "_initial")
 
@@ -172,12 +173,16 @@ class AdmissionController:
         return (prompt_tokens + generated) * self.costs.c_prefill_ms + n * expected * self.costs.c_decode_ms
 
     def decide(self, prompt_tokens: int, max_tokens: int, n: int, queued_ms: float,
-               pool_fits: bool = True) -> Decision:
-        """400 when the request can never run, 429 when the queue is over its limit, else 200.
+               pool_fits: bool = True, row_wait_ms: Callable[[], float] | None = None) -> Decision:
+        """400 when the request can never run, 429 when the waiting work is over its limit, else 200.
 
-        `queued_ms` is the estimated GPU work already waiting. An empty queue always admits, so a
-        single request costlier than the limit is slow, not impossible. Retry-After is the time
-        for the queue to drain far enough for this request to fit, in whole seconds, at least 1.
+        `queued_ms` is the estimated GPU work waiting: work that cannot start now (the scheduler
+        passes 0 for a request that can join at the next pass, which is not waiting). Nothing waiting always
+        admits, so a single request costlier than the limit is slow, not impossible.
+
+        Retry-After is the projected time for the queue ahead to drain: until a row frees
+        (`row_wait_ms()`, asked only on refusal), then the waiting work, priced at a full batch,
+        drains at about one GPU millisecond per millisecond. Whole seconds, at least 1.
         """
         total = prompt_tokens + max_tokens
         if total > self.context_limit:
@@ -197,9 +202,10 @@ class AdmissionController:
                                     f"lower n, max_tokens or the prompt length")
         est = self.estimate_ms(prompt_tokens, max_tokens, n)
         if queued_ms > 0 and queued_ms + est > self.queue_limit_ms:
-            retry = max(1, math.ceil((queued_ms + est - self.queue_limit_ms) / 1000.0))
+            drain_ms = queued_ms + (row_wait_ms() if row_wait_ms is not None else 0.0)
+            retry = max(1, math.ceil(drain_ms / 1000.0))
             return Decision(429, est_gpu_ms=est, code="overloaded", retry_after_s=float(retry),
-                            message=f"{queued_ms / 1000:.2f} s of GPU work is queued (limit "
+                            message=f"{queued_ms / 1000:.2f} s of GPU work is waiting for a row (limit "
                                     f"{self.queue_limit_ms / 1000:.2f} s); retry after {retry} s")
         return Decision(200, est_gpu_ms=est)
 

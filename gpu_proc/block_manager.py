@@ -1,9 +1,9 @@
 """The KV block allocator: a free list and a reference count per block (pure Python).
 
 The GPU pool itself (`kv_pool.py`) is only memory; which block belongs to whom is decided here.
-A block is free exactly when its reference count is 0. Counts above 1 mean the `n` samples of one
-request share a prompt block; such a block is never written again (the scheduler copies a shared
-partial block before a sample appends to it).
+A block is free exactly when its reference count is 0. Counts above 1 mean several requests read
+one prefix-cache block (the siblings of an n > 1 request among them); only full blocks are ever
+shared, so no sequence writes a block another one reads (`docs/design.md#kv-cache`).
 
 Free-list order is FIFO: a freed block goes to the back and allocation takes from the front, so
 block ids are predictable (tests assert exact ids) and a just-freed block is reused last.
@@ -87,9 +87,6 @@ class BlockManager:
         """Blocks needed to hold `num_tokens` tokens from position 0."""
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, count: int) -> bool:
-        return count <= self.num_free
-
     # -- verbs -----------------------------------------------------------------------------------
 
     def allocate(self, count: int) -> list[int]:
@@ -132,68 +129,23 @@ class BlockManager:
                 cache.unpark(b)
             refs[b] += 1
 
-    def share(self, block_ids: list[int]) -> None:
-        """Add one reference to each of `block_ids` (another sample now reads them)."""
-        refs = self._refs
-        for b in block_ids:
-            if refs[b] <= 0:
-                raise BlockError(f"block {b} shared while free")
-        for b in block_ids:
-            refs[b] += 1
-
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference to each of `block_ids`; a block reaching 0 returns to the free list."""
+        """Drop one reference to each of `block_ids`; a block reaching 0 returns to the free list
+        (in table order), or is parked if cached (last block first)."""
         refs, free, cache = self._refs, self._free, self.cache
-        for b in (block_ids if cache is None else reversed(block_ids)):
+        parked = []
+        for b in block_ids:
             r = refs[b]
             if r <= 0:
                 raise BlockError(f"block {b} freed while already free (double free)")
             refs[b] = r - 1
             if r == 1:
                 if cache is not None and cache.is_registered(b):
-                    cache.park(b)
+                    parked.append(b)
                 else:
                     free.append(b)
-
-    # -- n > 1: shared prompt, copy-on-write -----------------------------------------------------
-
-    def allocate_shared(self, prefix_tokens: int, row_tokens: list[int],
-                        cached: list[int] | None = None) -> tuple[list[int], list[list[int]]]:
-        """Blocks for a prefix computed once plus one table per sample row.
-
-        The prefix gets its own blocks, starting with `cached` (full blocks of a prefix-cache hit,
-        already acquired by the caller). Each row's table shares the prefix's *full* blocks (one
-        more reference each) and owns fresh blocks for the rest of its `row_tokens[i]` tokens,
-        starting with a private block for the prefix's partial last block: `fork` fills that one
-        by copy once the prefix is computed. All or nothing.
-        """
-        full = prefix_tokens // self.block_size
-        cached = cached or []
-        if len(cached) > full:
-            raise ValueError(f"{len(cached)} cached blocks for a prefix of {full} full blocks")
-        own = [self.blocks_for(t) - full for t in row_tokens]
-        if min(own, default=1) < 1:
-            raise ValueError("every row must extend past the shared prefix")
-        need = self.blocks_for(prefix_tokens) - len(cached) + sum(own)
-        if need > self.num_free:
-            raise NoFreeBlocks(f"asked for {need} KV blocks, {self.num_free} free")
-        prefix = cached + self.allocate(self.blocks_for(prefix_tokens) - len(cached))
-        shared = prefix[:full]
-        tables = []
-        for count in own:
-            self.share(shared)
-            tables.append(shared + self.allocate(count))
-        return prefix, tables
-
-    def fork(self, prefix_blocks: list[int], prefix_tokens: int, tables: list[list[int]]) -> list[tuple[int, int]]:
-        """The prefix is computed: drop its references and return the (src, dst) copies of its
-        partial last block into each row's private block, for the runner to do before the step."""
-        full = prefix_tokens // self.block_size
-        copies = []
-        if prefix_tokens % self.block_size:
-            copies = [(prefix_blocks[full], t[full]) for t in tables]
-        self.free(prefix_blocks)
-        return copies
+        for b in reversed(parked):
+            cache.park(b)  # type: ignore[union-attr]
 
     # -- checks ----------------------------------------------------------------------------------
 

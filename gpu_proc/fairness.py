@@ -1,16 +1,27 @@
-"""Fair queueing across API keys: who joins the batch next.
+"""Fair queueing across tenants (API key owners): who joins the batch next, and who gives a row
+back when a tenant below its share has waited too long (`docs/design.md#fairness`).
 
-One FIFO queue per API key. The next admission comes from the waiting key with the fewest
-weighted tokens served (a prompt token weighs 1, an output token `output_token_weight`, 12 by
-default: it costs 1.25 ms of GPU against 0.1 ms). A key that already holds `key_row_cap` rows
-(8) is passed over while another key waits. Declared `max_tokens` plays no part: clients would
-under-declare and long requests would starve.
+One FIFO queue per tenant. The next admission comes from the waiting tenant that ranks first by
+  1. rows held below `tenant_row_cap` (8): a tenant at the cap is passed over while another waits;
+  2. rows held below its fair share, `max_rows / active tenants` (a fraction: with 32 rows and
+     3 tenants, 10 rows is below it and 11 is not): max-min fairness of the batch;
+  3. fewest weighted tokens served (a prompt token weighs 1, an output token
+     `output_token_weight`, 12 by default: it costs 1.25 ms of GPU against 0.1 ms);
+  4. fewest rows held, then queue order.
+Declared `max_tokens` plays no part: clients would under-declare and long requests would starve.
 
-A key that becomes active (nothing running, nothing waiting, then a request) starts from the
-smallest count among active keys, not from 0 or its old total: otherwise a key that was idle for
-an hour would monopolise the batch until it "caught up", and a key that served a lot an hour ago
-would be penalised now (the virtual-token-counter rule of Sheng et al., OSDI '24). Inactive keys
-are forgotten, so memory follows the active keys.
+Rows only free when requests end, so ordering alone cannot help a tenant whose rows are all held by
+another (a flood admitted together ends together). `preemptable_for(tenant)`, for a tenant below
+its share, names the tenant to take a row from: the one holding the most rows, when it is over its
+share and keeps at least as many rows as the waiting tenant will have. The second condition makes
+a move never undo itself, so fair preemption cannot ping-pong between two tenants, and the rows
+settle where no two tenants differ by more than one (32 rows, 3 tenants: 11, 11, 10).
+
+A tenant that becomes active (nothing running, nothing waiting, then a request) starts from the
+smallest count among active tenants, not from 0 or its old total: otherwise a tenant idle for an
+hour would monopolise the batch until it "caught up", and one that was served a lot an hour ago
+would be penalised now (the virtual-token-counter rule of Sheng et al., OSDI '24). Inactive tenants
+are forgotten, so memory follows the active ones.
 """
 
 from __future__ import annotations
@@ -23,10 +34,10 @@ from ringserve.gpu_proc.request import Request
 
 
 @dataclass(slots=True)
-class KeyUsage:
-    """The seed's per-key record, plus the key's waiting queue."""
+class TenantUsage:
+    """One tenant's account (`docs/design.md#fairness`), plus its waiting queue."""
 
-    api_key: str
+    tenant: str
     weighted_tokens_served: float = 0.0
     running_rows: int = 0
     waiting: deque[Request] = field(default_factory=deque)
@@ -37,51 +48,62 @@ class KeyUsage:
 
 
 class FairQueue:
-    """Waiting requests of every key, and the served-token accounts that order them."""
+    """Waiting requests of every tenant, and the accounts that order them."""
 
-    def __init__(self, key_row_cap: int = 8, output_token_weight: float = 12.0) -> None:
-        if key_row_cap <= 0:
-            raise ValueError(f"key_row_cap must be > 0, got {key_row_cap}")
+    def __init__(self, tenant_row_cap: int = 8, output_token_weight: float = 12.0,
+                 max_rows: int | None = None) -> None:
+        """`max_rows` (the batch's rows) enables fair shares; None orders by cap and tokens only."""
+        if tenant_row_cap <= 0:
+            raise ValueError(f"tenant_row_cap must be > 0, got {tenant_row_cap}")
         if output_token_weight <= 0:
             raise ValueError(f"output_token_weight must be > 0, got {output_token_weight}")
-        self.key_row_cap = key_row_cap
+        self.tenant_row_cap = tenant_row_cap
         self.output_token_weight = output_token_weight
-        self._keys: dict[str, KeyUsage] = {}
-        self._waiting_keys: dict[str, KeyUsage] = {}  # keys with a non-empty queue (insertion order)
+        self.max_rows = max_rows
+        self._tenants: dict[str, TenantUsage] = {}
+        self._waiting_tenants: dict[str, TenantUsage] = {}  # tenants with a non-empty queue
         self._num_waiting = 0
 
     def __len__(self) -> int:
         return self._num_waiting
 
-    def usage(self, api_key: str) -> KeyUsage | None:
-        return self._keys.get(api_key)
+    def usage(self, tenant: str) -> TenantUsage | None:
+        return self._tenants.get(tenant)
 
-    def keys(self) -> list[KeyUsage]:
-        return list(self._keys.values())
+    def tenants(self) -> list[TenantUsage]:
+        return list(self._tenants.values())
 
     def waiting(self) -> Iterator[Request]:
-        for u in self._waiting_keys.values():
+        for u in self._waiting_tenants.values():
             yield from u.waiting
+
+    @property
+    def share(self) -> float:
+        """Each active tenant's fair share of the batch's rows."""
+        if self.max_rows is None or not self._tenants:
+            return float("inf")
+        return self.max_rows / len(self._tenants)
 
     # -- queue -----------------------------------------------------------------------------------
 
     def push(self, req: Request) -> None:
-        """Queue a new request at the back of its key's queue."""
+        """Queue a new request at the back of its tenant's queue."""
         u = self._activate(req.tenant)
         u.waiting.append(req)
-        self._waiting_keys[req.tenant] = u
+        self._waiting_tenants[req.tenant] = u
         self._num_waiting += 1
 
     def push_front(self, req: Request) -> None:
-        """Queue a preempted request at the front of its key's queue: it goes next for its key."""
+        """Queue a request at the front of its tenant's queue (preempted, or a sibling of one that
+        already started): it goes next for its tenant."""
         u = self._activate(req.tenant)
         u.waiting.appendleft(req)
-        self._waiting_keys[req.tenant] = u
+        self._waiting_tenants[req.tenant] = u
         self._num_waiting += 1
 
     def remove(self, req: Request) -> bool:
         """Take a waiting request out (cancelled or past its deadline); False if it was not queued."""
-        u = self._keys.get(req.tenant)
+        u = self._tenants.get(req.tenant)
         if u is None:
             return False
         try:
@@ -93,86 +115,94 @@ class FairQueue:
         return True
 
     def peek(self) -> Request | None:
-        """The request that should join next, or None when nothing waits.
-
-        Among keys with waiting requests: skip keys at the row cap if some key below it waits;
-        then fewest weighted tokens served, then fewest running rows, then queue order.
-        """
-        best: KeyUsage | None = None
-        best_rank: tuple[float, int] | None = None
-        cap = self.key_row_cap
-        if len(self._waiting_keys) == 1:
-            return next(iter(self._waiting_keys.values())).waiting[0]
-        below_cap = any(u.running_rows < cap for u in self._waiting_keys.values())
-        for u in self._waiting_keys.values():
-            if below_cap and u.running_rows >= cap:
-                continue
-            rank = (u.weighted_tokens_served, u.running_rows)
+        """The request that should join next (see the module docstring), or None."""
+        waiting = self._waiting_tenants
+        if len(waiting) == 1:
+            return next(iter(waiting.values())).waiting[0]
+        cap, share = self.tenant_row_cap, self.share
+        best: TenantUsage | None = None
+        best_rank: tuple | None = None
+        for u in waiting.values():
+            rows = u.running_rows
+            rank = (rows >= cap, rows >= share, u.weighted_tokens_served, rows)
             if best_rank is None or rank < best_rank:
                 best, best_rank = u, rank
         return None if best is None else best.waiting[0]
 
     def pop(self, req: Request) -> None:
-        """Remove `req`, which `peek()` just returned, from the head of its key's queue."""
-        u = self._keys[req.tenant]
+        """Remove `req`, which `peek()` just returned, from the head of its tenant's queue."""
+        u = self._tenants[req.tenant]
         if not u.waiting or u.waiting[0] is not req:
-            raise ValueError(f"request {req.request_id} is not at the head of its key's queue")
+            raise ValueError(f"request {req.request_id} is not at the head of its tenant's queue")
         u.waiting.popleft()
         self._num_waiting -= 1
         self._after_dequeue(u)
 
+    def preemptable_for(self, tenant: str) -> str | None:
+        """The tenant to take one row from so `tenant` can start a request, or None when `tenant`
+        is not below its fair share or nobody holds more than theirs (see the module docstring)."""
+        u = self._tenants.get(tenant)
+        share = self.share
+        if u is None or u.running_rows >= share:
+            return None
+        victim = max((v for v in self._tenants.values() if v.tenant != tenant),
+                     key=lambda v: v.running_rows, default=None)
+        if victim is None or victim.running_rows <= share or victim.running_rows < u.running_rows + 2:
+            return None
+        return victim.tenant
+
     # -- accounts --------------------------------------------------------------------------------
 
-    def rows_started(self, api_key: str, rows: int) -> None:
-        self._activate(api_key).running_rows += rows
+    def rows_started(self, tenant: str, rows: int) -> None:
+        self._activate(tenant).running_rows += rows
 
-    def rows_ended(self, api_key: str, rows: int) -> None:
-        u = self._keys[api_key]
+    def rows_ended(self, tenant: str, rows: int) -> None:
+        u = self._tenants[tenant]
         u.running_rows -= rows
         if u.running_rows < 0:
-            raise ValueError(f"key {api_key!r}: running rows went negative")
+            raise ValueError(f"tenant {tenant!r}: running rows went negative")
         if not u.active:
-            del self._keys[api_key]
+            del self._tenants[tenant]
 
-    def charge(self, api_key: str, prompt_tokens: int, output_tokens: int) -> None:
-        """Count GPU work done for `api_key`: prompt tokens computed and tokens sampled."""
-        u = self._keys.get(api_key)
+    def charge(self, tenant: str, prompt_tokens: int, output_tokens: int) -> None:
+        """Count GPU work done for `tenant`: prompt tokens computed and tokens sampled."""
+        u = self._tenants.get(tenant)
         if u is not None:
             u.weighted_tokens_served += prompt_tokens + output_tokens * self.output_token_weight
 
     # -- checks ----------------------------------------------------------------------------------
 
     def check_integrity(self, running_rows: dict[str, int]) -> None:
-        """Raise ValueError unless counts, queues and per-key rows (`running_rows`: key -> rows the
-        scheduler's block tables hold) agree."""
+        """Raise ValueError unless counts, queues and per-tenant rows (`running_rows`: tenant ->
+        rows the scheduler's block tables hold) agree."""
         waiting = list(self.waiting())
         if len(waiting) != self._num_waiting:
             raise ValueError(f"queue length {self._num_waiting} but {len(waiting)} requests queued")
         for req in waiting:
             if not req.is_waiting:
-                raise ValueError(f"queued {req.key} is in state {req.state.name}")
-        for name, u in self._keys.items():
+                raise ValueError(f"queued {req.key}#{req.index} is in state {req.state.name}")
+        for name, u in self._tenants.items():
             if not u.active:
-                raise ValueError(f"key {name!r} is idle but still tracked")
-            if bool(u.waiting) != (name in self._waiting_keys):
-                raise ValueError(f"key {name!r}: waiting index disagrees with its queue")
-        for name in set(self._keys) | set(running_rows):
-            u = self._keys.get(name)
+                raise ValueError(f"tenant {name!r} is idle but still tracked")
+            if bool(u.waiting) != (name in self._waiting_tenants):
+                raise ValueError(f"tenant {name!r}: waiting index disagrees with its queue")
+        for name in set(self._tenants) | set(running_rows):
+            u = self._tenants.get(name)
             have = 0 if u is None else u.running_rows
             if have != running_rows.get(name, 0):
-                raise ValueError(f"key {name!r}: {have} running rows counted, {running_rows.get(name, 0)} held")
+                raise ValueError(f"tenant {name!r}: {have} running rows counted, {running_rows.get(name, 0)} held")
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _activate(self, api_key: str) -> KeyUsage:
-        u = self._keys.get(api_key)
+    def _activate(self, tenant: str) -> TenantUsage:
+        u = self._tenants.get(tenant)
         if u is None:
-            floor = min((k.weighted_tokens_served for k in self._keys.values()), default=0.0)
-            u = self._keys[api_key] = KeyUsage(api_key, weighted_tokens_served=floor)
+            floor = min((t.weighted_tokens_served for t in self._tenants.values()), default=0.0)
+            u = self._tenants[tenant] = TenantUsage(tenant, weighted_tokens_served=floor)
         return u
 
-    def _after_dequeue(self, u: KeyUsage) -> None:
+    def _after_dequeue(self, u: TenantUsage) -> None:
         if not u.waiting:
-            self._waiting_keys.pop(u.api_key, None)
+            self._waiting_tenants.pop(u.tenant, None)
             if not u.active:
-                del self._keys[u.api_key]
+                del self._tenants[u.tenant]

@@ -5,14 +5,14 @@ Layout (the contract the attention backends and kernels code against)::
     pool.k[layer], pool.v[layer]: [num_blocks, num_kv_heads, block_size, head_dim], contiguous
 
 All layers live in one tensor per K and V (`pool.k_all`, `pool.v_all`:
-`[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`), and `pool.k[layer]` is a view of it,
-so a block copy for every layer is one indexing op. The token at position `p` of a sequence lives in
+`[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`), and `pool.k[layer]` is a view of it.
+The token at position `p` of a sequence lives in
 block `block_table[p // block_size]` at offset `p % block_size`; its flat slot is
 `block_id * block_size + p % block_size`. Within a block, a head's 16 keys are adjacent
 (`[block_size, head_dim]` per head), which is what a decode kernel reading one head wants.
 
 Which blocks are free or shared is the block manager's business (pure Python); the pool only holds
-memory and moves bytes.
+memory.
 """
 
 from __future__ import annotations
@@ -56,22 +56,3 @@ class KVPool:
     @property
     def num_bytes(self) -> int:
         return 2 * self.k_all.numel() * self.k_all.element_size()
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks `src -> dst` in every layer, K and V (copy-on-write of a shared block).
-
-        Sources must not also be destinations in the same call: the copy reads all sources first.
-        """
-        if not pairs:
-            return
-        src = [s for s, _ in pairs]
-        dst = [d for _, d in pairs]
-        for b in src + dst:
-            if not 0 <= b < self.num_blocks:
-                raise ValueError(f"copy_blocks: block id {b} outside the pool [0, {self.num_blocks})")
-        if set(src) & set(dst):
-            raise ValueError(f"copy_blocks: a block is both a source and a destination in {pairs}")
-        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
-        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
-        self.k_all[:, dst_t] = self.k_all[:, src_t]
-        self.v_all[:, dst_t] = self.v_all[:, src_t]

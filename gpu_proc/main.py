@@ -1,4 +1,5 @@
-"""The GPU process: one thread owns the device and runs the seed's pass in a loop.
+"""The GPU process: one thread owns the device and runs the scheduler pass in a loop
+(`docs/design.md#processes`, `#scheduler-pass`).
 
     drain request rings -> schedule (leave, join, build) -> forward -> sample -> update
     -> push one StepOutput per worker -> publish stats + heartbeat -> sleep on the doorbell if idle
@@ -88,7 +89,7 @@ class GpuLoop:
                 if isinstance(msg, M.Submit):
                     self._submit(slot, msg)
                 elif isinstance(msg, M.Cancel):
-                    self.scheduler.cancel((slot, msg.rid), "stop" if msg.reason == "stop" else msg.reason)
+                    self.scheduler.cancel((slot, msg.rid), msg.reason, msg.index)
                 else:
                     raise TypeError(f"worker {slot} sent {type(msg).__name__}, which only flows GPU -> worker")
             self.outboxes[slot].flush()
@@ -165,18 +166,10 @@ class GpuLoop:
                 self._drop_worker(slot, f"worker slot {slot} stopped reading its output ring")
 
     def publish(self, step_ms: float) -> None:
-        st = self.scheduler.stats()
+        """The scheduler's stats and the loop's own (`shm/stats_schema.py` declares them all)."""
         region = self.control.gpu_stats
-        region.update({
-            "queue_depth": st.queue_depth, "queued_gpu_seconds": st.queued_gpu_seconds,
-            "running_rows": st.running_rows, "kv_blocks_free": st.kv_blocks_free,
-            "kv_blocks_total": st.kv_blocks_total, "preemptions": st.preemptions,
-            "cancelled_tokens": st.cancelled_tokens, "prompt_tokens_total": st.prompt_tokens_total,
-            "generation_tokens_total": st.generation_tokens_total, "step_ms": step_ms,
-            "steps": self.step_no, "rejected_429": self.rejected_429,
-            "c_prefill_ms": st.c_prefill_ms, "c_decode_ms": st.c_decode_ms,
-            "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
-        })
+        region.update(self.scheduler.stats().as_dict())
+        region.update({"step_ms": step_ms, "steps": self.step_no, "rejected_429": self.rejected_429})
         region.publish()
         self.control.gpu_heartbeat()
 

@@ -49,5 +49,4 @@ class ModelRunner:
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run one step; logits `[R, vocab]` float32, rows in the order of `batch.sampling_seqs`."""
-        self.kv_pool.copy_blocks(batch.block_copies)
         return self.forward(self.prepare(batch))

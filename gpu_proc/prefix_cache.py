@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ringserve.gpu_proc.request import Request, SampleRow
+    from ringserve.gpu_proc.request import Request
     from ringserve.gpu_proc.step import SeqStep
 
 HashFn = Callable[[int, Hashable], int]
@@ -197,39 +197,27 @@ class PrefixCache:
             raise PrefixCacheError(f"{len(self._by_hash)} hashes for {registered} registered blocks (not unique)")
 
 
-# -- the scheduler's two uses: a joining request's hits, and the blocks a step fills --------------
+# -- the KV manager's two uses: a joining request's hits, and the blocks a step fills --------------
 
 
 def cached_prefix(cache: PrefixCache, req: Request) -> list[int]:
-    """Cached blocks for `req`'s leading full blocks: its whole token run for n == 1 (short of
-    the last token, which must be computed so the request samples), else its shared prefix."""
-    bs, prompt = cache.block_size, req.prompt_ids
-    if req.n == 1:
-        row = req.rows[0]
-        tokens = _row_tokens(row, prompt)
-        limit = (req.prompt_len + len(row.generated) - 1) // bs
-        hashes = row.block_hashes
-    else:
-        tokens = _prompt_tokens(prompt)
-        limit = req.prefix_len // bs
-        hashes = req.prefix_hashes
+    """Cached blocks for `req`'s leading full blocks, short of its last token (which must be
+    computed so the request samples)."""
+    limit = (req.num_tokens - 1) // cache.block_size
+    hashes = req.block_hashes
     if len(hashes) < limit:
-        cache.extend_hashes(hashes, tokens, limit, req.cache_salt)
-    return cache.match(hashes[:limit], tokens, req.cache_salt)
+        cache.extend_hashes(hashes, req.tokens, limit, req.cache_salt)
+    return cache.match(hashes[:limit], req.tokens, req.cache_salt)
 
 
-def register_filled(cache: PrefixCache, filled: list[tuple[SeqStep, Request, SampleRow | None]]) -> None:
-    """Register every block a step fills up: `filled` holds each such step entry with its request
-    and row (None: the n > 1 shared prefix). NOTE: safe before the step runs, since a later
-    request can read a registered block only in a later step, after these writes."""
+def register_filled(cache: PrefixCache, filled: list[tuple[SeqStep, Request]]) -> None:
+    """Register every block a step fills up: `filled` holds each such step entry with its request.
+    NOTE: safe before the step runs, since a later request can read a registered block only in a
+    later step, after these writes."""
     bs = cache.block_size
-    for s, req, row in filled:
+    for s, req in filled:
         first, last = s.start_pos // bs, (s.start_pos + len(s.token_ids)) // bs
-        if row is None:
-            hashes, tokens = req.prefix_hashes, _prompt_tokens(req.prompt_ids)
-        else:
-            hashes, tokens = row.block_hashes, _row_tokens(row, req.prompt_ids)
-        salt = req.cache_salt
+        hashes, tokens, salt = req.block_hashes, req.tokens, req.cache_salt
         if len(hashes) < first:
             cache.extend_hashes(hashes, tokens, first, salt)
         table = s.block_table
@@ -238,17 +226,3 @@ def register_filled(cache: PrefixCache, filled: list[tuple[SeqStep, Request, Sam
             if len(hashes) == j:
                 hashes.append(cache.link_hash(hashes[-1] if j else cache.root_hash(salt), block_tokens))
             cache.register(table[j], hashes[j], block_tokens, table[j - 1] if j else None, salt)
-
-
-def _row_tokens(row: SampleRow, prompt: list[int]) -> Callable[[int, int], list[int]]:
-    """`tokens(start, end)` over a row's `prompt + generated`."""
-    def tokens(start: int, end: int) -> list[int]:
-        return row.tokens(prompt, start, end)
-    return tokens
-
-
-def _prompt_tokens(prompt: list[int]) -> Callable[[int, int], list[int]]:
-    """`tokens(start, end)` over the prompt alone (the n > 1 shared prefix)."""
-    def tokens(start: int, end: int) -> list[int]:
-        return prompt[start:end]
-    return tokens

@@ -1,14 +1,13 @@
-"""A request as the scheduler tracks it: the seed's record, as counters plus derived properties.
+"""A request as the scheduler tracks it: one sequence, as counters plus derived properties.
 
-A request has `n` sample rows. Each row's sequence is `prompt_ids + generated`; `num_computed`
-counts the leading tokens whose keys and values are in the KV cache. Prefill, decode, chunking and
-recompute after preemption are one rule: a step feeds a row tokens `[num_computed, ...)` and the
-row samples when the chunk reaches the end of its sequence (so a recomputed row never re-samples,
-and never re-emits, a token it already streamed).
+The sequence is `prompt_ids + generated`; `num_computed` counts the leading tokens whose keys and
+values are in the KV cache. Prefill, decode, chunking and recompute after preemption are one rule:
+a step feeds the request tokens `[num_computed, ...)` and it samples when the chunk reaches the end
+of its sequence (so a recompute never re-samples, and never re-emits, a token it already streamed).
 
-With `n > 1` the rows share the prompt: a prefix phase computes `prompt[:-1]` once into blocks the
-rows then share by reference count; each row feeds the last prompt token itself, so its first
-sample comes from its own row of logits, and the shared partial block is copied on write.
+A Submit with `n` samples becomes `n` sibling requests (`sibling(i)`), as vLLM v1 fans out parallel
+sampling: they share the Submit's (worker, rid) and seed, each has its own sample index, blocks and
+cancel, and they share the prompt's KV blocks through the prefix cache (`docs/design.md#sampling`).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from enum import IntEnum
 
 from ringserve.gpu_proc.step import RowSampling
 
-RequestKey = tuple[int, int]  # (worker, rid): workers number their requests with small ints
+WorkerRid = tuple[int, int]  # (worker slot, rid): how a worker names its Submit on its ring
 
 
 class RequestState(IntEnum):
@@ -53,60 +52,38 @@ class SamplingSpec:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-@dataclass(slots=True)
-class SampleRow:
-    """One of a request's `n` samples: its own generated tokens and block table."""
-
-    index: int
-    seq_id: int
-    sampling: RowSampling  # the template with this row's seed and sample_index
-    generated: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    # Prefix-cache chain hashes of this row's full token blocks so far (a pure function of the
-    # tokens and the salt, kept so a recompute or a repeated lookup does not rehash).
-    block_hashes: list[int] = field(default_factory=list)
-
-    def num_tokens(self, prompt_len: int) -> int:
-        return prompt_len + len(self.generated)
-
-    def tokens(self, prompt: list[int], start: int, end: int) -> list[int]:
-        """Tokens `[start, end)` of `prompt + generated`, without building the whole list."""
-        plen = len(prompt)
-        if end <= plen:
-            return prompt[start:end]
-        if start >= plen:
-            return self.generated[start - plen:end - plen]
-        return prompt[start:] + self.generated[:end - plen]
-
-
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Request:
-    """The seed's request record. Built from a worker's `Submit`; owned by the scheduler."""
+    """One sample's request record. Built from a worker's `Submit`; owned by the scheduler.
+    Compared by identity: two samples of one Submit can hold equal fields."""
 
-    key: RequestKey
+    key: WorkerRid
     request_id: str
-    tenant: str
+    tenant: str  # who the fair queue shares the GPU between: the API key's owner
     prompt_ids: list[int]
     max_tokens: int
     sampling: SamplingSpec
     arrival_ts: float
     deadline_ts: float
-    n: int = 1
+    n: int = 1  # samples the Submit asked for: this request and its n - 1 siblings
+    index: int = 0  # this sample's index, 0 <= index < n
     logprobs: int | None = None
     cache_salt: str | None = None  # prefix-cache isolation: only equal salts share cached blocks
     # -- set by the scheduler ------------------------------------------------------------------
+    seq_id: int = 0
+    row_sampling: RowSampling | None = None  # the sampler's settings, with this sample's seed and index
     est_gpu_ms: float = 0.0
     queued_est_ms: float = 0.0  # what this request adds to queued_gpu_seconds while it waits
+    starts_now: bool = False  # admitted as able to join at the next pass: not waiting work
     state: RequestState = RequestState.QUEUED
-    rows: list[SampleRow] = field(default_factory=list)
+    queued_pass: int = 0  # the scheduler pass at which it last entered the queue (fair preemption)
     admit_seq: int = -1  # order of first admission to the running set; preemption takes the max
-    prefix_seq_id: int = -1
-    prefix_computed: int = 0  # n > 1 only: tokens of prompt[:-1] in the shared prefix blocks
-    prefix_blocks: list[int] = field(default_factory=list)
-    forked: bool = False  # n > 1: rows have taken over the prefix
-    prefix_hashes: list[int] = field(default_factory=list)  # n > 1: chain hashes of prompt[:-1]'s full blocks
+    generated: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # Prefix-cache chain hashes of the full token blocks so far (a pure function of the tokens and
+    # the salt, kept so a recompute or a repeated lookup does not rehash).
+    block_hashes: list[int] = field(default_factory=list)
     cancel_reason: str | None = None
     first_join_ts: float | None = None
     first_token_ts: float | None = None
@@ -118,6 +95,8 @@ class Request:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if not 0 <= self.index < self.n:
+            raise ValueError(f"sample index {self.index} is outside 0..{self.n - 1}")
 
     @classmethod
     def from_submit(cls, worker: int, msg) -> "Request":
@@ -130,6 +109,13 @@ class Request:
                    arrival_ts=msg.arrival_ts, deadline_ts=msg.deadline_ts, n=msg.n, logprobs=msg.logprobs,
                    cache_salt=msg.cache_salt)
 
+    def sibling(self, index: int) -> "Request":
+        """Sample `index` of the same Submit: the same prompt and settings, none of the state."""
+        return Request(key=self.key, request_id=self.request_id, tenant=self.tenant, prompt_ids=self.prompt_ids,
+                       max_tokens=self.max_tokens, sampling=self.sampling, arrival_ts=self.arrival_ts,
+                       deadline_ts=self.deadline_ts, n=self.n, index=index, logprobs=self.logprobs,
+                       cache_salt=self.cache_salt)
+
     # -- derived -------------------------------------------------------------------------------
 
     @property
@@ -137,9 +123,8 @@ class Request:
         return len(self.prompt_ids)
 
     @property
-    def prefix_len(self) -> int:
-        """Prompt tokens computed once and shared: all but the last when n > 1, else none."""
-        return len(self.prompt_ids) - 1 if self.n > 1 else 0
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.generated)
 
     @property
     def is_waiting(self) -> bool:
@@ -153,24 +138,22 @@ class Request:
     def is_finished(self) -> bool:
         return self.state >= RequestState.DONE
 
-    @property
-    def live_rows(self) -> list[SampleRow]:
-        return [r for r in self.rows if r.finish_reason is None]
-
-    @property
-    def num_generated(self) -> int:
-        return sum(len(r.generated) for r in self.rows)
-
-    @property
-    def in_prefix_phase(self) -> bool:
-        return self.n > 1 and not self.forked
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens `[start, end)` of `prompt_ids + generated`, without building the whole list."""
+        prompt = self.prompt_ids
+        plen = len(prompt)
+        if end <= plen:
+            return prompt[start:end]
+        if start >= plen:
+            return self.generated[start - plen:end - plen]
+        return prompt[start:] + self.generated[:end - plen]
 
 
 @dataclass(slots=True)
 class TokenEvent:
-    """A sampled token for one row, to stream to the request's worker."""
+    """A sampled token for one sample, to stream to the request's worker."""
 
-    key: RequestKey
+    key: WorkerRid
     index: int
     token_id: int
     logprob: float
@@ -179,9 +162,9 @@ class TokenEvent:
 
 @dataclass(slots=True)
 class FinishEvent:
-    """A row ended; `reason` is one of shm.messages.FINISH_REASONS."""
+    """A sample ended; `reason` is one of shm.messages.FINISH_REASONS."""
 
-    key: RequestKey
+    key: WorkerRid
     index: int
     reason: str
     prompt_tokens: int

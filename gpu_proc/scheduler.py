@@ -2,52 +2,61 @@
 
 Pure bookkeeping, no torch: the GPU-process loop calls
 
-    decision = sched.admit(request)        # per Submit: 400 / 429 / accepted (est_gpu_ms)
-    sched.cancel(key, reason)              # per Cancel: a flag, read at the next step boundary
-    batch = sched.schedule(now)            # a StepBatch for the runner (may be empty)
-    events = sched.update(sample_output)   # TokenEvents and FinishEvents for the workers
-    sched.observe_step_time(ms)            # feeds the admission cost model
+    decision = sched.admit(request)         # per Submit: 400 / 429 / accepted (est_gpu_ms)
+    sched.cancel(key, reason, index)        # per Cancel: a flag, read at the next step boundary
+    batch = sched.schedule(now)             # a StepBatch for the runner (may be empty)
+    events = sched.update(sample_output)    # TokenEvents and FinishEvents for the workers
+    sched.observe_step_time(ms)             # feeds the admission cost model
 
-Rules (the seed's steps 4-10):
-- Leave: rows that sampled a stop token or reached max_tokens leave in `update` the moment they
-  sample; cancelled requests and passed deadlines leave at the start of the next pass, queued or
-  running. Their blocks go back to the free list.
-- Join: while rows < `max_rows` and the free blocks cover the next request's tokens plus
-  `admission_margin` of the pool (5 %), admit the fair choice (`fairness.py`). A joining request
-  takes all the blocks its current tokens need; it then only grows one block every 16 tokens.
-- Build: one token per decoding row, then prompt chunks (oldest request first) up to the prefill
-  budget as one flat list. The budget rises when few rows decode: `prefill_budget * min(8,
+Rules (`docs/design.md#scheduler-pass`):
+- Admit (`#admission`): a request that can join at the next pass (a free row, blocks for its
+  tokens plus the margin, nothing else waiting) is not waiting work and is never refused for load;
+  the rest is priced, and refused with 429 once the waiting work passes `queue_limit_s`. A Submit
+  with `n` samples becomes `n` sibling requests.
+- Leave: requests that sampled a stop token or reached max_tokens leave in `update` the moment
+  they sample; cancelled requests and passed deadlines leave at the start of the next pass, queued
+  or running. Their blocks go back to the free list.
+- Join: while a row is free and the free blocks cover the next request's tokens plus
+  `admission_margin` of the pool (5 %), admit the fair choice (`fairness.py`). The KV manager
+  (`kv_manager.py`) gives it every block its current tokens need, prefix-cache hits first
+  (`#prefix-cache`); it then grows one block every 16 tokens.
+- Fair preemption (`#fairness`): when the fair choice cannot join, its tenant is below its fair
+  share of rows and it has waited more than `fair_preempt_steps` passes, the newest request of the
+  tenant most over its share is preempted for it. So the head request of a tenant below its share
+  joins at most `fair_preempt_steps + 1` passes after it arrives, however the batch is held.
+- Build: one token per decoding request, then prompt chunks (oldest request first) up to the
+  prefill budget as one flat list. The budget rises when few rows decode: `prefill_budget * min(8,
   max_rows // decode_rows)`, never below `prefill_budget`, so the total stall the chunk imposes on
-  decoding users (rows x extra step time) stays what it is at a full batch, and one step's prefill
-  is at most 8 budgets.
-- Preempt: when a decoding row needs a block and none is free, the most recently admitted running
-  request is preempted: all its blocks are freed and it goes to the front of its key's queue. It is
-  recomputed later (prompt plus tokens already produced) and resumes sampling where it stopped, so
-  nothing is re-emitted and, with a seed, the output is unchanged.
-- Prefix cache (`config.prefix_caching`): a joining request takes the longest verified run of
-  cached full blocks for its tokens (n > 1: for the shared prefix) by reference and starts
-  `num_computed` past them; at least the last token is always computed, so it samples. Blocks a
-  step fills are registered when the step is built (its writes land before any later step reads).
-  Cached free blocks count as free for the admission margin; a hit on one uses it up.
+  decoding users (rows x extra step time) stays what it is at a full batch.
+- Preempt (`#preemption`): when a decoding request needs a block and none is free, the most
+  recently admitted running request is preempted: its blocks are freed and it goes to the front of
+  its tenant's queue. It is recomputed later (prompt plus tokens already produced) and resumes
+  sampling where it stopped, so nothing is re-emitted and, with a seed, the output is unchanged.
+- Siblings (`#sampling`, `siblings.py`): sample 0 of an n > 1 Submit joins first; the others are
+  queued once its prompt's full blocks are registered, and find them in the prefix cache, so the
+  prompt is computed once. Blocks a step fills are registered when the step is built: its writes
+  land before any later step reads them.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from heapq import heappop, heappush
 from typing import TYPE_CHECKING
 
 from ringserve.gpu_proc.admission import AdmissionController, Decision
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.fairness import FairQueue
-from ringserve.gpu_proc.prefix_cache import PrefixCache, cached_prefix, register_filled
-from ringserve.gpu_proc.request import FinishEvent, Request, RequestKey, RequestState, SampleRow, TokenEvent
-from ringserve.gpu_proc.scheduler_checks import SchedulerIntegrityError, check_scheduler
-from ringserve.gpu_proc.step import RowSampling, SeqStep, StepBatch
+from ringserve.gpu_proc.kv_manager import KVCacheManager
+from ringserve.gpu_proc.request import FinishEvent, Request, RequestState, TokenEvent, WorkerRid
+from ringserve.gpu_proc.scheduler_checks import SchedulerIntegrityError, SchedulerSnapshot, check_scheduler
+from ringserve.gpu_proc.siblings import Siblings
+from ringserve.gpu_proc.step import SeqStep, StepBatch
 from ringserve.gpu_proc.stops import stop_reason
 
 if TYPE_CHECKING:
@@ -61,68 +70,74 @@ _WASTED = ("cancelled", "deadline")  # finish reasons whose generated tokens cou
 
 @dataclass(frozen=True, slots=True)
 class SchedulerStats:
-    """What the GPU process publishes to the control block every step."""
+    """What the GPU process publishes every step; each field is a stat that
+    `shm/stats_schema.py` declares (a test keeps the two in step)."""
 
-    queue_depth: int
-    queued_gpu_seconds: float
-    running_requests: int
+    queue_depth: int  # requests waiting for a row (siblings waiting for their prompt included)
+    queued_gpu_seconds: float  # estimated GPU work that cannot start now
     running_rows: int
     kv_blocks_free: int
     kv_blocks_total: int
-    preemptions: int
+    kv_blocks_cached: int  # free blocks still holding a cached prefix (part of kv_blocks_free)
+    preemptions: int  # requests preempted, for KV blocks or for fairness
+    fair_preemptions: int  # of those, preempted so a tenant below its fair share could start
     cancelled_tokens: int
     prompt_tokens_total: int
     generation_tokens_total: int
     c_prefill_ms: float
     c_decode_ms: float
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at each join (recompute too)
-    prefix_cache_hits: int = 0  # of those, tokens served from cached blocks
-    kv_blocks_cached: int = 0  # free blocks still holding a cached prefix (part of kv_blocks_free)
+    prefix_cache_queries: int  # tokens looked up in the prefix cache at each join (recompute too)
+    prefix_cache_hits: int  # of those, tokens served from cached blocks
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in _STAT_FIELDS}
+
+
+_STAT_FIELDS = tuple(f.name for f in fields(SchedulerStats))
 
 
 class Scheduler:
-    """Continuous batching over a paged KV cache: owns the queues and every block table."""
+    """Continuous batching over a paged KV cache: owns the queues and every request's blocks."""
 
     def __init__(self, config: Config, block_manager: BlockManager, *, eos_token_ids=frozenset(),
                  clock: Callable[[], float] = time.time, rng: random.Random | None = None,
                  admission: AdmissionController | None = None) -> None:
-        """`config` is a `ringserve.config.Config` (or any object with its scheduler fields). With
-        `config.prefix_caching` the scheduler attaches a `PrefixCache` to the fresh `block_manager`
-        unless it already has one (tests attach their own, e.g. with a colliding hash)."""
+        """`config` is a `ringserve.config.Config` (or any object with its scheduler fields)."""
         if block_manager.block_size != config.block_size:
             raise ValueError(f"block manager has {block_manager.block_size}-token blocks, "
                              f"config says {config.block_size}")
+        self.kv = KVCacheManager(block_manager, caching=config.prefix_caching,
+                                 namespace=config.model_name or config.model or "")
         self.bm = block_manager
         self.block_size = block_manager.block_size
-        if config.prefix_caching and block_manager.cache is None:
-            namespace = config.model_name or config.model or ""
-            block_manager.attach_cache(PrefixCache(block_manager.num_blocks, self.block_size, namespace=namespace))
-        elif not config.prefix_caching and block_manager.cache is not None:
-            raise ValueError("prefix caching is off in the config but the block manager has a cache")
-        self.cache = block_manager.cache
         self.max_rows = config.max_rows
         self.prefill_budget = config.prefill_budget
         self.context_limit = config.context_limit
-        self.margin_blocks = math.ceil(config.admission_margin * block_manager.num_blocks)  # seed: 358 of 7,152
+        self.fair_preempt_steps = config.fair_preempt_steps
+        self.margin_blocks = math.ceil(config.admission_margin * block_manager.num_blocks)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.queue = FairQueue(config.key_row_cap, config.output_token_weight)
+        self.queue = FairQueue(config.key_row_cap, config.output_token_weight, max_rows=config.max_rows)
         self.admission = admission or AdmissionController.from_config(config)
         self.clock = clock
         self._rng = rng or random.Random()
-        self._live: dict[RequestKey, Request] = {}
+        self._live: dict[WorkerRid, list[Request]] = {}  # every sample of a Submit until all have ended
         self._running: list[Request] = []  # ascending admit_seq: the newest is last
-        self._running_rows = 0
-        self._queued_ms = 0.0
+        self.siblings = Siblings(self.block_size, config.prefix_caching)
+        self._starting: list[Request] = []  # admitted as able to start now, not joined yet
+        self._reserved_blocks = 0  # blocks those will take (their rows: len(_starting))
+        self._queued_ms = 0.0  # waiting work: the queued_est_ms of every waiting request
+        self._charged = 0  # waiting requests with a cost (the others start at the next pass)
         self._deadlines: list[tuple[float, int, Request]] = []
         self._cancels: list[Request] = []
         self._events: list[Event] = []
-        self._sampling: list[tuple[Request, SampleRow]] = []  # rows sampling in the last batch
-        self._next_seq_id = 0
+        self._sampling: list[Request] = []  # requests sampling in the last batch, in batch order
+        self._pass = 0
+        self._seq_ids = itertools.count(1)
         self._next_admit_seq = 0
-        self._next_heap_seq = 0
         self.last_prefill_tokens = 0
         self.last_decode_rows = 0
         self.preemptions = 0
+        self.fair_preemptions = 0
         self.cancelled_tokens = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -130,46 +145,94 @@ class Scheduler:
     # -- inputs ----------------------------------------------------------------------------------
 
     def admit(self, req: Request) -> Decision:
-        """Price and queue `req`, or refuse it (400 can never run, 429 queue over its limit)."""
+        """Price and queue `req` (and its n - 1 siblings), or refuse it (400 can never run, 429
+        waiting work over its limit)."""
         if req.key in self._live:
             return Decision(400, code="duplicate_request", message=f"request {req.key} is already live")
-        bs = self.block_size
-        # Most blocks the request can ever hold at once: its longest row, plus for n > 1 each other
-        # row's private tail and the prefix's partial block, held until the fork.
-        worst = self.bm.blocks_for(req.prompt_len + req.max_tokens)
-        if req.n > 1:
-            worst += (req.n - 1) * (-(-req.max_tokens // bs) + 1) + 1
-        decision = self.admission.decide(req.prompt_len, req.max_tokens, req.n, self._queued_ms,
-                                         pool_fits=worst <= self.bm.num_blocks)
-        if not decision.accepted:
-            return decision
-        sp = req.sampling
-        seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
-        req.rows = [SampleRow(i, self._seq_id(), RowSampling(sp.temperature, sp.top_k, sp.top_p, seed, i, req.logprobs))
-                    for i in range(req.n)]
-        req.prefix_seq_id = self._seq_id() if req.n > 1 else -1
-        req.est_gpu_ms = req.queued_est_ms = decision.est_gpu_ms
-        req.state = RequestState.QUEUED
-        self._queued_ms += req.queued_est_ms
-        self._live[req.key] = req
-        self.queue.push(req)
-        self._next_heap_seq += 1
-        heappush(self._deadlines, (req.deadline_ts, self._next_heap_seq, req))
+        kv, full = self.kv, req.prompt_len // self.block_size
+        # Most blocks the samples can hold at once: the prompt's full blocks once, then each
+        # sample's own tail up to the context it may reach.
+        worst = full + req.n * (kv.blocks_for(req.prompt_len + req.max_tokens) - full)
+        starts = self._starts_now(req.n, req.prompt_len)
+        decision = self.admission.decide(req.prompt_len, req.max_tokens, req.n, 0.0 if starts else self._queued_ms,
+                                         pool_fits=worst <= self.bm.num_blocks, row_wait_ms=self._row_wait_ms)
+        if decision.accepted:
+            seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(63)
+            self._queue_samples(self.siblings.fan_out(req, seed, self._seq_ids), decision.est_gpu_ms, starts)
         return decision
 
-    def cancel(self, key: RequestKey, reason: str = "cancelled") -> bool:
-        """Flag a request to leave at the next step boundary; False if it is unknown or ending."""
-        req = self._live.get(key)
-        if req is None or req.cancel_reason is not None:
-            return False
-        req.cancel_reason = reason
-        self._cancels.append(req)
-        return True
+    def cancel(self, key: WorkerRid, reason: str = "cancelled", index: int | None = None) -> bool:
+        """Flag every sample of a Submit (or only sample `index`) to leave at the next step
+        boundary; False if none is live and not already ending."""
+        samples = self._live.get(key, [])
+        if index is not None:
+            samples = samples[index:index + 1] if index >= 0 else []
+        flagged = False
+        for req in samples:
+            if not req.is_finished and req.cancel_reason is None:
+                req.cancel_reason = reason
+                self._cancels.append(req)
+                flagged = True
+        return flagged
 
     def observe_step_time(self, ms: float, prefill_tokens: int | None = None, decode_rows: int | None = None) -> None:
         """Feed one measured step (default: the counts of the last built batch) to the cost model."""
         self.admission.observe_step(ms, self.last_prefill_tokens if prefill_tokens is None else prefill_tokens,
                                     self.last_decode_rows if decode_rows is None else decode_rows)
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def _starts_now(self, n: int, prompt_len: int) -> bool:
+        """Whether `n` samples of `prompt_len` tokens would join at the next pass: nothing waits
+        ahead of them, and rows and blocks (without cache hits, plus the margin) are free after
+        what the requests already admitted to start now will take."""
+        if self._charged:
+            return False
+        rows = len(self._running) + len(self._starting) + n
+        blocks = self._reserved_blocks + n * self.kv.blocks_for(prompt_len)
+        margin = self.margin_blocks if rows > n else 0
+        return rows <= self.max_rows and blocks + margin <= self.kv.num_free
+
+    def _row_wait_ms(self) -> float:
+        """Projected ms until a row frees (for Retry-After): 0 with one free, else until the
+        running (or starting) request expected to end first ends, at the fitted step time."""
+        holders = self._running + self._starting
+        if len(holders) < self.max_rows:
+            return 0.0
+        expected = self.admission.answers.mean
+        left = min(max(min(r.max_tokens, expected) - len(r.generated), 1.0) for r in holders)
+        return left * self.admission.costs.decode_step_ms(len(holders))
+
+    def _queue_samples(self, samples: list[Request], est_ms: float, starts: bool) -> None:
+        """Queue a Submit's samples, as `siblings.hold` says: all now, or sample 0 first."""
+        self._live[samples[0].key] = samples
+        for s in samples:
+            s.est_gpu_ms = est_ms / len(samples)
+            s.starts_now = starts
+            s.queued_pass = self._pass
+            if not starts:
+                self._charge(s, s.est_gpu_ms)
+            heappush(self._deadlines, (s.deadline_ts, s.seq_id, s))
+        if starts:
+            self._starting += samples
+            self._reserved_blocks += len(samples) * self.kv.blocks_for(samples[0].prompt_len)
+        for s in self.siblings.hold(samples):
+            self.queue.push(s)
+
+    def _settle_starting(self) -> None:
+        """After the join: requests admitted to start now that did not (held siblings aside) are
+        waiting work after all; reservations end."""
+        keep: list[Request] = []
+        for req in self._starting:
+            if not req.is_waiting:
+                continue
+            if self.siblings.is_held(req):
+                keep.append(req)
+                continue
+            req.starts_now = False
+            self._charge(req, req.est_gpu_ms)
+        self._starting = keep
+        self._reserved_blocks = sum(self.kv.blocks_for(r.prompt_len) for r in keep)
 
     # -- the pass --------------------------------------------------------------------------------
 
@@ -177,9 +240,13 @@ class Scheduler:
         """Leave, join and build one step. The batch's block tables are the live lists: valid until
         the next call, and the runner must not change them."""
         now = self.clock() if now is None else now
+        self._pass += 1
         self._leave(now)
         self._join(now)
-        return self._build()
+        batch = self._build()
+        if self.siblings:
+            self._queue_first(self.siblings.ready(self._live))
+        return batch
 
     def update(self, samples=None) -> list[Event]:
         """Take the last batch's samples (`.token_ids`, `.logprobs`, `.top_logprobs`, one per
@@ -213,93 +280,85 @@ class Scheduler:
                 self._end(req, "deadline", now)
 
     def _end(self, req: Request, reason: str, now: float) -> None:
-        """Remove a queued or running request for good; finish every row still live."""
-        live = req.live_rows
+        """Remove a queued, held or running request for good."""
         if req.is_waiting:
-            self.queue.remove(req)
+            if not self.siblings.discard(req):
+                self.queue.remove(req)
             self._unqueue_cost(req)
         else:
-            self._release_blocks(req)
+            self.kv.free(req)
             self._running.remove(req)
-            self._running_rows -= len(live)
-            self.queue.rows_ended(req.tenant, len(live))
+            self.queue.rows_ended(req.tenant, 1)
         if reason in _WASTED:
-            self.cancelled_tokens += req.num_generated
-        for row in live:
-            self._finish_row(req, row, reason, now)
-        req.state = RequestState.DONE if reason == "stop" else RequestState.CANCELLED
-        del self._live[req.key]
+            self.cancelled_tokens += len(req.generated)
+        self._finish(req, reason, now)
 
     # -- join ------------------------------------------------------------------------------------
 
     def _join(self, now: float) -> None:
-        queue, bm = self.queue, self.bm
-        while True:
-            req = queue.peek()
-            if req is None:
-                return
-            rows = len(req.live_rows)
-            if self._running_rows + rows > self.max_rows:
-                return
-            hits = cached_prefix(self.cache, req) if self.cache is not None else []
-            # a hit on a parked block uses up a free one; a hit on a block in use costs nothing
-            need = self._blocks_to_join(req) - sum(1 for b in hits if bm.ref_count(b))
-            free = bm.num_free
-            # NOTE: an idle server admits a request that fits without the margin; otherwise a pool
-            # smaller than one request plus the margin could never serve it.
-            if free < need + self.margin_blocks and (self._running or free < need):
-                return
-            queue.rows_started(req.tenant, rows)  # first, so the key stays active across pop()
-            queue.pop(req)
-            self._unqueue_cost(req)
-            self._allocate_on_join(req, hits)
-            if req.admit_seq < 0:
-                req.admit_seq = self._next_admit_seq
-                self._next_admit_seq += 1
-                req.first_join_ts = now
+        """Start the fair choice while it fits, preempting for it when fairness says so."""
+        queue = self.queue
+        while (req := queue.peek()) is not None:
+            if not self._start(req, now) and not self._fair_preempt(req):
+                break
+        if self._starting:
+            self._settle_starting()
+
+    def _start(self, req: Request, now: float) -> bool:
+        """Move `req` (the queue's fair choice) into the running set if a row and its blocks are free
+        (rows kept for the held siblings of running requests are not)."""
+        if len(self._running) + (self.siblings.rows_reserved(self._live) if self.siblings else 0) >= self.max_rows:
+            return False
+        # NOTE: an idle server admits a request that fits without the margin; otherwise a pool
+        # smaller than one request plus the margin could never serve it.
+        reserve = self.margin_blocks if self._running else 0
+        if self.kv.allocate_slots(req, req.num_tokens, self.kv.lookup(req), reserve) is None:
+            return False
+        self.queue.rows_started(req.tenant, 1)  # first, so the tenant stays active across pop()
+        self.queue.pop(req)
+        self._unqueue_cost(req)
+        if req.starts_now:
+            self._starting.remove(req)
+            self._reserved_blocks -= self.kv.blocks_for(req.prompt_len)
+            req.starts_now = False
+        if req.admit_seq < 0:
+            req.admit_seq = self._next_admit_seq
+            self._next_admit_seq += 1
+            req.first_join_ts = now
+            if req.index == 0:
                 self.prompt_tokens_total += req.prompt_len
-                self._running.append(req)
-            else:
-                self._insert_running(req)
-            req.state = RequestState.PREFILL
-            self._running_rows += rows
+            self._running.append(req)
+        else:
+            self._insert_running(req)
+        req.state = RequestState.PREFILL
+        return True
+
+    def _fair_preempt(self, req: Request) -> bool:
+        """Preempt the newest request of the tenant most over its fair share so `req` can start,
+        once `req` has waited more than `fair_preempt_steps` passes; True if one was preempted."""
+        if self._pass - req.queued_pass <= self.fair_preempt_steps:
+            return False
+        victim_tenant = self.queue.preemptable_for(req.tenant)
+        if victim_tenant is None:
+            return False
+        victim = next(r for r in reversed(self._running) if r.tenant == victim_tenant)
+        self._preempt(victim)
+        self.fair_preemptions += 1
+        return True
+
+    def _charge(self, req: Request, ms: float) -> None:
+        """`req` waits: its `ms` count as waiting work until it joins or ends."""
+        req.queued_est_ms = ms
+        self._queued_ms += ms
+        self._charged += 1
 
     def _unqueue_cost(self, req: Request) -> None:
-        self._queued_ms -= req.queued_est_ms
-        req.queued_est_ms = 0.0
-        if not len(self.queue):
-            self._queued_ms = 0.0  # NOTE: no float residue once nothing waits
-
-    def _blocks_to_join(self, req: Request) -> int:
-        bm, plen = self.bm, req.prompt_len
-        if req.n == 1:
-            return bm.blocks_for(plen + len(req.rows[0].generated))
-        full = req.prefix_len // self.block_size
-        return bm.blocks_for(req.prefix_len) + sum(bm.blocks_for(plen + len(r.generated)) - full for r in req.live_rows)
-
-    def _allocate_on_join(self, req: Request, hits: list[int]) -> None:
-        bm, plen = self.bm, req.prompt_len
-        if hits:
-            bm.acquire(hits)
-        if req.n == 1:
-            row = req.rows[0]
-            total = plen + len(row.generated)
-            row.block_ids = hits + bm.allocate(bm.blocks_for(total) - len(hits))
-            row.num_computed = len(hits) * self.block_size
-            if self.cache is not None:
-                self.cache.record(total, row.num_computed)
-            return
-        # n > 1: the prefix phase fills prompt[:-1] into prefix_blocks; rows share its full blocks
-        # now and own the rest, including a private copy of the partial one (made at the fork).
-        live = req.live_rows
-        req.prefix_blocks, tables = bm.allocate_shared(req.prefix_len, [plen + len(r.generated) for r in live], hits)
-        req.prefix_computed = len(hits) * self.block_size
-        if self.cache is not None:
-            self.cache.record(plen, req.prefix_computed)
-        req.forked = False
-        for row, table in zip(live, tables):
-            row.block_ids = table
-            row.num_computed = req.prefix_len
+        if req.queued_est_ms:
+            self._queued_ms -= req.queued_est_ms
+            req.queued_est_ms = 0.0
+            self._charged -= 1
+            if not self._charged:
+                self._queued_ms = 0.0  # NOTE: no float residue once nothing waits
 
     def _insert_running(self, req: Request) -> None:
         running = self._running
@@ -308,155 +367,119 @@ class Scheduler:
             i -= 1
         running.insert(i, req)
 
+    def _queue_first(self, samples: list[Request]) -> None:
+        """Queue released siblings at the front of their tenant's queue, in index order: they are
+        as old as their sample 0, which already started."""
+        for s in reversed(samples):
+            self.queue.push_front(s)
+
     # -- build -----------------------------------------------------------------------------------
 
     def _build(self) -> StepBatch:
-        bm, bs = self.bm, self.block_size
+        decoding, prefilling = self._grow_decode_rows()
         seqs: list[SeqStep] = []
-        copies: list[tuple[int, int]] = []
-        sampling = self._sampling = []
-        filled: list[tuple[SeqStep, Request, SampleRow | None]] = []  # seqs that fill a block up
-        pending: list[tuple[Request, SampleRow | None]] = []  # prompt work, oldest request first
-        running = self._running
+        filled: list[tuple[SeqStep, Request]] = []  # entries that fill a block up
+        self._sampling = sampling = list(decoding)
+        bs = self.block_size
+        for req in decoding:
+            p = req.num_computed
+            gen = req.generated
+            s = SeqStep(req.seq_id, [gen[-1] if gen else req.prompt_ids[-1]], p, req.block_ids, req.row_sampling)
+            seqs.append(s)
+            if (p + 1) % bs == 0:
+                filled.append((s, req))
+            req.num_computed = p + 1
+        self.last_decode_rows = len(seqs)
+        self.last_prefill_tokens = self._prefill_chunks(prefilling, self.prefill_budget_for(len(seqs)),
+                                                        seqs, sampling, filled)
+        if filled:
+            self.kv.register_filled(filled)
+        # NOTE: `sampling` was appended in lockstep with `seqs`, so it is in batch.sampling_seqs
+        # order, which is the order of the runner's logits and the sampler's output.
+        return StepBatch(seqs=seqs)
+
+    def _grow_decode_rows(self) -> tuple[list[Request], list[Request]]:
+        """The running requests that decode this step, each now holding a slot for its next token,
+        and those still prefilling, both oldest first. While a decoding request finds no free
+        block the newest running request is preempted, possibly itself (then nothing follows it)."""
+        running, kv = self._running, self.kv
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
         i = 0
         while i < len(running):
             req = running[i]
-            marks = (len(seqs), len(sampling), len(pending), len(copies), len(filled))
-            if req.n > 1 and not req.forked:
-                if req.prefix_computed < req.prefix_len:
-                    pending.append((req, None))
-                    i += 1
-                    continue
-                self._fork(req, copies)
-            prompt = req.prompt_ids
-            plen = len(prompt)
-            evicted_self = False
-            for row in req.rows:
-                if row.finish_reason is not None:
-                    continue
-                gen = row.generated
-                p = row.num_computed
-                if plen + len(gen) - p != 1:
-                    pending.append((req, row))
-                    continue
-                blocks = row.block_ids
-                if p // bs >= len(blocks):
-                    while not bm.num_free:
-                        victim = running[-1]
-                        self._preempt(victim)
-                        if victim is req:
-                            evicted_self = True
-                            break
-                    if evicted_self:
-                        break
-                    blocks.append(bm.allocate_one())
-                seqs.append(SeqStep(row.seq_id, [gen[-1] if gen else prompt[-1]], p, blocks, row.sampling))
-                if (p + 1) % bs == 0:
-                    filled.append((seqs[-1], req, row))
-                sampling.append((req, row))
-                row.num_computed = p + 1
-            if evicted_self:
-                # Undo what this pass gave the request; it was the newest, so nothing follows it.
-                del seqs[marks[0]:], sampling[marks[1]:], pending[marks[2]:], copies[marks[3]:], filled[marks[4]:]
-                break
-            i += 1
-        decode_rows = len(seqs)
-        budget = self.prefill_budget_for(decode_rows)
-        prefill_tokens = 0
-        for req, row in pending:
-            if budget <= 0:
-                break
-            if row is None:
-                start = req.prefix_computed
-                end = min(req.prefix_len, start + budget)
-                seqs.append(SeqStep(req.prefix_seq_id, req.prompt_ids[start:end], start, req.prefix_blocks))
-                if end // bs > start // bs:
-                    filled.append((seqs[-1], req, None))
-                req.prefix_computed = end
+            if req.num_tokens - req.num_computed != 1:
+                prefilling.append(req)
+            elif kv.allocate_slots(req, req.num_computed + 1) is not None:
+                decoding.append(req)
             else:
-                start = row.num_computed
-                total = req.prompt_len + len(row.generated)
-                end = min(total, start + budget)
-                samples = end == total
-                seqs.append(SeqStep(row.seq_id, row.tokens(req.prompt_ids, start, end), start, row.block_ids,
-                                    row.sampling if samples else None))
-                if end // bs > start // bs:
-                    filled.append((seqs[-1], req, row))
-                if samples:
-                    sampling.append((req, row))
-                row.num_computed = end
-            budget -= end - start
-            prefill_tokens += end - start
-            self.queue.charge(req.tenant, end - start, 0)
-        self.last_prefill_tokens = prefill_tokens
-        self.last_decode_rows = decode_rows
-        if self.cache is not None and filled:
-            register_filled(self.cache, filled)
-        # NOTE: `sampling` was appended in lockstep with `seqs`, so it is in batch.sampling_seqs
-        # order, which is the order of the runner's logits and the sampler's output.
-        return StepBatch(seqs=seqs, block_copies=copies)
+                victim = running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+                continue  # the same request again, with the victim's blocks free
+            i += 1
+        return decoding, prefilling
+
+    def _prefill_chunks(self, prefilling: list[Request], budget: int, seqs: list[SeqStep],
+                        sampling: list[Request], filled: list[tuple[SeqStep, Request]]) -> int:
+        """Prompt (or recompute) chunks, oldest request first, up to `budget` tokens; the tokens used."""
+        bs, charge, used = self.block_size, self.queue.charge, 0
+        for req in prefilling:
+            if budget <= used:
+                break
+            start, total = req.num_computed, req.num_tokens
+            end = min(total, start + budget - used)
+            samples = end == total
+            s = SeqStep(req.seq_id, req.tokens(start, end), start, req.block_ids,
+                        req.row_sampling if samples else None)
+            seqs.append(s)
+            if end // bs > start // bs:
+                filled.append((s, req))
+            if samples:
+                sampling.append(req)
+            req.num_computed = end
+            used += end - start
+            charge(req.tenant, end - start, 0)
+        return used
 
     def prefill_budget_for(self, decode_rows: int) -> int:
         """Prompt tokens allowed in a step with `decode_rows` decoding rows (see module doc)."""
         return self.prefill_budget * max(1, min(8, self.max_rows // max(decode_rows, 1)))
 
-    def _fork(self, req: Request, copies: list[tuple[int, int]]) -> None:
-        """The shared prefix is complete: copy its partial block for each row, drop the prefix's refs."""
-        copies += self.bm.fork(req.prefix_blocks, req.prefix_len, [row.block_ids for row in req.live_rows])
-        req.prefix_blocks = []
-        req.forked = True
-
     # -- preemption ------------------------------------------------------------------------------
 
     def _preempt(self, req: Request) -> None:
-        """Free every block of `req` and queue it first for its key; it is recomputed later."""
-        self._release_blocks(req)
+        """Free every block of `req` and queue it first for its tenant; it is recomputed later."""
+        self.kv.free(req)
         if self._running[-1] is req:
             self._running.pop()
         else:
             self._running.remove(req)
-        live = req.live_rows
-        for row in live:
-            row.num_computed = 0
-        req.prefix_computed = 0
-        req.forked = False
+        req.num_computed = 0
         req.state = RequestState.PREEMPTED
-        generated = max(len(r.generated) for r in live)
-        req.queued_est_ms = self.admission.estimate_ms(req.prompt_len, req.max_tokens, len(live), generated)
-        self._queued_ms += req.queued_est_ms
+        req.queued_pass = self._pass
+        self._charge(req, self.admission.estimate_ms(req.prompt_len, req.max_tokens, 1, len(req.generated)))
         self.queue.push_front(req)
-        self.queue.rows_ended(req.tenant, len(live))
-        self._running_rows -= len(live)
+        self.queue.rows_ended(req.tenant, 1)
         self.preemptions += 1
-
-    def _release_blocks(self, req: Request) -> None:
-        bm = self.bm
-        if req.prefix_blocks:
-            bm.free(req.prefix_blocks)
-            req.prefix_blocks = []
-        for row in req.rows:
-            if row.block_ids:
-                bm.free(row.block_ids)
-                row.block_ids = []
 
     # -- samples ---------------------------------------------------------------------------------
 
-    def _apply_samples(self, rows, token_ids, logprobs, tops) -> None:
+    def _apply_samples(self, rows: list[Request], token_ids, logprobs, tops) -> None:
         now = self.clock()
         events = self._events
         eos, limit = self.eos_token_ids, self.context_limit
         charge = self.queue.charge
-        for k, (req, row) in enumerate(rows):
-            if row.finish_reason is not None:
-                continue
+        for k, req in enumerate(rows):
             tok = int(token_ids[k])
-            gen = row.generated
+            gen = req.generated
             gen.append(tok)
             if req.state == RequestState.PREFILL:
                 req.state = RequestState.DECODE
                 if req.first_token_ts is None:
                     req.first_token_ts = now  # TTFT ends here; a recompute does not restart it
-            events.append(TokenEvent(req.key, row.index, tok, float(logprobs[k]),
+            events.append(TokenEvent(req.key, req.index, tok, float(logprobs[k]),
                                      tops[k] if req.logprobs is not None else None))
             charge(req.tenant, 0, 1)
             sp = req.sampling
@@ -465,67 +488,64 @@ class Scheduler:
                                  max_tokens=req.max_tokens, context_limit=limit)
             self.generation_tokens_total += 1
             if reason is not None:
-                self._row_done(req, row, reason, now)
+                self._row_done(req, reason, now)
 
-    def _row_done(self, req: Request, row: SampleRow, reason: str, now: float) -> None:
-        """A row sampled its last token: its blocks go back now, the request when all rows are done."""
-        self.bm.free(row.block_ids)
-        row.block_ids = []
-        self._running_rows -= 1
+    def _row_done(self, req: Request, reason: str, now: float) -> None:
+        """A request sampled its last token: its blocks go back now."""
+        self.kv.free(req)
+        self._running.remove(req)
         self.queue.rows_ended(req.tenant, 1)
-        self.admission.observe_answer(len(row.generated))
-        self._finish_row(req, row, reason, now)
-        if all(r.finish_reason is not None for r in req.rows):
-            if req.prefix_blocks:
-                self.bm.free(req.prefix_blocks)
-                req.prefix_blocks = []
-            self._running.remove(req)
-            req.state = RequestState.DONE
-            del self._live[req.key]
+        self.admission.observe_answer(len(req.generated))
+        self._finish(req, reason, now)
 
-    def _finish_row(self, req: Request, row: SampleRow, reason: str, now: float) -> None:
-        row.finish_reason = reason
+    def _finish(self, req: Request, reason: str, now: float) -> None:
+        """Record the end of one sample; the Submit is forgotten once all its samples have ended."""
+        req.state = RequestState.CANCELLED if reason in _WASTED else RequestState.DONE
         joined = req.first_join_ts if req.first_join_ts is not None else now
         ttft = (req.first_token_ts - req.arrival_ts) * 1000.0 if req.first_token_ts is not None else 0.0
-        self._events.append(FinishEvent(req.key, row.index, reason, req.prompt_len, len(row.generated),
+        self._events.append(FinishEvent(req.key, req.index, reason, req.prompt_len, len(req.generated),
                                         max(0.0, (joined - req.arrival_ts) * 1000.0), max(0.0, ttft)))
+        if req.starts_now:
+            self._starting.remove(req)
+            self._reserved_blocks -= self.kv.blocks_for(req.prompt_len)
+        if req.index == 0 and self.siblings:
+            self._queue_first(self.siblings.release(req))
+        if all(s.is_finished for s in self._live[req.key]):
+            del self._live[req.key]
 
     # -- views -----------------------------------------------------------------------------------
-
-    def _seq_id(self) -> int:
-        self._next_seq_id += 1
-        return self._next_seq_id
 
     @property
     def has_work(self) -> bool:
         """Anything queued or running (the loop sleeps on its doorbell when not)."""
         return bool(self._live)
 
-    @property
-    def running(self) -> list[Request]:
-        return self._running
-
-    def get(self, key: RequestKey) -> Request | None:
-        return self._live.get(key)
-
-    def live_keys(self) -> list[RequestKey]:
-        """Keys of every queued or running request (a copy: safe to cancel while iterating)."""
+    def live_keys(self) -> list[WorkerRid]:
+        """Keys of every Submit with a sample queued or running (a copy: safe to cancel while iterating)."""
         return list(self._live)
 
     def stats(self) -> SchedulerStats:
-        cache = self.cache
+        cache = self.kv.cache
         return SchedulerStats(
-            queue_depth=len(self.queue), queued_gpu_seconds=max(self._queued_ms, 0.0) / 1000.0,
-            running_requests=len(self._running), running_rows=self._running_rows,
-            kv_blocks_free=self.bm.num_free, kv_blocks_total=self.bm.num_blocks,
-            preemptions=self.preemptions, cancelled_tokens=self.cancelled_tokens,
+            queue_depth=len(self.queue) + len(self.siblings), queued_gpu_seconds=max(self._queued_ms, 0.0) / 1000.0,
+            running_rows=len(self._running), kv_blocks_free=self.bm.num_free, kv_blocks_total=self.bm.num_blocks,
+            kv_blocks_cached=self.bm.num_cached, preemptions=self.preemptions,
+            fair_preemptions=self.fair_preemptions, cancelled_tokens=self.cancelled_tokens,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             c_prefill_ms=self.admission.costs.c_prefill_ms, c_decode_ms=self.admission.costs.c_decode_ms,
-            prefix_cache_queries=cache.queries if cache is not None else 0,
-            prefix_cache_hits=cache.hits if cache is not None else 0, kv_blocks_cached=self.bm.num_cached)
+            prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits)
+
+    def snapshot(self) -> SchedulerSnapshot:
+        """Every book the scheduler keeps, as read-only views (for `check_integrity` and tests)."""
+        return SchedulerSnapshot(
+            running=tuple(self._running), queued=tuple(self.queue.waiting()),
+            held=tuple(self.siblings),
+            live={k: tuple(v) for k, v in self._live.items()}, starting=tuple(self._starting),
+            reserved_blocks=self._reserved_blocks, queued_ms=self._queued_ms, charged=self._charged,
+            max_rows=self.max_rows,
+            kv=self.kv, queue=self.queue)
 
     def check_integrity(self) -> None:
         """Raise SchedulerIntegrityError unless every block table, row count, queue, cached block
         and account agrees with the others (tests run it after every step; cheap enough when idle)."""
-        check_scheduler(self)
-
+        check_scheduler(self.snapshot())

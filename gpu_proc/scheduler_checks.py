@@ -1,78 +1,97 @@
 """The scheduler's integrity check: every book it keeps agrees with every other.
 
-Tests run it after every step; it is cheap enough to run when the GPU process is idle. It covers
-block tables against reference counts, running rows, the fair queue's accounts, and with a prefix
-cache: free + cached + in use == total, unique hashes, and that every cached block a table reads
-holds exactly the tokens the row expects there.
+Tests run it after every step; it is cheap enough to run when the GPU process is idle. It reads
+the scheduler's public `snapshot()` and covers block tables against reference counts, running
+rows, the fair queue's accounts, the waiting-work total, and the prefix cache: free + cached + in
+use == total, unique hashes, and that every cached block a table reads holds exactly the tokens
+the request expects there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ringserve.gpu_proc.scheduler import Scheduler
+    from ringserve.gpu_proc.fairness import FairQueue
+    from ringserve.gpu_proc.kv_manager import KVCacheManager
+    from ringserve.gpu_proc.request import Request, WorkerRid
 
 
-def check_scheduler(sched: Scheduler) -> None:
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    """The scheduler's books at one moment (`Scheduler.snapshot()`); read, never change them."""
+
+    running: tuple[Request, ...]  # admission order
+    queued: tuple[Request, ...]  # in the fair queue
+    held: tuple[Request, ...]  # siblings waiting for sample 0's prompt blocks
+    live: Mapping[WorkerRid, tuple[Request, ...]]  # every sample of every live Submit
+    starting: tuple[Request, ...]  # admitted as able to start now, not joined yet
+    reserved_blocks: int
+    queued_ms: float
+    charged: int  # waiting requests with a cost in queued_ms
+    max_rows: int
+    kv: KVCacheManager
+    queue: FairQueue
+
+
+def check_scheduler(snap: SchedulerSnapshot) -> None:
     """Raise SchedulerIntegrityError at the first disagreement (see the module docstring)."""
+    bm, bs = snap.kv.bm, snap.kv.block_size
     expected: dict[int, int] = {}
-    rows_by_key: dict[str, int] = {}
-    rows = 0
-    bs = sched.block_size
-    for k, req in enumerate(sched._running):
-        _require(req.is_running, f"{req.key} is in the running list in state {req.state.name}")
-        _require(k == 0 or sched._running[k - 1].admit_seq < req.admit_seq, "running list out of admission order")
-        _require(sched._live.get(req.key) is req, f"running {req.key} is not live")
-        for b in req.prefix_blocks:
+    rows_by_tenant: dict[str, int] = {}
+    for k, req in enumerate(snap.running):
+        name = f"{req.key}#{req.index}"
+        _require(req.is_running, f"{name} is in the running list in state {req.state.name}")
+        _require(k == 0 or snap.running[k - 1].admit_seq < req.admit_seq, "running list out of admission order")
+        _require(req in snap.live.get(req.key, ()), f"running {name} is not live")
+        _require(len(req.block_ids) * bs >= req.num_computed,
+                 f"{name}: {req.num_computed} tokens computed in {len(req.block_ids)} blocks")
+        for b in req.block_ids:
             expected[b] = expected.get(b, 0) + 1
-        for row in req.rows:
-            if row.finish_reason is not None:
-                _require(not row.block_ids, f"{req.key}#{row.index} finished but holds blocks")
-                continue
-            rows += 1
-            for b in row.block_ids:
-                expected[b] = expected.get(b, 0) + 1
-            _require(len(row.block_ids) * bs >= row.num_computed,
-                     f"{req.key}#{row.index}: {row.num_computed} tokens computed in {len(row.block_ids)} blocks")
-        rows_by_key[req.tenant] = rows_by_key.get(req.tenant, 0) + len(req.live_rows)
-    sched.bm.check_integrity(expected)
-    for req in sched._running:
-        if req.n > 1 and not req.forked:
-            continue
-        for row in req.live_rows:  # a block a row will write into must be its alone
-            for b in row.block_ids[row.num_computed // bs:]:
-                _require(sched.bm.ref_count(b) == 1, f"{req.key}#{row.index} would write shared block {b}")
-    _require(rows == sched._running_rows, f"running_rows {sched._running_rows}, block tables say {rows}")
-    _require(rows <= sched.max_rows, f"{rows} rows running over the cap of {sched.max_rows}")
+        rows_by_tenant[req.tenant] = rows_by_tenant.get(req.tenant, 0) + 1
+    bm.check_integrity(expected)
+    for req in snap.running:  # a block a request will write into must be its alone
+        for b in req.block_ids[req.num_computed // bs:]:
+            _require(bm.ref_count(b) == 1, f"{req.key}#{req.index} would write shared block {b}")
+    _require(len(snap.running) <= snap.max_rows, f"{len(snap.running)} rows running over the cap of {snap.max_rows}")
     try:
-        sched.queue.check_integrity(rows_by_key)
+        snap.queue.check_integrity(rows_by_tenant)
     except ValueError as exc:
         raise SchedulerIntegrityError(str(exc)) from None
-    waiting = list(sched.queue.waiting())
+    _check_waiting(snap)
+    _check_cached_tables(snap)
+
+
+def _check_waiting(snap: SchedulerSnapshot) -> None:
+    """Queued and held requests hold no blocks, every live sample is in exactly one place, the
+    waiting-work total is the sum of its requests, and reservations match what starts now."""
+    waiting = snap.queued + snap.held
     for req in waiting:
-        _require(not req.prefix_blocks and all(not r.block_ids for r in req.rows), f"queued {req.key} holds blocks")
-    _require(len(waiting) + len(sched._running) == len(sched._live), "live requests are neither queued nor running")
+        _require(not req.block_ids, f"waiting {req.key}#{req.index} holds blocks")
+    unfinished = [r for samples in snap.live.values() for r in samples if not r.is_finished]
+    _require(len(waiting) + len(snap.running) == len(unfinished) == len({id(r) for r in unfinished}),
+             "live requests are neither queued, held nor running (or in two places)")
     queued = sum(r.queued_est_ms for r in waiting)
-    _require(abs(queued - sched._queued_ms) <= 1e-6 * max(1.0, queued), "queued_gpu_ms drifted from its requests")
-    if sched.cache is not None:
-        _check_cached_tables(sched)
+    _require(abs(queued - snap.queued_ms) <= 1e-6 * max(1.0, queued), "queued_gpu_ms drifted from its requests")
+    _require(snap.charged == sum(1 for r in waiting if r.queued_est_ms), "count of waiting requests with a cost is off")
+    for req in snap.starting:
+        _require(req.starts_now and req.is_waiting and req.queued_est_ms == 0.0,
+                 f"{req.key}#{req.index} is reserved to start but is not a waiting request at no cost")
+    want = sum(snap.kv.blocks_for(r.prompt_len) for r in snap.starting)
+    _require(snap.reserved_blocks == want, f"{snap.reserved_blocks} blocks reserved, starting requests need {want}")
 
 
-def _check_cached_tables(sched: Scheduler) -> None:
+def _check_cached_tables(snap: SchedulerSnapshot) -> None:
     """Every registered block in a live table holds the tokens that table expects at its index."""
-    cache, bs = sched.cache, sched.block_size
-    for req in sched.running:
-        tables = []
-        if req.prefix_blocks:
-            tables.append((req.prefix_blocks, req.prompt_ids[:req.prefix_computed]))
-        for row in req.live_rows:
-            tables.append((row.block_ids, row.tokens(req.prompt_ids, 0, row.num_computed)))
-        for blocks, known in tables:
-            for j, b in enumerate(blocks[:len(known) // bs]):
-                e = cache.entry(b)
-                _require(e is None or list(e.tokens) == known[j * bs:(j + 1) * bs],
-                         f"{req.key}: cached block {b} at index {j} holds other tokens")
+    cache, bs = snap.kv.cache, snap.kv.block_size
+    for req in snap.running:
+        known = req.tokens(0, req.num_computed)
+        for j, b in enumerate(req.block_ids[:len(known) // bs]):
+            e = cache.entry(b)
+            _require(e is None or list(e.tokens) == known[j * bs:(j + 1) * bs],
+                     f"{req.key}#{req.index}: cached block {b} at index {j} holds other tokens")
 
 
 class SchedulerIntegrityError(RuntimeError):

@@ -41,9 +41,6 @@ class SeqStep:
 @dataclass(slots=True)
 class StepBatch:
     seqs: list[SeqStep] = field(default_factory=list)
-    # (src, dst) whole-block copies the runner performs before the forward: copy-on-write of a
-    # shared last partial block when `n > 1` samples of one prompt start to diverge.
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

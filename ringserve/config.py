@@ -1,5 +1,6 @@
 """The one `Config`: built once by the supervisor from flags and `RINGSERVE_*` environment, then
-passed down explicitly to every process. Defaults are the seed's numbers."""
+passed down explicitly to every process. Defaults are the design document's numbers
+(`docs/design.md#limits-and-timeouts`)."""
 
 from __future__ import annotations
 
@@ -32,13 +33,16 @@ class Config:
     num_blocks: int = 0  # 0: sized from memory (GPU) or cpu_kv_blocks (CPU)
     cpu_kv_blocks: int = 2048
     gpu_memory_utilization: float = 0.9
-    # scheduler (seed defaults)
+    # scheduler (`docs/design.md#scheduler-pass`)
     max_rows: int = 32
     prefill_budget: int = 256
     context_limit: int = 8192
     max_tokens_limit: int = 1000
     admission_margin: float = 0.05
     key_row_cap: int = 8
+    # A request of a tenant below its fair share of rows that has waited more than this many
+    # passes, with every row held, preempts the newest request of the tenant most over its share.
+    fair_preempt_steps: int = 4
     output_token_weight: float = 12.0
     prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
     # admission
@@ -66,6 +70,8 @@ class Config:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.fair_preempt_steps < 0:
+            raise ConfigError(f"fair_preempt_steps must be >= 0, got {self.fair_preempt_steps}")
         if not 0.0 <= self.admission_margin < 1.0:
             raise ConfigError(f"admission_margin must be in [0, 1), got {self.admission_margin}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

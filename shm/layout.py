@@ -9,9 +9,9 @@ Two kinds of segment live under the segment directory (default `/dev/shm`):
   seqlock-protected worker stats).
 
 Rings, the control block and the `ringserve shm` inspector import these names; nothing else
-writes an offset. Adding a stat is one entry in `GPU_STAT_NAMES` / `WORKER_COUNTER_NAMES` /
+writes an offset. Adding a stat is one entry in `stats_schema.GPU_STATS` / `WORKER_COUNTER_NAMES` /
 `HISTOGRAMS`: offsets and sizes follow, and `SCHEMA_ID` changes so processes built from different
-code refuse each other's segments.
+code refuse each other's segments (it covers the ring messages' fields too).
 
 NOTE: every 64-bit word is packed with a *native* `struct` format (no `<`/`=` prefix). CPython
 packs native integers with one `memcpy` of 8 bytes, which compiles to a single aligned store on
@@ -25,6 +25,7 @@ import zlib
 from dataclasses import dataclass
 from enum import IntEnum
 
+from ringserve.shm import messages, stats_schema
 from ringserve.shm.messages import FINISH_REASONS
 
 LAYOUT_VERSION = 1
@@ -125,12 +126,8 @@ class GpuState(IntEnum):
     DEAD = 4
 
 
-GPU_STAT_NAMES: tuple[str, ...] = (
-    "queue_depth", "queued_gpu_seconds", "running_rows", "kv_blocks_free", "kv_blocks_total",
-    "preemptions", "cancelled_tokens", "prompt_tokens_total", "generation_tokens_total",
-    "step_ms", "steps", "rejected_429", "c_prefill_ms", "c_decode_ms",
-    "prefix_cache_queries", "prefix_cache_hits",
-)
+# The GPU stats region holds one value per stat of `stats_schema.GPU_STATS`, in that order.
+GPU_STAT_NAMES: tuple[str, ...] = stats_schema.GPU_STAT_NAMES
 
 
 @dataclass(frozen=True)
@@ -152,8 +149,9 @@ class Histogram:
 
 TTFT_MS_BOUNDS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 TPOT_MS_BOUNDS = (5, 10, 20, 30, 40, 50, 70, 100, 150, 250, 500, 1000)
-# The seed's "latency split by prompt-length bucket": TTFT and TPOT again per bucket of prompt
-# tokens, named `<base>_plen_<label>` (the worker observes them, /metrics labels them).
+# The design's "latency split by prompt-length bucket" (`docs/design.md#limits-and-timeouts`): TTFT
+# and TPOT again per bucket of prompt tokens, named `<base>_plen_<label>` (the worker observes
+# them, /metrics labels them).
 PROMPT_LEN_LABELS = ("0_512", "512_2048", "2048_8192", "8192_plus")
 
 HISTOGRAMS: tuple[Histogram, ...] = (
@@ -222,6 +220,8 @@ def control_segment_size(n_workers: int) -> int:
     return _align(worker_block_offset(n_workers), PAGE)
 
 
-# Identifies the exact field lists: attach refuses a segment whose schema differs.
-SCHEMA_ID = zlib.crc32("|".join((str(LAYOUT_VERSION),) + GPU_STAT_NAMES + WORKER_STAT_NAMES).encode()
+# Identifies the exact field lists, of the stats regions and of the messages on the rings:
+# attach refuses a segment whose schema differs.
+_MESSAGE_FIELDS = tuple(f"{cls.__name__}({','.join(cls.__struct_fields__)})" for cls in messages.MESSAGE_TYPES)
+SCHEMA_ID = zlib.crc32("|".join((str(LAYOUT_VERSION),) + GPU_STAT_NAMES + WORKER_STAT_NAMES + _MESSAGE_FIELDS).encode()
                        + repr([h.bounds for h in HISTOGRAMS]).encode())

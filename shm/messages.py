@@ -44,6 +44,7 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
 class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel"):
     rid: int
     reason: str = "cancelled"  # cancelled | stop (a stop string matched) | disconnect | slow_reader
+    index: int | None = None  # one sample of an n > 1 request (a stop string ended it); None: all
 
 
 class Accepted(msgspec.Struct, frozen=True, kw_only=True, tag="accepted"):
@@ -96,6 +97,7 @@ class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
 
 
 Message = Union[Submit, Cancel, Accepted, Rejected, StepOutput, Error]
+MESSAGE_TYPES = (SamplingParams, Submit, Cancel, Accepted, Rejected, Token, Finish, StepOutput, Error)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -55,3 +55,13 @@ def tiny_mha_model_dir(tmp_path_factory):
 
     spec = TinyModelSpec(num_layers=2, num_kv_heads=4, seed=1)
     return build_tiny_model(tmp_path_factory.mktemp("tiny-mha-model"), spec)
+
+
+@pytest.fixture(scope="session")
+def mid_model_dir(tmp_path_factory):
+    """A mid-size random Llama (6 layers, hidden 384, GQA 6/2): CPU steps of tens of ms at 32 rows,
+    closer to a real model's than the tiny one's, for admission and scheduling tests."""
+    from ringserve.tools.make_tiny_model import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(num_layers=6, hidden_size=384, num_heads=6, num_kv_heads=2, intermediate_size=1024, seed=2)
+    return build_tiny_model(tmp_path_factory.mktemp("mid-model"), spec)

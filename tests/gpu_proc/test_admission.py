@@ -33,14 +33,15 @@ def test_other_400s():
 
 
 def test_over_two_seconds_queued_is_429_with_retry_after():
-    """Queued work plus this request over 2 s is 429; Retry-After is the excess in whole seconds."""
+    """Queued work plus this request over 2 s is 429; Retry-After is the time for the queue
+    ahead to drain (plus the wait for a row when none frees sooner), in whole seconds."""
     ac = AdmissionController()
-    est = ac.estimate_ms(1000, 300)  # 100 + 375 = 475 ms
+    assert ac.estimate_ms(1000, 300) == 475  # 100 + 375 ms
     assert ac.decide(1000, 300, 1, queued_ms=1500).accepted
     d = ac.decide(1000, 300, 1, queued_ms=1600)
-    assert d.status == 429 and d.retry_after_s == 1.0
-    d = ac.decide(1000, 300, 1, queued_ms=4000)
-    assert d.retry_after_s == math.ceil((4000 + est - 2000) / 1000)
+    assert d.status == 429 and d.retry_after_s == 2.0
+    d = ac.decide(1000, 300, 1, queued_ms=4000, row_wait_ms=lambda: 2500.0)
+    assert d.retry_after_s == math.ceil((4000 + 2500) / 1000)
 
 
 def test_empty_queue_always_admits():
@@ -69,7 +70,7 @@ def test_cost_model_with_constant_rows_follows_the_measured_step():
 
 
 def test_quiet_spell_of_one_row_steps_does_not_inflate_the_price():
-    """25 ms steps with one row (the seed's light load) leave c_decode near 1.25 ms, not 25."""
+    """25 ms steps with one row (the design's light load, `docs/design.md#admission`) leave c_decode near 1.25 ms, not 25."""
     cm = CostModel(0.1, 1.25, max_rows=32)
     for _ in range(500):
         cm.observe(25.0, 0, 1)

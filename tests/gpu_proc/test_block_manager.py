@@ -28,32 +28,17 @@ def test_allocation_is_all_or_nothing():
         bm.allocate_one()
 
 
-def test_shared_block_returns_only_after_last_reference():
-    """A block shared by n samples goes back to the free list when the last one lets go."""
-    bm = BlockManager(4, 16)
-    blocks = bm.allocate(2)
-    bm.share(blocks)
-    bm.share(blocks[:1])
-    assert [bm.ref_count(b) for b in blocks] == [3, 2]
-    bm.free(blocks)
-    assert bm.num_free == 2 and bm.ref_count(0) == 2
-    bm.free(blocks)
-    assert bm.num_free == 3 and bm.ref_count(0) == 1
-    bm.free([0])
-    assert bm.num_free == 4
-    bm.check_integrity()
-
-
-def test_double_free_and_sharing_a_free_block_are_errors():
+def test_double_free_is_an_error():
     """Bookkeeping bugs raise instead of corrupting the free list."""
     bm = BlockManager(2, 16)
     b = bm.allocate_one()
     bm.free([b])
     with pytest.raises(BlockError):
         bm.free([b])
-    with pytest.raises(BlockError):
-        bm.share([b])
     bm.check_integrity()
+    b = bm.allocate_one()
+    with pytest.raises(BlockError):
+        bm.free([b, b])  # one reference, freed twice
 
 
 def test_blocks_for_rounds_up_to_whole_blocks():
@@ -88,32 +73,3 @@ def test_bad_sizes_rejected():
         BlockManager(0)
     with pytest.raises(ValueError):
         BlockManager(4, 0)
-
-
-def test_shared_prefix_tables_and_fork_copies_partial_block():
-    """Prefix of 5 tokens in 4-token blocks: [0, 1]; two rows of 6 tokens share block 0 and own
-    2 and 3; the fork copies partial block 1 into each and frees it."""
-    bm = BlockManager(8, 4)
-    prefix, tables = bm.allocate_shared(5, [6, 6])
-    assert prefix == [0, 1] and tables == [[0, 2], [0, 3]]
-    assert [bm.ref_count(b) for b in range(4)] == [3, 1, 1, 1]
-    assert bm.fork(prefix, 5, tables) == [(1, 2), (1, 3)]
-    assert [bm.ref_count(b) for b in range(4)] == [2, 0, 1, 1]
-    bm.check_integrity({0: 2, 2: 1, 3: 1})
-
-
-def test_block_aligned_prefix_forks_without_copies():
-    """A prefix ending on a block boundary leaves nothing partial to copy."""
-    bm = BlockManager(8, 4)
-    prefix, tables = bm.allocate_shared(4, [5, 9])
-    assert prefix == [0] and tables == [[0, 1], [0, 2, 3]]
-    assert bm.fork(prefix, 4, tables) == []
-    assert bm.ref_count(0) == 2
-
-
-def test_allocate_shared_is_all_or_nothing():
-    """Not enough blocks for prefix + every row: nothing is taken."""
-    bm = BlockManager(4, 4)
-    with pytest.raises(NoFreeBlocks):
-        bm.allocate_shared(5, [9, 9])
-    assert bm.num_free == 4

@@ -80,18 +80,21 @@ def test_eviction_order_follows_last_use():
         bm.allocate(2)
 
 
-def test_allocate_shared_starts_the_prefix_with_cached_blocks():
-    """n > 1 with a cached first block: the prefix is [hit, new...] and rows share its full blocks."""
-    bm = _make(8)
-    old = bm.allocate(1)
-    _register(bm, old, [1, 2, 3, 4])
-    bm.free(old)
-    bm.acquire(old)
-    prefix, tables = bm.allocate_shared(6, [7, 9], cached=old)
-    assert prefix == [0, 1] and tables == [[0, 2], [0, 3, 4]]
-    assert bm.ref_count(0) == 3
-    with pytest.raises(ValueError):
-        bm.allocate_shared(2, [3], cached=[0])  # a 2-token prefix has no full block to be cached
+def test_shared_block_returns_only_after_last_reference():
+    """A cached block read by three tables is parked only when the last one lets go."""
+    bm = _make(4)
+    blocks = bm.allocate(2)
+    _register(bm, blocks, list(range(8)))
+    bm.acquire(blocks)
+    bm.acquire(blocks[:1])
+    assert [bm.ref_count(b) for b in blocks] == [3, 2]
+    bm.free(blocks)
+    assert bm.num_free == 2 and bm.ref_count(0) == 2
+    bm.free(blocks)
+    assert bm.num_free == 3 and bm.ref_count(0) == 1
+    bm.free([0])
+    assert bm.num_free == 4 and bm.cache.parked() == [1, 0]
+    bm.check_integrity()
 
 
 def test_attach_and_acquire_are_checked():

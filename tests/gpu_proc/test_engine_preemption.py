@@ -5,8 +5,9 @@ from __future__ import annotations
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.engine import build_engine
-from ringserve.gpu_proc.request import Request, SamplingSpec, TokenEvent
+from ringserve.gpu_proc.request import Request, SamplingSpec
 from ringserve.gpu_proc.scheduler import Scheduler
+from tests.gpu_proc.engine_loop import serve_until_idle
 
 
 def _run(model_dir, num_blocks: int, prompts: list[list[int]], max_tokens: int):
@@ -20,19 +21,10 @@ def _run(model_dir, num_blocks: int, prompts: list[list[int]], max_tokens: int):
                       sampling=SamplingSpec(temperature=0.9, top_p=0.95, seed=1000 + i, ignore_eos=True),
                       arrival_ts=0.0, deadline_ts=1e9)
         assert sched.admit(req).accepted
-    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    for _ in range(2000):
-        if not sched.has_work:
-            break
-        batch = sched.schedule()
-        samples = engine.step(batch) if batch.seqs else None
-        for ev in sched.update(samples):
-            if isinstance(ev, TokenEvent):
-                out[ev.key[1]].append(ev.token_id)
-        sched.check_integrity()
-    assert not sched.has_work
+    streams: dict[tuple[int, int], list[int]] = {}
+    serve_until_idle(sched, engine, streams)
     assert sched.bm.num_free == num_blocks
-    return out, sched.preemptions
+    return {rid: streams[(rid, 0)] for rid in range(len(prompts))}, sched.preemptions
 
 
 def test_preempted_seeded_output_equals_unpreempted(tiny_model_dir):

@@ -54,7 +54,7 @@ def test_declared_max_tokens_does_not_matter():
 
 def test_row_cap_applies_only_while_others_wait():
     """A key at 8 rows is passed over while another key waits, and not otherwise."""
-    q = FairQueue(key_row_cap=8)
+    q = FairQueue(tenant_row_cap=8)
     a = [_req(i, "a") for i in range(10)]
     for r in a:
         q.push(r)

@@ -8,8 +8,9 @@ import pytest
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.engine import build_engine
-from ringserve.gpu_proc.request import Request, SamplingSpec, TokenEvent
+from ringserve.gpu_proc.request import Request, SamplingSpec
 from ringserve.gpu_proc.scheduler import Scheduler
+from tests.gpu_proc.engine_loop import serve_until_idle
 
 SYSTEM = [(5 + 7 * k) % 200 + 3 for k in range(40)]  # a shared 40-token "system prompt"
 
@@ -30,23 +31,11 @@ def _serve(model_dir, prefix_caching: bool, temperature: float, num_blocks: int 
                       sampling=SamplingSpec(temperature=temperature, top_p=0.95, seed=100 + i, ignore_eos=True))
         assert sched.admit(req).accepted
 
-    def run() -> None:
-        for _ in range(500):
-            if not sched.has_work:
-                return
-            batch = sched.schedule()
-            samples = engine.step(batch) if batch.seqs else None
-            for ev in sched.update(samples):
-                if isinstance(ev, TokenEvent):
-                    out.setdefault((ev.key[1], ev.index), []).append(ev.token_id)
-            sched.check_integrity()
-        raise AssertionError("still busy after 500 steps")
-
     submit(0)
-    run()
+    serve_until_idle(sched, engine, out, max_steps=500)
     for i in range(1, 6):
         submit(i, n=2 if i % 3 == 0 else 1)
-    run()
+    serve_until_idle(sched, engine, out, max_steps=500)
     assert sched.bm.num_free == num_blocks
     return out, sched.stats()
 

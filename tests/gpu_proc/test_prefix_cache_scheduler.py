@@ -24,7 +24,7 @@ def _serve(h: Harness, *reqs) -> None:
 
 
 def _first_seq(batch, req, index: int = 0):
-    sid = req.rows[index].seq_id
+    sid = req.seq_id
     return next((s.start_pos, len(s.token_ids), list(s.block_table)) for s in batch.seqs if s.seq_id == sid)
 
 
@@ -162,20 +162,21 @@ def test_colliding_hashes_never_share_blocks_between_different_prompts():
 
 
 def test_n_greater_than_one_starts_its_shared_prefix_from_cached_blocks():
-    """n = 2 after the same prompt was served: the prefix phase computes only token 8, both rows
-    fork from it and stream their reference tokens."""
+    """n = 2 after the same prompt was served: sample 0 computes only tokens 8-9 behind the cached
+    blocks [0, 1]; sample 1 joins a pass later, hits the same blocks, and both stream their
+    reference tokens."""
     h = make_harness(num_blocks=16, block_size=4)
     _serve(h, make_request(1, P, max_tokens=2, ignore_eos=True))
     r = make_request(2, P, max_tokens=5, ignore_eos=True, n=2, seed=9)
     assert h.sched.admit(r).accepted
-    batch = h.step()
-    prefix = [s for s in batch.seqs if s.seq_id == r.prefix_seq_id]
-    assert [(s.start_pos, s.token_ids, s.block_table[:2]) for s in prefix] == [(8, [P[8]], [0, 1])]
-    assert r.prefix_computed == 9
+    assert _first_seq(h.step(), r)[:2] == (8, 2)
+    second = h.sched.snapshot().live[r.key][1]
+    start, count, table = _first_seq(h.step(), second)
+    assert (start, count, table[:2]) == (8, 2, r.block_ids[:2]) and table[:2] == [0, 1]
     h.run_until_idle()
     for i in range(2):
         assert h.tokens[(r.key, i)] == expected_stream(h, r, i)[0]
-    assert h.sched.stats().prefix_cache_hits == 8
+    assert h.sched.stats().prefix_cache_hits == 2 * 8
 
 
 def test_large_request_evicts_cached_blocks_and_cached_blocks_count_as_free():
@@ -196,7 +197,8 @@ def test_caching_off_keeps_no_cache():
     b = make_request(2, P, max_tokens=2, ignore_eos=True)
     assert h.sched.admit(b).accepted
     assert _first_seq(h.step(), b)[:2] == (0, 10)
-    assert h.sched.bm.cache is None and h.sched.stats().prefix_cache_queries == 0
+    s = h.sched.stats()
+    assert (s.kv_blocks_cached, s.prefix_cache_queries, s.prefix_cache_hits) == (0, 0, 0)
 
 
 def test_equal_block_after_another_prefix_is_not_a_hit():
@@ -213,3 +215,45 @@ def test_equal_block_after_another_prefix_is_not_a_hit():
     hits = h.sched.stats().prefix_cache_hits
     _serve(h, make_request(3, [3, 3, 3, 3, 2, 2, 2, 2, 6], max_tokens=2, ignore_eos=True))
     assert h.sched.stats().prefix_cache_hits - hits == 4
+
+
+def test_with_caching_off_siblings_still_share_their_prompt_and_nobody_else_does():
+    """prefix_caching=False: the samples of one n = 3 Submit share the prompt's full blocks (sample
+    0 computes them once), a later request with the same prompt computes everything itself, and
+    the prefix-cache metrics stay at zero (the feature is off)."""
+    h = make_harness(num_blocks=32, block_size=4, prefix_caching=False)
+    r = make_request(1, P, max_tokens=4, n=3, ignore_eos=True, seed=3)
+    assert h.sched.admit(r).accepted
+    samples = h.sched.snapshot().live[r.key]
+    assert _first_seq(h.step(), r)[:2] == (0, 10)
+    batch = h.step()
+    assert [_first_seq(batch, s)[:2] for s in samples[1:]] == [(8, 2), (8, 2)]
+    assert [s.block_ids[:2] for s in samples] == [[0, 1]] * 3 and h.sched.bm.ref_count(0) == 3
+    other = make_request(2, P, max_tokens=2, ignore_eos=True)
+    assert h.sched.admit(other).accepted
+    assert _first_seq(h.step(), other)[:2] == (0, 10)
+    h.run_until_idle()
+    for i in range(3):
+        assert h.tokens[(r.key, i)] == expected_stream(h, r, i)[0]
+    s = h.sched.stats()
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (0, 0) and s.kv_blocks_free == 32
+
+
+def test_siblings_of_a_preempted_first_sample_wait_for_its_recompute():
+    """Sample 0 preempted mid-prefill, before its prompt blocks are registered: its sibling stays
+    held (and counted as waiting) until the recompute registers them; every stream is still the
+    reference."""
+    h = make_harness(num_blocks=9, block_size=4, max_rows=2, prefill_budget=1)
+    a = make_request(1, 4, max_tokens=30, ignore_eos=True, seed=1)
+    assert h.sched.admit(a).accepted
+    h.step()
+    r = make_request(2, P + P + P[:4], max_tokens=3, n=2, ignore_eos=True, seed=2)  # 24 tokens: 6 blocks
+    assert h.sched.admit(r).accepted
+    while not h.sched.stats().preemptions:
+        h.step()
+    assert r.is_waiting and r.num_computed == 0 and h.sched.stats().queue_depth == 2
+    assert len(h.sched.snapshot().held) == 1
+    h.run_until_idle()
+    for req, n in ((a, 1), (r, 2)):
+        for i in range(n):
+            assert h.tokens[(req.key, i)] == expected_stream(h, req, i)[0]

@@ -2,8 +2,7 @@
 
 import pytest
 
-from ringserve.gpu_proc.request import Request, RequestState, SampleRow, SamplingSpec
-from ringserve.gpu_proc.step import RowSampling
+from ringserve.gpu_proc.request import Request, RequestState, SamplingSpec
 
 
 def _req(**kw):
@@ -24,31 +23,37 @@ def test_states_are_ordered_waiting_running_finished():
         assert (r.is_waiting, r.is_running, r.is_finished) == flags
 
 
-def test_prefix_is_shared_only_for_n_above_one():
-    """n > 1 shares prompt[:-1]; n == 1 has no prefix phase."""
-    assert _req().prefix_len == 0
-    assert _req(n=3).prefix_len == 2
+def test_sibling_is_the_same_submit_with_its_own_index_and_no_state():
+    """An n > 1 Submit's sample i: same key, prompt and settings, its own index, fresh state."""
+    r = _req(n=3, cache_salt="s")
+    r.generated.append(9)
+    r.block_ids.append(4)
+    s = r.sibling(2)
+    assert (s.key, s.prompt_ids, s.sampling, s.n, s.index, s.cache_salt) == (r.key, r.prompt_ids, r.sampling, 3, 2, "s")
+    assert (s.generated, s.block_ids, s.state) == ([], [], RequestState.QUEUED)
+    assert s != r  # samples are distinct records even when their fields agree
 
 
-def test_row_tokens_span_prompt_and_generated():
-    """A row's token range reads across the prompt/generated boundary without copying all."""
-    row = SampleRow(0, 1, RowSampling(), generated=[7, 8])
-    prompt = [1, 2, 3]
-    assert row.tokens(prompt, 0, 5) == [1, 2, 3, 7, 8]
-    assert row.tokens(prompt, 1, 2) == [2]
-    assert row.tokens(prompt, 2, 4) == [3, 7]
-    assert row.tokens(prompt, 4, 5) == [8]
-    assert row.num_tokens(len(prompt)) == 5
+def test_tokens_span_prompt_and_generated():
+    """A request's token range reads across the prompt/generated boundary without copying all."""
+    r = _req(generated=[7, 8])
+    assert r.tokens(0, 5) == [1, 2, 3, 7, 8]
+    assert r.tokens(1, 2) == [2]
+    assert r.tokens(2, 4) == [3, 7]
+    assert r.tokens(4, 5) == [8]
+    assert r.num_tokens == 5
 
 
 def test_invalid_requests_raise():
-    """Empty prompt, max_tokens < 1, n < 1 and bad sampling raise ValueError."""
+    """Empty prompt, max_tokens < 1, n < 1, a sample index outside n and bad sampling raise ValueError."""
     with pytest.raises(ValueError):
         _req(prompt_ids=[])
     with pytest.raises(ValueError):
         _req(max_tokens=0)
     with pytest.raises(ValueError):
         _req(n=0)
+    with pytest.raises(ValueError):
+        _req(n=2, index=2)
     with pytest.raises(ValueError):
         SamplingSpec(temperature=-1.0)
     with pytest.raises(ValueError):

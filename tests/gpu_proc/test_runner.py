@@ -104,19 +104,6 @@ def test_chunked_prefill_equals_whole_prefill(model):
     torch.testing.assert_close(last, whole, atol=1e-4, rtol=1e-4)
 
 
-def test_block_copies_run_before_the_forward(model):
-    """A copy-on-write block copy gives the destination the source's keys before attention reads it."""
-    ids = list(range(3, 23))  # 20 tokens: one full block and 4 tokens in the second
-    runner = _runner(model)
-    runner.execute(StepBatch([SeqStep(0, ids, 0, [1, 2])]))
-    # Sample 1 diverges: its last partial block is a copy of block 2 in block 6.
-    fork = runner.execute(StepBatch([SeqStep(1, [99], 20, [1, 6], RowSampling(temperature=0.0))],
-                                    block_copies=[(2, 6)]))
-    ref = _runner(model).execute(StepBatch([SeqStep(0, ids + [99], 0, [1, 2], RowSampling(temperature=0.0))]))
-    torch.testing.assert_close(fork, ref, atol=1e-4, rtol=1e-4)
-    assert torch.equal(runner.kv_pool.k_all[:, 6, :, :4], runner.kv_pool.k_all[:, 2, :, :4])
-
-
 def test_bad_steps_are_refused(model):
     """Empty steps, empty rows, short block tables and over-long contexts raise clear errors."""
     runner = _runner(model)
@@ -134,12 +121,3 @@ def test_pool_must_match_model(model):
     """A KV pool shaped for another model is refused at construction."""
     with pytest.raises(ValueError, match="does not match"):
         ModelRunner(model, KVPool(model.args.num_layers + 1, 8, model.args.num_kv_heads, model.args.head_dim))
-
-
-def test_copy_blocks_validates_ids():
-    """Block copies outside the pool, or overlapping sources and destinations, are refused."""
-    pool = KVPool(1, 4, 1, 8)
-    with pytest.raises(ValueError, match="outside the pool"):
-        pool.copy_blocks([(0, 4)])
-    with pytest.raises(ValueError, match="both a source and a destination"):
-        pool.copy_blocks([(0, 1), (1, 2)])

@@ -20,7 +20,7 @@ def test_join_allocates_prompt_blocks_and_decode_grows_one_block_per_boundary():
     assert b.seqs[0].sampling is not None
     h.step()  # position 6
     h.step()  # position 7
-    assert r.rows[0].block_ids == [0, 1]
+    assert r.block_ids == [0, 1]
     b = h.step()  # position 8 crosses into a third block
     assert b.seqs[0].start_pos == 8 and b.seqs[0].block_table == [0, 1, 2]
     assert h.sched.bm.num_free == 5
@@ -35,7 +35,7 @@ def test_prompt_is_prefilled_in_budget_chunks_and_samples_only_at_the_end():
     r = make_request(1, 10, max_tokens=2, ignore_eos=True)
     h.sched.admit(r)
     chunks = [_tables(h.step())[0] for _ in range(3)]
-    sid = r.rows[0].seq_id
+    sid = r.seq_id
     assert chunks == [(sid, 0, 4, [0, 1, 2], False), (sid, 4, 4, [0, 1, 2], False), (sid, 8, 2, [0, 1, 2], True)]
     assert len(h.tokens[(r.key, 0)]) == 1  # first token right after the last chunk
 
@@ -52,7 +52,7 @@ def test_decode_rows_come_first_and_prefill_fills_the_budget_oldest_first():
     assert h.sched.prefill_budget_for(1) == 64  # one decoding row of 32: the budget is raised 8x
     batch = h.step()
     assert [(s.seq_id, s.start_pos, len(s.token_ids)) for s in batch.seqs] == [
-        (a.rows[0].seq_id, 3, 1), (b.rows[0].seq_id, 0, 40), (c.rows[0].seq_id, 0, 24)]
+        (a.seq_id, 3, 1), (b.seq_id, 0, 40), (c.seq_id, 0, 24)]
 
 
 def test_prefill_budget_rule():
@@ -74,16 +74,16 @@ def test_newest_request_is_preempted_and_resumes_without_re_emitting():
     h.sched.admit(b)
     h.step()
     h.step()
-    assert (a.rows[0].block_ids, b.rows[0].block_ids) == ([0, 2], [1, 3])
+    assert (a.block_ids, b.block_ids) == ([0, 2], [1, 3])
     for _ in range(3):
         h.step()
     batch = h.step()  # a needs a block at position 8: b (newest) is preempted
-    assert [s.seq_id for s in batch.seqs] == [a.rows[0].seq_id]
+    assert [s.seq_id for s in batch.seqs] == [a.seq_id]
     assert b.state == RequestState.PREEMPTED and h.sched.stats().preemptions == 1
-    assert len(h.tokens[(b.key, 0)]) == 5 and b.rows[0].block_ids == []
+    assert len(h.tokens[(b.key, 0)]) == 5 and b.block_ids == []
     assert a.is_finished  # a sampled its 6th token in that step and left
     batch = h.step()  # b rejoins: 4 prompt + 5 produced tokens recomputed, then samples its 6th
-    assert _tables(batch) == [(b.rows[0].seq_id, 0, 9, [3, 0, 2], True)]
+    assert _tables(batch) == [(b.seq_id, 0, 9, [3, 0, 2], True)]
     assert b.state == RequestState.DECODE
     h.run_until_idle()
     for r in (a, b):
@@ -112,28 +112,28 @@ def test_preempted_seeded_outputs_equal_an_unpreempted_run(n):
 
 
 def test_unseeded_request_gets_a_seed_at_admission_that_survives_preemption():
-    """seed=None draws one seed for the request; every row carries it with its own index."""
+    """seed=None draws one seed for the Submit; every sample carries it with its own index."""
     h = make_harness(num_blocks=16)
     r = make_request(1, 3, seed=None, n=3)
     h.sched.admit(r)
-    seeds = {row.sampling.seed for row in r.rows}
-    assert len(seeds) == 1 and [row.sampling.sample_index for row in r.rows] == [0, 1, 2]
+    samples = h.sched.snapshot().live[r.key]
+    seeds = {s.row_sampling.seed for s in samples}
+    assert len(seeds) == 1 and [s.row_sampling.sample_index for s in samples] == [0, 1, 2]
 
 
-def test_n_samples_share_full_prompt_blocks_and_copy_the_partial_one():
-    """n=2, 6-token prompt, 4-token blocks: the prefix prompt[:5] fills [0, 1]; the rows share
-    block 0, each owns a copy of partial block 1 (blocks 2 and 3), then diverge."""
+def test_n_samples_share_full_prompt_blocks_and_compute_their_own_tail():
+    """n=2, 6-token prompt, 4-token blocks: sample 0 prefills into [0, 1]; sample 1 joins once
+    block 0 is registered, reads it by reference and computes its tail (tokens 4-5) into its own
+    block 2. No block is copied; the samples diverge."""
     h = make_harness(num_blocks=8, block_size=4)
     r = make_request(1, 6, max_tokens=3, n=2, ignore_eos=True, seed=5)
     h.sched.admit(r)
+    second = h.sched.snapshot().live[r.key][1]
     b = h.step()
-    assert _tables(b) == [(r.prefix_seq_id, 0, 5, [0, 1], False)]
-    assert [row.block_ids for row in r.rows] == [[0, 2], [0, 3]]
-    assert h.sched.bm.ref_count(0) == 3
+    assert _tables(b) == [(r.seq_id, 0, 6, [0, 1], True)]
     b = h.step()
-    assert b.block_copies == [(1, 2), (1, 3)]
-    assert _tables(b) == [(r.rows[0].seq_id, 5, 1, [0, 2], True), (r.rows[1].seq_id, 5, 1, [0, 3], True)]
-    assert h.sched.bm.ref_count(0) == 2 and h.sched.bm.ref_count(1) == 0
+    assert _tables(b) == [(r.seq_id, 6, 1, [0, 1], True), (second.seq_id, 4, 2, [0, 2], True)]
+    assert h.sched.bm.ref_count(0) == 2
     h.run_until_idle()
     streams = [h.tokens[(r.key, i)] for i in range(2)]
     assert streams == [expected_stream(h, r, i)[0] for i in range(2)]
@@ -141,17 +141,28 @@ def test_n_samples_share_full_prompt_blocks_and_copy_the_partial_one():
     assert h.sched.bm.num_free == 8
 
 
-def test_n_samples_with_block_aligned_prefix_need_no_copy():
-    """When prompt[:-1] ends on a block boundary the rows start fresh blocks: no copies."""
+def test_n_samples_with_block_aligned_prefix_compute_only_the_last_token():
+    """A 5-token prompt: sample 1 finds block 0 cached and computes only token 4."""
     h = make_harness(num_blocks=8, block_size=4)
-    r = make_request(1, 5, max_tokens=2, n=2, ignore_eos=True)
+    r = make_request(1, 5, max_tokens=3, n=2, ignore_eos=True)
     h.sched.admit(r)
+    second = h.sched.snapshot().live[r.key][1]
     h.step()
-    assert [row.block_ids for row in r.rows] == [[0, 1], [0, 2]]
     b = h.step()
-    assert b.block_copies == [] and [s.start_pos for s in b.seqs] == [4, 4]
+    assert (r.block_ids, second.block_ids) == ([0, 1], [0, 2])
+    assert [(s.start_pos, len(s.token_ids)) for s in b.seqs] == [(5, 1), (4, 1)]
     h.run_until_idle()
     assert h.sched.bm.num_free == 8
+
+
+def test_short_prompt_samples_join_together():
+    """A prompt shorter than a block has nothing to share: all samples join in the first pass."""
+    h = make_harness(num_blocks=8, block_size=4)
+    r = make_request(1, 3, max_tokens=2, n=3, ignore_eos=True)
+    h.sched.admit(r)
+    assert [(s.start_pos, len(s.token_ids)) for s in h.step().seqs] == [(0, 3)] * 3
+    h.run_until_idle()
+    assert [h.tokens[(r.key, i)] for i in range(3)] == [expected_stream(h, r, i)[0] for i in range(3)]
 
 
 def test_stop_token_and_max_tokens_finish_rows():
@@ -208,7 +219,7 @@ def test_stats_count_tokens_and_blocks():
     h.sched.admit(b)
     h.step()
     s = h.sched.stats()
-    assert (s.running_rows, s.running_requests, s.queue_depth) == (1, 1, 1)
+    assert (s.running_rows, s.queue_depth) == (1, 1)
     assert s.queued_gpu_seconds > 0 and s.kv_blocks_free == 15 and s.kv_blocks_total == 16
     h.run_until_idle()
     s = h.sched.stats()
@@ -217,7 +228,7 @@ def test_stats_count_tokens_and_blocks():
 
 def test_step_times_recalibrate_admission_costs():
     """observe_step_time with the last batch's counts (1 decode row, no prefill) feeds the decode
-    fit: 1-row steps far slower than the seed's 25 ms raise c_decode; faster ones lower it."""
+    fit: 1-row steps far slower than the design's 25 ms raise c_decode; faster ones lower it."""
     h = make_harness(num_blocks=16)
     h.sched.admit(make_request(1, 3, max_tokens=50, ignore_eos=True))
     h.step()
@@ -242,7 +253,7 @@ def test_newest_request_needing_a_block_preempts_itself_and_leaves_the_step():
     h.sched.admit(b)
     h.step()
     batch = h.step()
-    assert _tables(batch) == [(a.rows[0].seq_id, 4, 1, [0, 2], True)]
+    assert _tables(batch) == [(a.seq_id, 4, 1, [0, 2], True)]
     assert b.state == RequestState.PREEMPTED and len(h.tokens[(b.key, 0)]) == 1
     h.run_until_idle()
     assert [h.tokens[(r.key, 0)] for r in (a, b)] == [expected_stream(h, r)[0] for r in (a, b)]
@@ -259,16 +270,16 @@ def test_preemption_takes_a_newer_request_mid_prefill():
     b = make_request(2, 16, max_tokens=2, ignore_eos=True)
     h.sched.admit(b)  # needs 4 blocks: 5 free >= 4 + 1 margin
     batch = h.step()  # b joins with [1, 2, 3, 4]; a decodes at position 2
-    assert b.rows[0].block_ids == [1, 2, 3, 4] and b.rows[0].num_computed == 2 and len(batch.seqs) == 2
+    assert b.block_ids == [1, 2, 3, 4] and b.num_computed == 2 and len(batch.seqs) == 2
     h.step()  # a at 3; b to 4
     batch = h.step()  # a at 4 takes the last free block; b to 6
-    assert a.rows[0].block_ids == [0, 5] and h.sched.bm.num_free == 0
+    assert a.block_ids == [0, 5] and h.sched.bm.num_free == 0
     for _ in range(3):
         h.step()  # a at 5..7; b to 12
-    assert b.rows[0].num_computed == 12 and b.rows[0].generated == []
+    assert b.num_computed == 12 and b.generated == []
     batch = h.step()  # a at 8 needs a block: none free, b is preempted mid-prefill
-    assert b.state == RequestState.PREEMPTED and b.rows[0].block_ids == []
-    assert _tables(batch) == [(a.rows[0].seq_id, 8, 1, [0, 5, 1], True)]
+    assert b.state == RequestState.PREEMPTED and b.block_ids == []
+    assert _tables(batch) == [(a.seq_id, 8, 1, [0, 5, 1], True)]
     h.run_until_idle()
     assert [h.tokens[(r.key, 0)] for r in (a, b)] == [expected_stream(h, r)[0] for r in (a, b)]
     assert h.sched.bm.num_free == 6

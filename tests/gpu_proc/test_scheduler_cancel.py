@@ -1,7 +1,7 @@
 """Cancellation, deadlines, and 400/429 through the scheduler."""
 
 from ringserve.gpu_proc.request import RequestState
-from tests.gpu_proc.test_scheduler_fakes import make_harness, make_request
+from tests.gpu_proc.test_scheduler_fakes import expected_stream, make_harness, make_request
 
 
 def _rows_in(batch):
@@ -20,12 +20,12 @@ def test_cancel_costs_at_most_one_step():
         h.step()
     assert h.sched.cancel(a.key, "disconnect")
     batch = h.step()
-    assert a.rows[0].seq_id not in _rows_in(batch) and b.rows[0].seq_id in _rows_in(batch)
+    assert a.seq_id not in _rows_in(batch) and b.seq_id in _rows_in(batch)
     assert h.finishes[(a.key, 0)].reason == "cancelled"
     assert len(h.tokens[(a.key, 0)]) == 4
     s = h.sched.stats()
     assert s.cancelled_tokens == 4 and s.running_rows == 1
-    assert s.kv_blocks_free == 16 - len(b.rows[0].block_ids)
+    assert s.kv_blocks_free == 16 - len(b.block_ids)
     assert not h.sched.cancel(a.key)  # already gone
 
 
@@ -52,7 +52,7 @@ def test_queued_request_of_a_gone_client_is_dropped_before_prefill():
     h.step()
     h.sched.cancel(gone.key, "disconnect")
     h.run_until_idle()
-    assert all(gone.rows[0].seq_id not in _rows_in(b) for b in h.batches)
+    assert all(gone.seq_id not in _rows_in(b) for b in h.batches)
     f = h.finishes[(gone.key, 0)]
     assert (f.reason, f.completion_tokens, f.ttft_ms) == ("cancelled", 0, 0.0)
     assert h.sched.stats().queue_depth == 0 and h.sched.stats().queued_gpu_seconds == 0
@@ -71,7 +71,7 @@ def test_stop_string_cancel_finishes_with_stop_and_wastes_nothing():
 
 
 def test_cancel_ends_every_sample_of_an_n_request():
-    """All n rows finish with cancelled; shared blocks return once."""
+    """All n samples finish with cancelled; shared blocks return once."""
     h = make_harness(num_blocks=64, block_size=4)
     r = make_request(1, 10, max_tokens=50, n=3, ignore_eos=True)
     assert h.sched.admit(r).accepted
@@ -80,7 +80,29 @@ def test_cancel_ends_every_sample_of_an_n_request():
     h.sched.cancel(r.key)
     h.step()
     assert [h.finishes[(r.key, i)].reason for i in range(3)] == ["cancelled"] * 3
-    assert h.sched.stats().cancelled_tokens == 6 and h.sched.bm.num_free == 64
+    streamed = [len(h.tokens[(r.key, i)]) for i in range(3)]
+    assert streamed == [3, 2, 2]  # sample 0 prefilled first; 1 and 2 joined on its cached blocks
+    assert h.sched.stats().cancelled_tokens == sum(streamed) and h.sched.bm.num_free == 64
+
+
+def test_cancel_of_one_sample_ends_only_that_sample():
+    """Cancel(index=1) (a stop string matched in sample 1) ends sample 1 with `stop` at the next
+    pass and frees its blocks; the other samples run to their end."""
+    h = make_harness(num_blocks=64, block_size=4)
+    r = make_request(1, 10, max_tokens=6, n=3, ignore_eos=True)
+    assert h.sched.admit(r).accepted
+    for _ in range(3):
+        h.step()
+    second = h.sched.snapshot().live[r.key][1]
+    assert h.sched.cancel(r.key, "stop", index=1)
+    assert not h.sched.cancel(r.key, "stop", index=1) and not h.sched.cancel(r.key, index=7)
+    h.step()
+    assert h.finishes[(r.key, 1)].reason == "stop" and second.block_ids == []
+    assert (r.key, 0) not in h.finishes and (r.key, 2) not in h.finishes
+    h.run_until_idle()
+    assert [h.finishes[(r.key, i)].reason for i in (0, 2)] == ["length", "length"]
+    assert h.tokens[(r.key, 1)] == expected_stream(h, r, 1)[0][:2]
+    assert h.sched.stats().cancelled_tokens == 0 and h.sched.bm.num_free == 64
 
 
 def test_passed_deadline_removes_running_and_queued_requests():
@@ -92,7 +114,7 @@ def test_passed_deadline_removes_running_and_queued_requests():
     h.sched.admit(q)
     h.step()  # now + 0.01
     h.step()  # + 0.02: q's deadline passed while it waited
-    assert h.finishes[(q.key, 0)].reason == "deadline" and q.rows[0].generated == []
+    assert h.finishes[(q.key, 0)].reason == "deadline" and q.generated == []
     for _ in range(3):
         h.step()  # + 0.05: a leaves
     assert h.finishes[(a.key, 0)].reason == "deadline" and len(h.tokens[(a.key, 0)]) == 4
@@ -115,20 +137,34 @@ def test_request_larger_than_the_pool_is_400():
 
 
 def test_queued_work_over_limit_is_429_with_retry_after():
-    """Queued estimated GPU work over queue_limit_s gives 429 and a Retry-After from the queue;
-    once the queue drains, the same request is accepted."""
+    """Waiting work over queue_limit_s gives 429; the request that can start now is not waiting
+    work. Retry-After is the projected time for the queue ahead to drain: the row frees when the
+    one that starts now ends (300 expected tokens at the 1-row step of 1.25 ms), then the 1.925 s
+    queued. Once the queue drains, the refused request is accepted."""
     h = make_harness(num_blocks=256, queue_limit_s=2.0, max_rows=1)
     # each: 100 prompt * 0.1 + 300 expected * 1.25 = 385 ms
     decisions = [h.sched.admit(make_request(i, 100, max_tokens=1000)) for i in range(7)]
-    assert [d.status for d in decisions] == [200] * 5 + [429] * 2
-    assert decisions[5].retry_after_s == 1.0 and "retry after 1 s" in decisions[5].message
-    assert h.sched.stats().queue_depth == 5
+    assert [d.status for d in decisions] == [200] * 6 + [429]
+    assert decisions[6].retry_after_s == 3.0 and "retry after 3 s" in decisions[6].message
+    assert h.sched.stats().queue_depth == 6
     assert abs(h.sched.stats().queued_gpu_seconds - 5 * 0.385) < 1e-9
     h.sched.admit(make_request(99, 1, max_tokens=1))  # cheap: still fits under the limit
-    for k in range(5):
+    for k in range(6):
         h.sched.cancel((0, k))
     h.step()
-    assert h.sched.admit(make_request(5, 100, max_tokens=1000)).accepted
+    assert h.sched.admit(make_request(6, 100, max_tokens=1000)).accepted
+
+
+def test_requests_that_can_start_now_are_never_refused_for_load():
+    """An idle 32-row server takes 32 long requests at once, however costly each is priced; the
+    33rd is the first waiting work and is admitted too (nothing waited before it); the work
+    behind it is refused. After a pass the 32 run and the queue holds only what waits."""
+    h = make_harness(num_blocks=4096, queue_limit_s=0.5, max_rows=32)
+    decisions = [h.sched.admit(make_request(i, 100, max_tokens=1000, ignore_eos=True)) for i in range(40)]
+    assert [d.status for d in decisions] == [200] * 33 + [429] * 7
+    h.step()
+    s = h.sched.stats()
+    assert (s.running_rows, s.queue_depth) == (32, 1) and abs(s.queued_gpu_seconds - 0.385) < 1e-9
 
 
 def test_duplicate_key_is_refused():
@@ -152,3 +188,33 @@ def test_cancel_every_request_of_a_worker_via_live_keys():
     h.step()
     assert sorted(h.sched.live_keys()) == [(0, 0), (0, 2)]
     assert {k for (k, _), f in h.finishes.items() if f.reason == "cancelled"} == {(1, 1), (1, 3)}
+
+
+def test_after_waiting_work_drains_requests_start_now_again():
+    """Requests that waited (priced as waiting work) join and leave; the next requests on a free
+    batch are again not waiting work: no leftover of the earlier prices blocks them."""
+    h = make_harness(num_blocks=1024, max_rows=4)
+    for i in range(12):  # 4 start now, 8 wait
+        assert h.sched.admit(make_request(i, 7 + 3 * i, max_tokens=3 + i % 5, ignore_eos=True)).accepted
+    assert h.sched.stats().queued_gpu_seconds > 0
+    h.run_until_idle()
+    for i in range(4):
+        assert h.sched.admit(make_request(100 + i, 9, max_tokens=5)).accepted
+    assert h.sched.stats().queued_gpu_seconds == 0
+
+
+def test_held_siblings_keep_their_rows_reserved():
+    """An n = 2 request that can start now holds two rows although sample 1 joins a pass later:
+    two more requests start now, a fifth on a 4-row batch is waiting work."""
+    h = make_harness(num_blocks=256, block_size=4, max_rows=4)
+    r = make_request(1, 10, max_tokens=20, n=2, ignore_eos=True)
+    assert h.sched.admit(r).accepted
+    for i in (2, 3):
+        assert h.sched.admit(make_request(i, 5, max_tokens=20, ignore_eos=True)).accepted
+    assert h.sched.stats().queued_gpu_seconds == 0
+    late = make_request(4, 5, max_tokens=20, ignore_eos=True)
+    assert h.sched.admit(late).accepted
+    assert h.sched.stats().queued_gpu_seconds > 0
+    h.step()
+    h.step()
+    assert (h.sched.stats().running_rows, late.is_waiting) == (4, True)

@@ -4,7 +4,7 @@ import random
 
 from tests.gpu_proc.test_scheduler_fakes import make_harness, make_request
 
-STEPS_PER_SECOND = 25  # the seed's 40 ms full-batch decode step
+STEPS_PER_SECOND = 25  # the design's 40 ms full-batch decode step (`docs/design.md#admission`)
 A_MIN_ANSWER = 40
 
 
@@ -42,7 +42,7 @@ def _flood_and_trickle(b_requests: int = 8):
 def test_b_is_never_passed_over_and_waits_boundedly():
     """No A request joins while a B request waits, so B waits only for the next free row: the
     first B request, arriving when A's first wave holds all 32 rows, waits at most the shortest A
-    answer (40 steps) + 2; every later one under the seed's 1 s (25 steps), and at most 12 steps once
+    answer (40 steps) + 2; every later one under the design's 1 s (25 steps), and at most 12 steps once
     A's rows finish staggered (the second also queues behind the first), while A's 20+ queued
     requests would take hundreds of steps."""
     h, b_reqs, arrival, join, a_jumped_b = _flood_and_trickle()
@@ -51,7 +51,7 @@ def test_b_is_never_passed_over_and_waits_boundedly():
     assert waits[0] <= A_MIN_ANSWER + 2, waits
     assert max(waits[1:]) < STEPS_PER_SECOND and max(waits[2:]) <= 12, waits
     assert h.sched.stats().queue_depth > 20  # A still has a deep queue: B really went first
-    assert sum(1 for r in h.sched.running if r.tenant == "A") > 8  # the cap binds only while B waits
+    assert sum(1 for r in h.sched.snapshot().running if r.tenant == "A") > 8  # the cap binds only while B waits
 
 
 def test_b_streams_complete_answers():

@@ -1,10 +1,10 @@
 """A fake engine for scheduler tests, and the tests that show it catches what it should.
 
 `FakeEngine` stands in for runner + sampler: it keeps a KV "cache" of token ids per block slot,
-applies block copies, writes every new token at its slot (as `write_kv` does), then for each
-sampling row reads the row's whole context back through its block table and derives the next
-token from (seed, sample_index, position, context). A wrong block table, a block freed while
-still read, a missed copy-on-write or a recompute that skips a token all change the tokens, so
+writes every new token at its slot (as `write_kv` does), then for each sampling row reads the
+row's whole context back through its block table and derives the next token from (seed,
+sample_index, position, context). A wrong block table, a block freed while still read, a shared
+block written by one of its readers or a recompute that skips a token all change the tokens, so
 tests compare against `reference_tokens`, which generates the same function with no scheduler.
 
 Real keys and values at a position depend on every earlier token, not only on the token there, so
@@ -55,9 +55,6 @@ class FakeEngine:
 
     def run(self, batch: StepBatch) -> FakeSamples:
         bs = self.block_size
-        for src, dst in batch.block_copies:
-            self.cache[dst] = list(self.cache[src])
-            self.chain[dst] = list(self.chain[src])
         for s in batch.seqs:
             if len(s.block_table) * bs < s.context_len:
                 raise AssertionError(f"seq {s.seq_id}: {len(s.block_table)} blocks for {s.context_len} tokens")
@@ -158,7 +155,7 @@ def make_request(rid: int, prompt: list[int] | int, max_tokens: int = 8, *, work
 
 
 def expected_stream(h: Harness, req: Request, index: int = 0) -> tuple[list[int], str]:
-    seed = req.rows[index].sampling.seed
+    seed = req.row_sampling.seed  # every sample of a Submit shares the seed; `index` picks its stream
     return reference_tokens(req.prompt_ids, seed, index, req.max_tokens, context_limit=h.sched.context_limit,
                             stop_token_ids=req.sampling.stop_token_ids, ignore_eos=req.sampling.ignore_eos)
 

@@ -29,6 +29,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         super().__init__()
         self.h = make_harness(num_blocks=NUM_BLOCKS, block_size=4, max_rows=8, prefill_budget=8, key_row_cap=2)
         self.accepted = []
+        self.samples = {}  # key -> every sample of the Submit
         self.next_rid = 0
 
     @rule(tenant=st.sampled_from("abc"), shared=st.sampled_from(SHARED),
@@ -45,15 +46,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         d = self.h.sched.admit(req)
         if d.accepted:
             self.accepted.append(req)
+            self.samples[req.key] = self.h.sched.snapshot().live[req.key]
         else:
             assert d.status == 400 and d.code == "too_large_for_kv_pool"
 
     @precondition(lambda self: self.accepted)
-    @rule(pick=st.integers(0, 10**6), reason=st.sampled_from(["cancelled", "disconnect", "stop"]))
-    def cancel(self, pick, reason):
+    @rule(pick=st.integers(0, 10**6), reason=st.sampled_from(["cancelled", "disconnect", "stop"]),
+          index=st.sampled_from([None, None, 0, 1, 2]))
+    def cancel(self, pick, reason, index):
+        """Cancel a whole Submit, or one sample of it (a stop string in that sample)."""
         req = self.accepted[pick % len(self.accepted)]
-        fresh = not req.is_finished and req.cancel_reason is None
-        assert self.h.sched.cancel(req.key, reason) == fresh  # a second cancel is a no-op
+        targets = self.samples[req.key] if index is None else self.samples[req.key][index:index + 1]
+        fresh = any(not s.is_finished and s.cancel_reason is None for s in targets)
+        assert self.h.sched.cancel(req.key, reason, index) == fresh  # a second cancel is a no-op
 
     @rule(count=st.integers(1, 4))
     def step(self, count):
@@ -71,12 +76,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         s = h.sched.stats()
         assert (s.running_rows, s.queue_depth, s.queued_gpu_seconds) == (0, 0, 0)
         for req in self.accepted:
-            for i in range(req.n):
+            for i, sample in enumerate(self.samples[req.key]):
                 got = h.tokens.get((req.key, i), [])
                 fin = h.finishes[(req.key, i)]
                 want, reason = expected_stream(h, req, i)
                 assert fin.completion_tokens == len(got)
-                if fin.reason in ("cancelled", "deadline") or (fin.reason == "stop" and req.cancel_reason == "stop"):
+                if fin.reason in ("cancelled", "deadline") or (fin.reason == "stop" and sample.cancel_reason == "stop"):
                     assert got == want[:len(got)]
                 else:
                     assert (got, fin.reason) == (want, reason)
