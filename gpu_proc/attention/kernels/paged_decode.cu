@@ -21,7 +21,7 @@
 #define RS_DEC_WARPS 4
 
 template <typename T, int D, int GROUP>
-__device__ __forceinline__ void rs_paged_decode(
+__global__ void __launch_bounds__(RS_DEC_WARPS * RS_WARP) rs_paged_decode(
     const typename T::storage* __restrict__ q, const long long q_row_stride, const long long q_head_stride,
     const typename T::storage* __restrict__ k_cache, const typename T::storage* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int max_blocks,
@@ -179,7 +179,7 @@ __device__ __forceinline__ void rs_paged_decode(
 
 // Merge the splits of one (token, head): grid (T, H), D threads, one channel each.
 template <typename T, int D>
-__device__ __forceinline__ void rs_decode_merge(
+__global__ void rs_decode_merge(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, const int num_splits,
     const int* __restrict__ single_qsl, const long long* __restrict__ token_seq,
     typename T::storage* __restrict__ out) {
@@ -203,45 +203,3 @@ __device__ __forceinline__ void rs_decode_merge(
     }
     out[row * D + d] = T::from_float(num / den);
 }
-
-#define RS_DECODE_ENTRY(TNAME, T, D, GROUP)                                                        \
-    extern "C" __global__ void __launch_bounds__(RS_DEC_WARPS * RS_WARP)                          \
-        rs_paged_decode_##TNAME##_d##D##_g##GROUP(                                                 \
-            const void* q, const long long q_row_stride, const long long q_head_stride,           \
-            const void* k_cache, const void* v_cache, const int* block_tables,                    \
-            const int max_blocks, const long long* positions, const long long* token_seq,         \
-            const int num_heads, const int num_kv_heads, const float scale_log2,                  \
-            const int blocks_per_split, const int* single_qsl, void* out, float* part_acc,        \
-            float* part_ml) {                                                                     \
-        typedef typename T::storage S;                                                           \
-        rs_paged_decode<T, D, GROUP>(                                                            \
-            static_cast<const S*>(q), q_row_stride, q_head_stride, static_cast<const S*>(k_cache),\
-            static_cast<const S*>(v_cache), block_tables, max_blocks, positions, token_seq,       \
-            num_heads, num_kv_heads, scale_log2, blocks_per_split, single_qsl, static_cast<S*>(out), \
-            part_acc, part_ml);                                                                   \
-    }
-
-#define RS_MERGE_ENTRY(TNAME, T, D)                                                                \
-    extern "C" __global__ void rs_decode_merge_##TNAME##_d##D(                                     \
-        const float* part_acc, const float* part_ml, const int num_splits, const int* single_qsl,  \
-        const long long* token_seq, void* out) {                                                 \
-        rs_decode_merge<T, D>(part_acc, part_ml, num_splits, single_qsl, token_seq,              \
-                              static_cast<typename T::storage*>(out));                           \
-    }
-
-// GROUP 8 would need 255 registers and spill (measured with ptxas -v for sm_90), so a GQA-8 model
-// runs two CTAs of 4 heads per KV head; the second reads the same blocks, mostly from L2.
-#define RS_DECODE_GROUPS(TNAME, T, D)  \
-    RS_DECODE_ENTRY(TNAME, T, D, 1)    \
-    RS_DECODE_ENTRY(TNAME, T, D, 2)    \
-    RS_DECODE_ENTRY(TNAME, T, D, 4)    \
-    RS_MERGE_ENTRY(TNAME, T, D)
-
-#define RS_DECODE_HEAD_DIMS(TNAME, T)  \
-    RS_DECODE_GROUPS(TNAME, T, 32)     \
-    RS_DECODE_GROUPS(TNAME, T, 64)     \
-    RS_DECODE_GROUPS(TNAME, T, 128)
-
-RS_DECODE_HEAD_DIMS(f16, RsF16)
-RS_DECODE_HEAD_DIMS(bf16, RsBF16)
-RS_DECODE_HEAD_DIMS(f32, RsF32)
