@@ -118,3 +118,33 @@ def test_resident_ctas_follow_the_occupancy_calculator(regs, smem, threads, expe
     from ringserve.gpu_proc.attention.cupy_executor import resident_ctas
 
     assert resident_ctas(regs, smem, threads) == expected
+
+
+def test_block_ids_outside_the_pool_are_rejected():
+    """A block id past the pool (or negative) in any table entry is refused before a launch."""
+    q, kc, vc, meta = _args()
+    checks.check_block_tables(meta, kc.shape[0])  # ids 4, 2, 7 in a pool of 8
+    for bad in (8, -1):
+        q, kc, vc, meta = _args()
+        meta.block_tables[1, 0] = bad
+        with pytest.raises(ValueError, match=f"block id {bad}, outside the pool of 8 blocks"):
+            checks.check_block_tables(meta, kc.shape[0])
+
+
+def test_positions_past_the_block_table_are_rejected():
+    """A position whose block would lie past the table's columns is refused."""
+    q, kc, vc, meta = _args()
+    meta.positions[0] = meta.block_tables.shape[1] * 16
+    with pytest.raises(ValueError, match="outside the 2 block-table columns"):
+        checks.check_block_tables(meta, kc.shape[0])
+
+
+def test_block_tables_are_checked_once_per_step():
+    """Every layer shares the step's metadata: after one pass the check is remembered for the pool size."""
+    q, kc, vc, meta = _args()
+    checks.check_block_tables(meta, 8)
+    assert meta.checked_num_blocks == 8
+    meta.block_tables[0, 0] = 99  # not re-read for the same pool ...
+    checks.check_block_tables(meta, 8)
+    with pytest.raises(ValueError, match="block id 99"):  # ... but a different pool checks again
+        checks.check_block_tables(meta, 16)
