@@ -50,5 +50,10 @@ soak: $(STAMP)
 kernel-check: $(STAMP)
 	RINGSERVE_KERNEL_CHECK=full $(PY) -m pytest tests/kernel_harness -q -s
 
+# Registers, spills, shared memory, occupancy and HMMA count of every kernel (needs nvcc; the SASS
+# columns need cuobjdump and nvdisasm on PATH).
+kernel-resources: $(STAMP)
+	$(VENV)/bin/ringserve kernel-resources
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

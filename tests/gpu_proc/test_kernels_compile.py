@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from ringserve.gpu_proc.attention import cupy_backend
+from ringserve.tools.kernel_resources import instantiated_source
 
 ARCHS = ("sm_80", "sm_90")
 # CuPy appends these to every NVRTC compile (cupy/cuda/compiler.py), so the checks do too.
@@ -71,14 +72,6 @@ def _missing(entries: list[str]) -> list[str]:
     """Entry points of the backend with no kernel among the PTX entries."""
     text = "\n".join(_demangled(entries)).replace(" ", "")
     return [n for n in cupy_backend.entry_points() if n.replace(" ", "") + "(" not in text]
-
-
-def instantiated_source() -> str:
-    """kernel_source() plus a host-side table of every entry point's address (nvcc instantiates
-    each template it names, as NVRTC does for a name expression)."""
-    table = ",\n".join(f"    (void*)&{name}" for name in cupy_backend.entry_points())
-    return (cupy_backend.kernel_source() + "\nextern void* const rs_instances[];\n"
-            f"void* const rs_instances[] = {{\n{table}\n}};\n")
 
 
 def test_every_kernel_file_is_compiled():

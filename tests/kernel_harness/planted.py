@@ -42,6 +42,8 @@ PLANTED = [
             "            sm_l[warp][g] = l[g];\n        }\n        __syncthreads();\n    }"),
     Planted("decode: off-by-one in the context mask", "paged_decode.cu",
             "(long long)b * RS_BLOCK_SIZE + tok < ctx", "(long long)b * RS_BLOCK_SIZE + tok <= ctx"),
+    Planted("decode: V past the context not masked (0 x NaN)", "paged_decode.cu",
+            "                    vf[i] = valid ? vf[i] : 0.f;\n", ""),
     Planted("decode: wrong query-head -> KV-head map", "paged_decode.cu",
             "const int kvh = h0 / (num_heads / num_kv_heads);", "const int kvh = h0 % num_kv_heads;"),
     Planted("decode: shuffle inside a branch", "paged_decode.cu",
