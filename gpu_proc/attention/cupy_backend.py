@@ -42,7 +42,7 @@ from .cupy_executor import NVRTC_OPTIONS, CupyExecutor, KernelExecutor  # noqa: 
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 PRELUDE_FILE = "common.cu"  # prepended to every kernel file: NVRTC gets one self-contained source
-KERNEL_FILES = ("kv_append.cu", "paged_decode.cu", "paged_prefill.cu")
+KERNEL_FILES = ("kv_append.cu", "paged_decode.cu", "paged_prefill.cu", "paged_prefill_tc.cu")
 TRAITS = {torch.float16: "RsF16", torch.bfloat16: "RsBF16", torch.float32: "RsF32"}
 
 # Query heads per decode CTA. A group of 8 needs more registers than fit without spilling (see
@@ -51,6 +51,10 @@ DECODE_GROUPS = (4, 2, 1)
 DECODE_THREADS = 128
 PREFILL_ROWS = 32
 PREFILL_THREADS = 128
+# Tensor-core prefill: 64 query rows (token, head-of-group pairs) per CTA, on sm_80 and later.
+TC_ROWS = 64
+TC_THREADS = 128
+TC_DTYPES = (torch.float16, torch.bfloat16)
 # A split covers at least this many KV blocks (256 tokens): below that, the merge pass and the
 # scratch traffic cost more than the parallelism gains.
 MIN_BLOCKS_PER_SPLIT = 16
@@ -80,16 +84,28 @@ def prefill_kernel(dtype: torch.dtype, head_dim: int) -> str:
     return f"rs_paged_prefill<{TRAITS[dtype]}, {head_dim}>"
 
 
+def prefill_tc_kernel(dtype: torch.dtype, head_dim: int) -> str:
+    return f"rs_paged_prefill_tc<{TRAITS[dtype]}, {head_dim}>"
+
+
+def uses_tensor_cores(dtype: torch.dtype, num_heads: int, num_kv_heads: int, capability: tuple[int, int]) -> bool:
+    """Prefill runs on tensor cores for fp16/bf16 on sm_80+ when a GQA group fits a tile; fp32 (the
+    exact comparison path) and older GPUs use the CUDA-core kernel."""
+    return dtype in TC_DTYPES and capability >= (8, 0) and num_heads // num_kv_heads <= TC_ROWS
+
+
 def decode_group(num_heads: int, num_kv_heads: int) -> int:
     """Query heads per decode CTA: the largest of DECODE_GROUPS dividing the heads per KV head."""
     per_kv = num_heads // num_kv_heads
     return next(g for g in DECODE_GROUPS if per_kv % g == 0)
 
 
-def model_kernels(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> list[str]:
-    """Every kernel a model with these attention shapes launches."""
+def model_kernels(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
+                  capability: tuple[int, int]) -> list[str]:
+    """Every kernel a model with these attention shapes launches on a GPU of `capability`."""
+    tc = uses_tensor_cores(dtype, num_heads, num_kv_heads, capability)
     return [KV_APPEND, decode_kernel(dtype, head_dim, decode_group(num_heads, num_kv_heads)),
-            merge_kernel(dtype, head_dim), prefill_kernel(dtype, head_dim)]
+            merge_kernel(dtype, head_dim), (prefill_tc_kernel if tc else prefill_kernel)(dtype, head_dim)]
 
 
 def entry_points() -> list[str]:
@@ -99,6 +115,8 @@ def entry_points() -> list[str]:
         for d in HEAD_DIMS:
             names += [decode_kernel(dtype, d, g) for g in DECODE_GROUPS]
             names += [merge_kernel(dtype, d), prefill_kernel(dtype, d)]
+            if dtype in TC_DTYPES:
+                names.append(prefill_tc_kernel(dtype, d))
     return names
 
 
@@ -122,8 +140,9 @@ class AttentionKernels:
     def compile(self, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
                 device: torch.device, progress: Callable[[], None] | None = None) -> list[str]:
         """Compile every kernel a model of these shapes launches; returns their names."""
-        names = model_kernels(dtype, head_dim, num_heads, num_kv_heads)
-        self.executor.compile(names, torch.device(device), progress)
+        device = torch.device(device)
+        names = model_kernels(dtype, head_dim, num_heads, num_kv_heads, self.executor.capability(device))
+        self.executor.compile(names, device, progress)
         return names
 
     # ---- write_kv ------------------------------------------------------------------------------
@@ -178,8 +197,9 @@ class AttentionKernels:
 
     def paged_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
                       scale: float) -> torch.Tensor:
-        """The prefill kernel: query tiles of 32 tokens of one sequence, online softmax over the paged
-        cache, causal inside the chunk and full over the cached prefix."""
+        """The prefill kernel: query tiles of one sequence, online softmax over the paged cache, causal
+        inside the chunk and full over the cached prefix; on tensor cores for fp16/bf16 on sm_80+
+        (`uses_tensor_cores`), else on CUDA cores."""
         device = self._checked(q, k_cache, v_cache, meta)
         out = self.executor.empty(tuple(q.shape), q.dtype, device)  # [T, H, D], contiguous
         if q.shape[0]:
@@ -222,14 +242,21 @@ class AttentionKernels:
     def _prefill(self, q, k_cache, v_cache, meta, scale, out, skip_single: bool = False) -> None:
         device = q.device
         t, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[1]
         s = meta.seq_lens.shape[0]
+        if uses_tensor_cores(q.dtype, num_heads, num_kv_heads, self.executor.capability(device)):
+            name, threads = prefill_tc_kernel(q.dtype, head_dim), TC_THREADS
+            tile_tokens = TC_ROWS // (num_heads // num_kv_heads)
+            grid_y = num_kv_heads  # one CTA per KV head: the group's query heads share its K/V tiles
+        else:
+            name, threads, tile_tokens, grid_y = prefill_kernel(q.dtype, head_dim), PREFILL_THREADS, PREFILL_ROWS, num_heads
         # Upper bound on the tile count without reading query_start_loc back (no host sync): every
         # sequence wastes at most one partial tile. Surplus CTAs exit immediately.
-        tiles = math.ceil(t / PREFILL_ROWS) + s
-        self.executor.launch(prefill_kernel(q.dtype, head_dim), device, (tiles, num_heads), (PREFILL_THREADS,), (
+        tiles = math.ceil(t / tile_tokens) + s
+        self.executor.launch(name, device, (tiles, grid_y), (threads,), (
             q, q.stride(0), q.stride(1), k_cache, v_cache, meta.block_tables, _i32(meta.block_tables.shape[1]),
             meta.query_start_loc, _i32(s), _i32(int(skip_single)), meta.positions, _i32(num_heads),
-            _i32(k_cache.shape[1]), _f32(scale * _LOG2E), out))
+            _i32(num_kv_heads), _f32(scale * _LOG2E), out))
 
 
 @functools.lru_cache(maxsize=1)

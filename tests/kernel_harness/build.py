@@ -23,8 +23,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 CACHE_DIR = HERE.parents[1] / "build" / "kernel_harness"
 CXX = os.environ.get("CXX", "g++")
+# NOTE: -fno-gnu-unique and -Bsymbolic keep every build's symbols its own: the `__shared__`
+# statics of template kernels would otherwise be STB_GNU_UNIQUE, one copy per process, and a second
+# build (a planted bug) would run on the first build's shared arrays.
 CXXFLAGS = ("-std=c++17", "-O1", "-fPIC", "-g0", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function",
-            "-Wno-unused-variable", "-Wno-unused-but-set-variable", "-fno-strict-aliasing")
+            "-Wno-unused-variable", "-Wno-unused-but-set-variable", "-fno-strict-aliasing", "-fno-gnu-unique")
 # Every function-local static of the kernel unit (what `__shared__` becomes) lands in a
 # `.bss._ZZ*` section (-fdata-sections); the script gathers them into one window with bounds.
 LINKER_SCRIPT = """SECTIONS {
@@ -252,7 +255,7 @@ def build(source: str, names: list[str]) -> Build:
         (tmp / "shared.ld").write_text(LINKER_SCRIPT)
         out = tmp / "kernels.so"
         _run([CXX, *CXXFLAGS, "-fdata-sections", "-shared", "-I", str(HERE), "-include", "cuda_emulation.h",
-              str(tmp / "kernels.cpp"), str(runtime), "-Wl,-T," + str(tmp / "shared.ld"), "-o", str(out)],
+              str(tmp / "kernels.cpp"), str(runtime), "-Wl,-Bsymbolic", "-Wl,-T," + str(tmp / "shared.ld"), "-o", str(out)],
              "compiling the kernel source for the harness")
         os.replace(out, lib)
         for f in tmp.iterdir():

@@ -36,6 +36,9 @@ struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(8) uint2 { unsigned int x, y; };
 struct alignas(8) float2 { float x, y; };
 
+inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return uint4{x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+
 inline float __int_as_float(int x) { float f; memcpy(&f, &x, 4); return f; }
 inline float __uint_as_float(unsigned int x) { float f; memcpy(&f, &x, 4); return f; }
 inline int __float_as_int(float f) { int x; memcpy(&x, &f, 4); return x; }

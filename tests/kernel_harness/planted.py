@@ -71,6 +71,30 @@ PLANTED = [
             "nrows = min(RS_PF_ROWS, start + len - row0);", "nrows = min(RS_PF_ROWS, start + len - row0 + 1);"),
     Planted("prefill: wrong query-head -> KV-head map", "paged_prefill.cu",
             "const int kvh = h / (num_heads / num_kv_heads);", "const int kvh = h % num_kv_heads;"),
+    # ---- paged_prefill_tc.cu
+    Planted("tensor-core prefill: K overwrites the Q tile before every warp has read it", "paged_prefill_tc.cu",
+            "    __syncthreads();  // sk now takes K tiles\n", "\n"),
+    Planted("tensor-core prefill: missing barrier before the next K/V tile", "paged_prefill_tc.cu",
+            "        __syncthreads();  // the next tile overwrites sk and sv\n", "\n"),
+    Planted("tensor-core prefill: P fragment registers swapped", "paged_prefill_tc.cu",
+            "            a[1] = rs_pack2<T>(s[2 * kk][2], s[2 * kk][3]);\n"
+            "            a[2] = rs_pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);\n",
+            "            a[2] = rs_pack2<T>(s[2 * kk][2], s[2 * kk][3]);\n"
+            "            a[1] = rs_pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);\n"),
+    Planted("tensor-core prefill: K fragments from the wrong ldmatrix rows", "paged_prefill_tc.cu",
+            "const int key = nt * 8 + (lane % 8) + (lane / 16) * 8;", "const int key = nt * 8 + (lane % 8) + ((lane / 8) % 2) * 8;"),
+    Planted("tensor-core prefill: V loaded untransposed", "paged_prefill_tc.cu",
+            "rs_ldmatrix_x4_trans(b, sv + key * LD", "rs_ldmatrix_x4(b, sv + key * LD"),
+    Planted("tensor-core prefill: row max over half the quad", "paged_prefill_tc.cu",
+            "mx_a = fmaxf(m_a, rs_max_xor<1, 4>(mx_a));", "mx_a = fmaxf(m_a, rs_max_xor<1, 2>(mx_a));"),
+    Planted("tensor-core prefill: causal mask excludes the diagonal", "paged_prefill_tc.cu",
+            "s[nt][e] = kpos <= pos_a ?", "s[nt][e] = kpos < pos_a ?"),
+    Planted("tensor-core prefill: wrong head of the group for a row", "paged_prefill_tc.cu",
+            "const long long h = (long long)kvh * group + r % group;",
+            "const long long h = (long long)kvh + (r % group) * num_kv_heads;"),
+    Planted("tensor-core prefill: keys past the last position loaded", "paged_prefill_tc.cu",
+            "            if (kpos <= max_pos) {\n                const long long off",
+            "            if (kpos < key0 + RS_TC_KEYS) {\n                const long long off"),
     # ---- kv_append.cu
     Planted("kv_append: off-by-one slot offset", "kv_append.cu",
             "const int offset = (int)(slot % RS_BLOCK_SIZE);", "const int offset = (int)((slot + 1) % RS_BLOCK_SIZE);"),
@@ -83,14 +107,14 @@ PLANTED = [
     Planted("launcher: merge told one split fewer", LAUNCHERS,
             "part_acc, part_ml, _i32(num_splits), single_qsl", "part_acc, part_ml, _i32(num_splits - 1), single_qsl"),
     Planted("launcher: prefill grid without the partial-tile allowance", LAUNCHERS,
-            "tiles = math.ceil(t / PREFILL_ROWS) + s", "tiles = math.ceil(t / PREFILL_ROWS)"),
+            "tiles = math.ceil(t / tile_tokens) + s", "tiles = math.ceil(t / tile_tokens)"),
     Planted("launcher: q row stride assumed packed", LAUNCHERS,
             "q, q.stride(0), q.stride(1), k_cache, v_cache, meta.block_tables, _i32(meta.block_tables.shape[1]),\n"
             "            meta.positions,",
             "q, num_heads * head_dim, q.stride(1), k_cache, v_cache, meta.block_tables,\n"
             "            _i32(meta.block_tables.shape[1]), meta.positions,"),
     Planted("launcher: softmax scale without log2(e)", LAUNCHERS,
-            "_i32(k_cache.shape[1]), _f32(scale * _LOG2E), out))", "_i32(k_cache.shape[1]), _f32(scale), out))"),
+            "_i32(num_kv_heads), _f32(scale * _LOG2E), out))", "_i32(num_kv_heads), _f32(scale), out))"),
 ]
 
 

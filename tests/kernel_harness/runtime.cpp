@@ -13,7 +13,8 @@
 //     collective (line and kind) with the same mask; a named lane that has exited, waits at a barrier or at another
 //     collective is an error at once.
 // Blocks run one at a time; before each, the `__shared__` window is filled with 0xff bytes (NaN
-// in fp32, fp16 and bf16). Blocks and threads run in forward, reverse or seeded random order.
+// in fp32, fp16 and bf16). Blocks run in forward, reverse or seeded random order; threads depth
+// first from the lowest or the highest index, or in random sweeps (see run_block).
 #include <csetjmp>
 #include <csignal>
 #include <cstdarg>
@@ -106,6 +107,7 @@ struct Launch {
 };
 
 Kernel g_kernels[kMaxKernels];
+uint64_t g_ready[kMaxThreads / 64];  // bit i: thread i is Ready (kept in step with Thread::state)
 int g_nkernels = 0;
 Buffer g_buffers[kMaxBuffers];
 Thread g_threads[kMaxThreads];
@@ -137,6 +139,28 @@ void set_errorf(const char* fmt, ...) {
     va_end(ap);
 }
 
+void set_state(Thread* t, State s) {
+    t->state = s;
+    const uint64_t bit = 1ull << (t->linear % 64);
+    if (s == State::Ready) {
+        g_ready[t->linear / 64] |= bit;
+    } else {
+        g_ready[t->linear / 64] &= ~bit;
+    }
+}
+
+// The lowest (forward) or highest (reverse) ready thread, or -1.
+int next_ready(bool reverse) {
+    const int words = (g_launch.nthreads + 63) / 64;
+    for (int k = 0; k < words; ++k) {
+        const int w = reverse ? words - 1 - k : k;
+        if (g_ready[w]) {
+            return w * 64 + (reverse ? 63 - __builtin_clzll(g_ready[w]) : __builtin_ctzll(g_ready[w]));
+        }
+    }
+    return -1;
+}
+
 // Back to the scheduler; returns when the scheduler resumes this thread.
 void yield_to_scheduler() {
     rs_ctx_switch(&g_cur->sp, g_launch.sched_sp);
@@ -145,7 +169,7 @@ void yield_to_scheduler() {
 [[noreturn]] void thread_main() {
     Thread* t = g_cur;
     g_launch.kernel->invoke(g_launch.kernel->fn, g_launch.params);
-    t->state = State::Exited;
+    set_state(t, State::Exited);
     // A lane that leaves while others of its warp wait for it at a collective can never be met.
     const int first = t->warp * 32;
     for (int i = first; i < first + 32 && i < g_launch.nthreads; ++i) {
@@ -177,7 +201,7 @@ void init_thread(int i) {
     *--sp = kMxcsr;                                       // 8(%rsp): mxcsr
     *--sp = 0x037f;                                       // (%rsp): x87 control word
     t->sp = sp;
-    t->state = State::Ready;
+    set_state(t, State::Ready);
     t->site_line = 0;
     t->site_what = "";
     t->mask = 0;
@@ -270,7 +294,7 @@ bool resolve_stall() {
                        first_barrier->site_line, exited, who);
             return false;
         }
-        for (int i = 0; i < g_launch.nthreads; ++i) g_threads[i].state = State::Ready;
+        for (int i = 0; i < g_launch.nthreads; ++i) set_state(&g_threads[i], State::Ready);
         return true;
     }
     set_errorf("deadlock: no thread can proceed: %s", who);
@@ -278,7 +302,7 @@ bool resolve_stall() {
 }
 
 void build_order(int* order, int n, int kind) {
-    for (int i = 0; i < n; ++i) order[i] = kind == 1 ? n - 1 - i : i;
+    for (int i = 0; i < n; ++i) order[i] = i;
     if (kind == 2) {
         for (int i = n - 1; i > 0; --i) {
             const int j = static_cast<int>(next_random() % static_cast<uint64_t>(i + 1));
@@ -289,25 +313,42 @@ void build_order(int* order, int n, int kind) {
     }
 }
 
+void run_thread(Thread* t) {
+    g_cur = t;
+    rs_ctx_switch(&g_launch.sched_sp, t->sp);
+    g_cur = nullptr;
+}
+
+// Forward and reverse run depth first: the lowest (highest) ready thread always runs next, so one
+// warp runs as far ahead of the others as barriers allow (a missing barrier between warps shows).
+// Random runs sweeps over all ready threads in a fresh random order each time.
 bool run_block() {
     const int n = g_launch.nthreads;
     memset(__rs_shared_start, 0xff, static_cast<size_t>(__rs_shared_stop - __rs_shared_start));
+    memset(g_ready, 0, sizeof g_ready);
     for (int i = 0; i < n; ++i) init_thread(i);
     int order[kMaxThreads];
     for (;;) {
-        build_order(order, n, g_launch.order);
-        bool ran = false, all_exited = true;
-        for (int k = 0; k < n; ++k) {
-            Thread* t = &g_threads[order[k]];
-            if (t->state == State::Ready) {
-                g_cur = t;
-                rs_ctx_switch(&g_launch.sched_sp, t->sp);
-                g_cur = nullptr;
+        bool ran = false;
+        if (g_launch.order == 2) {
+            build_order(order, n, 2);
+            for (int k = 0; k < n; ++k) {
+                Thread* t = &g_threads[order[k]];
+                if (t->state == State::Ready) {
+                    run_thread(t);
+                    if (g_launch.failed) return false;
+                    ran = true;
+                }
+            }
+        } else {
+            for (int i; (i = next_ready(g_launch.order == 1)) >= 0;) {
+                run_thread(&g_threads[i]);
                 if (g_launch.failed) return false;
                 ran = true;
             }
-            all_exited &= t->state == State::Exited;
         }
+        bool all_exited = true;
+        for (int i = 0; i < n && all_exited; ++i) all_exited = g_threads[i].state == State::Exited;
         if (all_exited) {
             return true;
         }
@@ -385,7 +426,7 @@ const char* message(const char* fmt, ...) {
 }
 
 void syncthreads(int line) {
-    g_cur->state = State::Barrier;
+    set_state(g_cur, State::Barrier);
     g_cur->site_line = line;
     g_cur->site_what = "__syncthreads";
     yield_to_scheduler();
@@ -396,7 +437,7 @@ void warp_collective(int line, const char* what, uint32_t mask, Resolver resolve
     if (!(mask >> me->lane & 1u)) {
         fail("%s (line %d): mask 0x%08x does not name the calling lane %d", what, line, mask, me->lane);
     }
-    me->state = State::Warp;
+    set_state(me, State::Warp);
     me->site_line = line;
     me->site_what = what;
     me->mask = mask;
@@ -451,7 +492,7 @@ void warp_collective(int line, const char* what, uint32_t mask, Resolver resolve
         }
         for (int l = 0; l < 32; ++l) {
             if (lanes[l] != nullptr) {
-                lanes[l]->state = State::Ready;
+                set_state(lanes[l], State::Ready);
                 lanes[l]->done_line = line;
                 lanes[l]->done_mask = mask;
             }

@@ -215,3 +215,17 @@ def test_asm_translation_keeps_lines_and_checks_constraints():
     out = translate_asm(src)
     assert out.count("\n") == src.count("\n")
     assert "rs_ptx_cvt_f32_f16(::rs::ptx::out_f(f), ::rs::ptx::in_h(x))" in out
+
+
+def test_two_builds_keep_their_own_shared_memory():
+    """A second build (as a planted bug is) runs on its own __shared__ window, not the first's."""
+    first = load(SOURCE, NAMES)
+    second = load(SOURCE + "\n// a second build\n", NAMES)
+    assert first.lib._name != second.lib._name
+    for module in (first, second):
+        x = torch.arange(128, dtype=torch.float32)
+        out = torch.zeros(1)
+        _run(module, "missing_barrier", (1,), (128,), (x, out))
+        assert out.isnan().all()  # each window is NaN-filled before its block: no stale sums
+        _run(module, "ok_reduce", (1,), (128,), (x, out))
+        assert out.item() == x.sum().item()

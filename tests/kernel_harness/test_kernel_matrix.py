@@ -75,34 +75,47 @@ def test_decode_matches_float64_attention(case_id):
 
 
 PREFILL = pick([
-    # (cached, new) per sequence, heads, kv heads, head_dim, dtype
-    ([(0, 40), (9, 7), (3, 1)], 4, 2, 32, F32),
-    ([(0, 31), (0, 33), (15, 16), (16, 15)], 4, 1, 64, F16),  # tile and block edges
-    ([(40, 20), (45, 1), (3, 1), (0, 2)], 4, 1, 64, BF16),  # decode rows among chunks
+    # (cached, new) per sequence, heads, kv heads, head_dim, dtype, logit scale
+    ([(0, 40), (9, 7), (3, 1)], 4, 2, 32, F32, 1.0),
+    ([(0, 31), (0, 33), (15, 16), (16, 15)], 4, 1, 64, F16, 1.0),  # tile and block edges, group 4
+    ([(40, 20), (45, 1), (3, 1), (0, 2)], 4, 1, 64, BF16, 1.0),  # decode rows among chunks
+    ([(100, 40), (0, 70)], 6, 2, 128, BF16, 1.0),  # group 3 (21-token tensor-core tiles), 3 KV tiles
 ], [
-    ([(0, 1)], 8, 8, 128, F16),
-    ([(0, 300), (100, 64), (5, 33), (400, 1), (17, 1)], 8, 2, 128, F16),
-    ([(0, 300), (100, 64), (5, 33), (400, 1), (17, 1)], 8, 2, 128, BF16),
-    ([(1000, 200)], 4, 4, 64, BF16),
-    ([(i, 1) for i in range(0, 600, 97)] + [(100, 200)], 6, 2, 64, BF16),  # group 3, mixed
-    ([(0, 64), (64, 64), (127, 65)], 8, 1, 32, F16),  # group 8
-    ([(0, 96)], 4, 2, 128, F32),
+    ([(0, 1)], 8, 8, 128, F16, 1.0),
+    ([(0, 300), (100, 64), (5, 33), (400, 1), (17, 1)], 8, 2, 128, F16, 1.0),
+    ([(0, 300), (100, 64), (5, 33), (400, 1), (17, 1)], 8, 2, 128, BF16, 1.0),
+    ([(1000, 200)], 4, 4, 64, BF16, 1.0),
+    ([(i, 1) for i in range(0, 600, 97)] + [(100, 200)], 6, 2, 64, BF16, 1.0),  # group 3, mixed
+    ([(0, 64), (64, 64), (127, 65)], 8, 1, 32, F16, 1.0),  # group 8: 8-token tiles
+    ([(0, 96)], 4, 2, 128, F32, 1.0),
+    ([(63, 2), (0, 129)], 4, 2, 64, F16, 40.0),  # large logits on tensor cores
+    ([(200, 50)], 12, 2, 64, BF16, 60.0),  # group 6
+    ([(0, 70)], 64, 1, 32, F16, 1.0),  # group 64: one token per tensor-core tile
 ])
+
+
+# sm_90 runs fp16/bf16 prefill on tensor cores; sm_75 on the CUDA-core kernel (also fp32's).
+CAPABILITIES = ((9, 0), (7, 5))
 
 
 @pytest.mark.parametrize("case_id", range(len(PREFILL)))
 def test_prefill_and_mixed_steps_match_float64_attention(case_id):
-    """Prefill tiles attend causally inside the chunk and fully over the prefix; the decode kernel
-    gives the same on any flat batch; the mixed dispatch writes every row exactly once."""
-    specs, heads, kv_heads, d, dtype = PREFILL[case_id]
-    q, kc, vc, meta, dense = make_case(specs, heads, kv_heads, d, dtype, seed=100 + case_id)
+    """Prefill tiles (tensor-core and CUDA-core kernels) attend causally inside the chunk and fully
+    over the prefix; the decode kernel gives the same on any flat batch; the mixed dispatch writes
+    every row exactly once."""
+    specs, heads, kv_heads, d, dtype, logit = PREFILL[case_id]
+    q, kc, vc, meta, dense = make_case(specs, heads, kv_heads, d, dtype, seed=100 + case_id, logit_scale=logit)
     scale = d ** -0.5
     want = oracle(q, meta, dense, scale)
-    for order in _orders(case_id):
+    for i, order in enumerate(_orders(case_id)):
+        q_in = _strided(q, kv_heads) if i % 2 == case_id % 2 else q
+        for cap in CAPABILITIES if dtype != F32 else CAPABILITIES[:1]:
+            kernels = _kernels(case_id, order, capability=cap)
+            what = f"({order}, sm_{cap[0]}{cap[1]})"
+            assert_close(kernels.paged_prefill(q_in, kc, vc, meta, scale), want, dtype, f"prefill {what}")
+            assert_close(kernels.paged_attention(q_in, kc, vc, meta, scale), want, dtype, f"mixed {what}")
         kernels = _kernels(case_id, order)
-        assert_close(kernels.paged_prefill(q, kc, vc, meta, scale), want, dtype, f"prefill ({order})")
         assert_close(kernels.paged_decode(q, kc, vc, meta, scale), want, dtype, f"decode on prefill ({order})")
-        assert_close(kernels.paged_attention(q, kc, vc, meta, scale), want, dtype, f"mixed ({order})")
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16])

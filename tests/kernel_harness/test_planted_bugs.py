@@ -1,6 +1,6 @@
 """`make kernel-check`: every planted bug (planted.py) is caught by the harness. Each is applied
 alone, its source built, and a detector suite (decode, split decode, strided q, GQA 4 and 8, prefill
-and mixed steps, KV append, in forward, reverse and random order) run until something fails; the
+and mixed steps on both prefill kernels, KV append, in forward, reverse and random order) run until something fails; the
 test records which check caught it. Without RINGSERVE_KERNEL_CHECK=full only the catalogue's
 snippets are checked against the current source (cheap), not the bugs themselves."""
 
@@ -64,6 +64,7 @@ def _detectors():
         ("decode strided q", decode(3, 70, 4, 2, 32, torch.float32, 1, strided=True)),
         ("mixed step", attention([(40, 20), (45, 1), (3, 1), (0, 33)], 4, 1, 64, torch.float16)),
         ("prefill tile edges", attention([(0, 31), (15, 17), (16, 32)], 4, 2, 32, torch.float32)),
+        ("prefill GQA 3, three KV tiles", attention([(100, 40), (0, 70)], 6, 2, 64, torch.bfloat16)),
         ("write_kv", write_kv),
     ]
 
@@ -83,13 +84,17 @@ def hunt(bug) -> tuple[str, str] | None:
     """Run the detector suite against `bug`; (detector, check) of the first failure, or None."""
     module = load(kernel_files(bug))
     launchers = launcher_module(bug)
-    for order in ORDERS:
-        kernels = launchers.AttentionKernels(HarnessExecutor(module, order=order, seed=3, sm_count=4, ctas_per_sm=2))
-        for what, run in _detectors():
-            try:
-                run(kernels)
-            except (KernelFault, AssertionError, ValueError, TypeError) as exc:
-                return what, f"{_caught_by(exc)} ({order}): {str(exc).splitlines()[0][:160]}"
+    # sm_90 runs fp16/bf16 prefill on the tensor-core kernel, sm_75 on the CUDA-core one.
+    for capability in ((9, 0), (7, 5)):
+        for order in ORDERS:
+            executor = HarnessExecutor(module, order=order, seed=3, sm_count=4, ctas_per_sm=2, capability=capability)
+            kernels = launchers.AttentionKernels(executor)
+            for what, run in _detectors():
+                try:
+                    run(kernels)
+                except (KernelFault, AssertionError, ValueError, TypeError) as exc:
+                    where = f"{order}, sm_{capability[0]}{capability[1]}"
+                    return what, f"{_caught_by(exc)} ({where}): {str(exc).splitlines()[0][:160]}"
     return None
 
 

@@ -60,7 +60,8 @@ def test_warm_up_compiles_every_kernel_with_heartbeats_between(tiny_model_dir):
     beats = [time.monotonic()]
     report = warm_up(runner, progress=lambda: beats.append(time.monotonic()))
     args = runner.model.args
-    assert set(report.compiled) == set(model_kernels(torch.float32, args.head_dim, args.num_heads, args.num_kv_heads))
+    assert set(report.compiled) == set(model_kernels(torch.float32, args.head_dim, args.num_heads, args.num_kv_heads,
+                                                     executor.capability(runner.device)))
     assert executor.compile_calls == len(report.compiled) == 4
     gaps = [b - a for a, b in zip(beats, beats[1:])]
     assert len(gaps) >= executor.compile_calls + 3
