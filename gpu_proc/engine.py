@@ -77,7 +77,7 @@ def build_engine(config: Config, model_dir: str | Path, progress: Callable[[], N
     if device.type == "cpu":
         # API workers share these cores: torch's default of one thread per core starves them.
         tune_cpu_process(config.cpu_threads)
-    model = load_model(model_dir, device, config.dtype)
+    model = load_model(model_dir, device, config.dtype, config.load_format)
     beat()
     dtype = next(model.parameters()).dtype
     special = read_special_tokens(model_dir)

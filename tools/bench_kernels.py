@@ -166,22 +166,11 @@ def _decode_case(batch: int, ctx: int, heads: int, head_dim: int, peaks: Peaks, 
 def _build_7b(layers: int):
     import torch
 
-    from ringserve.gpu_proc.model.llama import Llama, ModelArgs
+    from ringserve.gpu_proc.model.dummy_weights import random_model
+    from ringserve.gpu_proc.model.llama import ModelArgs
 
     args = ModelArgs(**{**SEVEN_B, "num_layers": layers})
-    with torch.device("meta"):
-        model = Llama(args)
-    model = model.half().to_empty(device="cuda")  # fp16 from the start: no fp32 copy of 7B weights
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    model.eval().requires_grad_(False)
-    model.setup("cuda")
-    return model, args
+    return random_model(args, "cuda", torch.float16), args  # fp16 from the start: no fp32 copy
 
 
 def _model_benches(args_ns, peaks: Peaks) -> tuple[list[dict], dict]:
