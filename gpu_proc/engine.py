@@ -88,4 +88,10 @@ def build_engine(config: Config, model_dir: str | Path, progress: Callable[[], N
     beat()
     runner = ModelRunner(model, pool)
     report = warm_up(runner, beat)
+    if device.type == "cuda" and config.cuda_graphs:
+        from ringserve.gpu_proc.cuda_graphs import DecodeGraphs
+
+        limit = min(config.context_limit, args.max_position_embeddings)
+        runner.graphs = DecodeGraphs(runner, config.max_rows, limit)
+        runner.graphs.capture_all(beat)
     return Engine(runner, special.eos_token_ids, args.vocab_size, num_blocks, device, dtype, report)

@@ -27,6 +27,8 @@ class Config:
     # torch threads of the GPU process when it computes on the CPU: the API workers share the
     # cores, and oversubscribed torch threads slow each step many times over.
     cpu_threads: int = 1
+    # Replay decode-only steps from CUDA graphs captured at load (ignored on the CPU).
+    cuda_graphs: bool = True
     api_keys_file: str | None = None
     # KV pool
     block_size: int = 16
