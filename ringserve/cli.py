@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "drill": ("ringserve.tools.drill", "crash-and-restart drills against a running server"),
     "loadtest": ("ringserve.tools.loadtest", "open-loop load test of a /v1/completions endpoint"),
     "soak": ("ringserve.tools.soak", "serve under load, then check blocks, fds, shm and RSS for leaks"),
+    "gpu-check": ("ringserve.tools.gpu_check", "the GPU suite, kernel and step benchmarks, load test and HF baseline"),
     "kernel-resources": ("ringserve.tools.kernel_resources", "registers, spills, occupancy, HMMA of each kernel (nvcc)"),
 }
 
