@@ -78,6 +78,15 @@ def oracle(q, meta, dense, scale):
     return out
 
 
+def strided_q(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """q as a column slice of a fused qkv projection (row stride (H + 2 KVH) * D), NaN between rows."""
+    t, h, d = q.shape
+    fused = torch.full((t, (h + 2 * num_kv_heads) * d), float("nan"), dtype=q.dtype, device=q.device)
+    view = fused[:, :h * d].view(t, h, d)
+    view.copy_(q)
+    return view
+
+
 def max_error(got, want) -> float:
     return (got.double() - want).abs().max().item() if got.numel() else 0.0
 

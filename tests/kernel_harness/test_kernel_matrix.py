@@ -14,7 +14,7 @@ import torch
 
 from ringserve.gpu_proc.attention.cupy_backend import AttentionKernels
 
-from .cases import TOL, assert_close, decode_specs, make_case, oracle
+from .cases import TOL, assert_close, decode_specs, make_case, oracle, strided_q
 from .conftest import FULL, pick
 from .executor import HarnessExecutor
 
@@ -29,15 +29,6 @@ def _kernels(case_id: int, order: str | None = None, **kw) -> AttentionKernels:
 
 def _orders(case_id: int) -> list[str]:
     return list(ORDERS) if FULL else [ORDERS[case_id % 3]]
-
-
-def _strided(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """q as a column slice of a fused qkv projection: row stride (H + 2 KVH) * D."""
-    t, h, d = q.shape
-    fused = torch.full((t, (h + 2 * num_kv_heads) * d), float("nan"), dtype=q.dtype)
-    view = fused[:, :h * d].view(t, h, d)
-    view.copy_(q)
-    return view
 
 
 DECODE = pick([
@@ -69,7 +60,7 @@ def test_decode_matches_float64_attention(case_id):
     want = oracle(q, meta, dense, scale)
     for i, order in enumerate(_orders(case_id)):
         kernels = _kernels(case_id, order)
-        q_in = _strided(q, kv_heads) if i % 2 == case_id % 2 else q
+        q_in = strided_q(q, kv_heads) if i % 2 == case_id % 2 else q
         got = kernels.paged_decode(q_in, kc, vc, meta, scale, num_splits=splits)
         assert_close(got, want, dtype, f"decode case {case_id} ({order})")
 
@@ -108,7 +99,7 @@ def test_prefill_and_mixed_steps_match_float64_attention(case_id):
     scale = d ** -0.5
     want = oracle(q, meta, dense, scale)
     for i, order in enumerate(_orders(case_id)):
-        q_in = _strided(q, kv_heads) if i % 2 == case_id % 2 else q
+        q_in = strided_q(q, kv_heads) if i % 2 == case_id % 2 else q
         for cap in CAPABILITIES if dtype != F32 else CAPABILITIES[:1]:
             kernels = _kernels(case_id, order, capability=cap)
             what = f"({order}, sm_{cap[0]}{cap[1]})"

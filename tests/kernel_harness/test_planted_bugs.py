@@ -9,20 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .cases import assert_close, decode_specs, make_case, oracle
+from .cases import assert_close, decode_specs, make_case, oracle, strided_q
 from .conftest import FULL
 from .executor import HarnessExecutor, KernelFault, load
 from .planted import PLANTED, kernel_files, launcher_module
 
 ORDERS = ("forward", "reverse", "random")
-
-
-def _strided(q, num_kv_heads):
-    t, h, d = q.shape
-    fused = torch.full((t, (h + 2 * num_kv_heads) * d), float("nan"), dtype=q.dtype)
-    view = fused[:, :h * d].view(t, h, d)
-    view.copy_(q)
-    return view
 
 
 def _detectors():
@@ -32,7 +24,7 @@ def _detectors():
         want = oracle(q, meta, dense, d ** -0.5)
 
         def run(k):
-            qi = _strided(q, kvh) if strided else q
+            qi = strided_q(q, kvh) if strided else q
             assert_close(k.paged_decode(qi, kc, vc, meta, d ** -0.5, num_splits=splits), want, dtype, "decode")
         return run
 
