@@ -144,9 +144,14 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle() if self.runner.device.type == "cuda" else None
         for size in reversed(self.sizes):
             inputs = self.static.inputs(size)
-            self.graphs[size] = self._capture(lambda inputs=inputs: self.runner.forward(inputs), pool)
-            # The block-table check runs inside every replay, not once per capture.
-            inputs.meta.checked_num_blocks = 0
+
+            def forward(inputs=inputs) -> torch.Tensor:
+                # NOTE: cleared on every call (warm-up run, capture), so the block-table value check
+                # (cupy_checks.check_block_tables) is recorded in the graph and runs on every replay.
+                inputs.meta.checked_num_blocks = 0
+                return self.runner.forward(inputs)
+
+            self.graphs[size] = self._capture(forward, pool)
             if progress is not None:
                 progress()
         elapsed = time.perf_counter() - t0

@@ -97,3 +97,17 @@ def test_steps_a_graph_cannot_serve_run_eagerly(tiny_model_dir):
     assert graphs.size_for(StepBatch([SeqStep(0, [1], 5, [0], None)])) is None
     assert graphs.size_for(StepBatch([SeqStep(i, [1], 5, [i], g) for i in range(5)])) is None
     assert graphs.size_for(StepBatch([SeqStep(0, [1], 64, [0, 1, 2, 3, 4], g)])) is None
+
+
+def test_every_replay_checks_the_block_tables(tiny_model_dir):
+    """The block-table value check is part of the captured forward: a bad block id in a replayed
+    step is refused (on the GPU: a device-side assert inside the graph)."""
+    import pytest
+
+    runner = _runner(tiny_model_dir, num_blocks=16)
+    runner.graphs = DecodeGraphs(runner, max_rows=2, context_limit=64, capture=_capture)
+    runner.graphs.capture_all()
+    g = RowSampling(temperature=0.0)
+    runner.execute(StepBatch([SeqStep(0, [5], 3, [2], g)]))
+    with pytest.raises(ValueError, match="block id 99, outside the pool of 16 blocks"):
+        runner.execute(StepBatch([SeqStep(0, [5], 3, [99], g)]))
