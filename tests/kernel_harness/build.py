@@ -221,8 +221,11 @@ def _digest(*parts: str) -> str:
     return h.hexdigest()[:20]
 
 
+RUNTIME_SOURCES = ("runtime.cpp", "guarded_buffers.cpp")
+
+
 def _harness_files() -> str:
-    return "".join((HERE / name).read_text() for name in ("rs_runtime.h", "runtime.cpp", "cuda_emulation.h"))
+    return "".join((HERE / name).read_text() for name in ("rs_runtime.h", *RUNTIME_SOURCES, "cuda_emulation.h"))
 
 
 def _atomic_write_dir() -> Path:
@@ -230,23 +233,24 @@ def _atomic_write_dir() -> Path:
     return Path(tempfile.mkdtemp(dir=CACHE_DIR, prefix="tmp-"))
 
 
-def _runtime_object() -> Path:
+def _runtime_objects() -> list[Path]:
     key = _digest(_harness_files(), CXX, *CXXFLAGS)
-    obj = CACHE_DIR / f"runtime-{key}.o"
-    if not obj.exists():
-        tmp = _atomic_write_dir()
-        out = tmp / "runtime.o"
-        # NOTE: no -fdata-sections here: the runtime's own statics must stay out of the window.
-        _run([CXX, *CXXFLAGS, "-c", str(HERE / "runtime.cpp"), "-o", str(out)], "compiling the harness runtime")
-        os.replace(out, obj)
-        tmp.rmdir()
-    return obj
+    objs = [CACHE_DIR / f"{Path(name).stem}-{key}.o" for name in RUNTIME_SOURCES]
+    for name, obj in zip(RUNTIME_SOURCES, objs):
+        if not obj.exists():
+            tmp = _atomic_write_dir()
+            out = tmp / "runtime.o"
+            # NOTE: no -fdata-sections here: the runtime's own statics must stay out of the window.
+            _run([CXX, *CXXFLAGS, "-c", str(HERE / name), "-o", str(out)], f"compiling the harness runtime ({name})")
+            os.replace(out, obj)
+            tmp.rmdir()
+    return objs
 
 
 def build(source: str, names: list[str]) -> Build:
     """Compile `source` (a kernel_source()) with entry points `names` into a shared library."""
     unit = translate_asm(source) + glue(names)
-    runtime = _runtime_object()
+    runtime = _runtime_objects()
     key = _digest(unit, _harness_files(), CXX, *CXXFLAGS)
     lib = CACHE_DIR / f"kernels-{key}.so"
     if not lib.exists():
@@ -255,7 +259,7 @@ def build(source: str, names: list[str]) -> Build:
         (tmp / "shared.ld").write_text(LINKER_SCRIPT)
         out = tmp / "kernels.so"
         _run([CXX, *CXXFLAGS, "-fdata-sections", "-shared", "-I", str(HERE), "-include", "cuda_emulation.h",
-              str(tmp / "kernels.cpp"), str(runtime), "-Wl,-Bsymbolic", "-Wl,-T," + str(tmp / "shared.ld"), "-o", str(out)],
+              str(tmp / "kernels.cpp"), *map(str, runtime), "-Wl,-Bsymbolic", "-Wl,-T," + str(tmp / "shared.ld"), "-o", str(out)],
              "compiling the kernel source for the harness")
         os.replace(out, lib)
         for f in tmp.iterdir():

@@ -57,6 +57,9 @@ const char* message(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 char* shared_ptr(uint32_t addr, size_t bytes);
 uint32_t shared_addr(const void* p);
 
+// guarded_buffers.cpp: when `a` lies in or around a harness buffer, describe where (for faults).
+bool describe_buffer_address(const char* a, char* out, size_t cap);
+
 // Kernel registry: the generated glue registers each entry point at load time.
 enum ParamKind : int { kPointer = 0, kInteger = 1, kFloat = 2 };
 struct ParamInfo {

@@ -73,7 +73,6 @@ constexpr size_t kPage = 4096;
 constexpr size_t kStackBytes = 256 * 1024;
 constexpr int kMaxThreads = 1024;
 constexpr int kMaxKernels = 1024;
-constexpr int kMaxBuffers = 256;
 // MXCSR with all exceptions masked plus flush-to-zero and denormals-are-zero: CuPy compiles
 // with -ftz=true, so subnormal results flush on the GPU too.
 constexpr uint32_t kMxcsr = 0x1f80u | 0x8000u | 0x0040u;
@@ -84,15 +83,6 @@ struct Kernel {
     Invoker invoke;
     int nparams;
     const ParamInfo* params;
-};
-
-struct Buffer {
-    char* map;
-    size_t map_len;
-    char* data;
-    size_t nbytes;
-    bool readonly;
-    char name[64];
 };
 
 struct Launch {
@@ -109,7 +99,6 @@ struct Launch {
 Kernel g_kernels[kMaxKernels];
 uint64_t g_ready[kMaxThreads / 64];  // bit i: thread i is Ready (kept in step with Thread::state)
 int g_nkernels = 0;
-Buffer g_buffers[kMaxBuffers];
 Thread g_threads[kMaxThreads];
 char* g_stack_area = nullptr;
 Launch g_launch;
@@ -360,19 +349,7 @@ bool run_block() {
 
 const char* describe_address(const void* addr, char* out, size_t cap) {
     const char* a = static_cast<const char*>(addr);
-    for (int i = 0; i < kMaxBuffers; ++i) {
-        const Buffer& b = g_buffers[i];
-        if (b.map == nullptr || a < b.map || a >= b.map + b.map_len) continue;
-        if (a < b.data) {
-            snprintf(out, cap, "%zu bytes before the start of buffer `%s` (%zu bytes)",
-                     static_cast<size_t>(b.data - a), b.name, b.nbytes);
-        } else if (a >= b.data + b.nbytes) {
-            snprintf(out, cap, "%zu bytes past the end of buffer `%s` (%zu bytes)",
-                     static_cast<size_t>(a - (b.data + b.nbytes)), b.name, b.nbytes);
-        } else {
-            snprintf(out, cap, "byte %zu of buffer `%s`%s", static_cast<size_t>(a - b.data), b.name,
-                     b.readonly ? ", which is const in the kernel's signature (a write to an input)" : "");
-        }
+    if (describe_buffer_address(a, out, cap)) {
         return out;
     }
     for (int i = 0; i < kMaxThreads && g_stack_area; ++i) {
@@ -553,63 +530,6 @@ extern "C" void rs_kernel_param(int k, int p, int* size, int* kind, int* is_cons
 }
 
 extern "C" size_t rs_shared_window_bytes() { return static_cast<size_t>(__rs_shared_stop - __rs_shared_start); }
-
-// A buffer of `nbytes` between two inaccessible pages: flush against the page after it
-// (`at_end`), so an overrun faults, or starting right after the page before it, so an underrun
-// faults. `phase` keeps the original pointer's alignment modulo 16 (slack of up to 15 bytes).
-extern "C" void* rs_buffer_new(size_t nbytes, size_t phase, int at_end, const char* name) {
-    int slot = -1;
-    for (int i = 0; i < kMaxBuffers; ++i) {
-        if (g_buffers[i].map == nullptr) {
-            slot = i;
-            break;
-        }
-    }
-    if (slot < 0) return nullptr;
-    phase %= 16;
-    const size_t data_pages = (nbytes + 32 + kPage - 1) / kPage;
-    const size_t len = (data_pages + 2) * kPage;
-    void* map = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (map == MAP_FAILED) return nullptr;
-    char* base = static_cast<char*>(map);
-    mprotect(base, kPage, PROT_NONE);
-    mprotect(base + len - kPage, kPage, PROT_NONE);
-    char* data;
-    if (at_end) {
-        data = base + len - kPage - nbytes;
-        data -= (reinterpret_cast<uintptr_t>(data) - phase) % 16;
-    } else {
-        data = base + kPage + phase;
-    }
-    Buffer& b = g_buffers[slot];
-    b.map = base;
-    b.map_len = len;
-    b.data = data;
-    b.nbytes = nbytes;
-    b.readonly = false;
-    snprintf(b.name, sizeof b.name, "%s", name);
-    return data;
-}
-
-extern "C" int rs_buffer_set_readonly(void* data) {
-    for (auto& b : g_buffers) {
-        if (b.data == data && b.map != nullptr) {
-            b.readonly = true;
-            return mprotect(b.map + kPage, b.map_len - 2 * kPage, PROT_READ);
-        }
-    }
-    return -1;
-}
-
-extern "C" void rs_buffer_free(void* data) {
-    for (auto& b : g_buffers) {
-        if (b.data == data && b.map != nullptr) {
-            munmap(b.map, b.map_len);
-            b = Buffer{};
-            return;
-        }
-    }
-}
 
 // Run kernel `k` over the grid. `params[i]` points to parameter i's bytes (as cuLaunchKernel's
 // kernelParams). `order`: 0 forward, 1 reverse, 2 random (seeded) for blocks and for threads.
