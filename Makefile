@@ -50,6 +50,11 @@ soak: $(STAMP)
 kernel-check: $(STAMP)
 	RINGSERVE_KERNEL_CHECK=full $(PY) -m pytest tests/kernel_harness -q -s
 
+# On a GPU box: the GPU suite, kernel and step benchmarks, a load test and the transformers
+# baseline in one run (docs/operations.md); exits 2 without CUDA.
+gpu-check: $(STAMP)
+	$(VENV)/bin/ringserve gpu-check --out bench-results/gpu-check.json
+
 # Registers, spills, shared memory, occupancy and HMMA count of every kernel (needs nvcc; the SASS
 # columns need cuobjdump and nvdisasm on PATH).
 kernel-resources: $(STAMP)
