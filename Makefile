@@ -13,7 +13,7 @@ EXTRAS     ?= $(if $(HAS_CUDA),test$(COMMA)cuda,test)
 PYTEST_ARGS ?=
 SOAK_S ?= 60
 
-.PHONY: install serve test test-fast bench soak kernels-ptx clean
+.PHONY: install serve test test-fast bench soak kernel-check kernel-resources gpu-check clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,22 @@ bench: $(STAMP)
 # file descriptor or shared-memory segment, or RSS that keeps growing (`make soak SOAK_S=3600`).
 soak: $(STAMP)
 	$(PY) -m ringserve.tools.soak --duration $(SOAK_S)
+
+# The CUDA kernels' exact source on the CPU execution harness (tests/kernel_harness): the full
+# matrix in forward, reverse and random thread order, and every planted bug caught (prints which
+# check caught each). `make test` runs the quick matrix.
+kernel-check: $(STAMP)
+	RINGSERVE_KERNEL_CHECK=full $(PY) -m pytest tests/kernel_harness -q -s
+
+# On a GPU box: the GPU suite, kernel and step benchmarks, a load test and the transformers
+# baseline in one run (docs/operations.md); exits 2 without CUDA.
+gpu-check: $(STAMP)
+	$(VENV)/bin/ringserve gpu-check --out bench-results/gpu-check.json
+
+# Registers, spills, shared memory, occupancy and HMMA count of every kernel (needs nvcc; the SASS
+# columns need cuobjdump and nvdisasm on PATH).
+kernel-resources: $(STAMP)
+	$(VENV)/bin/ringserve kernel-resources
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

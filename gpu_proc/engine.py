@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -17,6 +18,7 @@ from ringserve.gpu_proc.model.loader import load_model, read_special_tokens
 from ringserve.gpu_proc.model_runner import ModelRunner
 from ringserve.gpu_proc.sampler import SampleOutput, sample
 from ringserve.gpu_proc.step import StepBatch
+from ringserve.gpu_proc.warmup import WarmupReport, warm_up
 
 log = logging.getLogger("ringserve.gpu")
 
@@ -37,6 +39,7 @@ class Engine:
     num_blocks: int
     device: torch.device
     dtype: torch.dtype
+    warmup: WarmupReport | None = None
 
     def step(self, batch: StepBatch) -> SampleOutput | None:
         """One forward pass and the samples of its sampling rows (None when no row samples)."""
@@ -65,17 +68,30 @@ def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype)
     return plan.num_blocks
 
 
-def build_engine(config: Config, model_dir: str | Path) -> Engine:
+def build_engine(config: Config, model_dir: str | Path, progress: Callable[[], None] | None = None) -> Engine:
+    """Load the model, size and allocate the KV pool, compile the kernels and run the warm-up steps.
+    `progress()` is called between load phases (and between kernel compiles), so a caller can keep
+    a heartbeat alive through a long load."""
+    beat = progress or (lambda: None)
     device = resolve_device(config.device)
     if device.type == "cpu":
         # API workers share these cores: torch's default of one thread per core starves them.
         tune_cpu_process(config.cpu_threads)
-    model = load_model(model_dir, device, config.dtype)
+    model = load_model(model_dir, device, config.dtype, config.load_format)
+    beat()
     dtype = next(model.parameters()).dtype
     special = read_special_tokens(model_dir)
     args = model.args
     num_blocks = _num_blocks(config, model, device, dtype)
     pool = KVPool(args.num_layers, num_blocks, args.num_kv_heads, args.head_dim,
                   config.block_size, dtype, device)
-    return Engine(ModelRunner(model, pool), special.eos_token_ids, args.vocab_size, num_blocks,
-                  device, dtype)
+    beat()
+    runner = ModelRunner(model, pool)
+    report = warm_up(runner, beat)
+    if device.type == "cuda" and config.cuda_graphs:
+        from ringserve.gpu_proc.cuda_graphs import DecodeGraphs
+
+        limit = min(config.context_limit, args.max_position_embeddings)
+        runner.graphs = DecodeGraphs(runner, config.max_rows, limit)
+        runner.graphs.capture_all(beat)
+    return Engine(runner, special.eos_token_ids, args.vocab_size, num_blocks, device, dtype, report)

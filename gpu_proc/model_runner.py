@@ -1,8 +1,9 @@
 """The model runner: a step description in, logits for the sampling rows out.
 
 `execute(batch)` = block copies, then `prepare` (the step's index tensors, built with one
-`torch.tensor` call), then `forward`. The two halves are public so `ringserve bench step` can time
-host overhead and device work separately. The runner keeps no per-sequence state: everything a
+`torch.tensor` call), then `forward`; or, for a decode-only step when decode graphs are captured
+(`cuda_graphs.py`), a replay. The two halves are public so `ringserve bench step` can time host
+overhead and device work separately. The runner keeps no per-sequence state: everything a
 step needs is in the `StepBatch`, so preemption, recomputation and restarts need nothing from it.
 """
 
@@ -23,6 +24,7 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.device = kv_pool.device
         self.block_size = kv_pool.block_size
+        self.graphs = None  # cuda_graphs.DecodeGraphs once captured
         args = getattr(model, "args", None)
         if args is not None:
             if (args.num_layers, args.num_kv_heads, args.head_dim) != (
@@ -49,4 +51,8 @@ class ModelRunner:
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run one step; logits `[R, vocab]` float32, rows in the order of `batch.sampling_seqs`."""
+        if self.graphs is not None:
+            size = self.graphs.size_for(batch)
+            if size is not None:
+                return self.graphs.run(batch, size)
         return self.forward(self.prepare(batch))

@@ -15,9 +15,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("ringserve.supervisor", "run the server: supervisor, GPU process and API workers"),
     "shm": ("ringserve.tools.shm_inspect", "list ringserve shared-memory segments and ring state"),
     "make-tiny-model": ("ringserve.tools.make_tiny_model", "build the small test Llama checkpoint"),
+    "make-dummy-model": ("ringserve.tools.make_dummy_model", "a weightless Llama-3-8B / Llama-2-7B shape for --load-format dummy"),
     "drill": ("ringserve.tools.drill", "crash-and-restart drills against a running server"),
     "loadtest": ("ringserve.tools.loadtest", "open-loop load test of a /v1/completions endpoint"),
     "soak": ("ringserve.tools.soak", "serve under load, then check blocks, fds, shm and RSS for leaks"),
+    "gpu-check": ("ringserve.tools.gpu_check", "the GPU suite, kernel and step benchmarks, load test and HF baseline"),
+    "kernel-resources": ("ringserve.tools.kernel_resources", "registers, spills, occupancy, HMMA of each kernel (nvcc)"),
 }
 
 # `ringserve bench NAME` -> module

@@ -23,10 +23,13 @@ class Config:
     model: str | None = None  # local checkpoint directory; None: the built-in tiny model
     model_name: str | None = None  # the `model` id the API reports; default: the directory name
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    load_format: str = "auto"  # auto: the checkpoint's safetensors | dummy: random weights of its shape
     device: str = "auto"  # auto | cpu | cuda
     # torch threads of the GPU process when it computes on the CPU: the API workers share the
     # cores, and oversubscribed torch threads slow each step many times over.
     cpu_threads: int = 1
+    # Replay decode-only steps from CUDA graphs captured at load (ignored on the CPU).
+    cuda_graphs: bool = True
     api_keys_file: str | None = None
     # KV pool
     block_size: int = 16
@@ -80,6 +83,8 @@ class Config:
             raise ConfigError("max_tokens_limit must be below context_limit")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
 

@@ -129,7 +129,8 @@ def _measure_peaks(args) -> Peaks:
     return Peaks(name, args.peak_gbps or gbps, args.peak_tflops or tflops, copy_gbps)
 
 
-def _decode_case(batch: int, ctx: int, heads: int, head_dim: int, peaks: Peaks, iters: int) -> dict:
+def _decode_case(batch: int, ctx: int, heads: int, head_dim: int, peaks: Peaks, iters: int,
+                 kv_heads: int | None = None) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -137,10 +138,11 @@ def _decode_case(batch: int, ctx: int, heads: int, head_dim: int, peaks: Peaks, 
     from ringserve.gpu_proc.attention.metadata import build_step_inputs
     from ringserve.gpu_proc.step import SeqStep, StepBatch
 
+    kv_heads = kv_heads or heads
     nblocks = ctx // BLOCK
     ids = list(range(batch * nblocks))
     random.Random(0).shuffle(ids)  # scattered blocks, as a long-running pool has
-    kc = torch.randn(batch * nblocks, heads, BLOCK, head_dim, dtype=torch.float16, device="cuda")
+    kc = torch.randn(batch * nblocks, kv_heads, BLOCK, head_dim, dtype=torch.float16, device="cuda")
     vc = torch.randn_like(kc)
     steps = [SeqStep(b, [0], ctx - 1, ids[b * nblocks:(b + 1) * nblocks]) for b in range(batch)]
     meta = build_step_inputs(StepBatch(steps), BLOCK, torch.device("cuda")).meta
@@ -150,38 +152,57 @@ def _decode_case(batch: int, ctx: int, heads: int, head_dim: int, peaks: Peaks, 
     eager_ms = _time_ms(call, iters)
     graph_ms = _time_graph_ms(call, iters)
     ms = graph_ms if graph_ms is not None else eager_ms  # kernel time without launch gaps
-    bytes_read = kv_bytes(batch, ctx, 1, heads, head_dim)
+    bytes_read = kv_bytes(batch, ctx, 1, kv_heads, head_dim)
     gbps = bytes_read / (ms * 1e-3) / 1e9
     table = meta.block_tables.long()  # [B, nblocks]
-    k = kc[table].permute(0, 2, 1, 3, 4).reshape(batch, heads, ctx, head_dim)  # [B, H, ctx, D]
-    v = vc[table].permute(0, 2, 1, 3, 4).reshape(batch, heads, ctx, head_dim)
+    k = kc[table].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, ctx, head_dim)  # [B, KVH, ctx, D]
+    v = vc[table].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, ctx, head_dim)
+    k = k.repeat_interleave(heads // kv_heads, dim=1)  # [B, H, ctx, D] for SDPA
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
     qd = q.view(batch, heads, 1, head_dim)
     sdpa_ms = _time_ms(lambda: F.scaled_dot_product_attention(qd, k, v, scale=scale), iters)
-    row = dict(batch=batch, ctx=ctx, ms=ms, eager_ms=eager_ms, graph_ms=graph_ms, gbps=gbps, sdpa_ms=sdpa_ms,
+    row = dict(batch=batch, ctx=ctx, heads=heads, kv_heads=kv_heads, ms=ms, eager_ms=eager_ms, graph_ms=graph_ms, gbps=gbps, sdpa_ms=sdpa_ms,
                sdpa_gbps=bytes_read / (sdpa_ms * 1e-3) / 1e9,
                pct_peak=100 * gbps / peaks.gbps if peaks.gbps else None)
     return row
 
 
+def _prefill_case(tokens: int, heads: int, kv_heads: int, head_dim: int, peaks: Peaks, iters: int) -> dict:
+    """One prompt of `tokens` through the prefill kernel alone (fp16, tensor cores on sm_80+):
+    achieved TFLOP/s of causal attention (4 * heads * head_dim * tokens^2 / 2 FLOPs)."""
+    import torch
+
+    from ringserve.gpu_proc.attention import cupy_backend
+    from ringserve.gpu_proc.attention.metadata import build_step_inputs
+    from ringserve.gpu_proc.step import SeqStep, StepBatch
+
+    nblocks = -(-tokens // BLOCK)
+    ids = list(range(nblocks))
+    random.Random(1).shuffle(ids)
+    kc = torch.randn(nblocks, kv_heads, BLOCK, head_dim, dtype=torch.float16, device="cuda")
+    vc = torch.randn_like(kc)
+    meta = build_step_inputs(StepBatch([SeqStep(0, [0] * tokens, 0, ids)]), BLOCK, torch.device("cuda")).meta
+    q = torch.randn(tokens, heads, head_dim, dtype=torch.float16, device="cuda")
+    call = lambda: cupy_backend.paged_prefill(q, kc, vc, meta, head_dim ** -0.5)  # noqa: E731
+    ms = _time_graph_ms(call, iters) or _time_ms(call, iters)
+    flops = 4.0 * heads * head_dim * tokens * tokens / 2
+    tflops = flops / (ms * 1e-3) / 1e12
+    return dict(tokens=tokens, heads=heads, kv_heads=kv_heads, ms=ms, tflops=tflops,
+                pct_peak=100 * tflops / peaks.tflops if peaks.tflops else None)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
 def _build_7b(layers: int):
     import torch
 
-    from ringserve.gpu_proc.model.llama import Llama, ModelArgs
+    from ringserve.gpu_proc.model.dummy_weights import random_model
+    from ringserve.gpu_proc.model.llama import ModelArgs
 
     args = ModelArgs(**{**SEVEN_B, "num_layers": layers})
-    with torch.device("meta"):
-        model = Llama(args)
-    model = model.half().to_empty(device="cuda")  # fp16 from the start: no fp32 copy of 7B weights
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    model.eval().requires_grad_(False)
-    model.setup("cuda")
-    return model, args
+    return random_model(args, "cuda", torch.float16), args  # fp16 from the start: no fp32 copy
 
 
 def _model_benches(args_ns, peaks: Peaks) -> tuple[list[dict], dict]:
@@ -238,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-gbps", type=float, default=None, help="override the device's peak GB/s")
     ap.add_argument("--peak-tflops", type=float, default=None, help="override the dense fp16 TFLOP/s")
     ap.add_argument("--skip-model", action="store_true", help="only the attention kernel cases")
+    ap.add_argument("--batches", type=_ints, help="decode batches (comma list)")
+    ap.add_argument("--contexts", type=_ints, help="decode contexts (comma list)")
+    ap.add_argument("--kv-heads", type=int, default=None, help="KV heads of the attention cases (default: 32, MHA)")
+    ap.add_argument("--prefill-tokens", type=_ints, default=(), help="prefill-kernel prompt lengths (comma list)")
     args = ap.parse_args(argv)
     import torch
 
@@ -250,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ringserve bench kernels: needs {what}; nothing measured", file=sys.stderr)
         return 2
     batches, ctxs = ((1, 32), (1024,)) if args.quick else ((1, 32, 64, 256), (512, 1024, 4096))
+    batches, ctxs = args.batches or batches, args.contexts or ctxs
+    kv_heads = args.kv_heads or SEVEN_B["num_kv_heads"]
     if args.quick:
         args.layers, args.iters = min(args.layers, 4), min(args.iters, 5)
     args.step_batches = (1, 32)
@@ -257,10 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     decode = []
     for b in batches:
         for c in ctxs:
-            decode.append(_decode_case(b, c, SEVEN_B["num_heads"], SEVEN_B["head_dim"], peaks, args.iters))
+            decode.append(_decode_case(b, c, SEVEN_B["num_heads"], SEVEN_B["head_dim"], peaks, args.iters, kv_heads))
             torch.cuda.empty_cache()  # the 256 x 4k case holds tens of GB; give it back before the next
+    prefill_attention = [_prefill_case(n, SEVEN_B["num_heads"], kv_heads, SEVEN_B["head_dim"], peaks, args.iters)
+                         for n in args.prefill_tokens]
     steps, prefill = ([], None) if args.skip_model else _model_benches(args, peaks)
-    out = dict(peaks=asdict(peaks), decode_attention=decode, decode_step=steps, prefill=prefill,
+    out = dict(peaks=asdict(peaks), decode_attention=decode, prefill_attention=prefill_attention,
+               decode_step=steps, prefill=prefill,
                conditions=dict(dtype="float16", torch=torch.__version__, cupy=cupy.__version__,
                                cuda=torch.version.cuda, iters=args.iters, quick=args.quick))
     if args.json:
@@ -274,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in decode:
         print(f"  {r['batch']:>5} {r['ctx']:>5} {r['ms']:>8.3f} {r['eager_ms']:>8.3f} {r['gbps']:>7.0f} "
               f"{_fmt(r['pct_peak']):>6} {r['sdpa_ms']:>8.3f} {r['sdpa_gbps']:>9.0f}")
+    for r in prefill_attention:
+        print(f"prefill attention {r['tokens']} tokens (32 heads / {r['kv_heads']} KV heads x 128, fp16): "
+              f"{r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s ({_fmt(r['pct_peak'])} % of peak)")
     for r in steps:
         print(f"decode step, {r['layers']} layers, batch {r['batch']} x {r['ctx']}: forward {r['forward_ms']:.2f} ms "
               f"(with host prep {r['step_ms']:.2f} ms, CUDA graph {_fmt(r['graph_ms'], '.2f')} ms), bound {_fmt(r['bound_ms'], '.2f')} ms, "

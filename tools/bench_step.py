@@ -15,6 +15,11 @@ Models: the tiny checkpoint (real forward), and a null model with a 32,000-token
 forward returns precomputed logits at once, which exposes the host overhead ("null": LM-like peaked
 logits; "flat": pure noise, the sampler's worst case for top-p). On CUDA every phase
 ends with a synchronize so its device time is its own. Figures are medians over `--iters` steps.
+
+With `--cuda-graphs on` (CUDA) the model's decode steps replay captured graphs: their "forward" is
+the replay including the copy of the step into the graph's static buffers, and "prepare" is 0.
+`--load-format dummy --model DIR` benchmarks a real model's shape with random weights
+(`ringserve make-dummy-model llama-3-8b DIR`).
 """
 
 from __future__ import annotations
@@ -90,13 +95,19 @@ def measure(runner, rows: int, iters: int, warmup: int = 3) -> dict[str, float]:
     eos = frozenset({1})
     phases: dict[str, list[float]] = {"prepare": [], "forward": [], "sample": [], "other": []}
     clock = time.perf_counter
+    graphs = getattr(runner, "graphs", None)
+    graph_size = graphs.size_for(batch) if graphs is not None else None
     for it in range(warmup + iters):
         _sync(device)
         t0 = clock()
-        inputs = runner.prepare(batch)
-        _sync(device)
-        t1 = clock()
-        logits = runner.forward(inputs)
+        if graph_size is None:
+            inputs = runner.prepare(batch)
+            _sync(device)
+            t1 = clock()
+            logits = runner.forward(inputs)
+        else:  # the replay copies the step into the graph's static buffers itself
+            t1 = t0
+            logits = runner.execute(batch)
         _sync(device)
         t2 = clock()
         samplers = batch.sampling_seqs
@@ -125,15 +136,24 @@ def measure(runner, rows: int, iters: int, warmup: int = 3) -> dict[str, float]:
     return res
 
 
-def _tiny_runner(model_dir: str, device, max_rows: int):
+def _model_runner(model_dir: str, device, max_rows: int, load_format: str = "auto", dtype: str = "auto",
+                  cuda_graphs: bool = False):
     from ringserve.gpu_proc.kv_pool import KVPool
     from ringserve.gpu_proc.model.loader import load_model
     from ringserve.gpu_proc.model_runner import ModelRunner
+    from ringserve.gpu_proc.warmup import warm_up
 
-    model = load_model(model_dir, device=device)
+    model = load_model(model_dir, device, dtype, load_format)
     a = model.args
-    return ModelRunner(model, KVPool(a.num_layers, max_rows * 64, a.num_kv_heads, a.head_dim,
-                                     dtype=model.dtype, device=device))
+    runner = ModelRunner(model, KVPool(a.num_layers, max_rows * 64, a.num_kv_heads, a.head_dim,
+                                       dtype=model.dtype, device=device))
+    warm_up(runner)  # kernels compiled and first-use costs paid outside the timed steps
+    if cuda_graphs and device.type == "cuda":
+        from ringserve.gpu_proc.cuda_graphs import DecodeGraphs
+
+        runner.graphs = DecodeGraphs(runner, max_rows, context_limit=1024)  # the bench contexts are ~530
+        runner.graphs.capture_all()
+    return runner
 
 
 def _null_runner(device, max_rows: int, flat: bool = False):
@@ -143,7 +163,8 @@ def _null_runner(device, max_rows: int, flat: bool = False):
     return ModelRunner(NullModel(32000, max_rows, device, flat), KVPool(1, max_rows * 64, 1, 8, device=device))
 
 
-def run(device_name: str, rows_list: list[int], iters: int, model_dir: str | None, warmup: int = 3) -> dict:
+def run(device_name: str, rows_list: list[int], iters: int, model_dir: str | None, warmup: int = 3,
+        load_format: str = "auto", dtype: str = "auto", cuda_graphs: bool = False) -> dict:
     import torch
 
     if device_name == "cuda" and not torch.cuda.is_available():
@@ -156,13 +177,14 @@ def run(device_name: str, rows_list: list[int], iters: int, model_dir: str | Non
         tune_cpu_process(Config().cpu_threads)  # what the GPU process does on the CPU
     max_rows = max(rows_list)
     report: dict = {"device": device_name, "iters": iters, "rows": rows_list, "goals_ms": GOALS_MS,
-                    "models": {}}
+                    "load_format": load_format, "cuda_graphs": cuda_graphs and device.type == "cuda", "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         if model_dir is None:
             from ringserve.tools.make_tiny_model import build_tiny_model
 
             model_dir = str(build_tiny_model(tmp))
-        runners = {"tiny": _tiny_runner(model_dir, device, max_rows), "null": _null_runner(device, max_rows),
+        runners = {"tiny": _model_runner(model_dir, device, max_rows, load_format, dtype, cuda_graphs),
+                   "null": _null_runner(device, max_rows),
                    "flat": _null_runner(device, max_rows, flat=True)}
         for name, runner in runners.items():
             report["models"][name] = {str(r): measure(runner, r, iters, warmup) for r in rows_list}
@@ -202,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20, help="measured steps per point")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps before each point")
     p.add_argument("--model", default=None, help="checkpoint directory (default: build the tiny model)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights of --model's shape (no weight files)")
+    p.add_argument("--dtype", default="auto", help="auto, float16, bfloat16 or float32")
+    p.add_argument("--cuda-graphs", choices=("on", "off"), default="off", help="replay decode steps from CUDA graphs")
     args = p.parse_args(argv)
     try:
         rows = sorted({int(x) for x in args.rows.split(",") if x.strip()})
@@ -209,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rows must be comma-separated integers, got {args.rows!r}")
     if not rows or rows[0] <= 0 or args.iters <= 0 or args.warmup < 0:
         p.error("--rows must be positive integers, --iters > 0 and --warmup >= 0")
-    report = run(args.device, rows, args.iters, args.model, args.warmup)
+    report = run(args.device, rows, args.iters, args.model, args.warmup, args.load_format, args.dtype,
+                 args.cuda_graphs == "on")
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0
 

@@ -1,7 +1,9 @@
 """Paged attention backends: the torch reference (CPU, and the spec) and CuPy kernels on CUDA.
 
 A backend is two functions with the signatures of `reference.write_kv` and
-`reference.paged_attention`; `get_backend(device)` picks one for a device.
+`reference.paged_attention`; `get_backend(device)` picks one for a device. A backend whose kernels
+are compiled at run time also has `compile(dtype, head_dim, num_heads, num_kv_heads, device,
+progress)`, which the engine calls during its load so no step compiles (`warmup.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ class AttentionBackend:
     name: str
     write_kv: Callable
     paged_attention: Callable
+    compile: Callable | None = None
 
 
 def reference_backend() -> AttentionBackend:
@@ -34,5 +37,10 @@ def get_backend(device: torch.device | str) -> AttentionBackend:
             from . import cupy_backend
         except ImportError:
             return reference_backend()
-        return AttentionBackend("cupy", cupy_backend.write_kv, cupy_backend.paged_attention)
+        return kernels_backend(cupy_backend.default_kernels())
     return reference_backend()
+
+
+def kernels_backend(kernels, name: str = "cupy") -> AttentionBackend:
+    """A backend over `cupy_backend.AttentionKernels` (CuPy on a GPU, or the CPU kernel harness)."""
+    return AttentionBackend(name, kernels.write_kv, kernels.paged_attention, kernels.compile)

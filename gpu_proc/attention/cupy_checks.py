@@ -128,3 +128,37 @@ def check_attention_args(q, k_cache, v_cache, meta) -> torch.device:
         raise ValueError(f"meta.block_tables has {bt.shape[1]} columns, too few for max_seq_len "
                          f"{meta.max_seq_len}")
     return device
+
+
+def check_block_tables(meta, num_blocks: int) -> None:
+    """Every block id in the step's block tables is inside the pool of `num_blocks`, and every
+    token's position has a column in its table: otherwise a kernel would read another pool's memory
+    or past the table.
+
+    On the CPU (the kernel harness) a violation raises ValueError. On CUDA reading the tables back
+    would stall the stream, so the check runs as a device-side assert (`torch._assert_async`): a
+    violation fails the next synchronising call, the GPU process exits and is restarted, and no
+    kernel has served a row from a block it does not own. It runs once per step: the result is
+    remembered on the metadata (`checked_num_blocks`), which every layer shares.
+    """
+    if meta.checked_num_blocks == num_blocks:
+        return
+    bt, positions = meta.block_tables, meta.positions
+    if bt.numel() == 0 or positions.numel() == 0:
+        meta.checked_num_blocks = num_blocks
+        return
+    limit = bt.shape[1] * BLOCK_SIZE
+    if bt.device.type == "cpu":
+        lo, hi = int(bt.min()), int(bt.max())
+        if lo < 0 or hi >= num_blocks:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"meta.block_tables holds block id {bad}, outside the pool of {num_blocks} blocks")
+        p_lo, p_hi = int(positions.min()), int(positions.max())
+        if p_lo < 0 or p_hi >= limit:
+            bad = p_lo if p_lo < 0 else p_hi
+            raise ValueError(f"meta.positions holds {bad}, outside the {bt.shape[1]} block-table columns "
+                             f"({limit} positions)")
+    else:
+        ok = (bt.min() >= 0) & (bt.max() < num_blocks) & (positions.min() >= 0) & (positions.max() < limit)
+        torch._assert_async(ok, "attention: a block id outside the KV pool or a position past the block table")
+    meta.checked_num_blocks = num_blocks

@@ -30,7 +30,8 @@ class AttentionMetadata:
 
     `reference_plan` is the torch reference attention's grouping of this step's rows
     (`reference_plan.ReferencePlan`), built by its first layer and reused by the others; other
-    backends leave it None.
+    backends leave it None. `checked_num_blocks` lets the kernel launchers check the tables'
+    values once per step rather than in every layer (`cupy_checks.check_block_tables`).
     """
 
     slot_mapping: torch.Tensor
@@ -43,6 +44,7 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int = 16
     reference_plan: object | None = None
+    checked_num_blocks: int = 0  # pool size the CUDA launchers' value checks passed for (once per step)
 
     @property
     def num_tokens(self) -> int:

@@ -40,9 +40,15 @@ def _check_cache(name: str, cache: torch.Tensor, k: torch.Tensor) -> None:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store new keys/values `[T, num_kv_heads, head_dim]` at their flat slots."""
+    """Store new keys/values `[T, num_kv_heads, head_dim]` at their flat slots; a negative slot is
+    padding and writes nothing (as in the kernel)."""
     _check_cache("k_cache", k_cache, k)
     _check_cache("v_cache", v_cache, v)
+    # NOTE: without this, slot -1 would be block -1 by Python indexing: the pool's last block.
+    padding = slot_mapping < 0
+    if bool(padding.any()):
+        keep = ~padding
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     block_size = k_cache.shape[2]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
@@ -74,6 +80,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Scaled Q.K^T accumulated in float32 (for float32 caches the inputs are used as they are)."""
+    return torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+
+
 def _group(q: torch.Tensor, k_cache: torch.Tensor) -> int:
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     if num_heads % num_kv_heads:
@@ -91,7 +102,7 @@ def _decode_bucket(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     k = k_cache.view(-1, head_dim).index_select(0, bucket.rows).view(n, num_kv_heads, ctx, head_dim)
     v = v_cache.view(-1, head_dim).index_select(0, bucket.rows).view(n, num_kv_heads, ctx, head_dim)
     qg = q.view(n, num_kv_heads, group, head_dim).to(k.dtype)  # [n, kvh, group, d]
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [n, kvh, group, ctx]
+    scores = _scores(qg, k, scale)  # [n, kvh, group, ctx]
     scores.masked_fill_(~bucket.valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).reshape(n, num_heads, head_dim).to(q.dtype)  # [n, kvh, group, d]
@@ -116,7 +127,7 @@ def _prefill_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         # [m, H, d] -> [kvh, group * m, d]: one matrix per KV head
         qg = q[lo:hi].view(m, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(
             num_kv_heads, group * m, head_dim).to(k.dtype)
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [kvh, group * m, seq_len]
+        scores = _scores(qg, k, scale)  # [kvh, group * m, seq_len]
         scores = scores.view(num_kv_heads, group, m, seq_len).masked_fill_(~chunk.allowed[lo:hi], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v.dtype).view(num_kv_heads, group * m, seq_len)
         o = torch.matmul(probs, v)  # [kvh, group * m, d]
@@ -141,7 +152,7 @@ def paged_attention_naive(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     visible = torch.arange(nblocks * block_size, device=q.device)[None, :] <= meta.positions[:, None]  # [t, ctx]
     v = v.masked_fill(~visible[:, None, :, None], 0)
     qg = q.view(t, num_kv_heads, group, head_dim).to(k.dtype)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [t, kvh, group, ctx]
+    scores = _scores(qg, k, scale)  # [t, kvh, group, ctx]
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).reshape(t, num_heads, head_dim).to(q.dtype)  # [t, kvh, group, d]

@@ -136,9 +136,13 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
-               dtype: str | torch.dtype | None = "auto") -> Llama:
-    """Load a checkpoint directory onto `device` in `dtype`, ready for `forward` (setup done)."""
+               dtype: str | torch.dtype | None = "auto", load_format: str = "auto") -> Llama:
+    """Load a checkpoint directory onto `device` in `dtype`, ready for `forward` (setup done).
+    `load_format="dummy"` reads only config.json and makes random weights (dummy_weights.py)."""
     from safetensors import SafetensorError, safe_open
 
     model_dir = Path(model_dir)
@@ -149,6 +153,12 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
     cfg = _read_json(config_path)
     args = model_args_from_config(cfg, config_path)
     dtype = resolve_dtype(dtype, cfg, device)
+    if load_format == "dummy":
+        from .dummy_weights import random_model
+
+        return random_model(args, device, dtype)
+    if load_format != "auto":
+        raise CheckpointError(f"load format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
 
     with torch.device("meta"):
         model = Llama(args)

@@ -1,4 +1,5 @@
-"""CuPy attention kernels against a dense float64 oracle and the torch reference, on CUDA.
+"""CuPy attention kernels against a dense float64 oracle and the torch reference, on CUDA (the same
+cases and oracle the CPU harness uses, `tests/kernel_harness/cases.py`).
 
 Sweep: batch 1-256, context 1-8,192, shuffled and shared block tables, GQA ratios 1/4/8, head dims
 32/64/128, fp16/bf16 (fp32 for the exact engine path), forced KV splits. Tolerance atol + rtol*|ref|.
@@ -8,8 +9,6 @@ slot fails loudly. Sizes are chosen to keep the whole file to well under a minut
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -17,85 +16,16 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 
 from ringserve.gpu_proc.attention import cupy_backend, get_backend, reference  # noqa: E402
-from ringserve.gpu_proc.attention.metadata import build_step_inputs  # noqa: E402
-from ringserve.gpu_proc.step import SeqStep, StepBatch  # noqa: E402
+from tests.kernel_harness.cases import BS, TOL, decode_specs, make_case  # noqa: E402
+from tests.kernel_harness.cases import assert_close as _assert_close  # noqa: E402
+from tests.kernel_harness.cases import oracle as _oracle  # noqa: E402
 
-BS = 16
 DEV = torch.device("cuda")
-TOL = {torch.float16: (2e-3, 1e-2), torch.bfloat16: (1.5e-2, 2e-2), torch.float32: (2e-5, 1e-4)}
 
 
 def _case(specs, num_heads, num_kv_heads, head_dim, dtype, seed, shared_prefix_blocks=0, fill=float("nan")):
-    """Sequences (cached, new) with shuffled block tables over a pool whose unused slots hold `fill`.
-
-    With shared_prefix_blocks > 0 every sequence's first blocks are the first sequence's blocks
-    (n samples of one prompt). Returns q, k_cache, v_cache, meta and the per-sequence dense K/V.
-    """
-    rng = random.Random(seed)
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    need = sum((c + n + BS - 1) // BS for c, n in specs) + 1
-    pool_shape = (need, num_kv_heads, BS, head_dim)
-    k_cache = torch.full(pool_shape, fill, dtype=dtype, device=DEV)
-    v_cache = torch.full(pool_shape, fill, dtype=dtype, device=DEV)
-    ids = list(range(need))
-    rng.shuffle(ids)
-    steps, dense = [], []
-    shared: list[int] = []
-    shared_kv = None
-    for i, (cached, new) in enumerate(specs):
-        total = cached + new
-        table = [ids.pop() for _ in range((total + BS - 1) // BS)]
-        k = torch.randn(total, num_kv_heads, head_dim, generator=gen, device=DEV).to(dtype)
-        v = torch.randn(total, num_kv_heads, head_dim, generator=gen, device=DEV).to(dtype)
-        if shared_prefix_blocks:
-            n_shared = min(shared_prefix_blocks * BS, total)
-            if i == 0:
-                shared, shared_kv = table[:shared_prefix_blocks], (k[:n_shared], v[:n_shared])
-            else:
-                m = min(len(shared), len(table))
-                table[:m] = shared[:m]
-                n_copy = min(n_shared, shared_kv[0].shape[0], m * BS)
-                k[:n_copy], v[:n_copy] = shared_kv[0][:n_copy], shared_kv[1][:n_copy]
-        pos = torch.arange(total, device=DEV)
-        blocks = torch.tensor(table, device=DEV)[pos // BS]
-        k_cache[blocks, :, pos % BS] = k  # [total, kvh, d] into each token's slot
-        v_cache[blocks, :, pos % BS] = v
-        dense.append((k, v))
-        steps.append(SeqStep(i, [0] * new, cached, table))
-    meta = build_step_inputs(StepBatch(steps), BS, DEV).meta
-    q = torch.randn(meta.num_tokens, num_heads, head_dim, generator=gen, device=DEV).to(dtype)
-    return q, k_cache, v_cache, meta, dense
-
-
-def _oracle(q, meta, dense, scale):
-    """Dense float64 causal attention per sequence: the answer the paged kernels must give."""
-    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
-    qsl = meta.query_start_loc.tolist()
-    for s, (k, v) in enumerate(dense):
-        lo, hi = qsl[s], qsl[s + 1]
-        group = q.shape[1] // k.shape[1]
-        kk = k.double().repeat_interleave(group, dim=1)  # [L, H, d]
-        vv = v.double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("nhd,lhd->hnl", q[lo:hi].double(), kk) * scale
-        qpos = meta.positions[lo:hi][:, None]
-        scores = scores.masked_fill(torch.arange(k.shape[0], device=q.device)[None, :] > qpos, float("-inf"))
-        out[lo:hi] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), vv)
-    return out
-
-
-def _assert_close(got, want, dtype, what):
-    atol, rtol = TOL[dtype]
-    err = (got.double() - want).abs()
-    bound = atol + rtol * want.abs()
-    assert torch.isfinite(got).all(), f"{what}: non-finite output"
-    worst = (err - bound).max().item()
-    assert worst <= 0, f"{what}: max |err| {err.max().item():.3g} exceeds atol {atol} + rtol {rtol}*|ref|"
-
-
-def _decode_specs(batch, max_ctx, seed):
-    rng = random.Random(seed)
-    lens = [max_ctx] + [rng.randint(1, max_ctx) for _ in range(batch - 1)]
-    return [(n - 1, 1) for n in lens]
+    return make_case(specs, num_heads, num_kv_heads, head_dim, dtype, seed, device=DEV,
+                     shared_prefix_blocks=shared_prefix_blocks, fill=fill)
 
 
 DECODE_CASES = [
@@ -118,7 +48,7 @@ DECODE_CASES = [
 @pytest.mark.parametrize("batch,max_ctx,heads,kv_heads,head_dim,dtype,splits", DECODE_CASES)
 def test_decode_matches_dense_oracle(batch, max_ctx, heads, kv_heads, head_dim, dtype, splits):
     """Decode attention over shuffled block tables equals dense attention within tolerance."""
-    q, kc, vc, meta, dense = _case(_decode_specs(batch, max_ctx, batch + max_ctx), heads, kv_heads,
+    q, kc, vc, meta, dense = _case(decode_specs(batch, max_ctx, batch + max_ctx), heads, kv_heads,
                                    head_dim, dtype, seed=batch * 7 + max_ctx)
     scale = head_dim ** -0.5
     got = cupy_backend.paged_decode(q, kc, vc, meta, scale, num_splits=splits)

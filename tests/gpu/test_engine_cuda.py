@@ -108,3 +108,35 @@ def test_half_precision_logits_match_the_reference_backend(tiny_model_dir, dtype
         assert torch.isfinite(got).all()
         err = (got - want).abs().max().item()
         assert err <= tol * (1 + want.abs().max().item()), f"max logit difference {err}"
+
+
+def test_cuda_graphs_give_the_eager_tokens_and_nothing_compiles_after_load(tiny_model_dir):
+    """Decode steps replayed from CUDA graphs give the eager engine's tokens; after the engine's
+    load (kernels compiled, warm-up steps, graphs captured) no served step compiles a kernel."""
+    from ringserve.config import Config
+    from ringserve.gpu_proc.attention.cupy_backend import default_kernels
+    from ringserve.gpu_proc.engine import build_engine
+
+    eager = build_engine(Config(device="cuda", dtype="float32", num_blocks=512, cuda_graphs=False), tiny_model_dir)
+    graphed = build_engine(Config(device="cuda", dtype="float32", num_blocks=512, cuda_graphs=True), tiny_model_dir)
+    assert eager.runner.graphs is None and graphed.runner.graphs is not None
+    compiles = default_kernels().executor.compiles_at_launch
+    reqs = _requests(graphed.vocab_size, [5, 40, 300, 17, 1, 120])
+    assert _tokens(graphed.runner, reqs, prefill_budget=64) == _tokens(eager.runner, reqs, prefill_budget=64)
+    assert graphed.runner.graphs.replays > 0
+    assert default_kernels().executor.compiles_at_launch == compiles
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tensor_core_prefill_matches_float64_attention(dtype):
+    """On sm_80+ half-precision prefill runs on tensor cores, within tolerance of float64 attention."""
+    from ringserve.gpu_proc.attention import cupy_backend
+    from tests.kernel_harness.cases import TOL, make_case, oracle
+
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("tensor-core prefill needs sm_80")
+    q, kc, vc, meta, dense = make_case([(0, 300), (1000, 256), (5, 33)], 32, 8, 128, dtype, seed=3, device=CUDA)
+    got = cupy_backend.paged_prefill(q, kc, vc, meta, 128 ** -0.5)
+    want = oracle(q, meta, dense, 128 ** -0.5)
+    atol, rtol = TOL[dtype]
+    assert ((got.double() - want).abs() <= atol + rtol * want.abs()).all()

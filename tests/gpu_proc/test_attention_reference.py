@@ -204,3 +204,26 @@ def test_cache_block_size_must_match_the_step():
     cache = torch.zeros(4, 1, 8, 8)
     with pytest.raises(ValueError, match="8 tokens"):
         paged_attention(torch.zeros(1, 1, 8), cache, cache, meta, 1.0)
+
+
+def test_write_kv_skips_padding_slots():
+    """A negative slot writes nothing (not block -1, the pool's last block), as in the kernel."""
+    kc = torch.zeros(4, 2, BS, 8)
+    vc = torch.zeros_like(kc)
+    k = torch.ones(3, 2, 8)
+    write_kv(k, k * 2, kc, vc, torch.tensor([-1, 5, -1]))
+    assert kc[0, :, 5].eq(1).all() and vc[0, :, 5].eq(2).all()
+    assert kc.sum().item() == 2 * 8 and kc[3].eq(0).all()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
+def test_half_precision_scores_accumulate_in_float32(dtype, tol):
+    """With logits scaled x60 the reference stays near float64 attention: Q.K^T is not rounded to
+    the cache dtype before the softmax (which put it 0.03 / 0.3 off)."""
+    from tests.kernel_harness.cases import decode_specs, make_case, oracle
+
+    q, kc, vc, meta, dense = make_case(decode_specs(3, 300, 2), 8, 2, 64, dtype, seed=2, fill=0.0,
+                                       logit_scale=60.0)
+    got = paged_attention(q, kc, vc, meta, 0.125)
+    want = oracle(q, meta, dense, 0.125)
+    assert (got.double() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())

@@ -91,12 +91,60 @@ def test_launchers_refuse_cpu_tensors():
         cb.write_kv(q[:, :2], q[:, :2], kc, vc, meta.slot_mapping)
 
 
-@pytest.mark.parametrize("num_ctas,max_seq_len,expected", [
-    (32 * 32, 1024, 1),  # batch 32 x 32 heads fills two waves: no split
-    (32, 8192, 9),  # batch 1 x 32 heads, 8k: ceil(2 * 132 / 32) = 9 splits (cap 512 / 16 = 32)
-    (32, 300, 1),  # too short to split (under 2 x 16 blocks)
-    (1, 1024, 4),  # one CTA, 64 blocks: at most 64 / 16 = 4 splits
+@pytest.mark.parametrize("num_ctas,max_seq_len,ctas_per_sm,expected", [
+    (32 * 32, 1024, 4, 1),  # batch 32 x 32 heads fills the 132 x 4 resident CTAs: no split
+    (32, 8192, 4, 17),  # batch 1 x 32 heads, 8k: ceil(132 * 4 / 32) = 17 splits (cap 512 / 16 = 32)
+    (32, 8192, 8, 32),  # twice the occupancy wants 33 splits: capped at 16 blocks per split
+    (256, 8192, 8, 5),  # batch 8 x 32 heads: ceil(1056 / 256)
+    (32, 300, 4, 1),  # too short to split (under 2 x 16 blocks)
+    (1, 1024, 4, 4),  # one CTA, 64 blocks: at most 64 / 16 = 4 splits
 ])
-def test_decode_split_plan(num_ctas, max_seq_len, expected):
-    """Split-KV is used only when the batch leaves SMs idle and each split keeps >= 16 blocks."""
-    assert cb.plan_decode_splits(num_ctas, max_seq_len, sm_count=132) == expected
+def test_decode_split_plan(num_ctas, max_seq_len, ctas_per_sm, expected):
+    """Splits fill one wave of resident CTAs (SMs x CTAs per SM from the kernel's occupancy), each
+    keeping >= 16 blocks; a batch that fills the wave is not split."""
+    assert cb.plan_decode_splits(num_ctas, max_seq_len, sm_count=132, ctas_per_sm=ctas_per_sm) == expected
+
+
+@pytest.mark.parametrize("regs,smem,threads,expected", [
+    (124, 8320, 128, 4),  # fp16 d128 group-4 decode before the unconditional loads: 25 % occupancy
+    (144, 8320, 128, 3),  # fp32 d128 group-4: register-bound at 19 %
+    (48, 2080, 128, 10),  # group 1: 48 registers
+    (32, 0, 128, 16),  # thread-bound: 2048 / 128
+    (32, 60000, 128, 3),  # shared-memory-bound: 228 KiB / (60000 + 1 KiB)
+    (255, 0, 1024, 1),  # never below one
+])
+def test_resident_ctas_follow_the_occupancy_calculator(regs, smem, threads, expected):
+    """CTAs per SM from registers (256-register granules per warp), shared memory and threads."""
+    from ringserve.gpu_proc.attention.cupy_executor import resident_ctas
+
+    assert resident_ctas(regs, smem, threads) == expected
+
+
+def test_block_ids_outside_the_pool_are_rejected():
+    """A block id past the pool (or negative) in any table entry is refused before a launch."""
+    q, kc, vc, meta = _args()
+    checks.check_block_tables(meta, kc.shape[0])  # ids 4, 2, 7 in a pool of 8
+    for bad in (8, -1):
+        q, kc, vc, meta = _args()
+        meta.block_tables[1, 0] = bad
+        with pytest.raises(ValueError, match=f"block id {bad}, outside the pool of 8 blocks"):
+            checks.check_block_tables(meta, kc.shape[0])
+
+
+def test_positions_past_the_block_table_are_rejected():
+    """A position whose block would lie past the table's columns is refused."""
+    q, kc, vc, meta = _args()
+    meta.positions[0] = meta.block_tables.shape[1] * 16
+    with pytest.raises(ValueError, match="outside the 2 block-table columns"):
+        checks.check_block_tables(meta, kc.shape[0])
+
+
+def test_block_tables_are_checked_once_per_step():
+    """Every layer shares the step's metadata: after one pass the check is remembered for the pool size."""
+    q, kc, vc, meta = _args()
+    checks.check_block_tables(meta, 8)
+    assert meta.checked_num_blocks == 8
+    meta.block_tables[0, 0] = 99  # not re-read for the same pool ...
+    checks.check_block_tables(meta, 8)
+    with pytest.raises(ValueError, match="block id 99"):  # ... but a different pool checks again
+        checks.check_block_tables(meta, 16)

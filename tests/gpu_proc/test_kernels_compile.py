@@ -3,7 +3,9 @@ options the backend hands NVRTC, and the backend imports without CUDA or CuPy.
 
 `nvcc -ptx` runs when nvcc is on PATH (or at /usr/local/cuda/bin); where an NVRTC library can be
 loaded too (the `nvidia-cuda-nvrtc-cu12` wheel torch's CUDA builds depend on, or a system CUDA),
-the source also goes through NVRTC itself, the compiler that runs in production.
+the source also goes through NVRTC itself, the compiler that runs in production, with every entry
+point added as a name expression as CuPy adds them. The kernels are templates: `nvcc` instantiates
+them through a host-side table of their addresses appended to the source.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from ringserve.gpu_proc.attention import cupy_backend
+from ringserve.tools.kernel_resources import instantiated_source
 
 ARCHS = ("sm_80", "sm_90")
 # CuPy appends these to every NVRTC compile (cupy/cuda/compiler.py), so the checks do too.
@@ -55,8 +58,20 @@ def _nvrtc() -> ctypes.CDLL | None:
     return None
 
 
-def _ptx_entries(ptx: str) -> set[str]:
-    return {line.split()[-1].split("(")[0] for line in ptx.splitlines() if ".entry" in line}
+def _ptx_entries(ptx: str) -> list[str]:
+    return [line.split()[-1].split("(")[0] for line in ptx.splitlines() if ".entry" in line]
+
+
+def _demangled(names: list[str]) -> list[str]:
+    """Entry names as C++ (`void rs_paged_decode<RsF16, 32, 4>(...)`), via c++filt."""
+    proc = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, timeout=60)
+    return proc.stdout.splitlines()
+
+
+def _missing(entries: list[str]) -> list[str]:
+    """Entry points of the backend with no kernel among the PTX entries."""
+    text = "\n".join(_demangled(entries)).replace(" ", "")
+    return [n for n in cupy_backend.entry_points() if n.replace(" ", "") + "(" not in text]
 
 
 def test_every_kernel_file_is_compiled():
@@ -72,14 +87,15 @@ def test_nvcc_ptx_compiles_every_entry_point(arch, tmp_path):
     if nvcc is None:
         pytest.skip("nvcc not found on PATH: kernel compile check skipped (install the CUDA toolkit)")
     src = tmp_path / "ringserve_attention.cu"
-    src.write_text(cupy_backend.kernel_source())
+    src.write_text(instantiated_source())
     out = tmp_path / f"ringserve_attention_{arch}.ptx"
     cmd = [nvcc, "-ptx", f"-arch={arch}", *cupy_backend.NVRTC_OPTIONS, *CUPY_ADDED_OPTIONS, "-Werror", "all-warnings",
            "-o", str(out), str(src)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr}"
-    missing = set(cupy_backend.entry_points()) - _ptx_entries(out.read_text())
-    assert not missing, f"entry points missing from the PTX: {sorted(missing)}"
+    entries = _ptx_entries(out.read_text())
+    assert len(entries) == len(cupy_backend.entry_points())
+    assert not _missing(entries), f"entry points missing from the PTX: {_missing(entries)}"
 
 
 @pytest.mark.parametrize("arch", ("compute_80", "compute_90"))
@@ -92,6 +108,8 @@ def test_nvrtc_compiles_every_entry_point(arch):
     source = cupy_backend.kernel_source().encode()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"ringserve_attention.cu", 0, None, None) == 0
     try:
+        for name in cupy_backend.entry_points():
+            assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0
         options = [o.encode() for o in (*cupy_backend.NVRTC_OPTIONS, *CUPY_ADDED_OPTIONS, f"-arch={arch}")]
         rc = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
         size = ctypes.c_size_t()
@@ -104,8 +122,8 @@ def test_nvrtc_compiles_every_entry_point(arch):
         lib.nvrtcGetPTX(prog, ptx)
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    missing = set(cupy_backend.entry_points()) - _ptx_entries(ptx.value.decode())
-    assert not missing, f"entry points missing from the PTX: {sorted(missing)}"
+    entries = _ptx_entries(ptx.value.decode())
+    assert not _missing(entries), f"entry points missing from the PTX: {_missing(entries)}"
 
 
 def test_backend_imports_without_cupy_or_cuda():

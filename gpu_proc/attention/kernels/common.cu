@@ -79,6 +79,44 @@ __device__ __forceinline__ void rs_load8<RsF32>(const float* p, float* out) {
     out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
 }
 
+// 8 consecutive elements as loaded, before conversion: one 16-byte vector of 16-bit values, or two
+// of floats. A kernel that issues many loads before its math holds them raw (4 registers per 8
+// fp16/bf16 values, not 8) and converts each where it is used.
+template <typename T>
+struct RsRaw8 {
+    uint4 v;
+};
+template <>
+struct RsRaw8<RsF32> {
+    float4 a, b;
+};
+
+template <typename T>
+__device__ __forceinline__ RsRaw8<T> rs_load_raw8(const typename T::storage* p) {
+    RsRaw8<T> r;
+    r.v = *reinterpret_cast<const uint4*>(p);
+    return r;
+}
+
+template <>
+__device__ __forceinline__ RsRaw8<RsF32> rs_load_raw8<RsF32>(const float* p) {
+    RsRaw8<RsF32> r;
+    r.a = reinterpret_cast<const float4*>(p)[0];
+    r.b = reinterpret_cast<const float4*>(p)[1];
+    return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void rs_convert8(const RsRaw8<T>& r, float* out) {
+    rs_unpack8<T>(r.v, out);
+}
+
+template <>
+__device__ __forceinline__ void rs_convert8<RsF32>(const RsRaw8<RsF32>& r, float* out) {
+    out[0] = r.a.x; out[1] = r.a.y; out[2] = r.a.z; out[3] = r.a.w;
+    out[4] = r.b.x; out[5] = r.b.y; out[6] = r.b.z; out[7] = r.b.w;
+}
+
 // Butterfly reductions over lanes whose ids differ only in the bits FIRST..LAST-1 (powers of two),
 // so a warp split into groups of lanes can reduce inside a group (offsets 1..group/2) or across
 // groups (offsets group..16). Every lane ends with the result.

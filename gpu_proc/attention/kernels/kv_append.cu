@@ -7,7 +7,7 @@
 // The copy is dtype-agnostic, so one kernel serves fp16, bf16 and fp32; it moves 16-byte vectors,
 // which the launcher guarantees by checking head_dim * itemsize % 16 == 0 and alignment.
 
-extern "C" __global__ void rs_kv_append(
+__global__ void rs_kv_append(
     const uint4* __restrict__ k, const uint4* __restrict__ v,
     uint4* __restrict__ k_cache, uint4* __restrict__ v_cache,
     const long long* __restrict__ slot_mapping,

@@ -16,12 +16,19 @@
 //
 // Split-KV (long contexts at small batch): grid.z = number of splits, each CTA covers
 // blocks_per_split blocks and writes its unnormalised accumulator plus (max, sum-exp) to fp32
-// scratch; rs_decode_merge_* combines the splits. With one split the CTA writes the output.
+// scratch; rs_decode_merge combines the splits. With one split the CTA writes the output.
+//
+// Resources (`ringserve kernel-resources`, ptxas for sm_90): the 27 variants use 54-168
+// registers; fp16 D = 128 takes 72 / 117 / 167 registers for groups 1 / 2 / 4 (7 / 4 / 3 CTAs per
+// SM), each lane keeping eight 16-byte loads in flight. Some group-1 variants spill 4-12 bytes
+// (fp16 D = 128, bf16 D = 64), which stays in L1. A group of 8 would need more than 255 registers,
+// so a GQA-8 model runs two CTAs of 4 heads per KV head; the second reads the same blocks, mostly
+// from L2.
 
 #define RS_DEC_WARPS 4
 
 template <typename T, int D, int GROUP>
-__device__ __forceinline__ void rs_paged_decode(
+__global__ void __launch_bounds__(RS_DEC_WARPS * RS_WARP) rs_paged_decode(
     const typename T::storage* __restrict__ q, const long long q_row_stride, const long long q_head_stride,
     const typename T::storage* __restrict__ k_cache, const typename T::storage* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int max_blocks,
@@ -32,6 +39,12 @@ __device__ __forceinline__ void rs_paged_decode(
     constexpr int TPT = D / 8;             // lanes per token
     constexpr int TOK_PER_PASS = RS_WARP / TPT;
     constexpr int PASSES = RS_BLOCK_SIZE / TOK_PER_PASS;
+    // Passes whose K and V loads are issued together: as many as fit in 32 registers of raw data
+    // per lane (4 passes, eight 16-byte loads, in fp16/bf16). Whole blocks at once would double the
+    // loads in flight but cost 64 registers and a third of the resident CTAs (ptxas: 186 registers
+    // for fp16 D = 128 group 4, 2 CTAs per SM).
+    constexpr int RAW_REGS_PER_PASS = 2 * (int)sizeof(RsRaw8<T>) / 4;
+    constexpr int BATCH = PASSES < 32 / RAW_REGS_PER_PASS ? PASSES : 32 / RAW_REGS_PER_PASS;
     static_assert(D == 32 || D == 64 || D == 128, "head_dim must be 32, 64 or 128");
 
     __shared__ float sm_m[RS_DEC_WARPS][GROUP];
@@ -81,39 +94,51 @@ __device__ __forceinline__ void rs_paged_decode(
     const long long head_block_elems = (long long)RS_BLOCK_SIZE * D;
     for (int b = b_begin + warp; b < b_end; b += RS_DEC_WARPS) {
         const long long base = ((long long)table[b] * num_kv_heads + kvh) * head_block_elems;
+#pragma unroll 1
+        for (int p0 = 0; p0 < PASSES; p0 += BATCH) {
+            // NOTE: block table[b] belongs to this sequence, so all 16 of its slots are readable: the
+            // K and V of BATCH passes are loaded unguarded, before any math, and are in flight
+            // together. A slot past the context may hold anything (NaN bit patterns from an unwritten
+            // slot): its score becomes -inf and its V zeros, by selects, never by arithmetic.
+            RsRaw8<T> kraw[BATCH], vraw[BATCH];
 #pragma unroll
-        for (int p = 0; p < PASSES; ++p) {
-            const int tok = p * TOK_PER_PASS + grp;
-            const bool valid = (long long)b * RS_BLOCK_SIZE + tok < ctx;
-            // NOTE: slots past the context may hold garbage (even NaN bit patterns) from an
-            // uninitialised pool; they are never loaded, and their V contributes exact zeros.
-            float kf[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            float vf[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            if (valid) {
-                const long long off = base + (long long)tok * D + li * 8;
-                rs_load8<T>(k_cache + off, kf);
-                rs_load8<T>(v_cache + off, vf);
+            for (int p = 0; p < BATCH; ++p) {
+                const long long off = base + (long long)((p0 + p) * TOK_PER_PASS + grp) * D + li * 8;
+                kraw[p] = rs_load_raw8<T>(k_cache + off);
+                vraw[p] = rs_load_raw8<T>(v_cache + off);
             }
 #pragma unroll
-            for (int g = 0; g < GROUP; ++g) {
-                float s = 0.f;
+            for (int p = 0; p < BATCH; ++p) {
+                const int tok = (p0 + p) * TOK_PER_PASS + grp;
+                const bool valid = (long long)b * RS_BLOCK_SIZE + tok < ctx;
+                float kf[8], vf[8];
+                rs_convert8<T>(kraw[p], kf);
+                rs_convert8<T>(vraw[p], vf);
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
-                    s = fmaf(qr[g][i], kf[i], s);
+                    vf[i] = valid ? vf[i] : 0.f;
                 }
-                s = rs_sum_xor<1, TPT>(s);
-                s = valid ? s : RS_NEG_INF;
-                // The first pass a warp runs always holds position b*16 < ctx, so m_new is finite
-                // from then on; the guard only protects against a pass with no valid token first.
-                const float m_new = fmaxf(m[g], rs_max_xor<TPT, RS_WARP>(s));
-                const float alpha = (m_new == RS_NEG_INF) ? 1.f : exp2f(m[g] - m_new);
-                const float pr = valid ? exp2f(s - m_new) : 0.f;
-                l[g] = l[g] * alpha + pr;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    acc[g][i] = fmaf(pr, vf[i], acc[g][i] * alpha);
+                for (int g = 0; g < GROUP; ++g) {
+                    float s = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        s = fmaf(qr[g][i], kf[i], s);
+                    }
+                    s = rs_sum_xor<1, TPT>(s);
+                    s = valid ? s : RS_NEG_INF;
+                    // The first pass a warp runs always holds position b*16 < ctx, so m_new is finite
+                    // from then on; the guard only protects against a pass with no valid token first.
+                    const float m_new = fmaxf(m[g], rs_max_xor<TPT, RS_WARP>(s));
+                    const float alpha = (m_new == RS_NEG_INF) ? 1.f : exp2f(m[g] - m_new);
+                    const float pr = valid ? exp2f(s - m_new) : 0.f;
+                    l[g] = l[g] * alpha + pr;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        acc[g][i] = fmaf(pr, vf[i], acc[g][i] * alpha);
+                    }
+                    m[g] = m_new;
                 }
-                m[g] = m_new;
             }
         }
     }
@@ -179,7 +204,7 @@ __device__ __forceinline__ void rs_paged_decode(
 
 // Merge the splits of one (token, head): grid (T, H), D threads, one channel each.
 template <typename T, int D>
-__device__ __forceinline__ void rs_decode_merge(
+__global__ void rs_decode_merge(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, const int num_splits,
     const int* __restrict__ single_qsl, const long long* __restrict__ token_seq,
     typename T::storage* __restrict__ out) {
@@ -203,45 +228,3 @@ __device__ __forceinline__ void rs_decode_merge(
     }
     out[row * D + d] = T::from_float(num / den);
 }
-
-#define RS_DECODE_ENTRY(TNAME, T, D, GROUP)                                                        \
-    extern "C" __global__ void __launch_bounds__(RS_DEC_WARPS * RS_WARP)                          \
-        rs_paged_decode_##TNAME##_d##D##_g##GROUP(                                                 \
-            const void* q, const long long q_row_stride, const long long q_head_stride,           \
-            const void* k_cache, const void* v_cache, const int* block_tables,                    \
-            const int max_blocks, const long long* positions, const long long* token_seq,         \
-            const int num_heads, const int num_kv_heads, const float scale_log2,                  \
-            const int blocks_per_split, const int* single_qsl, void* out, float* part_acc,        \
-            float* part_ml) {                                                                     \
-        typedef typename T::storage S;                                                           \
-        rs_paged_decode<T, D, GROUP>(                                                            \
-            static_cast<const S*>(q), q_row_stride, q_head_stride, static_cast<const S*>(k_cache),\
-            static_cast<const S*>(v_cache), block_tables, max_blocks, positions, token_seq,       \
-            num_heads, num_kv_heads, scale_log2, blocks_per_split, single_qsl, static_cast<S*>(out), \
-            part_acc, part_ml);                                                                   \
-    }
-
-#define RS_MERGE_ENTRY(TNAME, T, D)                                                                \
-    extern "C" __global__ void rs_decode_merge_##TNAME##_d##D(                                     \
-        const float* part_acc, const float* part_ml, const int num_splits, const int* single_qsl,  \
-        const long long* token_seq, void* out) {                                                 \
-        rs_decode_merge<T, D>(part_acc, part_ml, num_splits, single_qsl, token_seq,              \
-                              static_cast<typename T::storage*>(out));                           \
-    }
-
-// GROUP 8 would need 255 registers and spill (measured with ptxas -v for sm_90), so a GQA-8 model
-// runs two CTAs of 4 heads per KV head; the second reads the same blocks, mostly from L2.
-#define RS_DECODE_GROUPS(TNAME, T, D)  \
-    RS_DECODE_ENTRY(TNAME, T, D, 1)    \
-    RS_DECODE_ENTRY(TNAME, T, D, 2)    \
-    RS_DECODE_ENTRY(TNAME, T, D, 4)    \
-    RS_MERGE_ENTRY(TNAME, T, D)
-
-#define RS_DECODE_HEAD_DIMS(TNAME, T)  \
-    RS_DECODE_GROUPS(TNAME, T, 32)     \
-    RS_DECODE_GROUPS(TNAME, T, 64)     \
-    RS_DECODE_GROUPS(TNAME, T, 128)
-
-RS_DECODE_HEAD_DIMS(f16, RsF16)
-RS_DECODE_HEAD_DIMS(bf16, RsBF16)
-RS_DECODE_HEAD_DIMS(f32, RsF32)

@@ -16,7 +16,7 @@
 #define RS_PF_THREADS 128
 
 template <typename T, int D>
-__device__ __forceinline__ void rs_paged_prefill(
+__global__ void __launch_bounds__(RS_PF_THREADS) rs_paged_prefill(
     const typename T::storage* __restrict__ q, const long long q_row_stride, const long long q_head_stride,
     const typename T::storage* __restrict__ k_cache, const typename T::storage* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int max_blocks,
@@ -182,27 +182,3 @@ __device__ __forceinline__ void rs_paged_prefill(
         }
     }
 }
-
-#define RS_PREFILL_ENTRY(TNAME, T, D)                                                              \
-    extern "C" __global__ void __launch_bounds__(RS_PF_THREADS) rs_paged_prefill_##TNAME##_d##D(  \
-        const void* q, const long long q_row_stride, const long long q_head_stride,               \
-        const void* k_cache, const void* v_cache, const int* block_tables, const int max_blocks,  \
-        const int* query_start_loc, const int num_seqs, const int skip_single,                    \
-        const long long* positions,                                                               \
-        const int num_heads, const int num_kv_heads, const float scale_log2, void* out) {         \
-        typedef typename T::storage S;                                                           \
-        rs_paged_prefill<T, D>(static_cast<const S*>(q), q_row_stride, q_head_stride,            \
-                               static_cast<const S*>(k_cache), static_cast<const S*>(v_cache),   \
-                               block_tables, max_blocks, query_start_loc, num_seqs, skip_single, \
-                               positions,                                                        \
-                               num_heads, num_kv_heads, scale_log2, static_cast<S*>(out));       \
-    }
-
-#define RS_PREFILL_HEAD_DIMS(TNAME, T) \
-    RS_PREFILL_ENTRY(TNAME, T, 32)     \
-    RS_PREFILL_ENTRY(TNAME, T, 64)     \
-    RS_PREFILL_ENTRY(TNAME, T, 128)
-
-RS_PREFILL_HEAD_DIMS(f16, RsF16)
-RS_PREFILL_HEAD_DIMS(bf16, RsBF16)
-RS_PREFILL_HEAD_DIMS(f32, RsF32)

@@ -1,0 +1,299 @@
+"""`ringserve gpu-check [--out FILE]`: everything about the CUDA path that needs a GPU, in one run.
+
+Writes one JSON (default `bench-results/gpu-check.json`) and prints a short table. Sections, each
+in its own process so one's GPU memory is gone before the next starts, each with a time limit so
+the whole run stays under eight minutes on one H200:
+
+1. `tests/gpu`: the kernel sweep and the CUDA engine tests (needs the repository checkout);
+2. kernels: decode attention bandwidth as % of the device's peak at batch 1/8/32/128 x context
+   512/2k/8k, and prefill-kernel TFLOP/s at 512/2k/8k tokens (Llama-3-8B heads: 32 / 8 KV, 128);
+3. `bench step` on the Llama-3-8B shape with random weights (`--load-format dummy`), decode steps
+   eager and replayed from CUDA graphs;
+4. a load test through the real server (supervisor, workers, rings) on that model;
+5. transformers' own continuous batching (`generate_batch`, or `generate` where it is missing) on
+   the same weights and the same request lengths, for the throughput ratio.
+
+On a machine without CUDA it runs what it can (the kernels' ptxas resources when nvcc exists),
+says so and exits 2; a failed section makes it exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = "llama-3-8b"
+LOAD_REQUESTS = 64
+PROMPT_TOKENS = (128, 512, 1024, 2048)  # cycled over the requests
+OUTPUT_TOKENS = 128
+DTYPE = "bfloat16"
+
+
+def _run(cmd: list[str], timeout_s: float, env: dict | None = None) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO, env=env)
+        return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return 124, out + f"\n(timed out after {timeout_s:.0f} s)", time.monotonic() - t0
+
+
+def _last_json(text: str):
+    """The last JSON object printed on its own (bench tools print one)."""
+    start = text.rfind("\n{")
+    start = 0 if start < 0 else start + 1
+    return json.loads(text[start:])
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+           "cuda_available": torch.cuda.is_available()}
+    for mod in ("cupy", "transformers", "msgspec"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except ImportError:
+            env[mod] = None
+    if env["cuda_available"]:
+        p = torch.cuda.get_device_properties(0)
+        env.update(device=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
+                   memory_gib=round(p.total_memory / 2**30, 1))
+    return env
+
+
+def gpu_tests() -> dict:
+    if not (REPO / "tests" / "gpu").is_dir():
+        return {"status": "skipped", "why": "tests/gpu not found: run gpu-check from a repository checkout"}
+    rc, out, s = _run([sys.executable, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider"], 240)
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error)", out.splitlines()[-1] if out else "")}
+    return {"status": "ok" if rc == 0 else "failed", "seconds": round(s, 1), **counts, "tail": out[-3000:]}
+
+
+def kernels() -> dict:
+    cmd = [sys.executable, "-m", "ringserve.tools.bench_kernels", "--json", "--skip-model", "--iters", "10",
+           "--batches", "1,8,32,128", "--contexts", "512,2048,8192", "--kv-heads", "8",
+           "--prefill-tokens", "512,2048,8192"]
+    rc, out, s = _run(cmd, 150)
+    if rc != 0:
+        return {"status": "failed", "seconds": round(s, 1), "tail": out[-3000:]}
+    return {"status": "ok", "seconds": round(s, 1), **_last_json(out)}
+
+
+def step(model_dir: str) -> dict:
+    out: dict = {"status": "ok"}
+    for graphs in ("off", "on"):
+        cmd = [sys.executable, "-m", "ringserve.tools.bench_step", "--json", "--device", "cuda", "--model", model_dir,
+               "--load-format", "dummy", "--dtype", DTYPE, "--rows", "1,8,32", "--iters", "10",
+               "--cuda-graphs", graphs]
+        rc, text, s = _run(cmd, 120)
+        if rc != 0:
+            out["status"] = "failed"
+            out[f"graphs_{graphs}"] = {"tail": text[-3000:]}
+            continue
+        report = _last_json(text)
+        model = report["models"]["tiny"]  # "tiny" is bench step's name for the --model runner
+        out[f"graphs_{graphs}"] = {r: {k: round(v, 3) for k, v in m.items()} for r, m in model.items()}
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _trace_file(tmp: str) -> str:
+    path = Path(tmp) / "trace.jsonl"
+    lines = [json.dumps({"prompt_tokens": PROMPT_TOKENS[i % len(PROMPT_TOKENS)], "output_tokens": OUTPUT_TOKENS})
+             for i in range(LOAD_REQUESTS)]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def load_test(model_dir: str, tmp: str) -> dict:
+    """The server on the dummy 8B, every request of the trace sent at once (the throughput run)."""
+    import urllib.request
+
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "ringserve.cli", "serve", "--model", model_dir, "--load-format",
+                               "dummy", "--dtype", DTYPE, "--port", str(port), "--workers", "2",
+                               "--queue-limit-s", "600", "--max-rows", "64"], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                return {"status": "failed", "why": "server did not become ready",
+                        "tail": server.stdout.read().decode(errors="replace")[-3000:] if server.poll() is not None else ""}
+            time.sleep(1)
+        vocab = "3:1000"
+        cmd = [sys.executable, "-m", "ringserve.tools.loadtest", "--url", url, "--json", "--trace", _trace_file(tmp),
+               "--rates", "1000", "--requests", str(LOAD_REQUESTS), "--vocab", vocab, "--drain-s", "120"]
+        rc, out, s = _run(cmd, 200)
+        if rc != 0:
+            return {"status": "failed", "tail": out[-3000:]}
+        report = _last_json(out)
+        return {"status": "ok", "seconds": round(s, 1), **report}
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def hf_baseline(model_dir: str) -> dict:
+    rc, out, s = _run([sys.executable, "-m", "ringserve.tools.gpu_check", "--hf-only", model_dir], 200)
+    if rc != 0:
+        return {"status": "failed", "tail": out[-3000:]}
+    return {"status": "ok", "seconds": round(s, 1), **_last_json(out)}
+
+
+def _hf_only(model_dir: str) -> dict:
+    """transformers on the same random weights (our dummy loader's, copied) and request lengths."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from ringserve.gpu_proc.model.loader import load_model
+    from ringserve.tools.sched_sim import prompt_ids_for
+
+    ours = load_model(model_dir, "cuda", DTYPE, "dummy")
+    state = {k: v for k, v in ours.state_dict().items()}
+    del ours
+    config = LlamaConfig.from_pretrained(model_dir)
+    torch.set_default_dtype(getattr(torch, DTYPE))  # build in the serving dtype: no fp32 copy of 8B
+    with torch.device("cuda"):
+        hf = LlamaForCausalLM(config)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if [k for k in missing if not k.endswith("inv_freq")] or unexpected:
+        raise RuntimeError(f"weights do not map onto transformers' Llama: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    hf.eval()
+    del state
+    prompts = [prompt_ids_for(i, PROMPT_TOKENS[i % len(PROMPT_TOKENS)], (3, 1000)) for i in range(LOAD_REQUESTS)]
+    gen = GenerationConfig(max_new_tokens=OUTPUT_TOKENS, min_new_tokens=OUTPUT_TOKENS, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    method, tokens, note = None, 0, None
+    if hasattr(hf, "generate_batch"):
+        try:
+            with torch.inference_mode():
+                outputs = hf.generate_batch(inputs=prompts, generation_config=gen)
+            tokens = sum(len(getattr(o, "generated_tokens", []) or []) for o in outputs.values())
+            method = "generate_batch (continuous batching)"
+        except Exception as e:  # a version whose generate_batch wants other settings: say so, use generate
+            note = f"generate_batch failed ({type(e).__name__}: {str(e)[:200]}); fell back to generate"
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+    if method is None:
+        method = "generate (static batches of 32, left-padded)"
+        tokens = 0
+        for i in range(0, len(prompts), 32):
+            batch = prompts[i:i + 32]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device="cuda")
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device="cuda")
+            with torch.inference_mode():
+                out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
+            tokens += (out.shape[1] - width) * len(batch)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return {"method": method, "note": note, "requests": len(prompts), "output_tokens": tokens,
+            "wall_s": round(wall, 2), "output_tok_s": round(tokens / wall, 1)}
+
+
+def resources() -> dict:
+    from ringserve.tools import kernel_resources
+
+    try:
+        rows = kernel_resources.measure("sm_90")
+    except RuntimeError as e:
+        return {"status": "skipped", "why": str(e)[:300]}
+    from dataclasses import asdict
+
+    return {"status": "ok", "kernels": [asdict(r) for r in rows]}
+
+
+def _table(report: dict) -> str:
+    lines = [f"ringserve gpu-check: {report['env'].get('device', 'no CUDA device')}"]
+    for name, sec in report["sections"].items():
+        lines.append(f"  {name:<12} {sec.get('status', '?'):<8} {sec.get('why', '')}")
+    k = report["sections"].get("kernels", {})
+    for r in k.get("decode_attention", []):
+        lines.append(f"    decode b{r['batch']:<4} ctx {r['ctx']:<5} {r['gbps']:>7.0f} GB/s  {r.get('pct_peak') or 0:>5.1f} % peak")
+    for r in k.get("prefill_attention", []):
+        lines.append(f"    prefill {r['tokens']:<5} tokens {r['tflops']:>6.0f} TFLOP/s {r.get('pct_peak') or 0:>5.1f} % peak")
+    st = report["sections"].get("step", {})
+    for rows in ("1", "8", "32"):
+        off, on = st.get("graphs_off", {}).get(rows), st.get("graphs_on", {}).get(rows)
+        if off and on:
+            lines.append(f"    step {rows:>2} rows: forward {off['forward']:.2f} ms eager, {on['forward']:.2f} ms graphs")
+    lt, hf = report["sections"].get("load", {}), report["sections"].get("hf", {})
+    if lt.get("rates") and hf.get("output_tok_s"):
+        ours = lt["rates"][0].get("output_tok_s", 0.0)
+        lines.append(f"    throughput: ringserve {ours:.0f} tok/s, transformers {hf['output_tok_s']:.0f} tok/s "
+                     f"({hf['method']}): {ours / hf['output_tok_s']:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ringserve gpu-check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench-results/gpu-check.json", help="where to write the JSON")
+    p.add_argument("--skip-resources", action="store_true", help="skip the nvcc register/occupancy section")
+    p.add_argument("--hf-only", metavar="DIR", help=argparse.SUPPRESS)  # the transformers section's own process
+    args = p.parse_args(argv)
+    if args.hf_only:
+        print(json.dumps(_hf_only(args.hf_only)))
+        return 0
+    t0 = time.monotonic()
+    report: dict = {"env": environment(), "sections": {}}
+    sections = report["sections"]
+    sections["resources"] = {"status": "skipped", "why": "--skip-resources"} if args.skip_resources else resources()
+    if not report["env"]["cuda_available"]:
+        for name in ("gpu_tests", "kernels", "step", "load", "hf"):
+            sections[name] = {"status": "skipped", "why": "no CUDA device"}
+    else:
+        from ringserve.tools.make_dummy_model import build_dummy_model
+
+        sections["gpu_tests"] = gpu_tests()
+        sections["kernels"] = kernels()
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = str(build_dummy_model(SHAPE, Path(tmp) / SHAPE))
+            sections["step"] = step(model_dir)
+            sections["load"] = load_test(model_dir, tmp)
+            sections["hf"] = hf_baseline(model_dir)
+    report["seconds"] = round(time.monotonic() - t0, 1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(_table(report))
+    print(f"wrote {out} in {report['seconds']:.0f} s")
+    if not report["env"]["cuda_available"]:
+        print("ringserve gpu-check: no CUDA device (torch.cuda.is_available() is False): the GPU sections did not run",
+              file=sys.stderr)
+        return 2
+    return 0 if all(s.get("status") in ("ok", "skipped") for s in sections.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
