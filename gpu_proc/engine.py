@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -65,17 +66,25 @@ def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype)
     return plan.num_blocks
 
 
-def build_engine(config: Config, model_dir: str | Path) -> Engine:
+def build_engine(config: Config, model_dir: str | Path,
+                 progress: Callable[[], None] | None = None) -> Engine:
+    """The engine for `model_dir`. `progress()`, if given, is called as loading advances (per
+    tensor read, per phase), never more than a few seconds apart: the GPU process beats its
+    heartbeat from it, so a load that stops making progress is caught by the watchdog."""
+    progress = progress or (lambda: None)
     device = resolve_device(config.device)
+    progress()
     if device.type == "cpu":
         # API workers share these cores: torch's default of one thread per core starves them.
         tune_cpu_process(config.cpu_threads)
-    model = load_model(model_dir, device, config.dtype)
+    model = load_model(model_dir, device, config.dtype, progress=progress)
     dtype = next(model.parameters()).dtype
     special = read_special_tokens(model_dir)
     args = model.args
     num_blocks = _num_blocks(config, model, device, dtype)
+    progress()
     pool = KVPool(args.num_layers, num_blocks, args.num_kv_heads, args.head_dim,
                   config.block_size, dtype, device)
+    progress()
     return Engine(ModelRunner(model, pool), special.eos_token_ids, args.vocab_size, num_blocks,
                   device, dtype)

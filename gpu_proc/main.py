@@ -16,8 +16,10 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
@@ -96,6 +98,9 @@ class GpuLoop:
 
     def _submit(self, slot: int, msg: M.Submit) -> None:
         try:
+            if len(msg.sampling.stop_token_ids) > M.MAX_STOP_TOKEN_IDS:
+                raise ValueError(f"stop_token_ids holds {len(msg.sampling.stop_token_ids)} ids; "
+                                 f"at most {M.MAX_STOP_TOKEN_IDS}")
             req = Request.from_submit(slot, msg)
             bad = next((t for t in msg.prompt_ids if not 0 <= t < self.engine.vocab_size), None)
             if bad is not None:
@@ -200,15 +205,35 @@ class GpuLoop:
                 time.sleep(0.0005)  # only output is pending: give the workers a moment to read
 
 
-def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
-    """Load the engine, declare readiness, run until killed."""
-    from ringserve.gpu_proc.engine import build_engine
+@contextmanager
+def _beating(beat, every_s: float = IDLE_WAIT_S):
+    """Heartbeats from a thread while a step that cannot report progress runs (importing torch
+    takes seconds). A stopped process stops this thread too, so the watchdog still sees it."""
+    done = threading.Event()
 
+    def run() -> None:
+        while not done.wait(every_s):
+            beat()
+
+    thread = threading.Thread(target=run, name="load-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
+    """Load the engine, declare readiness, run until killed. Loading beats the heartbeat as it
+    makes progress (per tensor read), so the supervisor's watchdog covers a load that hangs."""
     control = shm.control
     control.set_gpu_state(L.GpuState.STARTING, pid=os.getpid())
     control.gpu_heartbeat()
     t0 = time.monotonic()
-    engine = build_engine(config, model_dir)
+    with _beating(control.gpu_heartbeat):
+        from ringserve.gpu_proc.engine import build_engine
+    engine = build_engine(config, model_dir, progress=control.gpu_heartbeat)
     sched = Scheduler(config, BlockManager(engine.num_blocks, config.block_size),
                       eos_token_ids=engine.eos_token_ids)
     loop = GpuLoop(config, shm, engine, sched)
@@ -246,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
                              bell_fds=[int(fd) for fd in args.bell_fds.split(",")])
     try:
         serve(config, shm, args.model_dir)
-    except BaseException:
+    except BaseException as exc:
+        if not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+            # The supervisor quotes this in its log and the API in its 503s while restarting.
+            shm.control.set_gpu_exit(f"{type(exc).__name__}: {exc}")
         shm.control.set_gpu_state(L.GpuState.DEAD)
         raise
     return 0
