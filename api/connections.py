@@ -1,0 +1,288 @@
+"""Every state of a client connection has a time limit, and the open connections stay under the
+worker's open-file limit (docs/design.md#limits-and-timeouts).
+
+The worker serves its app through aiohttp's runner but listens itself (`ConnectionGuard.listen`),
+so it sees each connection from the moment it is accepted. A connection is in one of four states:
+
+    waiting   accepted, no complete request head yet     closed after header_timeout_s
+    busy      a request is being handled                 its body must arrive within
+                                                         body_timeout_s; the answer follows the
+                                                         request's own rules (deadline, slow reader)
+    idle      its response is written, bytes unsent      aborted after slow_reader_s
+              (the client reads nothing)
+    idle      nothing unsent: keep-alive, or a next      closed after keepalive_timeout_s
+              request head that never completes
+
+A sweep every `SWEEP_S` closes the connections over their state's limit. A worker at
+`max_connections` (derived from RLIMIT_NOFILE unless set) makes room for a new connection by
+closing its oldest waiting or idle one; if every connection is busy it refuses the new one. Both
+are logged, so a full worker is never silent. Errors aiohttp answers itself (a malformed request
+line or header) get the OpenAI error object like every other error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import resource
+import socket
+import struct
+import termios
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from ringserve.api.errors import ApiError
+from ringserve.config import Config
+
+log = logging.getLogger("ringserve.api.connections")
+
+SWEEP_S = 0.25  # how often time limits are checked: a limit is enforced within this much
+FD_HEADROOM = 64  # open files a worker keeps for itself beyond the ones open at start
+LOG_EVERY_S = 5.0  # at most one refusal / eviction log line per this many seconds
+LINGER_S = 2.0  # how long an unread request body is drained after an error answer
+_OUTQ = struct.Struct("i")
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (each connection is a file); (old, new)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                target = int(f.read())
+        except (OSError, ValueError):
+            target = soft
+    if soft != resource.RLIM_INFINITY and target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return soft, target
+        except (OSError, ValueError):
+            pass
+    return soft, soft
+
+
+def connection_budget(configured: int) -> int:
+    """How many client connections this process can hold: `configured` (0: no own cap) within
+    the open-file limit, less the files already open and `FD_HEADROOM`."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 32
+    room = max(8, soft - in_use - FD_HEADROOM) if soft != resource.RLIM_INFINITY else 1 << 20
+    return min(room, configured) if configured > 0 else room
+
+
+class _State:
+    WAITING, BUSY, IDLE = range(3)
+
+
+@dataclass(slots=True)
+class _Conn:
+    state: int
+    since: float  # loop.time() the state began
+
+
+@dataclass(slots=True)
+class _RateLog:
+    """A warning at most every LOG_EVERY_S, with how many events it stands for."""
+
+    what: str
+    count: int = 0
+    last: float = field(default=-LOG_EVERY_S)
+
+    def event(self, now: float, detail: str) -> None:
+        self.count += 1
+        if now - self.last >= LOG_EVERY_S:
+            log.warning("%s (%d since the last such line): %s", self.what, self.count, detail)
+            self.count = 0
+            self.last = now
+
+
+class ConnectionGuard:
+    """Accounts for this worker's client connections; see the module docstring."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.max_connections = 0  # set by listen()
+        self._conns: dict[web.RequestHandler, _Conn] = {}
+        self._refused = _RateLog("refused new connections: every connection is handling a request")
+        self._evicted = _RateLog("closed waiting or idle connections to make room for new ones")
+        self._timed_out = 0  # connections closed by a time limit, for tests and logs
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    @property
+    def timed_out(self) -> int:
+        return self._timed_out
+
+    # serving ---------------------------------------------------------------------------------
+    async def listen(self, server: web.Server, sock: socket.socket) -> asyncio.AbstractServer:
+        """Accept on `sock` (already bound) with the configured backlog; every connection is
+        handled by aiohttp's `server` through an `ApiRequestHandler` and accounted here."""
+        self.max_connections = connection_budget(self.config.max_connections)
+        loop = asyncio.get_running_loop()
+        # NOTE: aiohttp's own idle timer would close a connection with unsent bytes gracefully
+        # (the kernel keeps them); this guard enforces keep-alive and slow readers itself.
+        kwargs = dict(loop=loop, access_log=None, lingering_time=LINGER_S,
+                      keepalive_timeout=self.config.keepalive_timeout_s + self.config.slow_reader_s + 60)
+        return await loop.create_server(lambda: ApiRequestHandler(server, self, **kwargs), sock=sock,
+                                        backlog=self.config.listen_backlog)
+
+    def opened(self, handler: web.RequestHandler) -> None:
+        loop_now = asyncio.get_running_loop().time()
+        if len(self._conns) >= self.max_connections and not self._make_room(loop_now):
+            self._refused.event(loop_now, f"{len(self._conns)} open, the limit is {self.max_connections} "
+                                f"(RLIMIT_NOFILE {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}); "
+                                "raise the open-file limit or add workers")
+            if handler.transport is not None:
+                abort_connection(handler.transport)
+            return
+        self._conns[handler] = _Conn(_State.WAITING, loop_now)
+
+    def closed(self, handler: web.RequestHandler) -> None:
+        self._conns.pop(handler, None)
+
+    def _make_room(self, now: float) -> bool:
+        """Close the connection that has waited or idled longest; False if all are busy."""
+        oldest, oldest_conn = None, None
+        for handler, conn in self._conns.items():
+            if conn.state != _State.BUSY and (oldest_conn is None or conn.since < oldest_conn.since):
+                oldest, oldest_conn = handler, conn
+        if oldest is None:
+            return False
+        self._conns.pop(oldest)
+        _abort(oldest)
+        self._evicted.event(now, f"{self.max_connections} connections is this worker's limit")
+        return True
+
+    # request lifecycle -----------------------------------------------------------------------
+    @web.middleware
+    async def middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        """Marks the connection busy while its request is handled and reads the request body
+        within body_timeout_s (handlers then get it from aiohttp's cache)."""
+        conn = self._conns.get(request.protocol)
+        loop = asyncio.get_running_loop()
+        if conn is not None:
+            conn.state, conn.since = _State.BUSY, loop.time()
+        try:
+            if request.body_exists:
+                await self._read_body(request)
+            return await handler(request)
+        finally:
+            if conn is not None:
+                conn.state, conn.since = _State.IDLE, loop.time()
+
+    async def _read_body(self, request: web.Request) -> None:
+        limit = self.config.body_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                await request.read()
+        except TimeoutError:
+            raise ApiError(408, f"The request body did not arrive within {limit:g} s "
+                                "(body_timeout_s); send it at once.", code="body_timeout",
+                           close_connection=True) from None
+
+    # time limits -----------------------------------------------------------------------------
+    async def sweep_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            self.sweep(loop.time())
+
+    def sweep(self, now: float) -> None:
+        """Close every connection over its state's time limit (module docstring)."""
+        cfg = self.config
+        expired = []
+        for handler, conn in self._conns.items():
+            age = now - conn.since
+            if conn.state == _State.WAITING:
+                if age > cfg.header_timeout_s:
+                    expired.append((handler, False))
+            elif conn.state == _State.IDLE:
+                if age > cfg.keepalive_timeout_s or age > cfg.slow_reader_s:
+                    unsent = _unsent_bytes(handler)
+                    if unsent and age > cfg.slow_reader_s:
+                        expired.append((handler, True))
+                    elif not unsent and age > cfg.keepalive_timeout_s:
+                        expired.append((handler, False))
+        for handler, abort in expired:
+            self._conns.pop(handler, None)
+            self._timed_out += 1
+            if abort:
+                _abort(handler)
+            elif handler.transport is not None:
+                handler.transport.close()
+
+
+def _abort(handler: web.RequestHandler) -> None:
+    if handler.transport is not None:
+        abort_connection(handler.transport)
+
+
+_LINGER_RESET = struct.pack("ii", 1, 0)
+
+
+def abort_connection(transport) -> None:
+    """Drop a connection with a reset. A plain close (or asyncio's `abort`) leaves the bytes the
+    client never read queued in the kernel behind a FIN, possibly for minutes; SO_LINGER 0 makes
+    the close send RST and free them."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+        except OSError:
+            pass
+    transport.abort()
+
+
+def _unsent_bytes(handler: web.RequestHandler) -> int:
+    """Bytes written to the connection that the client has not taken: the transport's buffer plus
+    the kernel's send queue (SIOCOUTQ)."""
+    transport = handler.transport
+    if transport is None:
+        return 0
+    pending = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            pending += _OUTQ.unpack(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+        except OSError:
+            pass
+    return pending
+
+
+class ApiRequestHandler(web.RequestHandler):
+    """aiohttp's per-connection protocol, reporting to the guard and answering the errors aiohttp
+    raises itself (malformed requests, unhandled exceptions) with the OpenAI error object."""
+
+    __slots__ = ("_guard",)
+
+    def __init__(self, manager: web.Server, guard: ConnectionGuard, **kwargs) -> None:
+        super().__init__(manager, **kwargs)
+        self._guard = guard
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._guard.opened(self)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._guard.closed(self)
+        super().connection_lost(exc)
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        plain = super().handle_error(request, status, exc, message)  # logs; raises if too late
+        if status >= 500:
+            text, code = "The server failed while handling the request; retry it.", "internal_error"
+        else:
+            text = (message or plain.reason or "Bad request").splitlines()[0].rstrip(":")
+            text, code = f"Malformed HTTP request: {text}.", "invalid_http_request"
+        return ApiError(status, text, code=code, close_connection=True).response()
+
