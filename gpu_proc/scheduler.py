@@ -38,7 +38,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from heapq import heappop, heappush
+from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING
 
 from ringserve.gpu_proc.admission import AdmissionController, Decision
@@ -155,6 +155,12 @@ class Scheduler:
         self.queue.push(req)
         self._next_heap_seq += 1
         heappush(self._deadlines, (req.deadline_ts, self._next_heap_seq, req))
+        if len(self._deadlines) > 2 * len(self._live) + 64:
+            # NOTE: a finished request leaves this heap only when its deadline comes (minutes);
+            # without compaction the heap kept every request of the last request_timeout_s, prompts
+            # and all, alive (the GPU process's RSS grew with the request rate). Amortized O(1).
+            self._deadlines = [entry for entry in self._deadlines if not entry[2].is_finished]
+            heapify(self._deadlines)
         return decision
 
     def cancel(self, key: RequestKey, reason: str = "cancelled") -> bool:
