@@ -74,6 +74,11 @@ class GpuLoop:
         self.step_no = 0
         self.rejected_429 = 0
         self.stopping = False
+        self.release_memory = None  # called when the loop goes idle (the CPU engine's heap)
+        if getattr(engine, "device", None) is not None and engine.device.type == "cpu":
+            from ringserve.gpu_proc.cpu_tuning import release_free_memory  # imports torch
+
+            self.release_memory = release_free_memory
 
     # -- inputs ----------------------------------------------------------------------------------
 
@@ -188,6 +193,7 @@ class GpuLoop:
     def run(self) -> None:
         bell = self.shm.input_bell
         last_slot_check = 0.0
+        was_idle = True
         while not self.stopping:
             bell.drain()  # NOTE: before reading the rings, so a push after the read re-arms the bell
             self.drain()
@@ -200,9 +206,12 @@ class GpuLoop:
             self.publish((time.perf_counter() - t0) * 1e3 if ran else 0.0)
             idle = not ran and not self.scheduler.has_work and not any(b.backlog for b in self.outboxes)
             if idle:
+                if not was_idle and self.release_memory is not None:
+                    self.release_memory()  # cpu_tuning.py: a busy step's memory is kept while busy
                 bell.wait(IDLE_WAIT_S)
             elif not ran and any(b.backlog for b in self.outboxes):
                 time.sleep(0.0005)  # only output is pending: give the workers a moment to read
+            was_idle = idle
 
 
 @contextmanager
