@@ -30,6 +30,7 @@ import resource
 import socket
 import struct
 import termios
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -77,13 +78,9 @@ def connection_budget(configured: int) -> int:
     return min(room, configured) if configured > 0 else room
 
 
-class _State:
-    WAITING, BUSY, IDLE = range(3)
-
-
 @dataclass(slots=True)
 class _Conn:
-    state: int
+    answered: bool  # False: waiting for its first request head; True: idle after a response
     since: float  # loop.time() the state began
 
 
@@ -109,14 +106,18 @@ class ConnectionGuard:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.max_connections = 0  # set by listen()
-        self._conns: dict[web.RequestHandler, _Conn] = {}
+        # NOTE: connections not handling a request, oldest state first: the one to close for room
+        # is the first (O(1) at every accept, even under a flood), and the sweep never walks the
+        # busy ones (thousands of streams).
+        self._idle: OrderedDict[web.RequestHandler, _Conn] = OrderedDict()
+        self._busy: set[web.RequestHandler] = set()
         self._refused = _RateLog("refused new connections: every connection is handling a request")
         self._evicted = _RateLog("closed waiting or idle connections to make room for new ones")
         self._timed_out = 0  # connections closed by a time limit, for tests and logs
 
     @property
     def open_connections(self) -> int:
-        return len(self._conns)
+        return len(self._idle) + len(self._busy)
 
     @property
     def timed_out(self) -> int:
@@ -136,28 +137,25 @@ class ConnectionGuard:
                                         backlog=self.config.listen_backlog)
 
     def opened(self, handler: web.RequestHandler) -> None:
-        loop_now = asyncio.get_running_loop().time()
-        if len(self._conns) >= self.max_connections and not self._make_room(loop_now):
-            self._refused.event(loop_now, f"{len(self._conns)} open, the limit is {self.max_connections} "
+        now = asyncio.get_running_loop().time()
+        if self.open_connections >= self.max_connections and not self._make_room(now):
+            self._refused.event(now, f"{self.open_connections} open, the limit is {self.max_connections} "
                                 f"(RLIMIT_NOFILE {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}); "
                                 "raise the open-file limit or add workers")
             if handler.transport is not None:
                 abort_connection(handler.transport)
             return
-        self._conns[handler] = _Conn(_State.WAITING, loop_now)
+        self._idle[handler] = _Conn(False, now)
 
     def closed(self, handler: web.RequestHandler) -> None:
-        self._conns.pop(handler, None)
+        self._idle.pop(handler, None)
+        self._busy.discard(handler)
 
     def _make_room(self, now: float) -> bool:
         """Close the connection that has waited or idled longest; False if all are busy."""
-        oldest, oldest_conn = None, None
-        for handler, conn in self._conns.items():
-            if conn.state != _State.BUSY and (oldest_conn is None or conn.since < oldest_conn.since):
-                oldest, oldest_conn = handler, conn
-        if oldest is None:
+        if not self._idle:
             return False
-        self._conns.pop(oldest)
+        oldest, _ = self._idle.popitem(last=False)
         _abort(oldest)
         self._evicted.event(now, f"{self.max_connections} connections is this worker's limit")
         return True
@@ -167,17 +165,18 @@ class ConnectionGuard:
     async def middleware(self, request: web.Request, handler) -> web.StreamResponse:
         """Marks the connection busy while its request is handled and reads the request body
         within body_timeout_s (handlers then get it from aiohttp's cache)."""
-        conn = self._conns.get(request.protocol)
-        loop = asyncio.get_running_loop()
-        if conn is not None:
-            conn.state, conn.since = _State.BUSY, loop.time()
+        protocol = request.protocol
+        tracked = self._idle.pop(protocol, None) is not None  # not tracked: a test server's
+        if tracked:
+            self._busy.add(protocol)
         try:
             if request.body_exists:
                 await self._read_body(request)
             return await handler(request)
         finally:
-            if conn is not None:
-                conn.state, conn.since = _State.IDLE, loop.time()
+            if tracked and protocol in self._busy:  # (not if it closed meanwhile)
+                self._busy.discard(protocol)
+                self._idle[protocol] = _Conn(True, asyncio.get_running_loop().time())
 
     async def _read_body(self, request: web.Request) -> None:
         limit = self.config.body_timeout_s
@@ -200,20 +199,19 @@ class ConnectionGuard:
         """Close every connection over its state's time limit (module docstring)."""
         cfg = self.config
         expired = []
-        for handler, conn in self._conns.items():
+        for handler, conn in self._idle.items():
             age = now - conn.since
-            if conn.state == _State.WAITING:
+            if not conn.answered:
                 if age > cfg.header_timeout_s:
                     expired.append((handler, False))
-            elif conn.state == _State.IDLE:
-                if age > cfg.keepalive_timeout_s or age > cfg.slow_reader_s:
-                    unsent = _unsent_bytes(handler)
-                    if unsent and age > cfg.slow_reader_s:
-                        expired.append((handler, True))
-                    elif not unsent and age > cfg.keepalive_timeout_s:
-                        expired.append((handler, False))
+            elif age > cfg.keepalive_timeout_s or age > cfg.slow_reader_s:
+                unsent = _unsent_bytes(handler)
+                if unsent and age > cfg.slow_reader_s:
+                    expired.append((handler, True))
+                elif not unsent and age > cfg.keepalive_timeout_s:
+                    expired.append((handler, False))
         for handler, abort in expired:
-            self._conns.pop(handler, None)
+            del self._idle[handler]
             self._timed_out += 1
             if abort:
                 _abort(handler)
