@@ -30,7 +30,7 @@ def gpu_not_ready(st: ApiState) -> ApiError:
     last = (status or {}).get("last_error")
     if last and (status or {}).get("state") != "ready":
         failures = status.get("failures") or 1
-        message = (f"The GPU process is restarting after a failure ({last}; {failures} failure"
+        message = (f"The GPU process is restarting after a failure: it {last} ({failures} failure"
                    f"{'s' if failures != 1 else ''} recently); retry after the Retry-After seconds.")
     else:
         message = ("The GPU process is not ready (starting or restarting); retry after the "

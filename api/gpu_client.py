@@ -103,8 +103,8 @@ class GpuClient:
                  down_reason: Callable[[], str | None] | None = None) -> None:
         """`ready()` says whether the GPU process is READY (the control block); held requests are
         resubmitted once it is, or failed after `hold_s`. None: always ready (a transport without
-        restarts). `down_reason()` is the last GPU-process failure, for the error a held request
-        gets (None: unknown)."""
+        restarts). `down_reason()` says how the last GPU process ended ("was killed by SIGKILL"),
+        for the error a held request gets (None: unknown)."""
         self.transport = transport
         self.worker = worker
         self.ready = ready or (lambda: True)
@@ -288,7 +288,7 @@ class GpuClient:
                 del self._held[rid]
                 why = self.down_reason()
                 self._fail_held(stream, RESTART_ERROR, (
-                    f"The GPU process failed{f' ({why})' if why else ''} and was not back within "
+                    f"The GPU process failed{f' (it {why})' if why else ''} and was not back within "
                     f"{self.hold_s:g} s; this request was not run. Retry it."))
 
     def _resubmit_held(self) -> None:

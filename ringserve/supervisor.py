@@ -114,7 +114,7 @@ class Supervisor:
         self.gpu_restart_at: float | None = None  # set while the GPU process is down, in backoff
         self.gpu_policy = RestartPolicy(config.restart_limit, config.restart_window_s)
         self.gpu_exit_seq = 0  # the exit note's sequence when the GPU process started
-        self.last_gpu_error: str | None = None
+        self.last_gpu_error: str | None = None  # how the last GPU process ended, for the workers
         self.workers: list[subprocess.Popen | None] = [None] * self.n_workers
         self.worker_restart_at: list[float | None] = [None] * self.n_workers
         self.worker_policies = [RestartPolicy(config.restart_limit, config.restart_window_s)
@@ -271,7 +271,7 @@ class Supervisor:
         self._fence_rings(gen)
         self.gpu = None
         self.gpu_loading = False
-        self.last_gpu_error = f"the GPU process {why}"
+        self.last_gpu_error = why  # "was killed by SIGKILL", "exited with status 1: CheckpointError: ..."
         if self.stopping:
             log.error("GPU process %s while draining; not restarting", why)
             self._publish_restart("stopped", None)
