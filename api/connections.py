@@ -8,8 +8,8 @@ so it sees each connection from the moment it is accepted. A connection is in on
     busy      a request is being handled                 its body must arrive within
                                                          body_timeout_s; the answer follows the
                                                          request's own rules (deadline, slow reader)
-    idle      its response is written, bytes unsent      aborted after slow_reader_s
-              (the client reads nothing)
+    idle      its response is written, bytes unsent      aborted after slow_reader_s without
+              (the client reads nothing)                 progress (the unsent bytes not going down)
     idle      nothing unsent: keep-alive, or a next      closed after keepalive_timeout_s
               request head that never completes
 
@@ -81,7 +81,8 @@ def connection_budget(configured: int) -> int:
 @dataclass(slots=True)
 class _Conn:
     answered: bool  # False: waiting for its first request head; True: idle after a response
-    since: float  # loop.time() the state began
+    since: float  # loop.time() the state began, or the client last took bytes of the answer
+    unsent: int = -1  # bytes of the answer the client had not taken at the last look (-1: none)
 
 
 @dataclass(slots=True)
@@ -198,18 +199,26 @@ class ConnectionGuard:
     def sweep(self, now: float) -> None:
         """Close every connection over its state's time limit (module docstring)."""
         cfg = self.config
-        expired = []
+        expired, reading = [], []
         for handler, conn in self._idle.items():
             age = now - conn.since
             if not conn.answered:
                 if age > cfg.header_timeout_s:
                     expired.append((handler, False))
-            elif age > cfg.keepalive_timeout_s or age > cfg.slow_reader_s:
+            elif age > min(cfg.keepalive_timeout_s, cfg.slow_reader_s / 2):
+                # Looked at from half the slow-reader limit on, so a client that is taking the
+                # answer, however slowly, is seen to make progress before the limit comes.
                 unsent = _unsent_bytes(handler)
-                if unsent and age > cfg.slow_reader_s:
+                if unsent and 0 <= conn.unsent and unsent < conn.unsent:
+                    reading.append(handler)  # a slow but reading client: its clock restarts
+                elif unsent and age > cfg.slow_reader_s:
                     expired.append((handler, True))
                 elif not unsent and age > cfg.keepalive_timeout_s:
                     expired.append((handler, False))
+                conn.unsent = unsent
+        for handler in reading:
+            self._idle[handler].since = now
+            self._idle.move_to_end(handler)
         for handler, abort in expired:
             del self._idle[handler]
             self._timed_out += 1

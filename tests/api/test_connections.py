@@ -159,6 +159,37 @@ async def test_non_streaming_slow_reader_is_reset_after_slow_reader_s(codec):
         s.close()
 
 
+async def test_slow_but_reading_client_keeps_its_connection(codec):
+    """A client that takes a large answer slowly, but steadily, for longer than slow_reader_s gets
+    all of it: only a client that takes nothing is cut off."""
+    fake = FakeGpu()
+    async with running_worker(codec, fake, slow_reader_s=0.6) as (port, state):
+        s = await _connect(port, rcvbuf=4096)
+        body = json.dumps({"prompt": "hello world " * 40, "max_tokens": 1000, "n": 16,
+                           "logprobs": 20, "ignore_eos": True}).encode()
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(
+            s, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body) + body)  # kept alive: the worker holds it
+        async with asyncio.timeout(30):
+            while fake.finished.get("length", 0) < 16:  # the answer is complete and being written
+                await asyncio.sleep(0.01)
+        received, t0 = b"", time.monotonic()
+        async with asyncio.timeout(60):
+            while b"\r\n\r\n" not in received or len(received.partition(b"\r\n\r\n")[2]) < int(
+                    received.split(b"Content-Length: ")[1].split(b"\r\n")[0]):
+                chunk = await loop.sock_recv(s, 4096)
+                assert chunk, "the worker closed the connection"
+                received += chunk
+                await asyncio.sleep(0.03)  # at most about 130 kB/s
+        head, _, payload = received.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        assert time.monotonic() - t0 > 3 * 0.6  # reading took well over slow_reader_s
+        assert len(json.loads(payload)["choices"]) == 16
+        assert state.connections.timed_out == 0
+        s.close()
+
+
 async def test_full_worker_closes_oldest_idle_connection_for_a_new_one(codec, caplog):
     """At max_connections a new connection takes the place of the oldest waiting one, and the
     worker says so in its log; when every connection is busy it refuses the new one, logged."""
