@@ -15,7 +15,8 @@ so it sees each connection from the moment it is accepted. A connection is in on
 
 A sweep every `SWEEP_S` closes the connections over their state's limit. A worker at
 `max_connections` (derived from RLIMIT_NOFILE unless set) makes room for a new connection by
-closing its oldest waiting or idle one; if every connection is busy it refuses the new one. Both
+closing its oldest waiting or idle one (not one still delivering an answer); if there is none it
+refuses the new one. Both
 are logged, so a full worker is never silent. Errors aiohttp answers itself (a malformed request
 line or header) get the OpenAI error object like every other error.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import itertools
 import logging
 import os
 import resource
@@ -44,6 +46,7 @@ SWEEP_S = 0.25  # how often time limits are checked: a limit is enforced within 
 FD_HEADROOM = 64  # open files a worker keeps for itself beyond the ones open at start
 LOG_EVERY_S = 5.0  # at most one refusal / eviction log line per this many seconds
 LINGER_S = 2.0  # how long an unread request body is drained after an error answer
+MAKE_ROOM_TRIES = 16  # oldest idle connections looked at for one to close at the limit
 _OUTQ = struct.Struct("i")
 
 
@@ -153,13 +156,16 @@ class ConnectionGuard:
         self._busy.discard(handler)
 
     def _make_room(self, now: float) -> bool:
-        """Close the connection that has waited or idled longest; False if all are busy."""
-        if not self._idle:
-            return False
-        oldest, _ = self._idle.popitem(last=False)
-        _abort(oldest)
-        self._evicted.event(now, f"{self.max_connections} connections is this worker's limit")
-        return True
+        """Close the connection that has waited or idled longest, passing over (a few) that are
+        still delivering an answer; False if there is none to close."""
+        for handler, conn in itertools.islice(self._idle.items(), MAKE_ROOM_TRIES):
+            if conn.answered and _unsent_bytes(handler):
+                continue
+            del self._idle[handler]
+            _abort(handler)
+            self._evicted.event(now, f"{self.max_connections} connections is this worker's limit")
+            return True
+        return False
 
     # request lifecycle -----------------------------------------------------------------------
     @web.middleware
