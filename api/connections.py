@@ -115,7 +115,8 @@ class ConnectionGuard:
         # busy ones (thousands of streams).
         self._idle: OrderedDict[web.RequestHandler, _Conn] = OrderedDict()
         self._busy: set[web.RequestHandler] = set()
-        self._refused = _RateLog("refused new connections: every connection is handling a request")
+        self._refused = _RateLog("refused new connections: every connection is handling a request "
+                                 "or delivering an answer")
         self._evicted = _RateLog("closed waiting or idle connections to make room for new ones")
         self._timed_out = 0  # connections closed by a time limit, for tests and logs
 
