@@ -40,9 +40,10 @@ bench: $(STAMP)
 	$(VENV)/bin/ringserve bench sched --json | tee bench-results/sched.json
 
 # Serve under Poisson load with 20 % hang-ups for SOAK_S seconds, then fail on any leaked KV block,
-# file descriptor or shared-memory segment, or RSS that keeps growing (`make soak SOAK_S=3600`).
+# file descriptor or shared-memory segment, or RSS that does not level off (`make soak SOAK_S=3600`);
+# bench-results/soak/ gets the RSS samples, plot and table for docs/BENCHMARKS.md.
 soak: $(STAMP)
-	$(PY) -m ringserve.tools.soak --duration $(SOAK_S)
+	$(PY) -m ringserve.tools.soak --duration $(SOAK_S) --out bench-results/soak
 
 # The CUDA kernels' exact source on the CPU execution harness (tests/kernel_harness): the full
 # matrix in forward, reverse and random thread order, and every planted bug caught (prints which

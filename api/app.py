@@ -1,10 +1,11 @@
 """`init_app`: the aiohttp application of one API worker.
 
 Routes: POST /v1/completions, DELETE /v1/requests/{request_id}, GET /v1/models, /health, /ready,
-/metrics. Two middlewares: errors in the OpenAI shape (with x-request-id when one was assigned),
-then authentication (deny by default; /health, /ready and /metrics are open). Background work —
-the GPU client's transport, the tokenizer thread pool and the slow-reader watchdog — is owned by
-`cleanup_ctx`, so it starts and stops with the app.
+/metrics. Three middlewares: errors in the OpenAI shape (with x-request-id when one was assigned),
+the connection guard (the connection is busy; the body must arrive within body_timeout_s), then
+authentication (deny by default; /health, /ready and /metrics are open). Background work — the GPU
+client's transport, the tokenizer thread pool, the slow-reader watchdog and the connection
+guard's sweep — is owned by `cleanup_ctx`, so it starts and stops with the app.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import msgspec
 from aiohttp import web
 
 from ringserve.api.auth import PUBLIC_PATHS, Authenticator
+from ringserve.api.availability import gpu_not_ready
 from ringserve.api.completions import handle_completions
+from ringserve.api.connections import ConnectionGuard
 from ringserve.api.errors import ApiError, from_http_exception
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.metrics import CONTENT_TYPE, StatsSnapshot, render
@@ -35,22 +38,27 @@ def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name:
              peers: PeerCancel | None = None,
              publish: Callable[[WorkerStats], None] | None = None,
              publish_every_s: float = 0.25,
-             reload_s: Callable[[], float | None] | None = None) -> web.Application:
+             reload_s: Callable[[], float | None] | None = None,
+             restart_status: Callable[[], dict | None] | None = None) -> web.Application:
     """Build a worker's app. `ready()` says whether the GPU process is ready (control block);
     `stats_source(state)` returns the server-wide stats snapshot for /metrics (default: this
     worker's own counters only); `publish(stats)`, if given, runs every `publish_every_s` and at
     shutdown to copy this worker's stats into its control-block region (and beat its heartbeat);
     `peers`, if given, lets a DELETE reach the request's worker whichever worker receives it;
-    `reload_s()` is the GPU process's measured load time (None: unknown), for Retry-After."""
+    `reload_s()` is the GPU process's measured load time (None: unknown), for Retry-After;
+    `restart_status()` the supervisor's restart status, quoted while the GPU process is down."""
+    guard = ConnectionGuard(config)
     app = web.Application(client_max_size=config.max_body_bytes,
-                          middlewares=[_error_middleware, _auth_middleware])
+                          middlewares=[_error_middleware, guard.middleware, _auth_middleware])
     source = stats_source or (lambda st: StatsSnapshot(workers=[st.stats.as_dict()]))
     state = ApiState(config=config, client=client, codec=codec, model_name=model_name, ready=ready,
                      stats_source=lambda: source(state), auth=auth or Authenticator(),
-                     registry=Registry(worker), publish=publish,
+                     registry=Registry(worker), connections=guard, publish=publish,
                      remote_cancel=peers.cancel if peers is not None else None)
     if reload_s is not None:
         state.reload_s = lambda: _reload_or_default(reload_s)
+    if restart_status is not None:
+        state.restart_status = restart_status
     app[STATE] = state
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_delete("/v1/requests/{request_id}", _handle_delete)
@@ -61,6 +69,7 @@ def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name:
     app.cleanup_ctx.append(_gpu_client_ctx)
     app.cleanup_ctx.append(_executor_ctx)
     app.cleanup_ctx.append(_slow_reader_ctx)
+    app.cleanup_ctx.append(_connection_sweep_ctx)
     if publish is not None:
         app.cleanup_ctx.append(_publisher(publish, publish_every_s))
     if peers is not None:
@@ -97,15 +106,18 @@ async def _auth_middleware(request: web.Request, handler) -> web.StreamResponse:
 # handlers -------------------------------------------------------------------------------------
 async def _handle_delete(request: web.Request) -> web.Response:
     """Cancel a request; only the tenant that submitted it may, others get 404 (not 403, which
-    would confirm that someone else's request id exists)."""
+    would confirm that someone else's request id exists). A client-chosen id names every open
+    request of the tenant under it, on whichever worker holds it."""
     st = request.app[STATE]
     request_id = request.match_info["request_id"]
-    entry = st.registry.get(request_id)
-    if entry is not None and entry.tenant == request[TENANT]:
+    tenant = request[TENANT]
+    entry = st.registry.get(request_id, tenant)
+    if entry is not None:
         entry.end("delete")
-        return _json({"id": request_id, "object": "request.cancelled", "cancelled": True})
-    if entry is None and st.remote_cancel is not None \
-            and await st.remote_cancel(request_id, request[TENANT]):
+    # NOTE: peers are asked even after a local hit: the tenant may have reused its own id on
+    # another worker (a generated id names its worker, so then no peer is asked).
+    remote = st.remote_cancel is not None and await st.remote_cancel(request_id, tenant)
+    if entry is not None or remote:
         return _json({"id": request_id, "object": "request.cancelled", "cancelled": True})
     raise ApiError(404, f"No open request {request_id!r} for this API key.", param="request_id",
                    code="request_not_found")
@@ -127,8 +139,7 @@ async def _handle_ready(request: web.Request) -> web.Response:
     if st.draining:
         raise ApiError(503, "The server is draining.", code="server_draining", retry_after_s=5.0)
     if not st.ready():
-        raise ApiError(503, "The GPU process is not ready.", code="gpu_not_ready",
-                       retry_after_s=st.reload_s())
+        raise gpu_not_ready(st)
     return _json({"status": "ready"})
 
 
@@ -179,6 +190,12 @@ async def _stop_task(task: asyncio.Task) -> None:
 
 async def _slow_reader_ctx(app: web.Application):
     task = asyncio.create_task(_slow_reader_watchdog(app[STATE]))
+    yield
+    await _stop_task(task)
+
+
+async def _connection_sweep_ctx(app: web.Application):
+    task = asyncio.create_task(app[STATE].connections.sweep_forever())
     yield
     await _stop_task(task)
 

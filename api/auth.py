@@ -33,8 +33,14 @@ def load_keys(path: str | Path) -> frozenset[str]:
     return frozenset(keys)
 
 
+def _token_bytes(token: str) -> bytes:
+    # NOTE: aiohttp decodes header bytes that are not UTF-8 as lone surrogates; they hash as the
+    # bytes the client sent (a key with them never matches, and answers 401, not 500).
+    return token.encode("utf-8", "surrogateescape")
+
+
 def tenant_of(token: str) -> str:
-    return "k-" + hashlib.sha256(token.encode()).hexdigest()[:16]
+    return "k-" + hashlib.sha256(_token_bytes(token)).hexdigest()[:16]
 
 
 class Authenticator:
@@ -52,7 +58,7 @@ class Authenticator:
         if token is None:
             raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.",
                            code="missing_api_key")
-        digest = hashlib.sha256(token.encode()).digest()
+        digest = hashlib.sha256(_token_bytes(token)).digest()
         found = False
         for d in self._digests:  # no early exit: the time does not depend on which key matched
             found |= hmac.compare_digest(d, digest)

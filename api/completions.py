@@ -9,8 +9,10 @@ import time
 import msgspec
 from aiohttp import web
 
+from ringserve.api.availability import gpu_not_ready
 from ringserve.api.errors import ApiError, bad_request
 from ringserve.api.generation import Generation
+from ringserve.api.prompt_limits import check_fits, encode_prompt
 from ringserve.api.protocol import CompletionRequest, check_model, parse_body
 from ringserve.api.registry import OpenRequest
 from ringserve.api.sse import DONE, EventEncoder
@@ -32,10 +34,13 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     req = parse_body(await request.read(), max_tokens_limit=st.config.max_tokens_limit)
     check_model(req.model, st.model_name)
     _check_available(st)
-    prompt_ids = await _tokenize(st, req)
-    _check_lengths(st, req, prompt_ids)
+    try:
+        prompt_ids = await _tokenize(st, req)
+    except asyncio.CancelledError:
+        st.stats.add("disconnects")  # the client left while its prompt was tokenized
+        raise
 
-    request_id = st.registry.new_id(request.headers.get("x-request-id"))
+    request_id = st.registry.new_id(request.headers.get("x-request-id"), request[TENANT])
     request[REQUEST_ID] = request_id  # the error middleware puts it on error responses too
     arrival = time.time()
     client = st.client
@@ -65,7 +70,7 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
                 client.cancel(stream.rid, _cancel_reason(entry, gen))
             _record(st, gen, len(prompt_ids))
         client.release(stream)
-        st.registry.remove(request_id)
+        st.registry.remove(entry)
         st.stats.add("open_streams", -1)
 
 
@@ -75,10 +80,10 @@ async def _stream(request: web.Request, st: ApiState, entry: OpenRequest, gen: G
     sock = request.transport.get_extra_info("socket") if request.transport is not None else None
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
-    await resp.prepare(request)
     loop = asyncio.get_running_loop()
     stream = entry.stream
     try:
+        await resp.prepare(request)
         while not gen.finished:
             events = gen.consume(await stream.next_batch())
             _cancel_stopped(st, entry, gen)
@@ -185,28 +190,18 @@ def _check_available(st: ApiState) -> None:
         raise ApiError(503, "The server is draining for shutdown; retry on another instance.",
                        code="server_draining", retry_after_s=5.0)
     if not st.ready():
-        # Retry-After: about how long the GPU process takes to load (it measured its last load).
-        raise ApiError(503, "The GPU process is not ready (starting or restarting); retry after "
-                            "the Retry-After seconds.", code="gpu_not_ready",
-                       retry_after_s=st.reload_s())
+        raise gpu_not_ready(st)
 
 
 async def _tokenize(st: ApiState, req: CompletionRequest) -> list[int]:
+    """The prompt's ids; a prompt that cannot fit the context is refused before any work on it."""
+    limit = st.config.context_limit
     if req.prompt_ids is not None:
+        check_fits(len(req.prompt_ids), req.max_tokens, limit)
         if max(req.prompt_ids) >= st.codec.vocab_size:
             raise bad_request(f"prompt holds a token id outside the vocabulary (size "
                               f"{st.codec.vocab_size}).", "prompt")
         return list(req.prompt_ids)
-    text = req.prompt_text
-    if len(text) <= st.tokenize_inline_chars or st.executor is None:
-        return st.codec.encode(text)
-    return await asyncio.get_running_loop().run_in_executor(st.executor, st.codec.encode, text)
-
-
-def _check_lengths(st: ApiState, req: CompletionRequest, prompt_ids: list[int]) -> None:
-    limit = st.config.context_limit
-    if len(prompt_ids) + req.max_tokens > limit:
-        raise bad_request(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({req.max_tokens}) is over the "
-            f"context limit of {limit} tokens; shorten the prompt or lower max_tokens.",
-            "prompt", code="context_length_exceeded")
+    return await encode_prompt(st.codec, req.prompt_text, max_tokens=req.max_tokens,
+                               context_limit=limit, executor=st.executor,
+                               inline_chars=st.tokenize_inline_chars)

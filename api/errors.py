@@ -17,6 +17,7 @@ from aiohttp import web
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    408: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
@@ -50,9 +51,11 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, *, code: str | None = None,
                  param: str | None = None, retry_after_s: float | None = None,
-                 type_: str | None = None, extra: dict | None = None) -> None:
+                 type_: str | None = None, extra: dict | None = None,
+                 close_connection: bool = False) -> None:
         """`type_` overrides the type derived from `status`; `extra` adds fields to the error
-        object (e.g. `tokens_streamed`)."""
+        object (e.g. `tokens_streamed`); `close_connection` ends the connection after the answer
+        (the request was not read to its end)."""
         super().__init__(message)
         self._type = type_
         self.extra = extra
@@ -61,6 +64,7 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.retry_after_s = retry_after_s
+        self.close_connection = close_connection
 
     @property
     def type(self) -> str:
@@ -83,8 +87,11 @@ class ApiError(Exception):
         headers = self.headers()
         if extra_headers:
             headers.update(extra_headers)
-        return web.Response(status=self.status, body=msgspec.json.encode(self.body()),
+        resp = web.Response(status=self.status, body=msgspec.json.encode(self.body()),
                             content_type="application/json", headers=headers)
+        if self.close_connection:
+            resp.force_close()
+        return resp
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:

@@ -14,7 +14,10 @@ other open request is held and resubmitted, under a fresh rid, once the restarte
 READY ("retry before the first token"). That also covers a Submit pushed after the supervisor's
 fence but before this worker noticed it, which the new GPU process discards when it adopts the
 rings: it sits in the same held set. Submits made while held wait for READY rather than be pushed
-onto rings that are about to be discarded.
+onto rings that are about to be discarded. A held request waits at most `hold_s` (and never past
+its deadline): if the GPU process is not back by then it gets the `gpu_process_restart` error,
+quoting why the process failed. Once the worker drains (`stop_holding`) nothing is held any more:
+no GPU process will be started for it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import msgspec
 from ringserve.api.errors import ApiError, error_type
 from ringserve.shm.messages import (Accepted, Cancel, Error, Finish, Message, Rejected, StepOutput,
                                     Submit, Token)
+from ringserve.shm.ring import RecordTooLarge
 
 log = logging.getLogger("ringserve.api.gpu_client")
 
@@ -56,8 +60,8 @@ class Transport(Protocol):
 class RequestStream:
     """One request's inbox: its admission answer, then batches of Token / Finish / Error records."""
 
-    __slots__ = ("rid", "admission", "submit", "streamed", "cancelled", "resubmits", "_items",
-                 "_waiter")
+    __slots__ = ("rid", "admission", "submit", "streamed", "cancelled", "resubmits", "held_at",
+                 "_items", "_waiter")
 
     def __init__(self, rid: int, loop: asyncio.AbstractEventLoop) -> None:
         self.rid = rid  # changes when the request is resubmitted after a GPU-process restart
@@ -66,6 +70,7 @@ class RequestStream:
         self.streamed = False  # a Token arrived: the request can no longer be resubmitted
         self.cancelled = False  # a Cancel was sent: never resubmit it
         self.resubmits = 0
+        self.held_at = 0.0  # time.monotonic() when it was last held for resubmission
         self._items: list[Token | Finish | Error] = []
         self._waiter: asyncio.Future | None = None
 
@@ -94,12 +99,18 @@ class GpuClient:
     """Request bookkeeping for one worker; all methods run on the worker's event loop."""
 
     def __init__(self, transport: Transport, worker: int = 0,
-                 ready: Callable[[], bool] | None = None) -> None:
+                 ready: Callable[[], bool] | None = None, hold_s: float = 30.0,
+                 down_reason: Callable[[], str | None] | None = None) -> None:
         """`ready()` says whether the GPU process is READY (the control block); held requests are
-        resubmitted once it is. None: always ready (a transport without restarts)."""
+        resubmitted once it is, or failed after `hold_s`. None: always ready (a transport without
+        restarts). `down_reason()` says how the last GPU process ended ("was killed by SIGKILL"),
+        for the error a held request gets (None: unknown)."""
         self.transport = transport
         self.worker = worker
         self.ready = ready or (lambda: True)
+        self.hold_s = hold_s
+        self.down_reason = down_reason or (lambda: None)
+        self._no_hold: tuple[str, str] | None = None  # (code, message) once draining
         self._streams: dict[int, RequestStream] = {}
         self._held: dict[int, RequestStream] = {}  # by rid: waiting for READY to be resubmitted
         self._poll: asyncio.TimerHandle | None = None
@@ -145,7 +156,7 @@ class GpuClient:
         if self._restarting:
             # A restart is in progress: this Submit would land on rings the next GPU process
             # discards; it goes out with the held ones once that process is READY.
-            self._held[stream.rid] = stream
+            self._hold(stream)
         else:
             self._send(msg)
         try:
@@ -179,6 +190,14 @@ class GpuClient:
         """Forget a finished request; records that still arrive for it are dropped."""
         self._streams.pop(stream.rid, None)
         self._held.pop(stream.rid, None)
+
+    def stop_holding(self, code: str, message: str) -> None:
+        """The worker is draining: no GPU process will be started for it, so fail what is held
+        now and what a restart would hold later, at once."""
+        self._no_hold = (code, message)
+        held, self._held = self._held, {}
+        for stream in held.values():
+            self._fail_held(stream, code, message)
 
     def fail_all(self, code: str, message: str) -> None:
         """Every open request gets an error (GPU restart, shutdown)."""
@@ -237,7 +256,7 @@ class GpuClient:
                 stream.set_admission(err)
                 stream.feed(err)
             elif stream.submit is not None:
-                self._held[stream.rid] = stream
+                self._hold(stream)
         # Messages parked for the old rings are void: their Submits are all held (none streamed),
         # and their Cancels name rows the new process never had.
         self._pending.clear()
@@ -246,13 +265,37 @@ class GpuClient:
                     "resubmission once it is READY", self.worker, failed, len(self._held))
         self._schedule_poll()
 
+    def _hold(self, stream: RequestStream) -> None:
+        if self._no_hold is not None:
+            self._fail_held(stream, *self._no_hold)
+            return
+        stream.held_at = time.monotonic()
+        self._held[stream.rid] = stream
+
+    def _fail_held(self, stream: RequestStream, code: str, message: str) -> None:
+        err = Error(code=code, rid=stream.rid, message=message)
+        stream.set_admission(err)
+        stream.feed(err)
+
     def _schedule_poll(self) -> None:
         if self._poll is None and self._loop is not None:
             self._poll = self._loop.call_later(READY_POLL_S, self._resubmit_held)
 
+    def _expire_held(self) -> None:
+        """Fail the held requests that waited `hold_s` for a GPU process that is not back."""
+        now = time.monotonic()
+        for rid, stream in list(self._held.items()):
+            if now - stream.held_at > self.hold_s or time.time() >= stream.submit.deadline_ts:
+                del self._held[rid]
+                why = self.down_reason()
+                self._fail_held(stream, RESTART_ERROR, (
+                    f"The GPU process failed{f' (it {why})' if why else ''} and was not back within "
+                    f"{self.hold_s:g} s; this request was not run. Retry it."))
+
     def _resubmit_held(self) -> None:
         self._poll = None
         if not self.ready():
+            self._expire_held()
             self._schedule_poll()
             return
         self._restarting = False
@@ -286,10 +329,25 @@ class GpuClient:
 
     # outgoing --------------------------------------------------------------------------------
     def _send(self, msg: Submit | Cancel) -> None:
-        if not self._pending and self.transport.send(msg):
+        if not self._pending and self._try_send(msg):
             return
         self._pending.append(msg)
         self._schedule_retry()
+
+    def _try_send(self, msg: Submit | Cancel) -> bool:
+        """Push `msg`; False when the channel is full. A message the channel can never take is
+        refused to its request (413) rather than parked and retried forever."""
+        try:
+            return self.transport.send(msg)
+        except RecordTooLarge as exc:
+            stream = self._streams.get(msg.rid) if type(msg) is Submit else None
+            if stream is not None:
+                stream.set_admission(Rejected(rid=msg.rid, status=413, code="request_too_large",
+                                              message=f"The request is too large to pass to the GPU "
+                                                      f"process ({exc}); send a shorter one."))
+            log.error("worker %d: dropped a %s the request ring can never take: %s", self.worker,
+                      type(msg).__name__, exc)
+            return True
 
     def _schedule_retry(self) -> None:
         if self._retry is None and self._loop is not None:
@@ -298,7 +356,7 @@ class GpuClient:
     def _flush(self) -> None:
         self._retry = None
         pending = self._pending
-        while pending and self.transport.send(pending[0]):
+        while pending and self._try_send(pending[0]):
             pending.popleft()
         if pending:
             self._schedule_retry()

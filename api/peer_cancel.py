@@ -62,8 +62,8 @@ class PeerCancel:
         tenant = request.headers.get(_TENANT_HEADER)
         if request.method != "DELETE" or match is None or tenant is None:
             return web.Response(status=400)
-        entry = self._registry.get(match.group(1)) if self._registry is not None else None
-        if entry is None or entry.tenant != tenant:
+        entry = self._registry.get(match.group(1), tenant) if self._registry is not None else None
+        if entry is None:
             return web.Response(status=404)
         entry.end("delete")
         return web.Response(status=200)

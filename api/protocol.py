@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import msgspec
 
 from ringserve.api.errors import ApiError, bad_request
-from ringserve.shm.messages import SamplingParams
+from ringserve.shm.messages import MAX_CACHE_SALT_CHARS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -99,6 +99,9 @@ def parse_body(raw: bytes, *, max_tokens_limit: int, default_max_tokens: int = 1
                           code="invalid_type") from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}", None, code="invalid_json") from None
+    except RecursionError:  # msgspec's error for arrays or objects nested about 1,000 deep
+        raise bad_request("Request body is nested too deeply; no field of a completion request "
+                          "nests more than two levels.", None, code="invalid_json") from None
     except UnicodeDecodeError as exc:  # msgspec's error for invalid UTF-8 inside a string
         raise bad_request(f"Request body is not valid UTF-8 ({exc.reason} at byte {exc.start}); "
                           "JSON text must be UTF-8.", None, code="invalid_json") from None
@@ -162,7 +165,12 @@ def _sampling(body: _Body) -> SamplingParams:
         raise bad_request(f"top_k must be >= 0 (0 or -1: off), got {top_k}.", "top_k")
     if body.seed is not None and not _SEED_RANGE[0] <= body.seed <= _SEED_RANGE[1]:
         raise bad_request("seed must fit in 64 bits.", "seed")
-    stop_ids = _token_ids(body.stop_token_ids, "stop_token_ids") if body.stop_token_ids else ()
+    stop_ids = ()
+    if body.stop_token_ids:
+        if len(body.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad_request(f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids, got "
+                              f"{len(body.stop_token_ids)}.", "stop_token_ids")
+        stop_ids = tuple(sorted(set(_token_ids(body.stop_token_ids, "stop_token_ids"))))
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=body.seed,
                           stop_token_ids=stop_ids, ignore_eos=body.ignore_eos)
 
@@ -198,9 +206,6 @@ def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
         raise ApiError(404, f"The model {requested!r} does not exist; this server serves {served!r}.",
                        param="model", code="model_not_found")
-
-
-MAX_CACHE_SALT_CHARS = 256
 
 
 def _salt(body: _Body) -> str | None:

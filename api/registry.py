@@ -1,4 +1,10 @@
-"""The requests open in this worker, by request id: for DELETE and for x-request-id uniqueness."""
+"""The requests open in this worker, by (tenant, request id): for DELETE and x-request-id uniqueness.
+
+A client-chosen x-request-id names a request within its API key's tenant only: another tenant
+choosing the same id, on this worker or another, neither gets a different id (which would tell it
+the id is in use) nor hides the first request from its owner's DELETE. Generated ids carry the
+worker index and a random part, so they are unique server-wide.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ringserve.api.connections import abort_connection
 from ringserve.api.generation import LocalCancel
 from ringserve.api.gpu_client import RequestStream
+from ringserve.shm.messages import MAX_REQUEST_ID_CHARS
 
-_CLIENT_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_CLIENT_ID = re.compile(rf"^[A-Za-z0-9._:\-]{{1,{MAX_REQUEST_ID_CHARS}}}$")
 
 
 @dataclass(slots=True)
@@ -31,36 +39,37 @@ class OpenRequest:
         if reason == "slow_reader":
             # Closing the connection ends the handler (cancelled, or its blocked write fails).
             if self.transport is not None:
-                self.transport.abort()
+                abort_connection(self.transport)
         else:
             self.stream.feed(LocalCancel(reason))
 
 
 class Registry:
-    """Request ids are unique within the worker; generated ones carry the worker index and a
-    random part, so they are unique across workers too."""
+    """This worker's open requests, keyed by (tenant, request id)."""
 
     def __init__(self, worker: int) -> None:
         self.worker = worker
-        self._open: dict[str, OpenRequest] = {}
+        self._open: dict[tuple[str, str], OpenRequest] = {}
         self._counter = 0
         self._salt = os.urandom(4).hex()
 
-    def new_id(self, client_id: str | None) -> str:
-        """The client's x-request-id when it is well-formed and not in use, else a fresh one."""
-        if client_id and _CLIENT_ID.match(client_id) and client_id not in self._open:
+    def new_id(self, client_id: str | None, tenant: str) -> str:
+        """The client's x-request-id when it is well-formed and not open for this tenant here,
+        else a fresh one."""
+        if client_id and _CLIENT_ID.match(client_id) and (tenant, client_id) not in self._open:
             return client_id
         self._counter += 1
         return f"cmpl-{self.worker}-{self._salt}{self._counter:x}"
 
     def add(self, entry: OpenRequest) -> None:
-        self._open[entry.request_id] = entry
+        self._open[(entry.tenant, entry.request_id)] = entry
 
-    def remove(self, request_id: str) -> None:
-        self._open.pop(request_id, None)
+    def remove(self, entry: OpenRequest) -> None:
+        if self._open.get((entry.tenant, entry.request_id)) is entry:
+            del self._open[(entry.tenant, entry.request_id)]
 
-    def get(self, request_id: str) -> OpenRequest | None:
-        return self._open.get(request_id)
+    def get(self, request_id: str, tenant: str) -> OpenRequest | None:
+        return self._open.get((tenant, request_id))
 
     def __len__(self) -> int:
         return len(self._open)

@@ -9,6 +9,7 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from ringserve.api.auth import Authenticator
+from ringserve.api.connections import ConnectionGuard
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.metrics import StatsSnapshot
 from ringserve.api.registry import Registry
@@ -33,6 +34,7 @@ class ApiState:
     stats_source: Callable[[], StatsSnapshot]
     auth: Authenticator
     registry: Registry
+    connections: ConnectionGuard
     stats: WorkerStats = field(default_factory=WorkerStats)
     executor: ThreadPoolExecutor | None = None
     draining: bool = False  # set on SIGTERM: new requests get 503, open streams finish
@@ -48,6 +50,8 @@ class ApiState:
     publish: Callable[[WorkerStats], None] | None = None
     # Seconds the GPU process takes to (re)load, for Retry-After while it is not ready.
     reload_s: Callable[[], float] = lambda: DEFAULT_RELOAD_S
+    # The supervisor's restart status (control block): last GPU error, next attempt; None: none.
+    restart_status: Callable[[], dict | None] = lambda: None
 
 
 STATE: web.AppKey[ApiState] = web.AppKey("ringserve_api_state", ApiState)

@@ -5,6 +5,10 @@ byte-level BPE (GPT-2 / Llama 3 style) and byte-fallback SentencePiece (Llama 2 
 every token maps to a fixed byte string, so detokenizing is a table lookup plus an incremental
 UTF-8 decoder; `byte_table` is None for any other decoder and the detokenizer falls back to
 decoding a window of ids.
+
+`max_token_bytes` bounds how much prompt text one token can stand for, so a prompt's byte length
+gives a lower bound on its token count before it is tokenized (`prompt_limits.py`). It is derived
+only when the tokenizer's pipeline never drops or shortens text; otherwise it is None.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ class TextCodec:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.special_ids = frozenset(
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
-        self.byte_table = _build_byte_table(backend, self.special_ids)
+        spec = json.loads(backend.to_str())
+        self.byte_table = _build_byte_table(backend, spec, self.special_ids)
+        self.max_token_bytes = _max_token_bytes(backend, spec, self.byte_table)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "TextCodec":
@@ -52,12 +58,17 @@ class TextCodec:
         """Prompt ids, with the model's special tokens (e.g. BOS) added as the tokenizer says."""
         return self.tokenizer.encode(text).ids
 
+    def encode_unlocked(self, text: str) -> list[int]:
+        """`encode` for a worker thread: `encode_batch` releases the GIL while the tokenizer runs
+        (`encode` does not), so the event loop keeps running beside it."""
+        return self.tokenizer.encode_batch([text])[0].ids
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _build_byte_table(tok: tokenizers.Tokenizer, special_ids: frozenset[int]) -> list[bytes] | None:
-    spec = json.loads(tok.to_str())
+def _build_byte_table(tok: tokenizers.Tokenizer, spec: dict,
+                      special_ids: frozenset[int]) -> list[bytes] | None:
     decoder = spec.get("decoder") or {}
     kinds = [d.get("type") for d in decoder.get("decoders", [])] if decoder.get("type") == "Sequence" \
         else [decoder.get("type")]
@@ -94,3 +105,44 @@ def _is_sentencepiece_byte_fallback(decoder: dict, kinds: list) -> bool:
     return decoder.get("type") == "Sequence" and "ByteFallback" in kinds and "Fuse" in kinds \
         and set(kinds) <= {"Replace", "ByteFallback", "Fuse", "Strip"}
 
+
+
+# Pipeline steps that never drop or shorten text: with only these, the bytes of a prompt's tokens
+# (`byte_table`, or an added token's content) add up to at least the prompt's own bytes.
+_KEEPING_NORMALIZERS = frozenset({"Prepend", "Replace"})
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation"})
+
+
+def _steps(node: dict | None, key: str) -> list[dict]:
+    if not node:
+        return []
+    if node.get("type") == "Sequence":
+        return [step for child in node.get(key) or [] for step in _steps(child, key)]
+    return [node]
+
+
+def _keeps_text(spec: dict) -> bool:
+    for step in _steps(spec.get("normalizer"), "normalizers"):
+        if step.get("type") not in _KEEPING_NORMALIZERS:
+            return False  # NFC/NFKC, Lowercase, Strip, ... can make text shorter
+        if step["type"] == "Replace":
+            pattern = (step.get("pattern") or {}).get("String")
+            if pattern is None or len(step.get("content", "").encode()) < len(pattern.encode()):
+                return False
+    pre = _steps(spec.get("pre_tokenizer"), "pretokenizers")
+    for step in pre:
+        if step.get("type") not in _KEEPING_PRE_TOKENIZERS or step.get("behavior") == "Removed" \
+                or step.get("invert"):
+            return False  # Whitespace, BertPreTokenizer, ... drop characters
+    model = spec.get("model") or {}
+    # Every character must become tokens of its own bytes, never an <unk> for a run of them.
+    return model.get("type") == "BPE" and bool(
+        model.get("byte_fallback") or any(step["type"] == "ByteLevel" for step in pre))
+
+
+def _max_token_bytes(tok: tokenizers.Tokenizer, spec: dict, table: list[bytes] | None) -> int | None:
+    """The most prompt bytes one token can stand for, or None when that cannot be bounded."""
+    if table is None or not _keeps_text(spec):
+        return None
+    added = [len(t.content.encode()) for t in tok.get_added_tokens_decoder().values()]
+    return max([len(b) for b in table] + added + [1])

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from ringserve.api.app import init_app
 from ringserve.api.auth import Authenticator, load_keys
+from ringserve.api.connections import raise_open_file_limit
 from ringserve.api.gpu_client import GpuClient, Transport
 from ringserve.api.metrics import StatsSnapshot
 from ringserve.api.peer_cancel import PeerCancel
@@ -36,7 +37,8 @@ log = logging.getLogger("ringserve.api.worker")
 
 
 def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
-    """A listening TCP socket that other workers can bind too (SO_REUSEPORT)."""
+    """A listening TCP socket that other workers can bind too (SO_REUSEPORT). `serve` listens on
+    it again with the configured backlog."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -50,18 +52,24 @@ def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
 async def serve(config: Config, app: web.Application, sock: socket.socket,
                 stop: asyncio.Event) -> None:
     """Serve `app` on `sock` until `stop` is set, then drain: refuse new requests (503), let open
-    streams finish for up to `drain_timeout_s`, and shut down."""
+    streams finish for up to `drain_timeout_s`, and shut down. Connections are accepted and timed
+    by the app's `ConnectionGuard` (api/connections.py)."""
     # handler_cancellation: a client that disconnects cancels its handler, which cancels its row.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
-    await web.SockSite(runner, sock, shutdown_timeout=1.0).start()
+    state = app[STATE]
+    listener = await state.connections.listen(runner.server, sock)
     host, port = sock.getsockname()[:2]
-    log.info("api worker %d serving %s on http://%s:%d", app[STATE].registry.worker,
-             app[STATE].model_name, host, port)
+    log.info("api worker %d serving %s on http://%s:%d (backlog %d, up to %d connections)",
+             state.registry.worker, state.model_name, host, port, config.listen_backlog,
+             state.connections.max_connections)
     try:
         await stop.wait()
-        state = app[STATE]
         state.draining = True
+        # No GPU process will be started for a draining worker: requests held for one answer now.
+        state.client.stop_holding("server_shutdown", "The server is shutting down and this request "
+                                  "had not started (the GPU process was restarting). Retry it on "
+                                  "another instance.")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + config.drain_timeout_s
         while len(state.registry) and loop.time() < deadline:
@@ -69,6 +77,7 @@ async def serve(config: Config, app: web.Application, sock: socket.socket,
         if len(state.registry):
             await _end_unfinished(state, loop)
     finally:
+        listener.close()
         await runner.cleanup()
 
 
@@ -93,23 +102,29 @@ def run_worker(config: Config, *, index: int, transport: Callable[[], Transport]
                stats_source: Callable[[ApiState], StatsSnapshot] | None = None,
                publish: Callable[[WorkerStats], None] | None = None,
                peers: PeerCancel | None = None, sock: socket.socket | None = None,
-               reload_s: Callable[[], float | None] | None = None) -> int:
+               reload_s: Callable[[], float | None] | None = None,
+               restart_status: Callable[[], dict | None] = lambda: None) -> int:
     """The worker process's main: runs until SIGTERM (drain) or SIGINT."""
     # A SIGTERM while still starting (nothing to drain yet) is a clean exit; the event loop's own
     # handler, installed below, takes over once serving.
     signal.signal(signal.SIGTERM, _exit_cleanly)
+    before, now = raise_open_file_limit()
+    if now != before:
+        log.info("open-file limit raised from %d to %d (each connection is a file)", before, now)
     codec = TextCodec.from_dir(tokenizer_dir)
     auth = Authenticator(load_keys(config.api_keys_file) if config.api_keys_file else None)
-    sock = sock or listen_socket(config.host, config.port)
+    sock = sock or listen_socket(config.host, config.port, config.listen_backlog)
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        app = init_app(config, GpuClient(transport(), worker=index, ready=ready), codec,
-                       model_name=model_name, ready=ready, stats_source=stats_source, auth=auth,
-                       worker=index, publish=publish, peers=peers, reload_s=reload_s)
+        client = GpuClient(transport(), worker=index, ready=ready, hold_s=config.restart_hold_s,
+                           down_reason=lambda: (restart_status() or {}).get("last_error"))
+        app = init_app(config, client, codec, model_name=model_name, ready=ready,
+                       stats_source=stats_source, auth=auth, worker=index, publish=publish,
+                       peers=peers, reload_s=reload_s, restart_status=restart_status)
         await serve(config, app, sock, stop)
 
     uvloop.run(main())
@@ -142,7 +157,8 @@ def run_attached(config: Config, *, slot: int, instance: str, bell_fds: list[int
                           ready=lambda: control.gpu_state == L.GpuState.READY,
                           stats_source=lambda st: from_control(control), publish=publish,
                           peers=PeerCancel(instance, slot, control.n_workers), sock=sock,
-                          reload_s=lambda: (control.model_facts() or {}).get("load_s"))
+                          reload_s=lambda: (control.model_facts() or {}).get("load_s"),
+                          restart_status=control.restart_status)
     finally:
         shm.close()
 

@@ -70,28 +70,30 @@ def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype)
 
 def build_engine(config: Config, model_dir: str | Path, progress: Callable[[], None] | None = None) -> Engine:
     """Load the model, size and allocate the KV pool, compile the kernels and run the warm-up steps.
-    `progress()` is called between load phases (and between kernel compiles), so a caller can keep
-    a heartbeat alive through a long load."""
-    beat = progress or (lambda: None)
+    `progress()`, if given, is called as loading advances (per tensor read, per phase, between
+    kernel compiles), never more than a few seconds apart: the GPU process beats its heartbeat
+    from it, so a load that stops making progress is caught by the watchdog."""
+    progress = progress or (lambda: None)
     device = resolve_device(config.device)
+    progress()
     if device.type == "cpu":
         # API workers share these cores: torch's default of one thread per core starves them.
         tune_cpu_process(config.cpu_threads)
-    model = load_model(model_dir, device, config.dtype, config.load_format)
-    beat()
+    model = load_model(model_dir, device, config.dtype, config.load_format, progress=progress)
     dtype = next(model.parameters()).dtype
     special = read_special_tokens(model_dir)
     args = model.args
     num_blocks = _num_blocks(config, model, device, dtype)
+    progress()
     pool = KVPool(args.num_layers, num_blocks, args.num_kv_heads, args.head_dim,
                   config.block_size, dtype, device)
-    beat()
+    progress()
     runner = ModelRunner(model, pool)
-    report = warm_up(runner, beat)
+    report = warm_up(runner, progress)
     if device.type == "cuda" and config.cuda_graphs:
         from ringserve.gpu_proc.cuda_graphs import DecodeGraphs
 
         limit = min(config.context_limit, args.max_position_embeddings)
         runner.graphs = DecodeGraphs(runner, config.max_rows, limit)
-        runner.graphs.capture_all(beat)
+        runner.graphs.capture_all(progress)
     return Engine(runner, special.eos_token_ids, args.vocab_size, num_blocks, device, dtype, report)

@@ -17,8 +17,10 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
@@ -73,6 +75,11 @@ class GpuLoop:
         self.step_no = 0
         self.rejected_429 = 0
         self.stopping = False
+        self.release_memory = None  # called when the loop goes idle (the CPU engine's heap)
+        if getattr(engine, "device", None) is not None and engine.device.type == "cpu":
+            from ringserve.gpu_proc.cpu_tuning import release_free_memory  # imports torch
+
+            self.release_memory = release_free_memory
 
     # -- inputs ----------------------------------------------------------------------------------
 
@@ -97,6 +104,9 @@ class GpuLoop:
 
     def _submit(self, slot: int, msg: M.Submit) -> None:
         try:
+            if len(msg.sampling.stop_token_ids) > M.MAX_STOP_TOKEN_IDS:
+                raise ValueError(f"stop_token_ids holds {len(msg.sampling.stop_token_ids)} ids; "
+                                 f"at most {M.MAX_STOP_TOKEN_IDS}")
             req = Request.from_submit(slot, msg)
             bad = next((t for t in msg.prompt_ids if not 0 <= t < self.engine.vocab_size), None)
             if bad is not None:
@@ -176,6 +186,7 @@ class GpuLoop:
     def run(self) -> None:
         bell = self.shm.input_bell
         last_slot_check = 0.0
+        was_idle = True
         while not self.stopping:
             bell.drain()  # NOTE: before reading the rings, so a push after the read re-arms the bell
             self.drain()
@@ -188,19 +199,42 @@ class GpuLoop:
             self.publish((time.perf_counter() - t0) * 1e3 if ran else 0.0)
             idle = not ran and not self.scheduler.has_work and not any(b.backlog for b in self.outboxes)
             if idle:
+                if not was_idle and self.release_memory is not None:
+                    self.release_memory()  # cpu_tuning.py: a busy step's memory is kept while busy
                 bell.wait(IDLE_WAIT_S)
             elif not ran and any(b.backlog for b in self.outboxes):
                 time.sleep(0.0005)  # only output is pending: give the workers a moment to read
+            was_idle = idle
+
+
+@contextmanager
+def _beating(beat, every_s: float = IDLE_WAIT_S):
+    """Heartbeats from a thread while a step that cannot report progress runs (importing torch
+    takes seconds). A stopped process stops this thread too, so the watchdog still sees it."""
+    done = threading.Event()
+
+    def run() -> None:
+        while not done.wait(every_s):
+            beat()
+
+    thread = threading.Thread(target=run, name="load-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
-    """Load the engine, declare readiness, run until killed."""
-    from ringserve.gpu_proc.engine import build_engine
-
+    """Load the engine, declare readiness, run until killed. Loading beats the heartbeat as it
+    makes progress (per tensor read), so the supervisor's watchdog covers a load that hangs."""
     control = shm.control
     control.set_gpu_state(L.GpuState.STARTING, pid=os.getpid())
     control.gpu_heartbeat()
     t0 = time.monotonic()
+    with _beating(control.gpu_heartbeat):
+        from ringserve.gpu_proc.engine import build_engine
     # NOTE: the heartbeat between load phases (and between kernel compiles) keeps the supervisor's
     # watchdog satisfied through a long load; every kernel is compiled before READY.
     engine = build_engine(config, model_dir, progress=control.gpu_heartbeat)
@@ -241,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
                              bell_fds=[int(fd) for fd in args.bell_fds.split(",")])
     try:
         serve(config, shm, args.model_dir)
-    except BaseException:
+    except BaseException as exc:
+        if not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+            # The supervisor quotes this in its log and the API in its 503s while restarting.
+            shm.control.set_gpu_exit(f"{type(exc).__name__}: {exc}")
         shm.control.set_gpu_state(L.GpuState.DEAD)
         raise
     return 0

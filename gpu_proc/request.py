@@ -40,10 +40,12 @@ class SamplingSpec:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()  # checked for every sampled token: O(1) lookups
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stop_token_ids, frozenset):
+            object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -105,7 +107,7 @@ class Request:
         return cls(key=(worker, msg.rid), request_id=msg.request_id, tenant=msg.tenant,
                    prompt_ids=list(msg.prompt_ids), max_tokens=msg.max_tokens,
                    sampling=SamplingSpec(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
-                                         stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos),
+                                         stop_token_ids=frozenset(sp.stop_token_ids), ignore_eos=sp.ignore_eos),
                    arrival_ts=msg.arrival_ts, deadline_ts=msg.deadline_ts, n=msg.n, logprobs=msg.logprobs,
                    cache_salt=msg.cache_salt)
 

@@ -46,7 +46,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from heapq import heappop, heappush
+from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING
 
 from ringserve.gpu_proc.admission import AdmissionController, Decision
@@ -128,6 +128,7 @@ class Scheduler:
         self._queued_ms = 0.0  # waiting work: the queued_est_ms of every waiting request
         self._charged = 0  # waiting requests with a cost (the others start at the next pass)
         self._deadlines: list[tuple[float, int, Request]] = []
+        self._deadlines_kept = 0  # heap size after the last compaction (_compact_deadlines)
         self._cancels: list[Request] = []
         self._events: list[Event] = []
         self._sampling: list[Request] = []  # requests sampling in the last batch, in batch order
@@ -213,11 +214,22 @@ class Scheduler:
             if not starts:
                 self._charge(s, s.est_gpu_ms)
             heappush(self._deadlines, (s.deadline_ts, s.seq_id, s))
+        if len(self._deadlines) > 2 * self._deadlines_kept + 64:
+            self._compact_deadlines()
         if starts:
             self._starting += samples
             self._reserved_blocks += len(samples) * self.kv.blocks_for(samples[0].prompt_len)
         for s in self.siblings.hold(samples):
             self.queue.push(s)
+
+    def _compact_deadlines(self) -> None:
+        # NOTE: a finished request leaves the deadline heap only when its deadline comes (minutes);
+        # without compaction the heap kept every request of the last request_timeout_s, prompts and
+        # all, alive (the GPU process's RSS grew with the request rate). Compacting when the heap
+        # has doubled since the last compaction keeps it amortized O(1) per request.
+        self._deadlines = [entry for entry in self._deadlines if not entry[2].is_finished]
+        heapify(self._deadlines)
+        self._deadlines_kept = len(self._deadlines)
 
     def _settle_starting(self) -> None:
         """After the join: requests admitted to start now that did not (held siblings aside) are

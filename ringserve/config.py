@@ -56,25 +56,37 @@ class Config:
     slow_reader_s: float = 30.0
     request_timeout_s: float = 600.0  # deadline for a request from its arrival
     max_body_bytes: int = 4 * 1024 * 1024
+    # connections (docs/design.md#limits-and-timeouts): every state has a time limit
+    header_timeout_s: float = 10.0  # a new connection's first request head must arrive within this
+    body_timeout_s: float = 30.0  # a request body must arrive within this once its head has
+    keepalive_timeout_s: float = 15.0  # an idle keep-alive connection is closed after this
+    listen_backlog: int = 2048  # the kernel caps it at net.core.somaxconn
+    max_connections: int = 0  # per worker; 0: as many as its open-file limit allows
     # shared memory
     ring_bytes: int = 4 * 1024 * 1024
     # failure handling
     drain_timeout_s: float = 30.0
     watchdog_timeout_s: float = 10.0
-    restart_limit: int = 5  # give up after this many GPU-process crashes ...
-    restart_window_s: float = 60.0  # ... within this many seconds
+    # 0: never give up on a crashing child (restart with capped backoff; the API answers 503 with
+    # the last GPU error meanwhile); N: exit 1 after N crashes within restart_window_s, for a
+    # service manager to restart the whole service (the systemd unit passes 5)
+    restart_limit: int = 0
+    restart_window_s: float = 60.0
+    restart_hold_s: float = 30.0  # a request held across a GPU-process restart gets an error after this
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_rows", "prefill_budget", "context_limit", "max_tokens_limit",
-                    "key_row_cap", "ring_bytes", "max_body_bytes", "cpu_kv_blocks", "restart_limit",
+                    "key_row_cap", "ring_bytes", "max_body_bytes", "cpu_kv_blocks",
                     "cpu_threads", "watchdog_timeout_s", "drain_timeout_s", "restart_window_s",
-                    "slow_reader_s", "request_timeout_s", "queue_limit_s")
+                    "slow_reader_s", "request_timeout_s", "queue_limit_s", "header_timeout_s",
+                    "body_timeout_s", "keepalive_timeout_s", "listen_backlog", "restart_hold_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.fair_preempt_steps < 0:
-            raise ConfigError(f"fair_preempt_steps must be >= 0, got {self.fair_preempt_steps}")
+        for name in ("fair_preempt_steps", "restart_limit", "max_connections"):  # 0 has a meaning: see the fields
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.admission_margin < 1.0:
             raise ConfigError(f"admission_margin must be in [0, 1), got {self.admission_margin}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

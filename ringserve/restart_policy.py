@@ -1,33 +1,40 @@
-"""When to restart a crashed child, and when to stop trying.
+"""When to restart a crashed child, and whether ever to stop trying.
 
-Exponential backoff keeps a child that fails at once from spinning the CPU (and the log); the
-crash-loop limit hands a persistent failure to the service manager, which can do what an
-in-place restart cannot (a fresh cgroup, a reboot, paging someone).
+Exponential backoff keeps a child that fails at once from spinning the CPU (and the log). By
+default the supervisor never gives up: the API stays up answering 503 with the last GPU error and
+a Retry-After, and a fault that clears (a driver reset, a model directory back in place) is
+recovered without anyone acting. With `limit` N it gives up after N crashes within `window_s`
+and exits non-zero, for a service manager that can do what an in-place restart cannot (a fresh
+cgroup, a reboot, paging someone): the systemd unit uses that.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-BACKOFF_BASE_S = 0.25  # first restart delay; doubles with each crash in the window
-BACKOFF_MAX_S = 10.0
+BACKOFF_BASE_S = 0.25  # first restart delay; doubles with each crash of a streak
+BACKOFF_MAX_S = 30.0
 
 
 @dataclass(slots=True)
 class RestartPolicy:
-    """Crash accounting for one child: restart with exponential backoff, give up after `limit`
-    crashes within `window_s` seconds (a crash loop is for systemd, not for us, to handle)."""
+    """Crash accounting for one child. A streak is a run of crashes each within `window_s` of the
+    one before; the backoff doubles along a streak (so it stays at the cap in a crash loop however
+    long each attempt takes), and a child that ran for a whole window starts a new streak."""
 
-    limit: int
+    limit: int  # 0: never give up
     window_s: float
-    crashes: list[float] = field(default_factory=list)
+    crashes: list[float] = field(default_factory=list)  # within window_s of the last crash
+    streak: int = 0
 
     def record_crash(self, now: float) -> float | None:
         """Count a crash at `now`; the backoff before the restart, or None to give up."""
+        last = self.crashes[-1] if self.crashes else None
+        self.streak = self.streak + 1 if last is not None and now - last <= self.window_s else 1
         self.crashes = [t for t in self.crashes if now - t <= self.window_s] + [now]
-        if len(self.crashes) >= self.limit:
+        if self.limit and len(self.crashes) >= self.limit:
             return None
-        return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (len(self.crashes) - 1))
+        return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (self.streak - 1))
 
     @property
     def recent(self) -> int:

@@ -4,15 +4,21 @@ It builds the one Config, removes stale segments, creates the shared memory and 
 the GPU process, and once the model is loaded starts the API workers on one port (SO_REUSEPORT).
 Then it watches its children every POLL_S:
 
-* the GPU process exits (exception, CUDA error, SIGKILL, OOM kill) or stops beating while ready
-  (hang: the watchdog SIGKILLs it): the supervisor marks it DEAD, bumps the GPU generation and
-  stamps it on every output ring, and rings the workers' bells, so each worker fails its open
-  streams with an error event at once; it restarts the process with exponential backoff, and
-  after `restart_limit` crashes in `restart_window_s` gives up with a non-zero exit;
-* a worker exits, or its heartbeat goes stale (a stuck event loop): it is restarted in its slot (a new slot generation, so the GPU process drops the
-  dead worker's rows and frees their blocks);
+* the GPU process exits (exception, CUDA error, SIGKILL, OOM kill) or stops beating, while
+  loading (its loader beats per tensor) or ready (hang: the watchdog SIGKILLs it): the supervisor
+  marks it DEAD, bumps the GPU generation and stamps it on every output ring, and rings the
+  workers' bells, so each worker fails its open streams with an error event at once; it publishes
+  the failure (the process's own last error when it wrote one) in the control block, where the
+  workers' 503s quote it, and restarts the process with capped exponential backoff; only with a
+  `restart_limit` does it give up, after that many crashes in `restart_window_s`, exiting 1;
+* a worker exits, or its heartbeat goes stale (a stuck event loop): it is restarted in its slot
+  after a backoff (a new slot generation at once, so the GPU process drops the dead worker's rows
+  and frees their blocks);
 * SIGTERM / SIGINT: drain (workers refuse new requests, open streams get up to drain_timeout_s),
   stop the GPU process, unlink the shared memory, exit 0.
+
+At start it refuses a port another server holds (`port_claim.py`) and a ring too small for the
+largest legal request.
 
 Children get SIGTERM if the supervisor itself dies (PR_SET_PDEATHSIG), and the next start removes
 the segments it left. Under systemd (`Type=notify`) it reports READY, STATUS, EXTEND_TIMEOUT_USEC
@@ -33,18 +39,20 @@ from dataclasses import fields
 from pathlib import Path
 
 from ringserve.config import Config, ConfigError, parse_bool
+from ringserve.port_claim import PortInUse, claim_port
 from ringserve.restart_policy import RestartPolicy
 from ringserve.sdnotify import Notifier, watchdog_interval_s
 from ringserve.shm import layout as L
 from ringserve.shm.instance import ShmInstance
-from ringserve.shm.ring import Ring
+from ringserve.shm.messages import max_submit_bytes
+from ringserve.shm.ring import Ring, max_record_bytes
 from ringserve.shm.segment import cleanup_stale
 
 log = logging.getLogger("ringserve.supervisor")
 
 _PR_SET_PDEATHSIG = 1
 POLL_S = 0.05  # supervision pass period: bounds how late a death or a hang is noticed
-LOAD_TIMEOUT_S = 900.0  # a GPU process still loading after this long is killed (and counted)
+LOAD_TIMEOUT_S = 900.0  # a GPU process still loading after this long is killed, progress or not
 EXTEND_EVERY_S = 10.0  # EXTEND_TIMEOUT_USEC cadence while the first model load runs
 WORKER_START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 5.0  # beyond the drain: how long a child has to exit after SIGTERM
@@ -76,6 +84,15 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _exit_text(status: int) -> str:
+    if status < 0:
+        try:
+            return f"was killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"was killed by signal {-status}"
+    return f"exited with status {status}"
+
+
 class SupervisorError(RuntimeError):
     """The supervisor cannot keep the server up (crash loop, start-up failure); it exits non-zero."""
 
@@ -96,9 +113,13 @@ class Supervisor:
         self.gpu_loading = False
         self.gpu_restart_at: float | None = None  # set while the GPU process is down, in backoff
         self.gpu_policy = RestartPolicy(config.restart_limit, config.restart_window_s)
+        self.gpu_exit_seq = 0  # the exit note's sequence when the GPU process started
+        self.last_gpu_error: str | None = None  # how the last GPU process ended, for the workers
         self.workers: list[subprocess.Popen | None] = [None] * self.n_workers
+        self.worker_restart_at: list[float | None] = [None] * self.n_workers
         self.worker_policies = [RestartPolicy(config.restart_limit, config.restart_window_s)
                                 for _ in range(self.n_workers)]
+        self.port_claim = None  # held for the server's life: a second instance refuses the port
         self.workers_started_at: float | None = None
         self.announced = False  # READY=1 sent: the GPU process is ready and every worker listens
         self.stopping = False
@@ -135,6 +156,7 @@ class Supervisor:
         self.gpu = self._spawn("ringserve.gpu_proc.main", ["--instance", self.shm.instance,
                                                            "--model-dir", str(self.model_dir)])
         control.set_gpu_state(L.GpuState.STARTING, pid=self.gpu.pid)
+        self.gpu_exit_seq = control.gpu_exit()[0]
         self.gpu_spawned_at = time.monotonic()
         self.gpu_loading = True
         self.gpu_restart_at = None
@@ -142,6 +164,7 @@ class Supervisor:
         self._status(f"loading {self.model_name} (GPU process generation {control.gpu_generation})")
 
     def start_worker(self, slot: int) -> None:
+        self.worker_restart_at[slot] = None
         proc = self._spawn("ringserve.api.worker", ["--attach", self.shm.instance, "--slot", str(slot),
                                                     "--tokenizer", str(self.model_dir),
                                                     "--model-name", self.model_name])
@@ -153,6 +176,15 @@ class Supervisor:
 
     def start(self) -> None:
         """Shared memory and the first GPU process; workers follow once it is ready (`watch_once`)."""
+        try:
+            self.port_claim = claim_port(self.config.host, self.config.port)
+        except PortInUse as exc:
+            raise SupervisorError(f"cannot start: {exc}") from None
+        largest, fits = max_submit_bytes(self.config.context_limit), max_record_bytes(self.config.ring_bytes)
+        if largest > fits:
+            raise SupervisorError(f"ring_bytes {self.config.ring_bytes} takes requests of up to {fits:,} "
+                                  f"bytes, but one at context_limit {self.config.context_limit} can take "
+                                  f"{largest:,}; raise --ring-bytes to at least {2 * largest + 64}")
         removed = cleanup_stale(self.shm_dir)
         if removed:
             log.info("removed %d stale shared-memory segments", len(removed))
@@ -184,18 +216,24 @@ class Supervisor:
             return
         status = self.gpu.poll()
         if status is not None:
-            self._gpu_down(now, f"exited with status {status}")
+            self._gpu_down(now, _exit_text(status))
             return
         control = self.shm.control
         if self.gpu_loading:
+            stalled = self._load_stalled_s(now)
             if control.gpu_state == L.GpuState.READY:
                 self.gpu_loading = False
                 facts = control.model_facts() or {}
                 log.info("GPU process ready in %.1f s (generation %d, %s KV blocks on %s)",
                          now - self.gpu_spawned_at, control.gpu_generation, facts.get("num_blocks"),
                          facts.get("device"))
+                if self.last_gpu_error is not None:
+                    self._publish_restart("ready", None)
                 if self.announced:
                     self._status(self._serving_status())
+            elif stalled > self.config.watchdog_timeout_s:
+                self._kill_gpu(now, f"made no loading progress for {stalled:.1f} s (watchdog "
+                                    f"{self.config.watchdog_timeout_s:g} s)")
             elif now - self.gpu_spawned_at > LOAD_TIMEOUT_S:
                 self._kill_gpu(now, f"did not become ready within {LOAD_TIMEOUT_S:.0f} s")
             elif not self.announced and now - self._last_extend > EXTEND_EVERY_S:
@@ -209,6 +247,13 @@ class Supervisor:
             # heartbeat means a hang (SIGSTOP, a stuck kernel, a deadlock), never mere idleness.
             self._kill_gpu(now, f"sent no heartbeat for {age:.1f} s (watchdog {self.config.watchdog_timeout_s} s)")
 
+    def _load_stalled_s(self, now: float) -> float:
+        """Seconds since the loading GPU process last showed progress (a heartbeat; its spawn
+        counts as one, so a beat left by its predecessor is never taken for its own)."""
+        age = self.shm.control.gpu_heartbeat_age_s()
+        since_spawn = now - self.gpu_spawned_at
+        return since_spawn if age is None else min(age, since_spawn)
+
     def _kill_gpu(self, now: float, why: str) -> None:
         log.error("GPU process %d %s; killing it", self.gpu.pid, why)
         self.gpu.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
@@ -218,25 +263,39 @@ class Supervisor:
     def _gpu_down(self, now: float, why: str) -> None:
         """The GPU process is gone: fence it off, fail its streams, schedule the restart."""
         control = self.shm.control
+        seq, note = control.gpu_exit()
+        if note and seq != self.gpu_exit_seq:
+            why = f"{why}: {note}"  # what the process itself said before exiting
         control.set_gpu_state(L.GpuState.DEAD)
         gen = control.bump_gpu_generation()
         self._fence_rings(gen)
         self.gpu = None
         self.gpu_loading = False
+        self.last_gpu_error = why  # "was killed by SIGKILL", "exited with status 1: CheckpointError: ..."
         if self.stopping:
             log.error("GPU process %s while draining; not restarting", why)
+            self._publish_restart("stopped", None)
             return
         backoff = self.gpu_policy.record_crash(now)
         if backoff is None:
             self._status("GPU process crash loop: giving up")
+            self._publish_restart("given_up", None)
             raise SupervisorError(
                 f"the GPU process failed {self.gpu_policy.recent} times within "
                 f"{self.config.restart_window_s:.0f} s (last: {why}); giving up so the service "
-                f"manager can act (raise --restart-limit / --restart-window-s to tolerate more)")
+                f"manager can act (--restart-limit 0 keeps restarting instead)")
         log.error("GPU process %s; restarting it in %.2f s as generation %d (%d crashes in the last "
                   "%.0f s)", why, backoff, gen, self.gpu_policy.recent, self.config.restart_window_s)
         self._status(f"GPU process {why}; restarting (generation {gen})")
         self.gpu_restart_at = now + backoff
+        self._publish_restart("restarting", time.time() + backoff)
+
+    def _publish_restart(self, state: str, retry_at: float | None) -> None:
+        """Tell the workers (control block) why the GPU process is not ready and when it is next
+        tried; their 503s quote it."""
+        self.shm.control.set_restart_status({
+            "state": state, "last_error": self.last_gpu_error, "failures": self.gpu_policy.recent,
+            "retry_at": retry_at})
 
     def _fence_rings(self, generation: int) -> None:
         """Stand in as every output ring's producer under the new generation and ring the bells.
@@ -253,6 +312,9 @@ class Supervisor:
         control = self.shm.control
         for slot, proc in enumerate(self.workers):
             if proc is None:
+                restart_at = self.worker_restart_at[slot]
+                if restart_at is not None and now >= restart_at and not self.stopping:
+                    self.start_worker(slot)
                 continue
             if proc.poll() is None:
                 # A worker beats every 0.25 s from its event loop; a stale beat means the loop is
@@ -269,12 +331,16 @@ class Supervisor:
                 raise SupervisorError(f"API worker {slot} exited with status {proc.returncode} at "
                                       f"start-up (is port {self.config.port} in use?)")
             policy = self.worker_policies[slot]
-            if policy.record_crash(now) is None:
+            backoff = policy.record_crash(now)
+            if backoff is None:
                 raise SupervisorError(f"API worker {slot} failed {policy.recent} times within "
                                       f"{self.config.restart_window_s:.0f} s; giving up")
-            log.error("API worker %d (pid %d) exited with status %s; restarting it", slot, proc.pid,
-                      proc.returncode)
-            self.start_worker(slot)
+            log.error("API worker %d (pid %d) exited with status %s; restarting it in %.2f s", slot,
+                      proc.pid, proc.returncode, backoff)
+            # A new slot generation now, so the GPU process drops the dead worker's rows at once.
+            control.start_worker_slot(slot, 0)
+            self.workers[slot] = None
+            self.worker_restart_at[slot] = now + backoff
 
     def _announce_when_listening(self, now: float) -> None:
         control = self.shm.control
@@ -310,7 +376,7 @@ class Supervisor:
         deadline = time.monotonic() + drain_s + STOP_GRACE_S
         while any(p.poll() is None for p in workers) and time.monotonic() < deadline:
             if self.gpu is not None and self.gpu.poll() is not None:
-                self._gpu_down(time.monotonic(), f"exited with status {self.gpu.returncode}")
+                self._gpu_down(time.monotonic(), _exit_text(self.gpu.returncode))
             time.sleep(POLL_S)
 
     def stop(self) -> None:
@@ -331,6 +397,9 @@ class Supervisor:
             self.shm.unlink()
             self.shm.close()
             self.shm = None
+        if self.port_claim is not None:
+            self.port_claim.close()
+            self.port_claim = None
 
     def run(self) -> int:
         """Start, supervise until SIGTERM/SIGINT, drain, clean up. 0 on a clean stop, 1 on failure."""

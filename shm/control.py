@@ -1,10 +1,11 @@
 """The control block: GPU generation, state and heartbeat, model facts, per-worker slots, and
 seqlock-protected stats (one GPU region, one region per worker).
 
-Writers: the supervisor (generation, state, slot pid/generation), the GPU process (its heartbeat,
-state READY, model facts, GPU stats), each worker (its slot heartbeat and its own stats). Every
-seqlocked region has exactly one writer; any process may read any region, so one worker can
-answer `/metrics` for the whole server.
+Writers: the supervisor (generation, state, slot pid/generation, restart status), the GPU process
+(its heartbeat, state READY, model facts, exit note, GPU stats), each worker (its slot heartbeat
+and its own stats). Every seqlocked region has exactly one writer at a time (successive GPU
+processes take turns); any process may read any region, so one worker can answer `/metrics` for
+the whole server.
 
 Seqlock: the writer makes the sequence word odd, writes, then makes it even; a reader copies the
 region between two reads of the word and retries when they differ or are odd. Under x86-64 TSO
@@ -145,6 +146,39 @@ class StatsRegion:
         return dict(zip(self.names, self._struct.unpack(self._region.read(timeout))))
 
 
+class BlobRegion:
+    """A msgpack value under a seqlock: a length word, then up to `capacity` bytes."""
+
+    __slots__ = ("_region", "capacity", "name")
+
+    def __init__(self, buf, offset: int, capacity: int, name: str):
+        self._region = SeqlockRegion(buf, offset, 8 + capacity)
+        self.capacity = capacity
+        self.name = name
+
+    def write(self, value) -> None:
+        blob = msgspec.msgpack.encode(value)
+        if len(blob) > self.capacity:
+            raise ValueError(f"{self.name} take {len(blob)} bytes, the control block holds "
+                             f"{self.capacity}")
+        self._region.write(_U64.pack(len(blob)) + blob.ljust(self.capacity, b"\0"))
+
+    def read(self):
+        """The last value written, or None before the first write."""
+        raw = self._region.read()
+        n = _U64.unpack_from(raw, 0)[0]
+        return msgspec.msgpack.decode(raw[8:8 + n]) if n else None
+
+    @property
+    def sequence(self) -> int:
+        """Changes with every write (a reader can tell whether a new writer wrote)."""
+        return self._region.sequence
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text.encode()) <= limit else text.encode()[:limit].decode(errors="ignore") + "..."
+
+
 def histogram_counts(stats: Mapping[str, float], hist: L.Histogram) -> tuple[list[float], float, float]:
     """(cumulative bucket counts aligned with `hist.bounds` + [+Inf], sum, count) from a snapshot."""
     running, cumulative = 0.0, []
@@ -173,7 +207,9 @@ class Control:
         if len(buf) < L.control_segment_size(self.n_workers):
             raise ControlError(f"control segment too small for {self.n_workers} workers")
         self.gpu_stats = StatsRegion(buf, L.CTRL_GPU_STATS_OFF, L.GPU_STAT_NAMES)
-        self._facts = SeqlockRegion(buf, L.CTRL_FACTS_OFF, 8 + L.CTRL_FACTS_BYTES)
+        self._facts = BlobRegion(buf, L.CTRL_FACTS_OFF, L.CTRL_FACTS_BYTES, "model facts")
+        self._gpu_exit = BlobRegion(buf, L.CTRL_GPU_EXIT_OFF, L.CTRL_NOTE_BYTES, "GPU exit note")
+        self._restart = BlobRegion(buf, L.CTRL_RESTART_OFF, L.CTRL_NOTE_BYTES, "restart status")
         self._worker_stats: dict[int, StatsRegion] = {}
 
     @staticmethod
@@ -233,17 +269,31 @@ class Control:
 
     def set_model_facts(self, facts: Mapping[str, object]) -> None:
         """GPU process: publish the model facts (name, vocab size, block size, ...) once loaded."""
-        blob = msgspec.msgpack.encode(dict(facts))
-        if len(blob) > L.CTRL_FACTS_BYTES:
-            raise ValueError(f"model facts take {len(blob)} bytes, the control block holds "
-                             f"{L.CTRL_FACTS_BYTES}")
-        self._facts.write(_U64.pack(len(blob)) + blob.ljust(L.CTRL_FACTS_BYTES, b"\0"))
+        self._facts.write(dict(facts))
 
     def model_facts(self) -> dict | None:
         """The published model facts, or None before the GPU process has published them."""
-        raw = self._facts.read()
-        n = _U64.unpack_from(raw, 0)[0]
-        return msgspec.msgpack.decode(raw[8:8 + n]) if n else None
+        return self._facts.read()
+
+    def set_gpu_exit(self, error: str) -> None:
+        """GPU process: why it is about to exit (its exception), for the supervisor and clients."""
+        self._gpu_exit.write(_clip(error, L.CTRL_NOTE_BYTES - 64))
+
+    def gpu_exit(self) -> tuple[int, str | None]:
+        """(sequence, note): compare the sequence with one taken at spawn to tell whether the
+        process that just died wrote the note (a SIGKILLed one writes nothing)."""
+        return self._gpu_exit.sequence, self._gpu_exit.read()
+
+    def set_restart_status(self, status: Mapping[str, object]) -> None:
+        """Supervisor: {state, last_error, failures, retry_at (unix time or None)}."""
+        status = dict(status)
+        if isinstance(status.get("last_error"), str):
+            status["last_error"] = _clip(status["last_error"], L.CTRL_NOTE_BYTES - 128)
+        self._restart.write(status)
+
+    def restart_status(self) -> dict | None:
+        """The supervisor's restart status, or None before the first GPU-process failure."""
+        return self._restart.read()
 
     # -- worker slots ---------------------------------------------------------------------------
     def _slot(self, slot: int) -> int:
@@ -292,6 +342,7 @@ class Control:
         snap["gpu_state"] = self.gpu_state.name.lower()
         snap["gpu_heartbeat_age_s"] = self.gpu_heartbeat_age_s()
         snap["model_facts"] = self.model_facts()
+        snap["restart_status"] = self.restart_status()
         snap["gpu_stats"] = self.gpu_stats.read()
         snap["workers"] = [self.worker_slot(i) for i in range(self.n_workers)]
         return snap

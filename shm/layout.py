@@ -5,8 +5,8 @@ Two kinds of segment live under the segment directory (default `/dev/shm`):
 * a **ring segment** (`ringserve.<instance>.req.<i>` / `.out.<i>`): a 4 KiB header, then the data
   area of `capacity` bytes holding 8-byte-aligned records;
 * the **control segment** (`ringserve.<instance>.control`): GPU generation, state, heartbeat, model
-  facts, seqlock-protected GPU stats, and one block per worker slot (pid, generation, heartbeat,
-  seqlock-protected worker stats).
+  facts, the GPU process's exit note, the supervisor's restart status, seqlock-protected GPU stats,
+  and one block per worker slot (pid, generation, heartbeat, seqlock-protected worker stats).
 
 Rings, the control block and the `ringserve shm` inspector import these names; nothing else
 writes an offset. Adding a stat is one entry in `stats_schema.GPU_STATS` / `WORKER_COUNTER_NAMES` /
@@ -28,7 +28,7 @@ from enum import IntEnum
 from ringserve.shm import messages, stats_schema
 from ringserve.shm.messages import FINISH_REASONS
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 CACHE_LINE = 64
 PAGE = 4096
 SEGMENT_PREFIX = "ringserve."
@@ -192,7 +192,12 @@ CTRL_GPU_PID_OFF = CTRL_GPU_GENERATION_OFF + 16
 CTRL_GPU_HB_OFF = 2 * CACHE_LINE  # time.monotonic_ns(), written by the GPU process every step
 CTRL_FACTS_OFF = 3 * CACHE_LINE  # seqlock word, length word, then msgpack bytes
 CTRL_FACTS_BYTES = 2048 - 16  # payload capacity of the model-facts blob
-CTRL_GPU_STATS_OFF = _align(CTRL_FACTS_OFF + 16 + CTRL_FACTS_BYTES)
+# Two more blobs like the facts: why the last GPU process exited (written by that process before
+# it exits), and the supervisor's restart status (last GPU error, failures, next attempt).
+CTRL_NOTE_BYTES = 1024 - 16
+CTRL_GPU_EXIT_OFF = _align(CTRL_FACTS_OFF + 16 + CTRL_FACTS_BYTES)
+CTRL_RESTART_OFF = _align(CTRL_GPU_EXIT_OFF + 16 + CTRL_NOTE_BYTES)
+CTRL_GPU_STATS_OFF = _align(CTRL_RESTART_OFF + 16 + CTRL_NOTE_BYTES)
 CTRL_WORKERS_OFF = CTRL_GPU_STATS_OFF + stats_region_size(len(GPU_STAT_NAMES))
 
 # Per worker slot: one line of slot words, then its stats region.

@@ -13,6 +13,12 @@ import msgspec
 
 FINISH_REASONS = ("stop", "length", "cancelled", "deadline", "error")
 
+# Per-request limits both sides enforce (docs/design.md#limits-and-timeouts): the worker refuses
+# a request over them with a 400, and the GPU process refuses a Submit over them.
+MAX_STOP_TOKEN_IDS = 256
+MAX_REQUEST_ID_CHARS = 128
+MAX_CACHE_SALT_CHARS = 256
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Per-request sampling; validated by the worker before it is sent."""
@@ -21,7 +27,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     seed: int | None = None  # None: the GPU process draws one at admission
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # at most MAX_STOP_TOKEN_IDS
     ignore_eos: bool = False
 
 
@@ -101,6 +107,15 @@ MESSAGE_TYPES = (SamplingParams, Submit, Cancel, Accepted, Rejected, Token, Fini
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+
+
+def max_submit_bytes(context_limit: int) -> int:
+    """An upper bound on the encoded size of a Submit for any request that passed validation
+    (prompt + max_tokens within `context_limit`, token ids below 2**31), so the supervisor checks
+    the ring record limit once at start-up instead of a legal request ever failing it."""
+    ids = 5 * (context_limit + MAX_STOP_TOKEN_IDS)  # msgpack uint32 (or smaller) per token id
+    strings = 4 * (MAX_REQUEST_ID_CHARS + MAX_CACHE_SALT_CHARS) + 64  # UTF-8; the tenant is a hash
+    return ids + strings + 512  # field names, scalars and headers
 
 
 def encode(msg: Message) -> bytes:

@@ -74,6 +74,15 @@ def format_ring(buf, capacity: int, generation: int = 0) -> None:
     _pack(buf, L.RING_MAGIC_OFF, L.RING_MAGIC)  # last: a reader never sees a half-made header
 
 
+def max_record_bytes(capacity: int) -> int:
+    """The largest record payload a ring of `capacity` data bytes accepts.
+
+    Records (header included) are capped at half the ring minus the next-slot word: a wrapping
+    record then fits behind its pad whenever the ring is empty, so an empty ring never refuses a
+    record of allowed size."""
+    return ((capacity - 8) // 2 & ~7) - 8
+
+
 class Ring:
     """One ring over a mapped buffer whose byte 0 is the ring header.
 
@@ -99,10 +108,7 @@ class Ring:
         self._buf = buf
         self._view = None  # memoryview for pop_views(), made on first use (it pins the map)
         self._cap = cap
-        # NOTE: records (header included) are capped at half the ring minus the next-slot word:
-        # a wrapping record then fits behind its pad whenever the ring is empty, so an empty
-        # ring never refuses a record of allowed size.
-        self._limit = (cap - 8) // 2 & ~7
+        self._limit = max_record_bytes(cap) + 8  # header included
         self._head = _unpack(buf, L.RING_HEAD_OFF)[0]
         self._tail = _unpack(buf, L.RING_TAIL_OFF)[0]
         self._tail_seen = self._tail  # producer's cached copy of the consumer's tail
@@ -242,7 +248,7 @@ class Ring:
     @property
     def max_record(self) -> int:
         """The largest payload this ring accepts: an empty ring always takes one this size."""
-        return self._limit - 8
+        return max_record_bytes(self._cap)
 
     def producer_heartbeat(self) -> None:
         _pack(self._buf, L.RING_PRODUCER_HB_OFF, time.monotonic_ns())

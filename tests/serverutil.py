@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -37,11 +38,12 @@ class ServerProcess:
     """`with ServerProcess(model_dir, workers=2, queue_limit_s=60) as srv: srv.url ...`
 
     Extra keyword arguments become `--flag value` options of `ringserve serve`. Shared memory goes
-    to a private directory so a test never touches another server's segments.
+    to a private directory so a test never touches another server's segments. `rlimit_nofile`
+    (soft, hard) starts the server with that open-file limit.
     """
 
     def __init__(self, model_dir: str | Path, shm_dir: str | Path, *, ready_timeout_s: float = 120.0,
-                 **options) -> None:
+                 rlimit_nofile: tuple[int, int] | None = None, **options) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.shm_dir = str(shm_dir)
@@ -51,14 +53,21 @@ class ServerProcess:
                      "--port", str(self.port), "--shm-dir", self.shm_dir]
         for name, value in options.items():
             self.args += ["--" + name.replace("_", "-"), str(value)]
+        self.rlimit_nofile = rlimit_nofile
         self.proc: subprocess.Popen | None = None
         self.log_path = Path(self.shm_dir) / "server.log"
 
     def __enter__(self) -> "ServerProcess":
         os.makedirs(self.shm_dir, exist_ok=True)
         self._log = open(self.log_path, "wb")
+        limit = self.rlimit_nofile
+
+        def set_limit() -> None:
+            if limit is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, limit)
+
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=set_limit)
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
             if self.proc.poll() is not None:

@@ -16,6 +16,7 @@ import time
 import aiohttp
 import pytest
 
+from ringserve.restart_policy import BACKOFF_BASE_S
 from ringserve.tools.drill import attach_control, find_instance
 from tests.serverutil import ServerProcess
 
@@ -77,9 +78,11 @@ async def _scenario(url: str, control) -> None:
         os.kill(control.gpu_pid, signal.SIGKILL)
         await _until(lambda: control.gpu_generation != generation, 10)
         async with session.get(url + "/ready") as ready:
-            # Not ready at once, Retry-After from the measured load time (whole seconds, >= 1).
+            # Not ready at once; Retry-After: the restart backoff still to wait (the first crash's
+            # BACKOFF_BASE_S at most) plus the measured load time, in whole seconds, >= 1.
             assert ready.status == 503
-            assert int(ready.headers["Retry-After"]) == max(1, math.ceil(load_s))
+            assert max(1, math.ceil(load_s)) <= int(ready.headers["Retry-After"]) \
+                <= max(1, math.ceil(load_s + BACKOFF_BASE_S))
         async with asyncio.timeout(90):
             await asyncio.gather(*tasks)
         for r in longs:

@@ -1,6 +1,7 @@
 """Soak test: run `ringserve serve` under steady load for a while and fail on any leak.
 
     python -m ringserve.tools.soak --duration 3600 [--rate 20] [--disconnect 0.2] [--model DIR]
+                                   [--out DIR]
 
 Starts the server itself (so it can watch its processes), sends open-loop Poisson load with the
 built-in length mix (scaled for CPU by default) in which `--disconnect` of the clients hang up
@@ -10,10 +11,12 @@ mid-stream, then stops the load and checks:
 - file descriptors: each server process holds no more than at the start of the soak (+ `--fd-slack`);
 - shared memory: the instance's segments under /dev/shm are the same set throughout, and none is
   left after the server stops;
-- RSS: each process's median RSS over the last quarter of the soak is within `--rss-growth` (a
-  fraction) or 32 MiB of its median over the first quarter — memory that keeps growing fails.
+- RSS (`rss_trend.py`): growth must plateau: over the second half of the soak each process's RSS
+  may rise at most `--rss-slope` MiB/min (or `--rss-floor` MiB in all), and its last quarter stays
+  within `--rss-growth` (a fraction) or 32 MiB of its first.
 
-Exit status 0 when every check holds, 1 otherwise; a table of the checks goes to stdout.
+Exit status 0 when every check holds, 1 otherwise; a table of the checks goes to stdout. `--out DIR`
+also writes the RSS samples (CSV), a plot (PNG) and a table (markdown) for docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -25,16 +28,16 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
 import urllib.request
 
-from .loadtest import parse_metrics
-from .trace import builtin_mix, poisson_arrivals, scaled
+from pathlib import Path
 
-RSS_FLOOR_BYTES = 32 << 20
+from .loadtest import parse_metrics
+from .rss_trend import judge, write_report
+from .trace import builtin_mix, poisson_arrivals, scaled
 
 
 def _free_port() -> int:
@@ -74,6 +77,22 @@ def rss_bytes(pid: int) -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, IndexError, ValueError):
         return None
+
+
+def process_label(pid: int, root: int) -> str:
+    """supervisor, gpu, or worker N (from the command line), with the pid."""
+    if pid == root:
+        return f"supervisor ({pid})"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return f"pid {pid}"
+    if b"ringserve.gpu_proc.main" in argv:
+        return f"GPU process ({pid})"
+    if b"ringserve.api.worker" in argv and b"--slot" in argv:
+        return f"worker {argv[argv.index(b'--slot') + 1].decode()} ({pid})"
+    return f"pid {pid}"
 
 
 def shm_segments(directory: str, supervisor_pid: int) -> set[str]:
@@ -189,14 +208,16 @@ def soak(args) -> tuple[bool, list[tuple[str, bool, str]], dict]:
         pids = server_pids(proc.pid)
         fds0 = {pid: fd_count(pid) for pid in pids}
         segs0 = shm_segments(args.shm_dir, proc.pid)
-        rss: dict[int, list[int]] = {pid: [] for pid in pids}
+        rss: dict[int, list[tuple[float, int]]] = {pid: [] for pid in pids}
         seg_changes: list[str] = []
+        t_load = time.monotonic()
 
         def tick() -> None:
+            now = time.monotonic() - t_load
             for pid in pids:
                 r = rss_bytes(pid)
                 if r is not None:
-                    rss[pid].append(r)
+                    rss[pid].append((now, r))
             segs = shm_segments(args.shm_dir, proc.pid)
             if segs != segs0:
                 seg_changes.append(f"{sorted(segs ^ segs0)}")
@@ -216,15 +237,16 @@ def soak(args) -> tuple[bool, list[tuple[str, bool, str]], dict]:
                 continue
             checks.append((f"fds of pid {pid}", now <= before + args.fd_slack, f"{before} -> {now}"))
         checks.append(("shm segments unchanged", not seg_changes, "; ".join(seg_changes[:3]) or f"{len(segs0)} segments"))
+        labels = {pid: process_label(pid, proc.pid) for pid in pids}
+        verdicts = {}
         for pid, xs in rss.items():
-            if len(xs) < 8:  # one sample a second: a soak under 8 s cannot show a trend
-                checks.append((f"RSS of pid {pid}", True, f"not judged: {len(xs)} samples, 8 needed"))
-                continue
-            q = len(xs) // 4
-            first, last = statistics.median(xs[:q]), statistics.median(xs[-q:])
-            limit = max(first * (1 + args.rss_growth), first + RSS_FLOOR_BYTES)
-            checks.append((f"RSS of pid {pid}", last <= limit,
-                           f"{first / 2**20:.0f} -> {last / 2**20:.0f} MiB (limit {limit / 2**20:.0f})"))
+            # one sample a second: a soak under 8 s cannot show a trend
+            verdicts[labels[pid]] = v = judge(xs, max_slope_mib_min=args.rss_slope,
+                                              floor_mib=args.rss_floor, max_growth=args.rss_growth)
+            checks.append((f"RSS of {labels[pid]}", v.ok, v.detail))
+        if args.out:
+            paths = write_report(Path(args.out), {labels[pid]: xs for pid, xs in rss.items()}, verdicts)
+            checks.append(("report written", True, ", ".join(str(p) for p in paths)))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -248,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--fd-slack", type=int, default=4, help="fds a process may gain (sockets of open streams)")
     p.add_argument("--rss-growth", type=float, default=0.1, help="allowed RSS growth, first to last quarter")
+    p.add_argument("--rss-slope", type=float, default=0.5,
+                   help="allowed RSS growth rate over the second half, MiB/min")
+    p.add_argument("--rss-floor", type=float, default=16.0,
+                   help="RSS growth over the second half always allowed (allocator noise), MiB")
+    p.add_argument("--out", help="directory for the RSS samples, plot and table")
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")

@@ -9,10 +9,13 @@ Everything that can be wrong with a checkpoint raises `CheckpointError` naming t
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch import nn
 
 from .llama import Llama, ModelArgs
 
@@ -136,13 +139,32 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+_INITIALIZERS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_",
+                 "zeros_", "ones_")
 LOAD_FORMATS = ("auto", "dummy")
 
 
+@contextmanager
+def _no_initial_values():
+    """Modules built on the meta device hold no values, so torch's initializers have nothing to
+    do; skipped. (Run anyway, the first one makes torch import its compiler stack, about 800
+    modules and seconds in which loading shows no progress.)"""
+    saved = {name: getattr(nn.init, name) for name in _INITIALIZERS}
+    for name in saved:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
-               dtype: str | torch.dtype | None = "auto", load_format: str = "auto") -> Llama:
+               dtype: str | torch.dtype | None = "auto", load_format: str = "auto",
+               progress: Callable[[], None] | None = None) -> Llama:
     """Load a checkpoint directory onto `device` in `dtype`, ready for `forward` (setup done).
-    `load_format="dummy"` reads only config.json and makes random weights (dummy_weights.py)."""
+    `load_format="dummy"` reads only config.json and makes random weights (dummy_weights.py).
+    `progress()`, if given, is called after each tensor is read."""
     from safetensors import SafetensorError, safe_open
 
     model_dir = Path(model_dir)
@@ -160,7 +182,7 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
     if load_format != "auto":
         raise CheckpointError(f"load format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
 
-    with torch.device("meta"):
+    with torch.device("meta"), _no_initial_values():
         model = Llama(args)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if args.tie_word_embeddings:
@@ -180,6 +202,8 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
                         raise CheckpointError(f"{f}: tensor {name!r} has shape {shape}, config.json implies "
                                               f"{expected[name]} (check hidden_size, heads, head_dim, vocab_size)")
                     state[name] = reader.get_tensor(name).to(dtype)
+                    if progress is not None:
+                        progress()
         except SafetensorError as e:
             raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
     missing = sorted(set(expected) - set(state))
@@ -191,6 +215,8 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
         model.tie_weights()
     model.eval().requires_grad_(False)
     model.setup(device)
+    if progress is not None:
+        progress()
     return model
 
 

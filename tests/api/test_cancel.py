@@ -109,3 +109,42 @@ async def test_slow_reader_is_cancelled_and_closed(serve):
         pass
     sock.close()
     assert b"[DONE]" not in received
+
+
+class _Unanswered(FakeGpu):
+    """A GPU that takes Submits and never answers them (admission pending forever)."""
+
+    def send(self, msg) -> bool:
+        return True
+
+
+async def test_every_disconnect_is_counted_once_whatever_the_phase(serve, codec):
+    """A client leaving while its prompt is tokenized, while it waits for admission, mid-stream,
+    or while a non-streaming answer is generated counts one disconnect each (issue 15: the
+    counter rose by 968 for 1,000 disconnects)."""
+    long_prompt = ("The quick brown fox jumps over the lazy dog. " * 40000)[:1_600_000]
+    served = await serve(fake=FakeGpu(step_interval_s=0.002), context_limit=2_000_000,
+                         max_tokens_limit=1000)
+    # 1. while tokenizing (off the loop: about a second for this prompt)
+    task = asyncio.create_task(served.client.post("/v1/completions",
+                                                  json={"prompt": long_prompt, "max_tokens": 5}))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    await _until(lambda: served.state.stats.get("disconnects") == 1)
+    assert not served.fake.submits
+    # 2. mid-stream, 3. non-streaming while generating
+    resp = await served.client.post("/v1/completions", json=_BODY)
+    await resp.content.readuntil(b"\n\n")
+    resp.close()
+    task = asyncio.create_task(served.client.post("/v1/completions", json={**_BODY, "stream": False}))
+    await _until(lambda: len(served.fake.submits) == 2)
+    task.cancel()
+    await _until(lambda: served.state.stats.get("disconnects") == 3 and len(served.state.registry) == 0)
+    # 4. while waiting for admission
+    served.state.client.transport = _Unanswered()
+    task = asyncio.create_task(served.client.post("/v1/completions", json=_BODY))
+    await _until(lambda: len(served.state.registry) == 1)
+    task.cancel()
+    await _until(lambda: len(served.state.registry) == 0)
+    await asyncio.sleep(0.1)
+    assert served.state.stats.get("disconnects") == 4

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from ringserve.shm.messages import MAX_STOP_TOKEN_IDS
+
 from ringserve.api.fake_gpu import FakeGpu
 from ringserve.shm.messages import Rejected
 
@@ -40,6 +42,7 @@ async def _error(resp, status: int) -> dict:
     ({"prompt_token_ids": [2**64]}, "prompt_token_ids"),
     ({"prompt": "x", "stop_token_ids": [2**64]}, "stop_token_ids"),
     ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}, "stop_token_ids"),
     ({"prompt": "x", "top_k": 2**70}, "top_k"),
     ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
     ({"prompt": "x", "cache_salt": "s" * 300}, "cache_salt"),
@@ -50,6 +53,14 @@ async def test_bad_fields_are_400_naming_the_field(serve, body, param):
     err = await _error(await served.client.post("/v1/completions", json=body), 400)
     assert err["param"] == param and err["type"] == "invalid_request_error"
     assert served.fake.submits == []
+
+
+async def test_deeply_nested_json_is_400(serve):
+    """JSON nested thousands deep is a 400, not a 500 from the decoder's recursion limit."""
+    served = await serve()
+    body = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    err = await _error(await served.client.post("/v1/completions", data=body), 400)
+    assert err["code"] == "invalid_json" and "nested" in err["message"]
 
 
 async def test_bad_json_is_400(serve):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from ringserve.api.errors import ApiError
 from ringserve.api.gpu_client import GpuClient
 from ringserve.shm.messages import (Accepted, Cancel, Error, Finish, Rejected, SamplingParams,
                                     StepOutput, Submit, Token)
+from ringserve.shm.ring import RecordTooLarge
 
 pytestmark = pytest.mark.asyncio
 
@@ -120,3 +122,28 @@ async def test_cancelled_while_awaiting_admission_sends_cancel():
         await task
     assert [(type(m), m.rid) for m in ring.sent] == [(Submit, stream.rid), (Cancel, stream.rid)]
     assert ring.sent[1].reason == "disconnect" and client.open_requests == 0
+
+
+async def test_message_the_ring_can_never_take_is_refused_not_parked():
+    """A Submit over the ring's record limit is answered 413 at once; it is never parked, so the
+    requests after it still go out (issue 15, break 4)."""
+    class _Small(_Ring):
+        def send(self, msg) -> bool:
+            if isinstance(msg, Submit) and len(msg.prompt_ids) > 1:
+                raise RecordTooLarge("record of 9,999,999 bytes exceeds what a ring takes")
+            return super().send(msg)
+
+    transport = _Small(room=10)
+    client = GpuClient(transport)
+    client.start()
+    big = client.open_stream()
+    with pytest.raises(ApiError) as info:
+        await client.submit(big, msgspec.structs.replace(_submit(big.rid), prompt_ids=[1, 2]))
+    assert info.value.status == 413 and info.value.code == "request_too_large"
+    small = client.open_stream()
+    task = asyncio.create_task(client.submit(small, _submit(small.rid)))
+    await asyncio.sleep(0.01)
+    assert [m.rid for m in transport.sent] == [small.rid]
+    transport.deliver(Accepted(rid=small.rid, est_gpu_ms=1.0))
+    assert isinstance(await task, Accepted)
+    client.close()

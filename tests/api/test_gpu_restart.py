@@ -242,3 +242,58 @@ async def test_cancelled_request_is_not_resubmitted():
     await asyncio.sleep(0.15)
     assert client.resubmitted == 0 and len(fake.submits) == 1
     client.close()
+
+
+async def test_held_request_gets_an_error_when_the_gpu_is_not_back_in_time():
+    """A request held across a restart waits at most hold_s for the new GPU process, then fails
+    with the restart error quoting how the last one ended (issue 15: held requests went
+    unanswered when no GPU process came back)."""
+    fake = FakeGpu()
+    client = GpuClient(fake, ready=lambda: fake.ready, hold_s=0.2,
+                       down_reason=lambda: "was killed by SIGKILL")
+    client.start()
+    fake.restart()
+    await asyncio.sleep(0.01)
+    stream = client.open_stream()
+    t0 = time.monotonic()
+    with pytest.raises(ApiError) as info:
+        await asyncio.wait_for(client.submit(stream, _submit(stream.rid)), 5)
+    assert 0.2 <= time.monotonic() - t0 < 2.0
+    assert info.value.status == 503 and info.value.code == RESTART_ERROR
+    assert "it was killed by SIGKILL" in info.value.message and "within 0.2 s" in info.value.message
+    client.close()
+
+
+async def test_draining_worker_fails_what_it_holds_at_once():
+    """Once the worker drains no GPU process is started for it: held requests, and those a later
+    restart would hold, get the server_shutdown error at once."""
+    fake = FakeGpu(paused=True)
+    client = GpuClient(fake, ready=lambda: fake.ready)
+    client.start()
+    first, second = client.open_stream(), client.open_stream()
+    await client.submit(first, _submit(first.rid))
+    fake.restart()
+    await asyncio.sleep(0.01)
+    client.stop_holding("server_shutdown", "shutting down")
+    assert (await _collect(first))[-1].code == "server_shutdown"
+    with pytest.raises(ApiError) as info:  # the restart is still in progress: it would be held
+        await asyncio.wait_for(client.submit(second, _submit(second.rid)), 5)
+    assert info.value.code == "server_shutdown" and info.value.status == 503
+    client.close()
+
+
+async def test_not_ready_503_quotes_the_last_error_and_the_backoff(serve):
+    """While the supervisor restarts the GPU process, a request gets 503 at once quoting how the
+    last process ended, with Retry-After = the backoff still to wait + the measured load time."""
+    status = {"state": "restarting", "last_error": "exited with status 1: CheckpointError: /m: model "
+              "directory not found", "failures": 4, "retry_at": time.time() + 10.0}
+    served = await serve(ready=lambda: False,
+                         app_kw={"restart_status": lambda: status, "reload_s": lambda: 3.0})
+    for path, method in (("/v1/completions", "post"), ("/ready", "get")):
+        resp = await getattr(served.client, method)(path, json={"prompt": "x"} if method == "post" else None)
+        assert resp.status == 503
+        err = (await resp.json())["error"]
+        assert err["code"] == "gpu_not_ready"
+        assert "it exited with status 1: CheckpointError: /m: model directory not found" in err["message"]
+        assert "4 failures" in err["message"]
+        assert 12 <= int(resp.headers["Retry-After"]) <= 13

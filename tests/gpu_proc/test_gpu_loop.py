@@ -135,3 +135,21 @@ def test_bad_token_id_is_400(gpu_process):
     w.pump(lambda: w.finishes(2))
     assert proc.poll() is None
 
+
+
+def test_stop_token_ids_over_the_cap_are_refused(gpu_process):
+    """A Submit with more than MAX_STOP_TOKEN_IDS stop ids is refused (400) by the GPU process
+    itself, whatever the worker let through; one at the cap runs and stops on its stop id."""
+    shm, proc = gpu_process
+    w = _Worker(shm)
+    w.send(_submit(1, [5, 6], stop_token_ids=tuple(range(M.MAX_STOP_TOKEN_IDS + 1))))
+    w.pump(lambda: w.reply(1))
+    assert w.reply(1).status == 400 and "stop_token_ids" in w.reply(1).message
+    w.send(_submit(2, [5, 6, 7], max_tokens=20))
+    w.pump(lambda: w.finishes(2))
+    first = w.tokens(2)[0]
+    ids = tuple(range(10_000, 10_000 + M.MAX_STOP_TOKEN_IDS - 1)) + (first,)
+    w.send(_submit(3, [5, 6, 7], max_tokens=20, stop_token_ids=ids))
+    w.pump(lambda: w.finishes(3))
+    assert w.finishes(3)[0].reason == "stop" and w.tokens(3) == [first]
+    assert proc.poll() is None

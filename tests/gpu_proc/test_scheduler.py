@@ -283,3 +283,24 @@ def test_preemption_takes_a_newer_request_mid_prefill():
     h.run_until_idle()
     assert [h.tokens[(r.key, 0)] for r in (a, b)] == [expected_stream(h, r)[0] for r in (a, b)]
     assert h.sched.bm.num_free == 6
+
+
+def test_finished_requests_are_released_before_their_deadline():
+    """A finished request is not kept alive until its deadline passes: after 600 requests with a
+    far deadline have finished, the scheduler holds on to at most 64 of them (issue 15: the GPU
+    process's RSS grew with every request of the last request_timeout_s)."""
+    import gc
+
+    from ringserve.gpu_proc.request import Request
+
+    h = make_harness(num_blocks=64, block_size=4, max_rows=8)
+    for rid in range(600):
+        assert h.sched.admit(make_request(rid, 5, max_tokens=2, ignore_eos=True)).accepted
+        if rid % 8 == 7:
+            h.run_until_idle()
+    h.run_until_idle()
+    h.tokens.clear()
+    h.finishes.clear()
+    gc.collect()
+    held = sum(1 for o in gc.get_objects() if type(o) is Request)
+    assert held <= 64 + 8

@@ -19,7 +19,16 @@ def test_eos_stops_unless_ignored():
 
 def test_stop_token_ids_stop_even_with_ignore_eos():
     """A caller's stop token always stops."""
-    assert _reason(7, stop_token_ids=(7,), ignore_eos=True) == "stop"
+    assert _reason(7, stop_token_ids=frozenset({7}), ignore_eos=True) == "stop"
+
+
+def test_request_holds_stop_token_ids_as_a_set():
+    """However the ids arrive, a request's sampling holds them as a frozenset: the per-token
+    check costs one lookup, not a scan of every id (issue 15, break 4)."""
+    from ringserve.gpu_proc.request import SamplingSpec
+
+    spec = SamplingSpec(stop_token_ids=(9, 7, 9))
+    assert spec.stop_token_ids == frozenset({7, 9}) and isinstance(spec.stop_token_ids, frozenset)
 
 
 def test_length_limits():

@@ -110,3 +110,19 @@ def test_foreign_segment_is_refused():
     L.U64.pack_into(buf, L.CTRL_SCHEMA_OFF, 1)
     with pytest.raises(ControlError, match="restart all processes"):
         Control(buf)
+
+
+def test_gpu_exit_note_and_restart_status():
+    """A GPU process's exit note is told apart from its predecessor's by the sequence taken at
+    spawn; the supervisor's restart status round-trips, long errors clipped to fit."""
+    ctl = _make_control()
+    assert ctl.gpu_exit() == (0, None) and ctl.restart_status() is None
+    seq_at_spawn = ctl.gpu_exit()[0]
+    Control(ctl._buf).set_gpu_exit("CheckpointError: /m: model directory not found")  # the child
+    seq, note = ctl.gpu_exit()
+    assert seq != seq_at_spawn and note == "CheckpointError: /m: model directory not found"
+    ctl.set_restart_status({"state": "restarting", "last_error": "x" * 5000, "failures": 3,
+                            "retry_at": 12.5})
+    status = Control(ctl._buf).restart_status()
+    assert status["state"] == "restarting" and status["failures"] == 3 and status["retry_at"] == 12.5
+    assert status["last_error"].startswith("xxx") and len(status["last_error"]) < L.CTRL_NOTE_BYTES

@@ -1,0 +1,57 @@
+"""A prompt's size is checked before work is spent on it, and tokenizing never holds the event loop
+(docs/design.md#limits-and-timeouts).
+
+Bytes first: every token stands for at most `TextCodec.max_token_bytes` bytes of the prompt, so a
+prompt of B UTF-8 bytes is at least ceil(B / max_token_bytes) tokens. When that lower bound plus
+max_tokens is already over the context, the prompt is refused without tokenizing it: a 4 MB
+prompt costs a length check, not seconds of CPU. (The codec derives the bound only for tokenizers
+that never drop or shrink text; for others this check passes and the exact count decides.)
+
+Then the tokens: a long prompt is tokenized in a worker thread with `encode_batch`, which releases
+the GIL while the Rust tokenizer runs (plain `encode` holds it for the whole call, so a thread
+would not help), so the loop keeps streaming everyone else's tokens and beating the heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Executor
+
+from ringserve.api.errors import bad_request
+from ringserve.api.tokenizer import TextCodec
+
+
+def utf8_length(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def min_prompt_tokens(codec: TextCodec, text: str) -> int:
+    """A sound lower bound on the tokens `text` encodes to (0 when the codec cannot bound it)."""
+    per_token = codec.max_token_bytes
+    if per_token is None:
+        return 0
+    return -(-utf8_length(text) // per_token)
+
+
+def check_fits(prompt_tokens: int, max_tokens: int, context_limit: int, *, at_least: bool = False) -> None:
+    """400 `context_length_exceeded` when the prompt and max_tokens cannot fit the context."""
+    if prompt_tokens + max_tokens <= context_limit:
+        return
+    count = f"at least {prompt_tokens} tokens (from its length in bytes)" if at_least \
+        else f"{prompt_tokens} tokens"
+    raise bad_request(f"prompt ({count}) + max_tokens ({max_tokens}) is over the context limit "
+                      f"of {context_limit} tokens; shorten the prompt or lower max_tokens.",
+                      "prompt", code="context_length_exceeded")
+
+
+async def encode_prompt(codec: TextCodec, text: str, *, max_tokens: int, context_limit: int,
+                        executor: Executor | None, inline_chars: int) -> list[int]:
+    """The prompt's token ids, refusing a prompt too long to fit before tokenizing it. Prompts
+    up to `inline_chars` characters are tokenized inline (a thread hop costs more than they do)."""
+    check_fits(min_prompt_tokens(codec, text), max_tokens, context_limit, at_least=True)
+    if len(text) <= inline_chars or executor is None:
+        ids = codec.encode(text)
+    else:
+        ids = await asyncio.get_running_loop().run_in_executor(executor, codec.encode_unlocked, text)
+    check_fits(len(ids), max_tokens, context_limit)
+    return ids
