@@ -27,6 +27,10 @@ class EventEncoder:
                       + _enc(created) + b',"model":' + _enc(model) + b',"choices":[{"index":')
         self._tail_head = b',"request_id":' + _enc(request_id) + b',"index":'
 
+    def start(self, n: int) -> bytes:
+        """No preamble: the first event already carries the first token."""
+        return b""
+
     def token(self, index: int, text: str, token_id: int, logprob: float,
               logprobs: dict | None = None) -> bytes:
         """`{"id","object","created","model","choices":[{"index","text","logprobs","finish_reason":null}],

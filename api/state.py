@@ -9,6 +9,7 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from ringserve.api.auth import Authenticator
+from ringserve.api.chat_template import ChatTemplate
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.metrics import StatsSnapshot
 from ringserve.api.registry import Registry
@@ -48,6 +49,8 @@ class ApiState:
     publish: Callable[[WorkerStats], None] | None = None
     # Seconds the GPU process takes to (re)load, for Retry-After while it is not ready.
     reload_s: Callable[[], float] = lambda: DEFAULT_RELOAD_S
+    # The model's chat template (None: the model has none, /v1/chat/completions answers 400).
+    chat_template: ChatTemplate | None = None
 
 
 STATE: web.AppKey[ApiState] = web.AppKey("ringserve_api_state", ApiState)
