@@ -14,7 +14,7 @@ from typing import Protocol
 
 from ringserve.api.detokenizer import Detokenizer
 from ringserve.api.errors import error_object, error_type
-from ringserve.api.sse import EventEncoder
+from ringserve.api.sse import Encoder
 from ringserve.api.stop_strings import StopMatcher
 from ringserve.api.tokenizer import TextCodec
 from ringserve.shm.messages import Error, Finish, Token
@@ -83,7 +83,7 @@ class Generation:
     """Output state of one request with `n` samples."""
 
     def __init__(self, codec: TextCodec, *, n: int, stop: tuple[str, ...], prompt_tokens: int,
-                 arrival: float, encoder: EventEncoder | None, logprobs: int | None = None,
+                 arrival: float, encoder: Encoder | None, logprobs: int | None = None,
                  logprob_format: LogprobFormat = COMPLETION_LOGPROBS) -> None:
         """`encoder` writes the route's SSE events (None: not streaming); `logprobs` is the
         request's setting (None: no logprobs objects), shown as `logprob_format` says."""

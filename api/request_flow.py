@@ -21,7 +21,7 @@ from aiohttp import web
 from ringserve.api.errors import ApiError, bad_request
 from ringserve.api.generation import COMPLETION_LOGPROBS, Generation, LogprobFormat
 from ringserve.api.registry import OpenRequest
-from ringserve.api.sse import DONE
+from ringserve.api.sse import DONE, Encoder
 from ringserve.api.state import REQUEST_ID, TENANT, ApiState
 from ringserve.shm.messages import SamplingParams, Submit
 
@@ -52,13 +52,12 @@ class Job:
 class Output:
     """A route's response shapes.
 
-    `encoder(request_id, model, created, timing)` builds the SSE encoder of a streamed request
-    (`timing()` is the request's timing so far); it has `start(n)` (bytes before the first token),
-    `token`, `finish`, `error` and `usage(usage, timing)` (the event before [DONE], may be empty).
-    `body(request_id, model, gen)` is the JSON body of a non-streamed one.
+    `encoder(request_id, model, created, timing)` builds the `sse.Encoder` of a streamed request
+    (`timing()` is the request's timing so far); `body(request_id, model, gen)` is the JSON body
+    of a non-streamed one.
     """
 
-    encoder: Callable
+    encoder: Callable[[str, str, int, Callable[[], dict]], Encoder]
     body: Callable[[str, str, Generation], dict]
     logprob_format: LogprobFormat = COMPLETION_LOGPROBS
 

