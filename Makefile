@@ -24,6 +24,8 @@ $(STAMP): setup.cfg pyproject.toml
 
 install: $(STAMP)
 
+# Serves SmolLM2-135M-Instruct, fetched and converted into ~/.cache/ringserve on the first start;
+# `make serve ARGS='--model tiny'` (or a checkpoint directory, or a .gguf file) serves another.
 serve: $(STAMP)
 	$(VENV)/bin/ringserve serve $(ARGS)
 

@@ -1,11 +1,12 @@
 """`init_app`: the aiohttp application of one API worker.
 
-Routes: POST /v1/completions, DELETE /v1/requests/{request_id}, GET /v1/models, /health, /ready,
-/metrics. Three middlewares: errors in the OpenAI shape (with x-request-id when one was assigned),
-the connection guard (the connection is busy; the body must arrive within body_timeout_s), then
-authentication (deny by default; /health, /ready and /metrics are open). Background work — the GPU
-client's transport, the tokenizer thread pool, the slow-reader watchdog and the connection
-guard's sweep — is owned by `cleanup_ctx`, so it starts and stops with the app.
+Routes: POST /v1/completions, POST /v1/chat/completions, DELETE /v1/requests/{request_id},
+GET /v1/models, /health, /ready, /metrics. Three middlewares: errors in the OpenAI shape (with
+x-request-id when one was assigned), the connection guard (the connection is busy; the body must
+arrive within body_timeout_s), then authentication (deny by default; /health, /ready and /metrics
+are open). Background work — the GPU client's transport, the tokenizer thread pool, the
+slow-reader watchdog and the connection guard's sweep — is owned by `cleanup_ctx`, so it starts and
+stops with the app.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from aiohttp import web
 
 from ringserve.api.auth import PUBLIC_PATHS, Authenticator
 from ringserve.api.availability import gpu_not_ready
+from ringserve.api.chat import handle_chat_completions
+from ringserve.api.chat_template import ChatTemplate
 from ringserve.api.completions import handle_completions
 from ringserve.api.connections import ConnectionGuard
 from ringserve.api.errors import ApiError, from_http_exception
@@ -32,6 +35,9 @@ from ringserve.api.worker_stats import WorkerStats
 from ringserve.config import Config
 
 
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
 def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name: str,
              ready: Callable[[], bool], stats_source: Callable[[ApiState], StatsSnapshot] | None = None,
              auth: Authenticator | None = None, worker: int = 0,
@@ -39,14 +45,16 @@ def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name:
              publish: Callable[[WorkerStats], None] | None = None,
              publish_every_s: float = 0.25,
              reload_s: Callable[[], float | None] | None = None,
-             restart_status: Callable[[], dict | None] | None = None) -> web.Application:
+             restart_status: Callable[[], dict | None] | None = None,
+             chat_template: ChatTemplate | None = None) -> web.Application:
     """Build a worker's app. `ready()` says whether the GPU process is ready (control block);
     `stats_source(state)` returns the server-wide stats snapshot for /metrics (default: this
     worker's own counters only); `publish(stats)`, if given, runs every `publish_every_s` and at
     shutdown to copy this worker's stats into its control-block region (and beat its heartbeat);
     `peers`, if given, lets a DELETE reach the request's worker whichever worker receives it;
     `reload_s()` is the GPU process's measured load time (None: unknown), for Retry-After;
-    `restart_status()` the supervisor's restart status, quoted while the GPU process is down."""
+    `restart_status()` the supervisor's restart status, quoted while the GPU process is down;
+    `chat_template` formats /v1/chat/completions messages (None: that route answers 400)."""
     guard = ConnectionGuard(config)
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[_error_middleware, guard.middleware, _auth_middleware])
@@ -54,13 +62,15 @@ def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name:
     state = ApiState(config=config, client=client, codec=codec, model_name=model_name, ready=ready,
                      stats_source=lambda: source(state), auth=auth or Authenticator(),
                      registry=Registry(worker), connections=guard, publish=publish,
-                     remote_cancel=peers.cancel if peers is not None else None)
+                     remote_cancel=peers.cancel if peers is not None else None,
+                     chat_template=chat_template)
     if reload_s is not None:
         state.reload_s = lambda: _reload_or_default(reload_s)
     if restart_status is not None:
         state.restart_status = restart_status
     app[STATE] = state
     app.router.add_post("/v1/completions", handle_completions)
+    app.router.add_post("/v1/chat/completions", handle_chat_completions)
     app.router.add_delete("/v1/requests/{request_id}", _handle_delete)
     app.router.add_get("/v1/models", _handle_models)
     app.router.add_get("/health", _handle_health)
@@ -89,7 +99,7 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
             raise
         error = from_http_exception(exc)
     st = request.app[STATE]
-    if request.path == "/v1/completions":
+    if request.path in GENERATION_PATHS:
         st.stats.count_rejection(error.status)
     rid = request.get(REQUEST_ID)
     return error.response({"x-request-id": rid} if rid else None)

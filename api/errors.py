@@ -104,7 +104,7 @@ def from_http_exception(exc: web.HTTPException) -> ApiError:
         return ApiError(413, f"Request body too large: {exc.text or 'over the limit'}. "
                              "Send a shorter prompt.", code="request_too_large")
     if exc.status == 404:
-        return ApiError(404, "Unknown path; see /v1/completions and /v1/models.", code="not_found")
+        return ApiError(404, "Unknown path; see /v1/completions, /v1/chat/completions and /v1/models.", code="not_found")
     if exc.status == 405:
         return ApiError(405, f"Method not allowed: {exc.text}", code="method_not_allowed")
     return ApiError(exc.status, exc.reason or "HTTP error", code="http_error")

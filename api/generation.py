@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ringserve.api.detokenizer import Detokenizer
 from ringserve.api.errors import error_object, error_type
-from ringserve.api.sse import EventEncoder
+from ringserve.api.sse import Encoder
 from ringserve.api.stop_strings import StopMatcher
 from ringserve.api.tokenizer import TextCodec
 from ringserve.shm.messages import Error, Finish, Token
@@ -21,6 +22,42 @@ from ringserve.shm.messages import Error, Finish, Token
 # GPU finish reasons as the client sees them (the API promises stop | length | cancelled).
 _CLIENT_REASON = {"stop": "stop", "length": "length", "cancelled": "cancelled",
                   "deadline": "cancelled"}
+
+
+class LogprobFormat(Protocol):
+    """How a route shows token logprobs: one entry per token, one object per streamed event, and
+    the object of a whole sample (non-streaming)."""
+
+    def entry(self, codec: TextCodec, item: Token, offset: int) -> object:
+        """One token's entry; `offset` is where its text starts in the sample's text."""
+
+    def event(self, entry: object) -> dict:
+        """The logprobs object of the streamed event carrying that one token."""
+
+    def collect(self, entries: list) -> dict:
+        """The logprobs object of a whole sample."""
+
+
+class CompletionLogprobs:
+    """/v1/completions: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` columns."""
+
+    def entry(self, codec: TextCodec, item: Token, offset: int) -> tuple:
+        top = None
+        if item.top_logprobs:
+            top = {codec.decode([tid]): lp for tid, lp in item.top_logprobs}
+        return codec.decode([item.token_id]), item.logprob, top, offset
+
+    def event(self, entry: tuple) -> dict:
+        token, logprob, top, _ = entry
+        return {"tokens": [token], "token_logprobs": [logprob],
+                "top_logprobs": [top] if top is not None else None, "text_offset": [0]}
+
+    def collect(self, entries: list) -> dict:
+        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+                "top_logprobs": [e[2] for e in entries], "text_offset": [e[3] for e in entries]}
+
+
+COMPLETION_LOGPROBS = CompletionLogprobs()
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +75,7 @@ class Sample:
     tokens: int = 0
     reason: str | None = None  # the client-visible finish reason, once finished
     gpu_done: bool = False  # the GPU process reported this sample's Finish
-    logprobs: dict | None = None  # OpenAI logprobs object (non-streaming, when asked for)
+    logprobs: list | None = None  # per-token logprob entries (non-streaming, when asked for)
     chars: int = 0  # characters of text so far (the logprobs text_offset)
 
 
@@ -46,12 +83,15 @@ class Generation:
     """Output state of one request with `n` samples."""
 
     def __init__(self, codec: TextCodec, *, n: int, stop: tuple[str, ...], prompt_tokens: int,
-                 arrival: float, encoder: EventEncoder | None, logprobs: int | None = None) -> None:
+                 arrival: float, encoder: Encoder | None, logprobs: int | None = None,
+                 logprob_format: LogprobFormat = COMPLETION_LOGPROBS) -> None:
+        """`encoder` writes the route's SSE events (None: not streaming); `logprobs` is the
+        request's setting (None: no logprobs objects), shown as `logprob_format` says."""
         self.codec = codec
         self.samples = [Sample(Detokenizer(codec), StopMatcher(stop) if stop else None,
-                               logprobs={"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                                         "text_offset": []} if logprobs is not None else None)
+                               logprobs=[] if logprobs is not None else None)
                         for _ in range(n)]
+        self.logprob_format = logprob_format
         self.prompt_tokens = prompt_tokens
         self.arrival = arrival
         self.encoder = encoder
@@ -90,7 +130,7 @@ class Generation:
                 hit = False
                 if s.stops is not None:
                     text, hit = s.stops.feed(text)
-                lp = self._logprobs(s, item, text) if self.want_logprobs is not None else None
+                lp = self._logprobs(s, item) if self.want_logprobs is not None else None
                 if enc is not None:
                     out.append(enc.token(item.index, text, item.token_id, item.logprob, lp))
                 elif text:
@@ -181,8 +221,13 @@ class Generation:
         return (self.last_token_t - self.first_token_t) * 1000.0 / (per_sample - 1)
 
     def choices(self) -> list[dict]:
-        return [{"index": i, "text": "".join(s.parts), "logprobs": s.logprobs,
+        """The /v1/completions choices of a non-streamed request."""
+        return [{"index": i, "text": "".join(s.parts), "logprobs": self.sample_logprobs(s),
                  "finish_reason": s.reason} for i, s in enumerate(self.samples)]
+
+    def sample_logprobs(self, s: Sample) -> dict | None:
+        """A non-streamed sample's logprobs object, None when the request did not ask for one."""
+        return None if s.logprobs is None else self.logprob_format.collect(s.logprobs)
 
     # ------------------------------------------------------------------------------------------
     def _tail(self, s: Sample) -> str:
@@ -202,17 +247,10 @@ class Generation:
             s.parts.append(tail)
             s.chars += len(tail)
 
-    def _logprobs(self, s: Sample, item: Token, text: str) -> dict:
-        token = self.codec.decode([item.token_id])
-        top = None
-        if item.top_logprobs:
-            top = {self.codec.decode([tid]): lp for tid, lp in item.top_logprobs}
+    def _logprobs(self, s: Sample, item: Token) -> dict | None:
+        """The streamed event's logprobs object; when not streaming, the entry is kept instead."""
+        entry = self.logprob_format.entry(self.codec, item, s.chars)  # the offset before this text
         if self.encoder is not None:
-            return {"tokens": [token], "token_logprobs": [item.logprob],
-                    "top_logprobs": [top] if top is not None else None, "text_offset": [0]}
-        lp = s.logprobs
-        lp["text_offset"].append(s.chars)  # where this token's text starts (before appending it)
-        lp["tokens"].append(token)
-        lp["token_logprobs"].append(item.logprob)
-        lp["top_logprobs"].append(top)
-        return lp
+            return self.logprob_format.event(entry)
+        s.logprobs.append(entry)
+        return None

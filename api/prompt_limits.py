@@ -33,7 +33,8 @@ def min_prompt_tokens(codec: TextCodec, text: str) -> int:
     return -(-utf8_length(text) // per_token)
 
 
-def check_fits(prompt_tokens: int, max_tokens: int, context_limit: int, *, at_least: bool = False) -> None:
+def check_fits(prompt_tokens: int, max_tokens: int, context_limit: int, *, at_least: bool = False,
+               param: str = "prompt") -> None:
     """400 `context_length_exceeded` when the prompt and max_tokens cannot fit the context."""
     if prompt_tokens + max_tokens <= context_limit:
         return
@@ -41,17 +42,20 @@ def check_fits(prompt_tokens: int, max_tokens: int, context_limit: int, *, at_le
         else f"{prompt_tokens} tokens"
     raise bad_request(f"prompt ({count}) + max_tokens ({max_tokens}) is over the context limit "
                       f"of {context_limit} tokens; shorten the prompt or lower max_tokens.",
-                      "prompt", code="context_length_exceeded")
+                      param, code="context_length_exceeded")
 
 
 async def encode_prompt(codec: TextCodec, text: str, *, max_tokens: int, context_limit: int,
-                        executor: Executor | None, inline_chars: int) -> list[int]:
+                        executor: Executor | None, inline_chars: int, add_special_tokens: bool = True,
+                        param: str = "prompt") -> list[int]:
     """The prompt's token ids, refusing a prompt too long to fit before tokenizing it. Prompts
-    up to `inline_chars` characters are tokenized inline (a thread hop costs more than they do)."""
-    check_fits(min_prompt_tokens(codec, text), max_tokens, context_limit, at_least=True)
+    up to `inline_chars` characters are tokenized inline (a thread hop costs more than they do).
+    `add_special_tokens=False` for text that holds them already (a rendered chat template)."""
+    check_fits(min_prompt_tokens(codec, text), max_tokens, context_limit, at_least=True, param=param)
     if len(text) <= inline_chars or executor is None:
-        ids = codec.encode(text)
+        ids = codec.encode(text, add_special_tokens)
     else:
-        ids = await asyncio.get_running_loop().run_in_executor(executor, codec.encode_unlocked, text)
-    check_fits(len(ids), max_tokens, context_limit)
+        ids = await asyncio.get_running_loop().run_in_executor(executor, codec.encode_unlocked, text,
+                                                               add_special_tokens)
+    check_fits(len(ids), max_tokens, context_limit, param=param)
     return ids

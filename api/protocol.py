@@ -1,4 +1,6 @@
-"""`POST /v1/completions` bodies: decoded with msgspec, validated into a frozen `CompletionRequest`.
+"""`POST /v1/completions` bodies: decoded with msgspec, validated into a frozen `CompletionRequest`;
+and what both generation routes share (`SamplingBody` / `parse_sampling`, `decode_body`, the
+neutral-value rule), which `chat_protocol.py` builds on for `/v1/chat/completions`.
 
 Accepted and ignored (they never change the result at their neutral values, and we say so in the
 docs): `user`, `echo: false`, `suffix: null`, `best_of` equal to `n`, `frequency_penalty: 0`,
@@ -25,17 +27,16 @@ _MAX_ID = 2**31 - 1  # no vocabulary is larger; bigger ints would not even fit t
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = True
+    include_usage: bool = False  # OpenAI's default; /v1/completions always ends with usage
     continuous_usage_stats: bool = False
 
 
-class _Body(msgspec.Struct, forbid_unknown_fields=True):
-    """The wire shape; types only. Ranges and cross-field rules are checked in `parse_body`."""
+class SamplingBody(msgspec.Struct, forbid_unknown_fields=True):
+    """The fields /v1/completions and /v1/chat/completions share: model, sampling, stops, n,
+    streaming, the prefix-cache salt, and OpenAI fields accepted only at their neutral values.
+    Types only; `parse_sampling` validates them, once for both routes."""
 
-    prompt: str | list | None = None
-    prompt_token_ids: list[int] | None = None
     model: str | None = None
-    max_tokens: int | None = None
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
@@ -44,18 +45,39 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True):
     ignore_eos: bool = False
     seed: int | None = None
     n: int = 1
-    logprobs: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # prefix-cache isolation (vLLM's field): equal salts share blocks
     # accepted and ignored at their neutral values
     user: str | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+
+
+class _Body(SamplingBody):
+    """The /v1/completions wire shape; types only. Ranges and cross-field rules are checked in
+    `parse_body`."""
+
+    prompt: str | list | None = None
+    prompt_token_ids: list[int] | None = None
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    # accepted and ignored at their neutral values
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingFields:
+    """The validated shared fields (see `SamplingBody`)."""
+
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    n: int
+    stream: bool
+    cache_salt: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,18 +103,19 @@ class CompletionRequest:
 _decoder = msgspec.json.Decoder(_Body)
 _PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
+_AT = re.compile(r"at `\$\.([^`]+)`")
 
 
-def parse_body(raw: bytes, *, max_tokens_limit: int, default_max_tokens: int = 16) -> CompletionRequest:
-    """Decode and validate a request body, raising `ApiError(400)` naming the offending field."""
+def decode_body(decoder: msgspec.json.Decoder, raw: bytes):
+    """Decode a JSON request body, raising `ApiError(400)` that names the offending field."""
     try:
-        body = _decoder.decode(raw)
+        return decoder.decode(raw)
     except msgspec.ValidationError as exc:
         text = str(exc)
         unknown = _UNKNOWN.search(text)
         if unknown:
-            raise bad_request(f"Unknown field {unknown.group(1)!r}: ringserve does not support it "
-                              "and it could change the result.", unknown.group(1),
+            raise bad_request(f"Unknown field {unknown.group(1)!r}{_where(text)}: ringserve does not "
+                              "support it and it could change the result.", unknown.group(1),
                               code="unknown_field") from None
         path = _PATH.search(text)
         raise bad_request(f"Invalid request body: {text}", path.group(1) if path else None,
@@ -105,20 +128,48 @@ def parse_body(raw: bytes, *, max_tokens_limit: int, default_max_tokens: int = 1
     except UnicodeDecodeError as exc:  # msgspec's error for invalid UTF-8 inside a string
         raise bad_request(f"Request body is not valid UTF-8 ({exc.reason} at byte {exc.start}); "
                           "JSON text must be UTF-8.", None, code="invalid_json") from None
+
+
+def _where(text: str) -> str:
+    """` in messages[0]` for an unknown field inside an object of the body ('' at the top)."""
+    at = _AT.search(text)
+    return f" in {at.group(1)}" if at else ""
+
+
+def parse_body(raw: bytes, *, max_tokens_limit: int, default_max_tokens: int = 16) -> CompletionRequest:
+    """Decode and validate a request body, raising `ApiError(400)` naming the offending field."""
+    body = decode_body(_decoder, raw)
     _check_ignored(body)
     prompt_text, prompt_ids = _prompt(body)
-    max_tokens = default_max_tokens if body.max_tokens is None else body.max_tokens
-    if not 1 <= max_tokens <= max_tokens_limit:
-        raise bad_request(f"max_tokens must be between 1 and {max_tokens_limit}, got {max_tokens}.",
-                          "max_tokens")
-    if not 1 <= body.n <= MAX_N:
-        raise bad_request(f"n must be between 1 and {MAX_N}, got {body.n}.", "n")
+    max_tokens = check_max_tokens(default_max_tokens if body.max_tokens is None else body.max_tokens,
+                                  max_tokens_limit, "max_tokens")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {body.logprobs}.",
                           "logprobs")
+    common = parse_sampling(body)
     return CompletionRequest(prompt_text=prompt_text, prompt_ids=prompt_ids, model=body.model,
-                             max_tokens=max_tokens, sampling=_sampling(body), stop=_stops(body.stop),
-                             n=body.n, logprobs=body.logprobs, stream=body.stream, cache_salt=_salt(body))
+                             max_tokens=max_tokens, sampling=common.sampling, stop=common.stop,
+                             n=common.n, logprobs=body.logprobs, stream=common.stream,
+                             cache_salt=common.cache_salt)
+
+
+def check_max_tokens(value: int, limit: int, param: str) -> int:
+    if not 1 <= value <= limit:
+        raise bad_request(f"{param} must be between 1 and {limit}, got {value}.", param)
+    return value
+
+
+def parse_sampling(body: SamplingBody) -> SamplingFields:
+    """Validate the fields every generation route shares (`SamplingBody`)."""
+    if not 1 <= body.n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {body.n}.", "n")
+    check_neutral({
+        "frequency_penalty": body.frequency_penalty in (None, 0.0),
+        "presence_penalty": body.presence_penalty in (None, 0.0),
+        "logit_bias": not body.logit_bias,
+    })
+    return SamplingFields(sampling=_sampling(body), stop=_stops(body.stop), n=body.n,
+                          stream=body.stream, cache_salt=_salt(body))
 
 
 def _prompt(body: _Body) -> tuple[str | None, tuple[int, ...] | None]:
@@ -153,7 +204,7 @@ def _token_ids(ids: list[int], param: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _sampling(body: _Body) -> SamplingParams:
+def _sampling(body: SamplingBody) -> SamplingParams:
     temperature = 1.0 if body.temperature is None else body.temperature
     if not 0.0 <= temperature <= 2.0:
         raise bad_request(f"temperature must be between 0 and 2, got {temperature}.", "temperature")
@@ -186,15 +237,16 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def _check_ignored(body: _Body) -> None:
-    """Fields we accept only at values that leave the result unchanged."""
-    neutral = {
+    """/v1/completions fields we accept only at values that leave the result unchanged."""
+    check_neutral({
         "echo": body.echo is False,
         "suffix": body.suffix in (None, ""),
         "best_of": body.best_of in (None, body.n),
-        "frequency_penalty": body.frequency_penalty in (None, 0.0),
-        "presence_penalty": body.presence_penalty in (None, 0.0),
-        "logit_bias": not body.logit_bias,
-    }
+    })
+
+
+def check_neutral(neutral: dict[str, bool]) -> None:
+    """`neutral` maps a field to whether its value leaves the result unchanged; any other is 400."""
     for name, ok in neutral.items():
         if not ok:
             raise bad_request(f"{name} is not supported by ringserve; leave it unset or at its "
@@ -208,7 +260,7 @@ def check_model(requested: str | None, served: str) -> None:
                        param="model", code="model_not_found")
 
 
-def _salt(body: _Body) -> str | None:
+def _salt(body: SamplingBody) -> str | None:
     if body.cache_salt is not None and not 1 <= len(body.cache_salt) <= MAX_CACHE_SALT_CHARS:
         raise bad_request(f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters, got "
                           f"{len(body.cache_salt)}.", "cache_salt")

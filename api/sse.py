@@ -7,6 +7,8 @@ text, index, id and logprob; only the text and the logprob go through the JSON e
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import msgspec
 
 _enc = msgspec.json.encode
@@ -14,8 +16,25 @@ DONE = b"data: [DONE]\n\n"
 _INDEX = [str(i).encode() for i in range(64)]
 
 
+class Encoder(Protocol):
+    """What a route's SSE encoder provides (`EventEncoder` here, `chat_output.ChatEventEncoder`)."""
+
+    def start(self, n: int) -> bytes:
+        """Bytes before the first token (may be empty)."""
+
+    def token(self, index: int, text: str, token_id: int, logprob: float,
+              logprobs: dict | None = None) -> bytes: ...
+
+    def finish(self, index: int, text: str, reason: str) -> bytes: ...
+
+    def usage(self, usage: dict, timing: dict) -> bytes:
+        """The event after every sample finished (may be empty)."""
+
+    def error(self, body: dict) -> bytes: ...
+
+
 class EventEncoder:
-    """Encodes one request's events: token, finish, usage, error."""
+    """Encodes one /v1/completions request's events: token, finish, usage, error."""
 
     __slots__ = ("request_id", "model", "created", "_head", "_tail_head")
 
@@ -26,6 +45,10 @@ class EventEncoder:
         self._head = (b'data: {"id":' + _enc(request_id) + b',"object":"text_completion","created":'
                       + _enc(created) + b',"model":' + _enc(model) + b',"choices":[{"index":')
         self._tail_head = b',"request_id":' + _enc(request_id) + b',"index":'
+
+    def start(self, n: int) -> bytes:
+        """No preamble: the first event already carries the first token."""
+        return b""
 
     def token(self, index: int, text: str, token_id: int, logprob: float,
               logprobs: dict | None = None) -> bytes:

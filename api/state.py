@@ -9,6 +9,7 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from ringserve.api.auth import Authenticator
+from ringserve.api.chat_template import ChatTemplate
 from ringserve.api.connections import ConnectionGuard
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.metrics import StatsSnapshot
@@ -52,6 +53,8 @@ class ApiState:
     reload_s: Callable[[], float] = lambda: DEFAULT_RELOAD_S
     # The supervisor's restart status (control block): last GPU error, next attempt; None: none.
     restart_status: Callable[[], dict | None] = lambda: None
+    # The model's chat template (None: the model has none, /v1/chat/completions answers 400).
+    chat_template: ChatTemplate | None = None
 
 
 STATE: web.AppKey[ApiState] = web.AppKey("ringserve_api_state", ApiState)

@@ -54,14 +54,19 @@ class TextCodec:
     def from_dir(cls, path: str | Path) -> "TextCodec":
         return cls(tokenizers.Tokenizer.from_file(str(Path(path) / "tokenizer.json")))
 
-    def encode(self, text: str) -> list[int]:
-        """Prompt ids, with the model's special tokens (e.g. BOS) added as the tokenizer says."""
-        return self.tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Prompt ids, with the model's special tokens (e.g. BOS) added as the tokenizer says;
+        `add_special_tokens=False` for text that already holds them (a rendered chat template)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_unlocked(self, text: str) -> list[int]:
+    def token_id(self, token: str) -> int | None:
+        """The id of one token string (a special token's text), None if it is not in the vocabulary."""
+        return self.tokenizer.token_to_id(token)
+
+    def encode_unlocked(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`encode` for a worker thread: `encode_batch` releases the GIL while the tokenizer runs
         (`encode` does not), so the event loop keeps running beside it."""
-        return self.tokenizer.encode_batch([text])[0].ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

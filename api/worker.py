@@ -24,6 +24,7 @@ from aiohttp import web
 
 from ringserve.api.app import init_app
 from ringserve.api.auth import Authenticator, load_keys
+from ringserve.api.chat_template import ChatTemplate, ChatTemplateError
 from ringserve.api.connections import raise_open_file_limit
 from ringserve.api.gpu_client import GpuClient, Transport
 from ringserve.api.metrics import StatsSnapshot
@@ -112,6 +113,7 @@ def run_worker(config: Config, *, index: int, transport: Callable[[], Transport]
     if now != before:
         log.info("open-file limit raised from %d to %d (each connection is a file)", before, now)
     codec = TextCodec.from_dir(tokenizer_dir)
+    chat_template = _load_chat_template(tokenizer_dir, codec)
     auth = Authenticator(load_keys(config.api_keys_file) if config.api_keys_file else None)
     sock = sock or listen_socket(config.host, config.port, config.listen_backlog)
 
@@ -124,11 +126,22 @@ def run_worker(config: Config, *, index: int, transport: Callable[[], Transport]
                            down_reason=lambda: (restart_status() or {}).get("last_error"))
         app = init_app(config, client, codec, model_name=model_name, ready=ready,
                        stats_source=stats_source, auth=auth, worker=index, publish=publish,
-                       peers=peers, reload_s=reload_s, restart_status=restart_status)
+                       peers=peers, reload_s=reload_s, restart_status=restart_status,
+                       chat_template=chat_template)
         await serve(config, app, sock, stop)
 
     uvloop.run(main())
     return 0
+
+
+def _load_chat_template(model_dir: str, codec: TextCodec) -> ChatTemplate | None:
+    """The model's chat template; one that does not compile leaves /v1/chat/completions answering
+    400 (and says why here) while /v1/completions keeps serving."""
+    try:
+        return ChatTemplate.load(model_dir, codec)
+    except ChatTemplateError as exc:
+        log.error("%s; /v1/chat/completions is unavailable", exc)
+        return None
 
 
 def run_attached(config: Config, *, slot: int, instance: str, bell_fds: list[int],

@@ -14,6 +14,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("ringserve.supervisor", "run the server: supervisor, GPU process and API workers"),
     "shm": ("ringserve.tools.shm_inspect", "list ringserve shared-memory segments and ring state"),
+    "fetch-model": ("ringserve.tools.fetch_model", "download and convert a model (or convert a .gguf) once"),
     "make-tiny-model": ("ringserve.tools.make_tiny_model", "build the small test Llama checkpoint"),
     "make-dummy-model": ("ringserve.tools.make_dummy_model", "a weightless Llama-3-8B / Llama-2-7B shape for --load-format dummy"),
     "drill": ("ringserve.tools.drill", "crash-and-restart drills against a running server"),

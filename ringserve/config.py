@@ -20,7 +20,9 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 8000
     workers: int = 0  # 0: derived from the CPU count
-    model: str | None = None  # local checkpoint directory; None: the built-in tiny model
+    # a checkpoint directory, a .gguf file, "tiny" or a known model name (ringserve/models.py);
+    # None: the default model, SmolLM2-135M-Instruct, fetched and converted on first start
+    model: str | None = None
     model_name: str | None = None  # the `model` id the API reports; default: the directory name
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     load_format: str = "auto"  # auto: the checkpoint's safetensors | dummy: random weights of its shape

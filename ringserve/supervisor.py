@@ -38,6 +38,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+from ringserve import models
 from ringserve.config import Config, ConfigError, parse_bool
 from ringserve.port_claim import PortInUse, claim_port
 from ringserve.restart_policy import RestartPolicy
@@ -60,21 +61,6 @@ STOP_GRACE_S = 5.0  # beyond the drain: how long a child has to exit after SIGTE
 
 def default_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
-
-
-def default_model_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "ringserve" / "tiny-llama"
-
-
-def ensure_tiny_model(path: Path) -> Path:
-    """The built-in model: built once (seconds) on first start, then reused."""
-    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
-        return path
-    log.info("building the built-in tiny model in %s", path)
-    subprocess.run([sys.executable, "-m", "ringserve", "make-tiny-model", str(path)], check=True,
-                   stdout=subprocess.DEVNULL)
-    return path
 
 
 def _die_with_parent() -> None:
@@ -429,7 +415,8 @@ class Supervisor:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ringserve serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="local Hugging Face checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--model", help=f"a checkpoint directory, a .gguf file, `tiny` (the random test "
+                   f"model) or a model name (default: {models.DEFAULT_MODEL}, fetched once)")
     p.add_argument("--shm-dir", default=L.DEFAULT_DIRECTORY, help=argparse.SUPPRESS)
     for f in fields(Config):
         if f.name == "model":
@@ -451,5 +438,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ringserve serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s supervisor %(levelname)s %(message)s")
-    model_dir = Path(config.model) if config.model else ensure_tiny_model(default_model_dir())
-    return Supervisor(config, model_dir, args.shm_dir).run()
+    try:
+        # Fetching or converting (first start only) runs in a child process: no torch here.
+        model = models.ensure(config.model, config.dtype)
+    except models.ModelError as exc:
+        log.error("%s", exc)
+        return 1
+    config = config.replace(model_name=config.model_name or model.name)
+    return Supervisor(config, model.directory, args.shm_dir).run()

@@ -65,3 +65,33 @@ def mid_model_dir(tmp_path_factory):
 
     spec = TinyModelSpec(num_layers=6, hidden_size=384, num_heads=6, num_kv_heads=2, intermediate_size=1024, seed=2)
     return build_tiny_model(tmp_path_factory.mktemp("mid-model"), spec)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as a checkpoint directory (`pathlib.Path`; treat it as read-only).
+
+    The real pretrained model: fetched and converted once per machine into ~/.cache/ringserve
+    (`ringserve fetch-model smollm2-135m-instruct`; its progress shows in the test output), then
+    reused by every session. A failed fetch fails the test with the reason; it is never a skip,
+    so CI without the model is red, not silently weaker.
+    """
+    from ringserve import models
+
+    try:
+        return models.ensure(models.DEFAULT_MODEL).directory
+    except models.ModelError as exc:
+        pytest.fail(f"SmolLM2-135M-Instruct is not available: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_dir):
+    """The GGUF file SmolLM2 was converted from (`pathlib.Path`, read-only): the reference that
+    transformers loads in the parity tests."""
+    from ringserve import models
+    from ringserve.tools.fetch_model import fetch_gguf
+
+    try:
+        return fetch_gguf(models.DEFAULT_MODEL)
+    except models.ModelError as exc:
+        pytest.fail(f"the SmolLM2 GGUF is not available: {exc}", pytrace=False)

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.timeout(300)
 
 SPEC = yaml.safe_load((Path(__file__).resolve().parents[1] / "docs" / "openapi.yaml").read_text())
 # Keep generated work small on a CPU: the spec's ranges, clamped for these fields only.
-CLAMP = {"max_tokens": (1, 4), "n": (1, 2), "logprobs": (0, 3)}
+CLAMP = {"max_tokens": (1, 4), "max_completion_tokens": (1, 4), "n": (1, 2), "logprobs": (0, 3),
+         "top_logprobs": (0, 3)}
 MAX_TEXT = 40
 MAX_ITEMS = 6
 
@@ -101,7 +102,7 @@ def server(tiny_model_dir, tmp_path_factory):
 def _check_answer(status: int, body, body_sent) -> None:
     assert status < 500, (status, body, body_sent)
     if status == 200:
-        if isinstance(body, dict) and body.get("object") == "text_completion":
+        if isinstance(body, dict) and body.get("object") in ("text_completion", "chat.completion"):
             assert all(c["finish_reason"] in ("stop", "length", "cancelled") for c in body["choices"])
         return
     assert 400 <= status < 500 and isinstance(body, dict), (status, body, body_sent)
@@ -112,8 +113,8 @@ def _check_answer(status: int, body, body_sent) -> None:
 OUTCOMES = {"completion": 0, "4xx": 0}  # so the last test can tell the fuzz exercised both paths
 
 
-def _post(srv, body) -> None:
-    req = urllib.request.Request(srv.url + "/v1/completions", data=json.dumps(body).encode(),
+def _post(srv, body, path: str = "/v1/completions") -> None:
+    req = urllib.request.Request(srv.url + path, data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
@@ -133,6 +134,22 @@ def _post(srv, body) -> None:
 def test_generated_requests_get_a_completion_or_a_4xx(server, body):
     """Bodies generated from the spec: never a 5xx; errors carry the error object."""
     _post(server, body)
+
+
+CHAT_REQUEST = SPEC["components"]["schemas"]["ChatCompletionRequest"]
+# Valid chat bodies always cap the answer (unset, it may run to the context limit).
+valid_chat_bodies = from_schema(CHAT_REQUEST).map(
+    lambda b: b if "max_tokens" in b or "max_completion_tokens" in b else {**b, "max_tokens": 3})
+confused_chat_bodies = st.builds(lambda b, k, v: {**b, k: v}, valid_chat_bodies,
+                                 st.sampled_from(sorted(CHAT_REQUEST["properties"]) + ["tools"]),
+                                 json_values)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(body=st.one_of(valid_chat_bodies, confused_chat_bodies))
+def test_generated_chat_requests_get_a_completion_or_a_4xx(server, body):
+    """Chat bodies generated from the spec (random roles, parts, options): never a 5xx."""
+    _post(server, body, "/v1/chat/completions")
 
 
 def _raw(srv, payload: bytes, read: bool = True, timeout: float = 20.0) -> bytes:

@@ -1,7 +1,7 @@
 """`ringserve make-tiny-model DIR`: a small Llama checkpoint built in about a second.
 
 The checkpoint is a real Hugging Face Llama directory — `config.json`, `model.safetensors`,
-`tokenizer.json`, `tokenizer_config.json`, `generation_config.json` — so the server, the tests and
+`tokenizer.json`, `tokenizer_config.json` (with a chat template), `generation_config.json` — so the server, the tests and
 `transformers.LlamaForCausalLM.from_pretrained` all load it the same way. Weights are random from a
 fixed seed; the tokenizer is a byte-level BPE trained with `tokenizers` on the text in
 `tools/data/` (English, CJK and emoji, so multi-byte merges exist and incremental detokenizing has
@@ -20,6 +20,19 @@ from pathlib import Path
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
+# A chat template in the shape real ones take (turn markers from the special tokens, a refusal for
+# a malformed conversation through raise_exception), so the chat route runs on the tiny model too.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if loop.index0 > 0 and message['role'] != 'system' "
+    "and message['role'] == messages[loop.index0 - 1]['role'] %}"
+    "{{- raise_exception('Conversation roles must alternate: two ' + message['role'] "
+    "+ ' messages in a row') }}"
+    "{%- endif %}"
+    "{{- bos_token + message['role'] + '\n' + message['content'] + eos_token + '\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- bos_token + 'assistant\n' }}{%- endif %}"
+)
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
@@ -171,6 +184,7 @@ def build_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = No
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": spec.max_position_embeddings,
+        "chat_template": CHAT_TEMPLATE,
     })
     _write_json(out / "special_tokens_map.json", {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN})
     _write_json(out / "config.json", hf_config(spec, vocab_size, bos_id, eos_id))

@@ -11,6 +11,7 @@ import pytest
 
 from ringserve.api.app import init_app
 from ringserve.api.auth import Authenticator
+from ringserve.api.chat_template import ChatTemplate
 from ringserve.api.fake_gpu import FakeGpu
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.metrics import StatsSnapshot
@@ -26,6 +27,12 @@ def codec(tiny_model_dir) -> TextCodec:
     return TextCodec.from_dir(tiny_model_dir)
 
 
+@pytest.fixture(scope="session")
+def chat_template(tiny_model_dir, codec) -> ChatTemplate:
+    """The tiny model's chat template (every test app gets it unless app_kw says otherwise)."""
+    return ChatTemplate.load(tiny_model_dir, codec)
+
+
 @dataclass
 class Served:
     client: object  # aiohttp TestClient
@@ -34,7 +41,7 @@ class Served:
 
 
 @pytest.fixture
-def serve(aiohttp_client, codec) -> Callable:
+def serve(aiohttp_client, codec, chat_template) -> Callable:
     """`await serve(fake=..., keys=..., ready=..., app_kw=..., **config)` -> Served, on a fresh app."""
 
     async def _serve(fake: FakeGpu | None = None, keys: frozenset[str] | None = None,
@@ -46,7 +53,7 @@ def serve(aiohttp_client, codec) -> Callable:
                        stats_source=lambda st: StatsSnapshot(gpu=fake.stats(),
                                                              workers=[st.stats.as_dict()],
                                                              block_size=16),
-                       **(app_kw or {}))
+                       **{"chat_template": chat_template, **(app_kw or {})})
         client = await aiohttp_client(app)
         return Served(client, fake, app[STATE])
 

@@ -21,13 +21,13 @@ class CountingCodec(TextCodec):
 
     calls = 0
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.calls += 1
-        return super().encode(text)
+        return super().encode(text, add_special_tokens)
 
-    def encode_unlocked(self, text: str) -> list[int]:
+    def encode_unlocked(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.calls += 1
-        return super().encode_unlocked(text)
+        return super().encode_unlocked(text, add_special_tokens)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,81 @@
+"""`POST /v1/chat/completions`: validate, render the messages with the model's chat template,
+tokenize, then submit and stream SSE or answer one JSON body (`request_flow.run`), exactly as
+/v1/completions does from there on (admission, fairness, cancel, slow reader, stop strings,
+restart errors, metrics).
+
+The answer ends at the template's end-of-turn token (added to the request's stop token ids unless
+`ignore_eos` asks for a fixed length). Without `max_tokens` the answer may run to the context limit
+(capped by the server's max_tokens limit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+
+import msgspec
+from aiohttp import web
+
+from ringserve.api.chat_output import CHAT_LOGPROBS, ChatEventEncoder, chat_body
+from ringserve.api.chat_protocol import ChatRequest, parse_chat_body
+from ringserve.api.chat_template import ChatTemplate, ChatTemplateError
+from ringserve.api.errors import bad_request
+from ringserve.api.protocol import check_model
+from ringserve.api.prompt_limits import check_fits, encode_prompt
+from ringserve.api.request_flow import Job, Output, check_available, run
+from ringserve.api.state import STATE, ApiState
+
+
+async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    st.stats.add("requests_total")
+    req = parse_chat_body(await request.read(), max_tokens_limit=st.config.max_tokens_limit)
+    check_model(req.model, st.model_name)
+    template = _template(st)
+    check_available(st)
+    try:
+        prompt_ids = await _prompt_ids(st, template, req)
+    except asyncio.CancelledError:
+        st.stats.add("disconnects")  # the client left while its prompt was tokenized
+        raise
+    max_tokens = req.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, min(st.config.max_tokens_limit, st.config.context_limit - len(prompt_ids)))
+    check_fits(len(prompt_ids), max_tokens, st.config.context_limit, param="messages")
+    common = req.common
+    sampling = common.sampling
+    if not sampling.ignore_eos:
+        stops = tuple(dict.fromkeys(sampling.stop_token_ids + template.end_of_turn_ids))
+        sampling = msgspec.structs.replace(sampling, stop_token_ids=stops)
+    job = Job(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, stop=common.stop,
+              n=common.n, logprobs=req.logprobs, stream=common.stream, cache_salt=common.cache_salt)
+    output = Output(encoder=partial(ChatEventEncoder, include_usage=req.include_usage),
+                    body=chat_body, logprob_format=CHAT_LOGPROBS)
+    return await run(request, st, job, output)
+
+
+def _template(st: ApiState) -> ChatTemplate:
+    if st.chat_template is None:
+        raise bad_request(f"The model {st.model_name!r} has no chat template (none in its "
+                          "tokenizer_config.json or chat_template.jinja), so it cannot format chat "
+                          "messages; use /v1/completions with a prompt, or serve a chat model.",
+                          "messages", code="no_chat_template")
+    return st.chat_template
+
+
+async def _prompt_ids(st: ApiState, template: ChatTemplate, req: ChatRequest) -> list[int]:
+    """Render, then tokenize as a prompt is (refused by its byte length before tokenizing when it
+    cannot fit; a long one off the event loop)."""
+    try:
+        text = template.render(req.messages)
+    except ChatTemplateError as exc:
+        raise bad_request(f"The model's chat template refused the messages: {exc}", "messages",
+                          code="chat_template_error") from None
+    # The rendered text holds the template's special tokens (BOS, turn markers) already.
+    ids = await encode_prompt(st.codec, text, max_tokens=req.max_tokens or 1,
+                              context_limit=st.config.context_limit, executor=st.executor,
+                              inline_chars=st.tokenize_inline_chars, add_special_tokens=False,
+                              param="messages")
+    if not ids:
+        raise bad_request("The chat template rendered these messages as an empty prompt.", "messages")
+    return ids

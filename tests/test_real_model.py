@@ -1,0 +1,197 @@
+"""The real pretrained model (SmolLM2-135M-Instruct) served end to end: greedy tokens identical to
+transformers (alone and among 32 concurrent requests), the `openai` client's chat and completions
+calls, and the marker test (200 concurrent requests, each copying its own code).
+
+The model is fetched once per machine (`smollm2_dir`); one server serves the whole module. Each
+test keeps to a few dozen tokens: a step of this model on a busy 2-CPU machine takes tens of ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import aiohttp
+import pytest
+
+from ringserve import models
+from ringserve.api.chat_template import ChatTemplate
+from ringserve.api.tokenizer import TextCodec
+from tests.serverutil import ServerProcess
+
+MODEL = "smollm2-135m-instruct"
+NEW_TOKENS = 24
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+TEXT_PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the first n Fibonacci numbers.\"\"\"\n",
+    "The secret code is QX7TRM4B. Remember it: QX7TRM4B. I repeat, the secret code is",
+    "The history of the lighthouse begins in antiquity. " * 12 + "In the nineteenth century,",
+]
+# Codes the model copies reliably: eight distinct characters (a 135M model drops a doubled or
+# repeated letter now and then, which would fail the test for the wrong reason), drawn from a
+# fixed seed, so every run sends the same 200 codes, each checked to be copied.
+CODE_ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
+CODE_SEED = 12
+MARKER_PROMPT = "The secret code is {code}. Remember it: {code}. I repeat, the secret code is"
+
+
+@pytest.fixture(scope="module")
+def codec(smollm2_dir) -> TextCodec:
+    return TextCodec.from_dir(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_dir, codec) -> list[list[int]]:
+    """Token ids: the chat-formatted question, code, a marker prompt, a ~150-token text."""
+    chat = ChatTemplate.load(smollm2_dir, codec).render(CAPITAL)
+    return [codec.encode(chat, add_special_tokens=False)] + [codec.encode(t) for t in TEXT_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_gguf, prompts) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt, the model loaded by its own GGUF loader
+    (ending with the EOS token when it comes, as the server's answers do)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    hf.eval()
+    eos = hf.generation_config.eos_token_id
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
+                              do_sample=False, pad_token_id=eos)[0, len(ids):].tolist()
+            out.append(gen[:gen.index(eos) + 1] if eos in gen else gen)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, tmp_path_factory):
+    """`ringserve serve --model smollm2-135m-instruct`: the name, resolved as `make serve` does."""
+    # queue_limit_s: 200 requests at once are far above 2 s of estimated CPU work; admission
+    # would rightly answer 429, which is not what these tests are about.
+    with ServerProcess(models.DEFAULT_MODEL, tmp_path_factory.mktemp("shm"), workers=2,
+                       queue_limit_s=600, ready_timeout_s=300) as srv:
+        yield srv
+
+
+async def _greedy_ids(session, url: str, ids: list[int], max_tokens: int = NEW_TOKENS) -> list[int]:
+    body = {"prompt_token_ids": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        raw = await resp.read()
+    events = [json.loads(b[6:]) for b in raw.split(b"\n\n") if b.startswith(b"data: {")]
+    return [e["token_id"] for e in events if "token_id" in e]
+
+
+def _filler(rng: random.Random, codec: TextCodec) -> dict:
+    words = "river stone light morning market garden quiet letter winter train".split()
+    text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 120)))
+    body = {"prompt": text, "max_tokens": rng.randint(4, 40), "temperature": rng.choice([0, 0.8])}
+    if body["temperature"]:
+        body["seed"] = rng.randint(0, 1000)
+    return body
+
+
+def test_greedy_tokens_match_transformers_alone(server, prompts, reference):
+    """Each prompt alone: the server's greedy tokens are transformers' tokens."""
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            return [await _greedy_ids(s, server.url, ids) for ids in prompts]
+
+    assert asyncio.run(main()) == reference
+
+
+def test_greedy_tokens_match_transformers_among_32_concurrent(server, prompts, reference, codec):
+    """The same prompts inside a batch of 32 concurrent requests of mixed lengths and sampling."""
+    rng = random.Random(7)
+    fillers = [_filler(rng, codec) for _ in range(32 - len(prompts))]
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            async def filler(body):
+                async with s.post(server.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+
+            results = await asyncio.gather(*[_greedy_ids(s, server.url, ids) for ids in prompts],
+                                           *[filler(b) for b in fillers])
+            return results[:len(prompts)]
+
+    assert asyncio.run(main()) == reference
+
+
+def test_chat_answer_is_real_english(server, codec, reference):
+    """The chat-formatted question's greedy answer, as text."""
+    assert codec.decode(reference[0]) == "The capital of France is Paris."
+
+
+def test_openai_client_chat(server):
+    """openai's chat.completions.create, plain and streamed (same greedy text, usage at the end)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    full = client.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=32, temperature=0)
+    choice = full.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "stop"
+    assert "Paris" in choice.message.content
+    stream = client.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=32, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_openai_client_completions(server):
+    """openai's completions.create continues a text sensibly."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                    temperature=0)
+    assert "Paris" in out.choices[0].text
+
+
+def marker_violations(codes: list[str], answers: list[str]) -> list[str]:
+    """Every answer must contain its own code and no other request's code."""
+    problems = []
+    for i, (code, answer) in enumerate(zip(codes, answers)):
+        if code not in answer:
+            problems.append(f"request {i}: its code {code} is missing from {answer!r}")
+        problems += [f"request {i}: holds {other}, another request's code" for other in codes
+                     if other != code and other in answer]
+    return problems
+
+
+def _code(rng: random.Random) -> str:
+    return "".join(rng.sample(CODE_ALPHABET, 8))
+
+
+def test_marker_200_concurrent_requests_each_copy_only_their_own_code(server):
+    """200 concurrent requests, each with its own random code that the model copies: every answer
+    holds its own code and none holds another's (a wrong block table or a crossed stream would)."""
+    rng = random.Random(CODE_SEED)
+    codes = list(dict.fromkeys(_code(rng) for _ in range(200)))
+
+    async def ask(session, code):
+        body = {"prompt": MARKER_PROMPT.format(code=code), "max_tokens": 10, "temperature": 0}
+        async with session.post(server.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return (await resp.json())["choices"][0]["text"]
+
+    async def main():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            return await asyncio.gather(*[ask(s, c) for c in codes])
+
+    answers = asyncio.run(main())
+    assert len(codes) == 200
+    assert marker_violations(codes, answers) == []
+    # The check bites: two answers swapped (a crossed stream) are two missing codes and two leaks.
+    swapped = [answers[1], answers[0], *answers[2:]]
+    assert len(marker_violations(codes, swapped)) == 4
