@@ -4,8 +4,10 @@ the sampler, built from the one Config. The scheduler (pure Python) sits beside 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -47,6 +49,21 @@ class Engine:
         return sample(logits, [s.sampling for s in rows], [s.context_len for s in rows])
 
 
+def _load_cpu_kernels(progress: Callable[[], None] | None) -> bool:
+    """Build (first start on this machine) and load the CPU kernels now, before READY, so no step
+    ever waits for a compiler; False, with the reason logged, where they cannot be built."""
+    from ringserve.gpu_proc.cpu_ext import CpuOpsUnavailable, load_cpu_ops
+
+    t0 = time.monotonic()
+    try:
+        load_cpu_ops(progress)
+    except CpuOpsUnavailable as exc:
+        log.warning("CPU kernels unavailable, serving with the torch reference path (slower): %s", exc)
+        return False
+    log.info("CPU kernels ready in %.1f s", time.monotonic() - t0)
+    return True
+
+
 def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype) -> int:
     if config.num_blocks:
         return config.num_blocks
@@ -65,12 +82,16 @@ def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype)
     return plan.num_blocks
 
 
-def build_engine(config: Config, model_dir: str | Path) -> Engine:
+def build_engine(config: Config, model_dir: str | Path, progress: Callable[[], None] | None = None) -> Engine:
+    """Load the model and size the KV pool. `progress` is called now and then during long load
+    phases (building the CPU kernels the first time), so a caller can keep its heartbeat alive."""
     device = resolve_device(config.device)
+    cpu_kernels = False
     if device.type == "cpu":
         # API workers share these cores: torch's default of one thread per core starves them.
         tune_cpu_process(config.cpu_threads)
-    model = load_model(model_dir, device, config.dtype)
+        cpu_kernels = config.cpu_kernels and _load_cpu_kernels(progress)
+    model = load_model(model_dir, device, config.dtype, cpu_kernels=cpu_kernels)
     dtype = next(model.parameters()).dtype
     special = read_special_tokens(model_dir)
     args = model.args

@@ -208,7 +208,7 @@ def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
     control.set_gpu_state(L.GpuState.STARTING, pid=os.getpid())
     control.gpu_heartbeat()
     t0 = time.monotonic()
-    engine = build_engine(config, model_dir)
+    engine = build_engine(config, model_dir, progress=control.gpu_heartbeat)
     sched = Scheduler(config, BlockManager(engine.num_blocks, config.block_size),
                       eos_token_ids=engine.eos_token_ids)
     loop = GpuLoop(config, shm, engine, sched)

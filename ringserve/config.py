@@ -26,6 +26,9 @@ class Config:
     # torch threads of the GPU process when it computes on the CPU: the API workers share the
     # cores, and oversubscribed torch threads slow each step many times over.
     cpu_threads: int = 1
+    # compiled CPU kernels (paged attention in place, fused norms/RoPE/SiLU, packed matmuls), built
+    # once per machine at start-up; false: the torch reference path
+    cpu_kernels: bool = True
     api_keys_file: str | None = None
     # KV pool
     block_size: int = 16

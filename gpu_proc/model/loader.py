@@ -137,8 +137,9 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
-               dtype: str | torch.dtype | None = "auto") -> Llama:
-    """Load a checkpoint directory onto `device` in `dtype`, ready for `forward` (setup done)."""
+               dtype: str | torch.dtype | None = "auto", cpu_kernels: bool = True) -> Llama:
+    """Load a checkpoint directory onto `device` in `dtype`, ready for `forward` (setup done; on the
+    CPU with the compiled kernels unless `cpu_kernels` is False, see `Llama.setup`)."""
     from safetensors import SafetensorError, safe_open
 
     model_dir = Path(model_dir)
@@ -180,7 +181,7 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
     if args.tie_word_embeddings:
         model.tie_weights()
     model.eval().requires_grad_(False)
-    model.setup(device)
+    model.setup(device, cpu_kernels=cpu_kernels)
     return model
 
 
