@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_ops
 from .attention.metadata import host_tensor
 from .step import RowSampling
 
@@ -191,6 +192,12 @@ def _nucleus_bound(probs: torch.Tensor, top_p: torch.Tensor) -> int:
     return min(vocab, int(count.cumsum(1).gather(1, last).max()))
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    if logits.device.type == "cpu" and cpu_ops.kernels_loaded():
+        return cpu_ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def sample_tensors(logits: torch.Tensor, plan: SamplingPlan
                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Device half: (`[2, R]` float64 of token ids and their logprobs — `[1, R]`, ids only, when no
@@ -202,7 +209,7 @@ def sample_tensors(logits: torch.Tensor, plan: SamplingPlan
     # Each pass over [rows, vocab] costs about as much as the whole host side at 256 rows, so
     # subsets are only cut out (copied) when a batch really mixes kinds of rows.
     all_random = plan.random_rows is not None and plan.random_rows.shape[0] == plan.num_rows
-    tokens = None if all_random else logits.argmax(dim=-1)  # greedy rows keep this
+    tokens = None if all_random else _argmax(logits)  # greedy rows keep this
     if plan.random_rows is not None:
         if all_random:
             z = logits / plan.temperature[:, None]  # [Rr, V]

