@@ -170,14 +170,29 @@ def _body(prompt: list[int], max_tokens: int, extra: dict) -> dict:
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
 
 
-def _drive(spec: ServerSpec, prompts: list[list[int]], concurrency: int, args) -> tuple[dict, list[Answer]]:
+def _drive(srv: RunningServer, prompts: list[list[int]], concurrency: int, args) -> tuple[dict, list[Answer]]:
+    spec = srv.spec
     bodies = [_body(p, args.output_tokens, spec.extra_body) for p in prompts]
+    cpu0 = srv.cpu_seconds()
     got, wall = asyncio.run(closed_loop(spec.url, bodies, concurrency, args.request_timeout_s))
+    used = {pid: t - cpu0.get(pid, 0.0) for pid, t in srv.cpu_seconds().items()}
+    cpu, busiest = sum(used.values()), max(used.values(), default=0.0)
     s = summarize(got, wall, args.output_tokens)
+    # The server's own CPU use. On a shared machine an engine with more busy threads (vLLM's engine
+    # core, worker and API server poll) takes a larger share of the cores than one busy thread gets,
+    # so tok/s there says as much about contention as about the engine. Tokens per CPU-second of the
+    # whole server, and of its busiest process (the one whose speed bounds throughput when each
+    # process has a core of its own), compare the work each engine does.
+    s["server_cpu_s"] = round(cpu, 2)
+    s["server_cores"] = round(cpu / wall, 2)
+    s["tok_per_cpu_s"] = round(s["output_tokens"] / cpu, 1) if cpu > 0 else None
+    s["busiest_process_cores"] = round(busiest / wall, 2)
+    s["tok_per_busiest_cpu_s"] = round(s["output_tokens"] / busiest, 1) if busiest > 0 else None
     s["loadavg"] = round(os.getloadavg()[0], 2)
     print(f"  {spec.engine} c={concurrency}: {s['tok_s']:.1f} tok/s, TTFT p50 {s['ttft_ms_p50']:.0f} ms, "
-          f"TPOT p50 {s['tpot_ms_p50']:.1f} ms ({s['ok']}/{s['requests']} ok, load {s['loadavg']})",
-          file=sys.stderr, flush=True)
+          f"TPOT p50 {s['tpot_ms_p50']:.1f} ms ({s['ok']}/{s['requests']} ok; server {s['server_cores']} cores, "
+          f"{s['tok_per_cpu_s']} tok/CPU-s, busiest process {s['busiest_process_cores']} cores, "
+          f"{s['tok_per_busiest_cpu_s']} tok/CPU-s; load {s['loadavg']})", file=sys.stderr, flush=True)
     return s, got
 
 
@@ -195,7 +210,7 @@ def run_engines(specs: list[ServerSpec], levels: dict[int, list[list[int]]], war
     groups = [specs] if args.order == "interleaved" else [[s] for s in specs]
     for group in groups:
         with contextlib.ExitStack() as stack:
-            running = []
+            running: list[RunningServer] = []
             for spec in group:
                 print(f"  {spec.engine}: starting ({' '.join(spec.argv[:6])} ...)", file=sys.stderr, flush=True)
                 log_path = logs / f"{model}-{spec.engine}.log"
@@ -209,15 +224,20 @@ def run_engines(specs: list[ServerSpec], levels: dict[int, list[list[int]]], war
                     continue
                 results[spec.engine]["start_s"] = round(srv.start_s, 1)
                 answers[spec.engine] = {}
-                running.append(spec)
-            for spec in running:
+                running.append(srv)
+            for srv in running:
                 if warmup:
-                    asyncio.run(closed_loop(spec.url, [_body(p, args.output_tokens, spec.extra_body) for p in warmup],
-                                            min(8, len(warmup)), args.request_timeout_s))
+                    asyncio.run(closed_loop(srv.spec.url, [_body(p, args.output_tokens, srv.spec.extra_body)
+                                                           for p in warmup], min(8, len(warmup)), args.request_timeout_s))
             for c, prompts in levels.items():
-                for spec in running:
-                    results[spec.engine]["levels"][str(c)], answers[spec.engine][c] = _drive(spec, prompts, c, args)
+                for srv in running:
+                    engine = srv.spec.engine
+                    results[engine]["levels"][str(c)], answers[engine][c] = _drive(srv, prompts, c, args)
     return results, answers
+
+
+def _ratio(a: dict, b: dict, key: str) -> float | None:
+    return round(a[key] / b[key], 3) if a.get(key) and b.get(key) else None
 
 
 def compare(ours: dict, peer: dict) -> dict:
@@ -228,6 +248,8 @@ def compare(ours: dict, peer: dict) -> dict:
         if not b or not b["tok_s"]:
             continue
         r = {"tok_s_ratio": round(a["tok_s"] / b["tok_s"], 3),
+             "tok_per_cpu_s_ratio": _ratio(a, b, "tok_per_cpu_s"),
+             "tok_per_busiest_cpu_s_ratio": _ratio(a, b, "tok_per_busiest_cpu_s"),
              "tpot_p50_ratio": round(a["tpot_ms_p50"] / b["tpot_ms_p50"], 3),
              "ttft_p95_ratio": round(a["ttft_ms_p95"] / b["ttft_ms_p95"], 3)}
         r["goal_ttft_p95"] = a["ttft_ms_p95"] <= b["ttft_ms_p95"]
@@ -329,7 +351,7 @@ def table(report: dict) -> str:
     if report["vllm_skipped"]:
         lines.append(f"vLLM skipped: {report['vllm_skipped']}")
     head = (f"{'model':<10}{'c':>4} {'engine':<10}{'tok/s':>9}{'TTFT p50':>10}{'p95':>9}{'TPOT p50':>10}"
-            f"{'p95':>9}{'ok':>9}")
+            f"{'p95':>9}{'ok':>9}{'cores':>7}{'tok/CPU-s':>11}{'busiest':>9}{'tok/CPU-s':>11}")
     for name, entry in report["models"].items():
         lines += ["", head]
         for eng, res in entry["engines"].items():
@@ -339,12 +361,16 @@ def table(report: dict) -> str:
             for c, s in res["levels"].items():
                 lines.append(f"{name:<10}{c:>4} {eng:<10}{s['tok_s']:>9.1f}{s['ttft_ms_p50']:>10.1f}"
                              f"{s['ttft_ms_p95']:>9.1f}{s['tpot_ms_p50']:>10.2f}{s['tpot_ms_p95']:>9.2f}"
-                             f"{s['ok'] - s['wrong_length']:>5}/{s['requests']:<3}")
+                             f"{s['ok'] - s['wrong_length']:>5}/{s['requests']:<3}{s['server_cores']:>7.2f}"
+                             f"{s['tok_per_cpu_s'] or 0:>11.1f}{s['busiest_process_cores']:>9.2f}"
+                             f"{s['tok_per_busiest_cpu_s'] or 0:>11.1f}")
         for c, r in entry.get("ratios", {}).items():
             goals = [f"{k.removeprefix('goal_')} {'met' if v else 'NOT met'}" for k, v in r.items()
                      if k.startswith("goal_")]
             agree = entry["agreement"][c]
-            lines.append(f"{name:<10}{c:>4} ratio     tok/s x{r['tok_s_ratio']:.2f}, TPOT p50 x{r['tpot_p50_ratio']:.2f}, "
+            per_cpu = (f", tok/CPU-s x{r['tok_per_cpu_s_ratio']:.2f} (busiest process x"
+                       f"{r['tok_per_busiest_cpu_s_ratio']:.2f})" if r["tok_per_cpu_s_ratio"] else "")
+            lines.append(f"{name:<10}{c:>4} ratio     tok/s x{r['tok_s_ratio']:.2f}{per_cpu}, TPOT p50 x{r['tpot_p50_ratio']:.2f}, "
                          f"TTFT p95 x{r['ttft_p95_ratio']:.2f}; {', '.join(goals)}; greedy answers identical "
                          f"{agree['identical']}/{agree['compared']}")
     return "\n".join(lines)

@@ -124,6 +124,24 @@ class RunningServer:
                                    f"({self.log_path}) ends:\n{self.log_tail()}")
             time.sleep(0.25)
 
+    def cpu_seconds(self) -> dict[int, float]:
+        """User + system CPU seconds so far of every process in the server's tree, by pid."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return {}
+        out = {}
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                out[p.pid] = t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
     def log_tail(self, chars: int = 3000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-chars:]

@@ -17,9 +17,14 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
 
 namespace ringserve_cpu {
 namespace {
@@ -86,6 +91,69 @@ inline void row_keys(const float* qr, const float* k, const float* v, int64_t n,
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define RS_BF16_DOT 1
+// bfloat16 caches on CPUs with AVX512-BF16: `vdpbf16ps` multiplies bfloat16 pairs into float32
+// accumulators, so keys and values are read as they lie, never widened first. Scores: the query
+// row (bfloat16, as the model computed it) against each key. P.V: probabilities rounded to
+// bfloat16 (as the reference rounds them to the cache dtype) times the values of two keys at a
+// time, interleaved so each 32-bit lane holds one dimension of both; the accumulators therefore
+// hold dimensions in the unpack instructions' order, put back in `store_row_bf16`.
+template <int64_t kDim>
+inline void row_keys_bf16(const c10::BFloat16* qr, float scale, const c10::BFloat16* k, const c10::BFloat16* v,
+                          int64_t n, bool full, float& m, float& l, float* acc) {
+  static_assert(kDim % 32 == 0, "row_keys_bf16 takes head dims of whole 32-element vectors");
+  constexpr int64_t kQ = kDim / 32;
+  const vi in_range = lane_index() < static_cast<int32_t>(n);
+  __m512bh qv[kQ];
+  for (int64_t c = 0; c < kQ; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
+  vf part[kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) {
+    __m512 a = _mm512_setzero_ps();
+    if (full || j < n)
+      for (int64_t c = 0; c < kQ; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(k + j * kDim + 32 * c));
+    part[j] = (vf)a;
+  }
+  vf scores = hsum16(part) * scale;
+  scores = in_range ? scores : splat(-std::numeric_limits<float>::infinity());
+  const float best = std::max(m, hmax(scores));
+  const float c = sexp(m - best);
+  vf p = vexp(scores - best);
+  p = in_range ? p : splat(0.0f);
+  l = l * c + hsum(p);
+  m = best;
+  uint32_t pairs[kLanes / 2];  // (p[2i], p[2i+1]) as two bfloat16 in one 32-bit word
+  const __m256bh pb = _mm512_cvtneps_pbh((__m512)p);
+  std::memcpy(pairs, &pb, sizeof pairs);
+  __m512 a[2 * kQ];
+  for (int64_t i = 0; i < 2 * kQ; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), _mm512_set1_ps(c));
+  for (int64_t j = 0; j < n; j += 2) {
+    const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pairs[j / 2]));
+    for (int64_t c2 = 0; c2 < kQ; ++c2) {
+      const __m512i v0 = _mm512_loadu_si512(v + j * kDim + 32 * c2);
+      // NOTE: an odd last key pairs with zeros, not with the slot after it (unwritten: maybe NaN).
+      const __m512i v1 = j + 1 < n ? _mm512_loadu_si512(v + (j + 1) * kDim + 32 * c2) : _mm512_setzero_si512();
+      a[2 * c2] = _mm512_dpbf16_ps(a[2 * c2], (__m512bh)_mm512_unpacklo_epi16(v0, v1), w);
+      a[2 * c2 + 1] = _mm512_dpbf16_ps(a[2 * c2 + 1], (__m512bh)_mm512_unpackhi_epi16(v0, v1), w);
+    }
+  }
+  for (int64_t i = 0; i < 2 * kQ; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
+}
+
+// acc (dimensions in unpack order) * inv -> dst, bfloat16 in dimension order.
+template <int64_t kDim>
+inline void store_row_bf16(const float* acc, float inv, c10::BFloat16* dst) {
+  // unpacklo holds dims 0-3, 8-11, 16-19, 24-27 of each 32; unpackhi dims 4-7, 12-15, 20-23, 28-31.
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t c = 0; c < kDim / 32; ++c) {
+    const __m512 lo = _mm512_loadu_ps(acc + 32 * c), hi = _mm512_loadu_ps(acc + 32 * c + 16);
+    store(dst + 32 * c, (vf)_mm512_permutex2var_ps(lo, first, hi) * inv);
+    store(dst + 32 * c + 16, (vf)_mm512_permutex2var_ps(lo, second, hi) * inv);
+  }
+}
+#endif
+
 // `count` elements of a cache block as float32: the block itself when T is float32, else widened
 // into `buf` (once per chunk, for every row of the work item).
 inline const float* as_float(const float* src, int64_t, float*) { return src; }
@@ -118,6 +186,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const float scale = static_cast<float>(scale_d);
+#ifdef RS_BF16_DOT
+  constexpr bool kNativeBf16 = std::is_same_v<T, c10::BFloat16> && kDim > 0 && kDim % 32 == 0;
+#else
+  constexpr bool kNativeBf16 = false;
+#endif
 
   TORCH_CHECK(qsl[0] == 0 && qsl[num_seqs] == q.size(0), "paged_attention: query_start_loc must run from 0 to ",
               q.size(0), ", got ", qsl[0], " .. ", qsl[num_seqs]);
@@ -137,6 +210,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     std::vector<float> qf(max_rows * head_dim), acc(max_rows * head_dim), m(max_rows), l(max_rows);
     std::vector<float> kbuf(block_elems), vbuf(block_elems);
     std::vector<int64_t> visible(max_rows);
+    std::vector<const T*> qrow(max_rows);
     for (int64_t it = begin; it < end; ++it) {
       const Item& item = items[it];
       const int64_t first_pos = lens[item.seq] - (qsl[item.seq + 1] - qsl[item.seq]);  // the chunk's first token
@@ -146,7 +220,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = (t - item.tok_lo) * group + g;
           const T* src = qp + t * q_tok_stride + (item.kv_head * group + g) * q_head_stride;
-          for (int64_t d = 0; d < head_dim; ++d) qf[r * head_dim + d] = to_f(src[d]) * scale;
+          qrow[r] = src;
+          if (!kNativeBf16)
+            for (int64_t d = 0; d < head_dim; ++d) qf[r * head_dim + d] = to_f(src[d]) * scale;
           visible[r] = first_pos + (t - qsl[item.seq]) + 1;  // keys 0 .. own position
           m[r] = -std::numeric_limits<float>::infinity();
           l[r] = 0.0f;
@@ -166,6 +242,18 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           prefetch(vp + next, block_elems * sizeof(T));
         }
         const int64_t in_block = std::min(block_size, max_visible - b * block_size);
+#ifdef RS_BF16_DOT
+        if constexpr (kNativeBf16) {
+          for (int64_t j = 0; j < in_block; j += kLanes)
+            for (int64_t r = 0; r < rows; ++r) {
+              const int64_t n = std::min<int64_t>(kLanes, visible[r] - b * block_size - j);
+              if (n > 0)
+                row_keys_bf16<kDim>(qrow[r], scale, kp + off + j * head_dim, vp + off + j * head_dim, n,
+                                    full_chunks || n == kLanes, m[r], l[r], acc.data() + r * head_dim);
+            }
+          continue;
+        }
+#endif
         const float* kf = as_float(kp + off, in_block * head_dim, kbuf.data());
         const float* vf_ = as_float(vp + off, in_block * head_dim, vbuf.data());
         for (int64_t j = 0; j < in_block; j += kLanes)
@@ -181,6 +269,12 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           const int64_t r = (t - item.tok_lo) * group + g;
           const float inv = 1.0f / l[r];
           T* dst = op + (t * num_heads + item.kv_head * group + g) * head_dim;
+#ifdef RS_BF16_DOT
+          if constexpr (kNativeBf16) {
+            store_row_bf16<kDim>(acc.data() + r * head_dim, inv, dst);
+            continue;
+          }
+#endif
           int64_t d = 0;
           for (; d + kLanes <= head_dim; d += kLanes) store(dst + d, load(acc.data() + r * head_dim + d) * inv);
           for (; d < head_dim; ++d) dst[d] = from_f<T>(acc[r * head_dim + d] * inv);
