@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .. import cpu_ops
-from ..attention import AttentionBackend, get_backend
+from ..attention import AttentionBackend, cpu_backend, get_backend
 from ..attention.metadata import AttentionMetadata
 from ..kv_pool import KVPool
 
@@ -276,18 +276,19 @@ class Llama(nn.Module):
         residual = None
         for i, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            if residual is None:
+            first = i == 0  # the launchers check the first layer; the others have the same shapes
+            if first:
                 residual, h = x, cpu_ops.rms_norm(x, layer.input_layernorm.weight, eps)
             else:
-                h = cpu_ops.add_rms_norm_(x, residual, layer.input_layernorm.weight, eps)
+                h = cpu_ops.add_rms_norm_(x, residual, layer.input_layernorm.weight, eps, check=False)
             qkv = attn.qkv(h)  # [T, (heads + 2 kv_heads) * head_dim]
             q, k, v = attn.split_qkv(qkv)  # views: [T, heads | kv_heads, head_dim]
-            cpu_ops.rope_(q, k, meta.positions, self.rope_cos, self.rope_sin)
-            self.backend.write_kv(k, v, kv_pool.k[i], kv_pool.v[i], meta.slot_mapping)
-            o = self.backend.paged_attention(q, kv_pool.k[i], kv_pool.v[i], meta, attn.scale)  # [T, heads, head_dim]
+            cpu_ops.rope_(q, k, meta.positions, self.rope_cos, self.rope_sin, check=first)
+            cpu_backend.write_kv(k, v, kv_pool.k[i], kv_pool.v[i], meta.slot_mapping, check=first)
+            o = cpu_backend.paged_attention(q, kv_pool.k[i], kv_pool.v[i], meta, attn.scale, check=first)  # [T, heads, head_dim]
             x = attn.o(o.view(t, -1))
-            h = cpu_ops.add_rms_norm_(x, residual, layer.post_attention_layernorm.weight, eps)
-            x = mlp.down(cpu_ops.silu_mul(mlp.gate_up(h)))  # silu_mul: [T, intermediate]
+            h = cpu_ops.add_rms_norm_(x, residual, layer.post_attention_layernorm.weight, eps, check=first)
+            x = mlp.down(cpu_ops.silu_mul(mlp.gate_up(h), check=first))  # silu_mul: [T, intermediate]
         if logits_indices.shape[0] != t:  # a prefill chunk samples only its last token
             x, residual = x[logits_indices], residual[logits_indices]
         h = cpu_ops.add_rms_norm_(x, residual, self.model.norm.weight, eps)  # [R, hidden]
