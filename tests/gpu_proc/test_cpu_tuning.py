@@ -44,3 +44,19 @@ def test_cpu_engine_applies_config_cpu_threads(tiny_model_dir):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_pin_binds_to_the_first_cpus_only_when_there_are_more():
+    """Pinning takes the first `count` allowed CPUs, and does nothing when no CPU would be left."""
+    import os
+
+    from ringserve.gpu_proc.cpu_tuning import pin_to_cpus
+
+    before = os.sched_getaffinity(0)
+    try:
+        assert pin_to_cpus(len(before)) is None and os.sched_getaffinity(0) == before
+        if len(before) > 1:
+            chosen = pin_to_cpus(1)
+            assert chosen == {min(before)} == os.sched_getaffinity(0)
+    finally:
+        os.sched_setaffinity(0, before)
