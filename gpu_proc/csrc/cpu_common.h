@@ -15,22 +15,26 @@
 
 namespace ringserve_cpu {
 
+// The helpers below are a handful of instructions each and sit in the innermost loops; GCC left
+// `vexp` out of line (a call per 16 keys, 2-3 % of a step), so inlining is not left to it.
+#define RS_INLINE inline __attribute__((always_inline))
+
 constexpr int kLanes = 16;
 typedef float vf __attribute__((vector_size(kLanes * 4)));
 typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
 typedef uint32_t vu32 __attribute__((vector_size(kLanes * 4)));
 typedef uint16_t vu16 __attribute__((vector_size(kLanes * 2)));
 
-inline vf splat(float x) { return vf{} + x; }
+RS_INLINE vf splat(float x) { return vf{} + x; }
 
 // Loads and stores of 16 elements at any alignment (memcpy compiles to one unaligned move).
-inline vf load(const float* p) {
+RS_INLINE vf load(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline vf load(const c10::BFloat16* p) {
+RS_INLINE vf load(const c10::BFloat16* p) {
   vu16 h;
   std::memcpy(&h, p, sizeof h);
   const vu32 w = __builtin_convertvector(h, vu32) << 16;
@@ -39,9 +43,9 @@ inline vf load(const c10::BFloat16* p) {
   return v;
 }
 
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+RS_INLINE void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-inline void store(c10::BFloat16* p, vf v) {
+RS_INLINE void store(c10::BFloat16* p, vf v) {
   vu32 b;
   std::memcpy(&b, &v, sizeof b);
   const vu32 rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;  // round to nearest even
@@ -51,9 +55,9 @@ inline void store(c10::BFloat16* p, vf v) {
 }
 
 // Rounds every lane through T and back: the values torch would hold after storing to a T tensor.
-template <typename T> inline vf round_to(vf v);
-template <> inline vf round_to<float>(vf v) { return v; }
-template <> inline vf round_to<c10::BFloat16>(vf v) {
+template <typename T> RS_INLINE vf round_to(vf v);
+template <> RS_INLINE vf round_to<float>(vf v) { return v; }
+template <> RS_INLINE vf round_to<c10::BFloat16>(vf v) {
   vu32 b;
   std::memcpy(&b, &v, sizeof b);
   const vu32 nan = (vu32)(v != v);
@@ -72,7 +76,7 @@ template <> inline vf round_to<c10::BFloat16>(vf v) {
 #endif
 
 // Horizontal sum and max as trees (4 shuffle steps), not a chain of 15 dependent operations.
-inline float hsum(vf v) {
+RS_INLINE float hsum(vf v) {
   v += RS_SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += RS_SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   v += RS_SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
@@ -80,9 +84,9 @@ inline float hsum(vf v) {
   return v[0];
 }
 
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+RS_INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }
 
-inline float hmax(vf v) {
+RS_INLINE float hmax(vf v) {
   v = vmax(v, RS_SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
   v = vmax(v, RS_SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
   v = vmax(v, RS_SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
@@ -92,7 +96,7 @@ inline float hmax(vf v) {
 
 // out[j] = hsum(a[j]) for 16 vectors at once: a transpose-and-add butterfly (15 adds, 30 shuffles
 // instead of 16 trees of 4 steps each). a is overwritten.
-inline vf hsum16(vf* a) {
+RS_INLINE vf hsum16(vf* a) {
   for (int k = 0; k < 8; ++k)  // lanes 0-7 <- a[2k], 8-15 <- a[2k+1]
     a[k] = RS_SHUFFLE(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            RS_SHUFFLE(a[2 * k], a[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -106,12 +110,12 @@ inline vf hsum16(vf* a) {
          RS_SHUFFLE(a[0], a[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-inline vi lane_index() { return vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+RS_INLINE vi lane_index() { return vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
 
 // exp(x) for x <= 88 within 2 ulp: 2^n from the exponent bits times a degree-6 polynomial for
 // e^f, |f| <= 0.347. Lanes below -87 give exp(-87) (about 1.6e-38): softmax and SiLU never need
 // the difference from 0.
-inline vf vexp(vf x) {
+RS_INLINE vf vexp(vf x) {
   x = x < splat(-87.0f) ? splat(-87.0f) : x;
   x = x > splat(88.0f) ? splat(88.0f) : x;
   const vf y = x * 1.4426950408889634f;  // log2(e)
@@ -131,8 +135,8 @@ inline vf vexp(vf x) {
 }
 
 // Scalar forms for loop tails (sizes that are not a multiple of 16).
-inline float to_f(float x) { return x; }
-inline float to_f(c10::BFloat16 x) {
+RS_INLINE float to_f(float x) { return x; }
+RS_INLINE float to_f(c10::BFloat16 x) {
   const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
@@ -140,7 +144,7 @@ inline float to_f(c10::BFloat16 x) {
 }
 template <typename T> inline T from_f(float f) { return T(f); }  // c10::BFloat16(float) rounds to nearest even
 template <typename T> inline float round_to(float f) { return to_f(from_f<T>(f)); }
-inline float sexp(float x) { return vexp(splat(x))[0]; }
+RS_INLINE float sexp(float x) { return vexp(splat(x))[0]; }
 
 // sum a[i] * b[i]; a float32, b of type T.
 template <typename T> inline float dot(const float* a, const T* b, int64_t n) {
