@@ -11,10 +11,12 @@ split into phases:
   the stop check and the `Token` record for the worker.
 
 Host overhead = prepare + other: Python work per step outside the forward and the sampler math.
-Models: the tiny checkpoint (real forward), and a null model with a 32,000-token vocabulary whose
-forward returns precomputed logits at once, which exposes the host overhead ("null": LM-like peaked
-logits; "flat": pure noise, the sampler's worst case for top-p). On CUDA every phase
-ends with a synchronize so its device time is its own. Figures are medians over `--iters` steps.
+Models: the tiny checkpoint (real forward; `--model` for another, `--dtype`, and `--reference` to
+run it beside itself on the torch reference path, CPU kernels off), and a null model with a
+32,000-token vocabulary whose forward returns precomputed logits at once, which exposes the host
+overhead ("null": LM-like peaked logits; "flat": pure noise, the sampler's worst case for top-p).
+On CUDA every phase ends with a synchronize so its device time is its own. Figures are medians
+over `--iters` steps.
 """
 
 from __future__ import annotations
@@ -126,12 +128,12 @@ def measure(runner, rows: int, iters: int, warmup: int = 3) -> dict[str, float]:
     return res
 
 
-def _tiny_runner(model_dir: str, device, max_rows: int):
+def _tiny_runner(model_dir: str, device, max_rows: int, dtype: str = "auto", cpu_kernels: bool = True):
     from ringserve.gpu_proc.kv_pool import KVPool
     from ringserve.gpu_proc.model.loader import load_model
     from ringserve.gpu_proc.model_runner import ModelRunner
 
-    model = load_model(model_dir, device=device)
+    model = load_model(model_dir, device=device, dtype=dtype, cpu_kernels=cpu_kernels)
     a = model.args
     return ModelRunner(model, KVPool(a.num_layers, max_rows * 64, a.num_kv_heads, a.head_dim,
                                      dtype=model.dtype, device=device))
@@ -144,7 +146,8 @@ def _null_runner(device, max_rows: int, flat: bool = False):
     return ModelRunner(NullModel(32000, max_rows, device, flat), KVPool(1, max_rows * 64, 1, 8, device=device))
 
 
-def run(device_name: str, rows_list: list[int], iters: int, model_dir: str | None, warmup: int = 3) -> dict:
+def run(device_name: str, rows_list: list[int], iters: int, model_dir: str | None, warmup: int = 3,
+        dtype: str = "auto", reference: bool = False) -> dict:
     import torch
 
     if device_name == "cuda" and not torch.cuda.is_available():
@@ -163,7 +166,10 @@ def run(device_name: str, rows_list: list[int], iters: int, model_dir: str | Non
             from ringserve.tools.make_tiny_model import build_tiny_model
 
             model_dir = str(build_tiny_model(tmp))
-        runners = {"tiny": _tiny_runner(model_dir, device, max_rows), "null": _null_runner(device, max_rows),
+        runners = {"tiny": _tiny_runner(model_dir, device, max_rows, dtype)}
+        if reference:  # the same model on the torch reference path (CPU kernels off), in the same run
+            runners["tiny_ref"] = _tiny_runner(model_dir, device, max_rows, dtype, cpu_kernels=False)
+        runners |= {"null": _null_runner(device, max_rows),
                    "flat": _null_runner(device, max_rows, flat=True)}
         for name, runner in runners.items():
             report["models"][name] = {str(r): measure(runner, r, iters, warmup) for r in rows_list}
@@ -175,6 +181,8 @@ def run(device_name: str, rows_list: list[int], iters: int, model_dir: str | Non
         report[f"prepare_ms_{r}"] = round(null["prepare"], 4)
         report[f"sample_ms_{r}_flat"] = round(report["models"]["flat"][str(r)]["sample"], 4)
         report[f"forward_ms_tiny_{r}"] = round(report["models"]["tiny"][str(r)]["forward"], 4)
+        if reference:
+            report[f"forward_ms_tiny_ref_{r}"] = round(report["models"]["tiny_ref"][str(r)]["forward"], 4)
     return report
 
 
@@ -203,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20, help="measured steps per point")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps before each point")
     p.add_argument("--model", default=None, help="checkpoint directory (default: build the tiny model)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="the model's dtype (auto: the checkpoint's; float32 on CPU for half-precision ones)")
+    p.add_argument("--reference", action="store_true",
+                   help="also run the model on the torch reference path (CPU kernels off): 'tiny_ref' rows")
     args = p.parse_args(argv)
     try:
         rows = sorted({int(x) for x in args.rows.split(",") if x.strip()})
@@ -210,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rows must be comma-separated integers, got {args.rows!r}")
     if not rows or rows[0] <= 0 or args.iters <= 0 or args.warmup < 0:
         p.error("--rows must be positive integers, --iters > 0 and --warmup >= 0")
-    report = run(args.device, rows, args.iters, args.model, args.warmup)
+    report = run(args.device, rows, args.iters, args.model, args.warmup, args.dtype, args.reference)
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0
 
