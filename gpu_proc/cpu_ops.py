@@ -3,9 +3,7 @@
 Each `*_reference` is the spec: the same math as `model/llama.py`'s modules (and Hugging Face's
 Llama), rounding to the model dtype where they do. The launchers check what the kernels assume
 (CPU, float32 or bfloat16, matching dtypes, contiguous rows) and raise ValueError before a kernel
-runs; `check=False` skips them where the caller has checked identical inputs already (the fused
-forward checks its first layer: every layer has the same shapes, dtypes and strides).
-`tests/gpu_proc/test_cpu_ops.py` sweeps shapes and dtypes against the references.
+runs. `tests/gpu_proc/test_cpu_ops.py` sweeps shapes and dtypes against the references.
 
 - `rms_norm(x, w, eps)` -> new tensor: `w * (x / rms(x))`, normalised in float32.
 - `add_rms_norm_(x, residual, w, eps)`: `residual += x`, then `x = rms_norm(residual)`, in place —
@@ -14,6 +12,9 @@ forward checks its first layer: every layer has the same shapes, dtypes and stri
   q and k may be views into one fused projection output.
 - `silu_mul(gate_up)` -> `silu(gate) * up` from the fused gate/up projection `[T, 2I]`.
 - `argmax_rows(logits)` -> `torch.argmax(logits, -1)` (greedy sampling), about 10x faster on CPU.
+- `block(x, residual, weights, step, check)`: one whole transformer block (`csrc/cpu_block.cpp`),
+  the kernels above and the packed matmuls in one call; `BlockWeights` and `BlockStep` hold what
+  stays fixed for a model and for a step.
 
 `PackedLinear` is the matmul side: a weight reordered once, at load, into oneDNN's blocked layout
 (what Inductor's CPU "freezing" does). On the 2-vCPU AMD machine of docs/BENCHMARKS.md it ran a
@@ -23,6 +24,8 @@ every call.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
@@ -45,10 +48,9 @@ def _check_weight(w: torch.Tensor, x: torch.Tensor) -> None:
         raise ValueError(f"weight of {w.shape[0]} elements for rows of {x.shape[-1]}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, check: bool = True) -> torch.Tensor:
-    if check:
-        _check("x", x, 2)
-        _check_weight(weight, x)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check("x", x, 2)
+    _check_weight(weight, x)
     out = torch.empty(x.shape, dtype=x.dtype)
     torch.ops.ringserve_cpu.rms_norm.default(x, weight, eps, out)
     return out
@@ -59,17 +61,15 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                  check: bool = True) -> torch.Tensor:
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += x; x = rms_norm(residual). Both in place; returns x."""
-    if check:
-        for name, t in (("x", x), ("residual", residual)):
-            _check(name, t, 2, x.dtype)
-            if not t.is_contiguous():
-                raise ValueError(f"{name}: must be contiguous, got strides {t.stride()}")
-        if residual.shape != x.shape:
-            raise ValueError(f"residual {tuple(residual.shape)} differs from x {tuple(x.shape)}")
-        _check_weight(weight, x)
+    for name, t in (("x", x), ("residual", residual)):
+        _check(name, t, 2, x.dtype)
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous, got strides {t.stride()}")
+    if residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+    _check_weight(weight, x)
     torch.ops.ringserve_cpu.add_rms_norm.default(x, residual, weight, eps)
     return x
 
@@ -82,10 +82,9 @@ def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torc
 
 
 def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-          sin: torch.Tensor, check: bool = True) -> None:
+          sin: torch.Tensor) -> None:
     """q `[T, H, D]`, k `[T, KVH, D]` rotated in place; cos/sin float32 `[max_pos, D]`; positions int64 `[T]`."""
-    if check:
-        _check_rope(q, k, positions, cos, sin)
+    _check_rope(q, k, positions, cos, sin)
     torch.ops.ringserve_cpu.rope.default(q, k, positions, cos, sin)
 
 
@@ -111,11 +110,10 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return (xf * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
 
 
-def silu_mul(gate_up: torch.Tensor, check: bool = True) -> torch.Tensor:
-    if check:
-        _check("gate_up", gate_up, 2)
-        if gate_up.shape[1] % 2:
-            raise ValueError(f"gate_up: expected [T, 2 * intermediate], got {tuple(gate_up.shape)}")
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    _check("gate_up", gate_up, 2)
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up: expected [T, 2 * intermediate], got {tuple(gate_up.shape)}")
     out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
     torch.ops.ringserve_cpu.silu_mul.default(gate_up, out)
     return out
@@ -127,18 +125,17 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear:
-    """`F.linear(x, weight, bias)` with the weight packed once for oneDNN; plain `F.linear` where
-    this torch has no oneDNN (the results are the same math, summed in another order)."""
+    """`F.linear(x, weight, bias)` with the weight packed once for oneDNN (which every x86/aarch64
+    torch wheel has; the fused forward is only used where `torch.backends.mkldnn` is available)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        if weight.device.type != "cpu" or weight.dtype not in DTYPES or weight.dim() != 2:
+            raise ValueError(f"weight: expected a 2-d float32 or bfloat16 CPU tensor, got {weight.dtype} "
+                             f"{tuple(weight.shape)} on {weight.device}")
         self.weight, self.bias = weight, bias
-        self.packed = None
-        if weight.device.type == "cpu" and weight.dtype in DTYPES and torch.backends.mkldnn.is_available():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise.default(x, self.packed, self.bias, "none", [], "")
 
 
@@ -155,3 +152,68 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     torch.ops.ringserve_cpu.argmax_rows.default(logits, out)
     return out
+
+
+@dataclass(frozen=True)
+class BlockWeights:
+    """One transformer block's weights in the order `torch.ops.ringserve_cpu.block` takes them."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qkv: PackedLinear
+    o: PackedLinear
+    gate_up: PackedLinear
+    down: PackedLinear
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+    def __post_init__(self) -> None:
+        hidden = self.input_norm.shape[0]
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes = {"qkv": (self.qkv.weight.shape, (q + 2 * kv, hidden)), "o": (self.o.weight.shape, (hidden, q)),
+                  "down": (self.down.weight.shape, (hidden, self.gate_up.weight.shape[0] // 2))}
+        for name, (got, want) in shapes.items():
+            if tuple(got) != want:
+                raise ValueError(f"{name} weight {tuple(got)} does not fit the block (expected {want})")
+
+    def args(self) -> tuple:
+        return (self.input_norm, self.post_norm, self.eps, self.qkv.packed, self.qkv.bias, self.o.packed,
+                self.o.bias, self.gate_up.packed, self.gate_up.bias, self.down.packed, self.down.bias,
+                self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+
+
+def block(x: torch.Tensor, residual: torch.Tensor | None, weights: tuple, step: tuple, check: bool = True
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One transformer block: returns (the block's output, the residual stream). `weights` is
+    `BlockWeights.args()`; `step` is (positions, cos, sin, slot_mapping, k_cache, v_cache, meta).
+    x (and residual) are overwritten. With `check`, every shape the kernels rely on is checked
+    first, as the one-op launchers check theirs."""
+    positions, cos, sin, slot_mapping, k_cache, v_cache, meta = step
+    if check:
+        _check_block(x, residual, weights, step)
+    return torch.ops.ringserve_cpu.block.default(
+        x, residual, *weights, positions, cos, sin, slot_mapping, k_cache, v_cache,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables)
+
+
+def _check_block(x, residual, weights: tuple, step: tuple) -> None:
+    from .attention import cpu_backend
+
+    positions, cos, sin, slot_mapping, k_cache, v_cache, meta = step
+    input_norm, num_heads, num_kv_heads, head_dim = weights[0], weights[11], weights[12], weights[13]
+    _check("x", x, 2)
+    _check_weight(input_norm, x)
+    if not x.is_contiguous():
+        raise ValueError(f"x: must be contiguous, got strides {x.stride()}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):
+        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} does not match x {x.dtype} {tuple(x.shape)}")
+    # The kernels' own launchers check views of these shapes; the block makes them the same way.
+    t = x.shape[0]
+    q = torch.empty((t, num_heads, head_dim), dtype=x.dtype)
+    k = torch.empty((t, num_kv_heads, head_dim), dtype=x.dtype)
+    _check_rope(q, k, positions, cos, sin)
+    cpu_backend.check_write(k, k, k_cache, v_cache, slot_mapping)
+    cpu_backend.check_attention(q, k_cache, v_cache, meta)

@@ -48,15 +48,13 @@ def _check_index(name: str, x: torch.Tensor, dtype: torch.dtype, dims: int) -> N
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, check: bool = True) -> None:
-    """Store new keys/values `[T, num_kv_heads, head_dim]` at their flat slots (-1: skip).
-    `check=False`: the caller checked these shapes already (the fused forward's later layers)."""
-    if check:
-        _check_write(k, v, k_cache, v_cache, slot_mapping)
+             slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values `[T, num_kv_heads, head_dim]` at their flat slots (-1: skip)."""
+    check_write(k, v, k_cache, v_cache, slot_mapping)
     torch.ops.ringserve_cpu.write_kv.default(k, v, k_cache, v_cache, slot_mapping)
 
 
-def _check_write(k, v, k_cache, v_cache, slot_mapping) -> None:
+def check_write(k, v, k_cache, v_cache, slot_mapping) -> None:
     _check_cache("k_cache", k_cache)
     _check_cache("v_cache", v_cache)
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
@@ -72,17 +70,16 @@ def _check_write(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, check: bool = True) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached keys. q: `[T, num_heads, head_dim]`."""
-    if check:
-        _check_attention(q, k_cache, v_cache, meta)
+    check_attention(q, k_cache, v_cache, meta)
     out = torch.empty(q.shape, dtype=q.dtype)
     torch.ops.ringserve_cpu.paged_attention.default(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                                     meta.block_tables, scale, out)
     return out
 
 
-def _check_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> None:
+def check_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> None:
     _check_cache("k_cache", k_cache)
     _check_cache("v_cache", v_cache)
     _check_rows("q", q, k_cache.dtype)

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "cpu_kernels.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -283,6 +284,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
+}  // namespace
+
 // q [T, H, D] (head_dim contiguous); caches [NB, KVH, BS, D] contiguous; out [T, H, D] contiguous.
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -297,6 +300,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     }
   });
 }
+
+namespace {
 
 template <typename T>
 void write(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -321,13 +326,13 @@ void write(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Te
   }
 }
 
+}  // namespace
+
 // k, v [T, KVH, D] (head_dim contiguous); caches [NB, KVH, BS, D] contiguous; slot -1 is skipped.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping) {
   RS_DISPATCH(k.scalar_type(), "write_kv", [&] { write<scalar_t>(k, v, k_cache, v_cache, slot_mapping); });
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ringserve_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "

@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "cpu_common.h"
+#include "cpu_kernels.h"
 
 namespace ringserve_cpu {
 namespace {
@@ -31,6 +32,8 @@ inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   for (; i + kLanes <= n; i += kLanes) store(out + i, load(w + i) * round_to<T>(load(x + i) * r));
   for (; i < n; ++i) out[i] = from_f<T>(to_f(w[i]) * round_to<T>(to_f(x[i]) * r));
 }
+
+}  // namespace
 
 // x [T, N] rows (row stride free, N contiguous) -> out [T, N] contiguous.
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out) {
@@ -66,6 +69,8 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
   });
 }
 
+namespace {
+
 // Rotate the heads of one token in place: x [heads, D] with head stride hs; cos/sin rows [D].
 template <typename T>
 inline void rotate(T* x, int64_t heads, int64_t hs, int64_t d, const float* c, const float* s) {
@@ -85,6 +90,8 @@ inline void rotate(T* x, int64_t heads, int64_t hs, int64_t d, const float* c, c
     }
   }
 }
+
+}  // namespace
 
 // Rotary embedding ("rotate half" form) of q [T, H, D] and k [T, KVH, D] in place (views into one
 // projection output are fine: head_dim contiguous); cos/sin [max_pos, D] float32; positions int64 [T].
@@ -133,8 +140,6 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor out) {
     });
   });
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ringserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()", &rms_norm);

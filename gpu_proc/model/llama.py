@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .. import cpu_ops
-from ..attention import AttentionBackend, cpu_backend, get_backend
+from ..attention import AttentionBackend, get_backend
 from ..attention.metadata import AttentionMetadata
 from ..kv_pool import KVPool
 
@@ -140,12 +140,6 @@ class Attention(nn.Module):
         self.qkv = cpu_ops.PackedLinear(*_fuse((self.q_proj, self.k_proj, self.v_proj)))
         self.o = cpu_ops.PackedLinear(self.o_proj.weight, self.o_proj.bias)
 
-    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        t, d = qkv.shape[0], self.head_dim
-        nq, nkv = self.num_heads * d, self.num_kv_heads * d
-        return (qkv[:, :nq].view(t, self.num_heads, d), qkv[:, nq:nq + nkv].view(t, self.num_kv_heads, d),
-                qkv[:, nq + nkv:].view(t, self.num_kv_heads, d))
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
@@ -216,6 +210,7 @@ class Llama(nn.Module):
         self.backend: AttentionBackend | None = None
         self.fused = False
         self.packed_head: cpu_ops.PackedLinear | None = None  # the fused CPU forward's lm_head
+        self.block_weights: list[tuple] = []  # per block, cpu_ops.BlockWeights.args()
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
 
@@ -236,12 +231,19 @@ class Llama(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
         self.rope_cos, self.rope_sin = emb.cos().contiguous(), emb.sin().contiguous()
         self.backend = backend or get_backend(device, self.dtype, cpu_kernels=cpu_kernels)
-        self.fused = self.backend.name == "cpu"
+        # The fused forward runs oneDNN-packed matmuls: every x86/aarch64 torch wheel has oneDNN.
+        self.fused = self.backend.name == "cpu" and torch.backends.mkldnn.is_available()
         if self.fused:
-            for layer in self.model.layers:
-                layer.self_attn.fuse_projections()
-                layer.mlp.fuse_projections()
+            self.block_weights = [self._block_weights(layer).args() for layer in self.model.layers]
             self.packed_head = cpu_ops.PackedLinear(self.lm_head.weight)
+
+    def _block_weights(self, layer: "TransformerBlock") -> cpu_ops.BlockWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.fuse_projections()
+        mlp.fuse_projections()
+        return cpu_ops.BlockWeights(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                    self.args.rms_norm_eps, attn.qkv, attn.o, mlp.gate_up, mlp.down,
+                                    attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
 
     @property
     def device(self) -> torch.device:
@@ -268,28 +270,17 @@ class Llama(nn.Module):
 
     def _forward_fused(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVPool,
                        logits_indices: torch.Tensor) -> torch.Tensor:
-        """`forward` with the CPU kernels: the same math, fewer passes over memory. The residual
-        stream is carried beside the layer output so each add is fused into the next norm."""
+        """`forward` with the CPU kernels: the same math, each block in one compiled call
+        (`cpu_ops.block`). The residual stream is carried beside the block output so each add is
+        fused into the next norm. The first block's inputs are checked; the others have the same
+        shapes, dtypes and strides."""
         t = input_ids.shape[0]
-        eps = self.args.rms_norm_eps
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        for i, layer in enumerate(self.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            first = i == 0  # the launchers check the first layer; the others have the same shapes
-            if first:
-                residual, h = x, cpu_ops.rms_norm(x, layer.input_layernorm.weight, eps)
-            else:
-                h = cpu_ops.add_rms_norm_(x, residual, layer.input_layernorm.weight, eps, check=False)
-            qkv = attn.qkv(h)  # [T, (heads + 2 kv_heads) * head_dim]
-            q, k, v = attn.split_qkv(qkv)  # views: [T, heads | kv_heads, head_dim]
-            cpu_ops.rope_(q, k, meta.positions, self.rope_cos, self.rope_sin, check=first)
-            cpu_backend.write_kv(k, v, kv_pool.k[i], kv_pool.v[i], meta.slot_mapping, check=first)
-            o = cpu_backend.paged_attention(q, kv_pool.k[i], kv_pool.v[i], meta, attn.scale, check=first)  # [T, heads, head_dim]
-            x = attn.o(o.view(t, -1))
-            h = cpu_ops.add_rms_norm_(x, residual, layer.post_attention_layernorm.weight, eps, check=first)
-            x = mlp.down(cpu_ops.silu_mul(mlp.gate_up(h), check=first))  # silu_mul: [T, intermediate]
+        for i, weights in enumerate(self.block_weights):
+            step = (meta.positions, self.rope_cos, self.rope_sin, meta.slot_mapping, kv_pool.k[i], kv_pool.v[i], meta)
+            x, residual = cpu_ops.block(x, residual, weights, step, check=i == 0)
         if logits_indices.shape[0] != t:  # a prefill chunk samples only its last token
             x, residual = x[logits_indices], residual[logits_indices]
-        h = cpu_ops.add_rms_norm_(x, residual, self.model.norm.weight, eps)  # [R, hidden]
+        h = cpu_ops.add_rms_norm_(x, residual, self.model.norm.weight, self.args.rms_norm_eps)  # [R, hidden]
         return self.packed_head(h).float()  # [R, vocab]
