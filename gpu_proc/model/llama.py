@@ -221,9 +221,11 @@ class Llama(nn.Module):
               cpu_kernels: bool = True) -> None:
         """Rotary tables for every position up to max_position_embeddings, and the attention backend.
 
-        With the compiled CPU backend (`attention/cpu_backend.py`) the forward also runs fused: one
-        matmul for q/k/v and one for gate/up (the separate weights become views into the fused
-        ones, so memory does not grow), and the small ops of `cpu_ops.py`."""
+        With the compiled CPU backend (`attention/cpu_backend.py`) the forward also runs fused, one
+        compiled call per block (`cpu_ops.block`): one matmul for q/k/v and one for gate/up (the
+        separate weights become views into the concatenated ones), every projection's weight packed
+        once for oneDNN. NOTE: the packed copies double the projections' weight memory (the plain
+        weights stay, for state dicts and the reference path)."""
         device = torch.device(device)
         inv_freq = rope_inv_freq(self.args, device)
         pos = torch.arange(self.args.max_position_embeddings, device=device, dtype=torch.float32)
