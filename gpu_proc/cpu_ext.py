@@ -5,19 +5,21 @@ out of the paged cache (a copy of every row's context per layer per step), then 
 over the copy. Reading the blocks in place needs a loop over each sequence's block table, which
 neither torch ops nor Inductor's generated code express without the gather; vLLM's CPU backend
 uses hand-written C++ for the same reason. The small ops (RMSNorm, residual add, RoPE, SiLU-mul)
-come along in the same extension: each is one pass over the rows instead of 3-6 torch ops. A
-`torch.compile` of the dense layers would need the step's token count bucketed and padded (it
-changes every step), minutes of compilation per shape bucket on a 2-core machine (before READY and
-in CI), and would still leave attention to this extension.
+come along in the same extension, each one pass over the rows instead of 3-6 torch ops, and a whole
+transformer block runs in one call. A `torch.compile` of the dense layers would need the step's
+token count (new every step) bucketed and padded, one compilation per bucket before READY and in
+CI, and would still leave attention to this extension; it was not measured here, but vLLM's
+start-up, which compiles its model that way, took 39-62 s on the 2-vCPU machine of
+docs/BENCHMARKS.md against 2-5 s for ringserve.
 
 Build: `torch.utils.cpp_extension.load` (ninja, which `pip install ringserve` brings, and the
 system C++ compiler) with `-O3 -march=native`, so the code uses the vector units of the machine
-that runs it. The extension's name holds a hash of the sources, the flags, torch's version and the
-CPU's model and feature flags, so a changed source or another CPU builds its own copy in torch's
-extension cache (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`); torch locks the
-build directory, so processes starting together build it once. First build: 10-40 s; later loads:
-well under a second. The GPU process builds it while loading the model, before it reports READY,
-never inside a step.
+that runs it. The extension's name holds a hash of the sources (and their directory), the flags,
+torch's version and the CPU's model and feature flags, so a changed source, another checkout or
+another CPU builds its own copy in torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
+`~/.cache/torch_extensions`); torch locks the build directory, so processes starting together build
+it once. First build: 10-50 s; later loads: well under a second. The GPU process builds it while
+loading the model, before it reports READY, never inside a step.
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ def extension_name() -> str:
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:
         h.update(name.encode() + b"\0" + (CSRC / name).read_bytes())
-    h.update(" ".join(CFLAGS).encode() + torch.__version__.encode() + _cpu_identity().encode())
+    # The source directory too: ninja rebuilds when a build's command lines change, so two
+    # checkouts sharing one build directory would rebuild each other's copy on every load.
+    h.update(" ".join(CFLAGS).encode() + torch.__version__.encode() + _cpu_identity().encode() + str(CSRC).encode())
     return f"ringserve_cpu_{h.hexdigest()[:16]}"
 
 
