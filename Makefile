@@ -20,6 +20,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m ringserve.gpu_proc.cpu_ext || echo "CPU kernels not built (the server falls back to the torch reference path; see above)"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -32,12 +32,44 @@ _M_MMAP_THRESHOLD = -3
 _KEEP_BYTES = 1 << 30
 
 
-def tune_cpu_process(threads: int) -> None:
-    """Cap torch's intra-op threads at `threads` and keep freed step memory for reuse (glibc)."""
+def tune_cpu_process(threads: int, pin: bool = False) -> None:
+    """Cap torch's intra-op threads at `threads` and keep freed step memory for reuse (glibc);
+    with `pin`, bind the process to `threads` CPUs (see `pin_to_cpus`)."""
     if threads < 1:
         raise ValueError(f"cpu_threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)
     keep_freed_memory()
+    if pin:
+        pin_to_cpus(threads)
+
+
+def pin_to_cpus(count: int) -> set[int] | None:
+    """Bind this process to the first `count` CPUs it may run on, when it may run on more; the
+    CPUs chosen, or None (nothing to gain, or the OS refused).
+
+    Measured on the shared 2-vCPU machine of docs/BENCHMARKS.md: unpinned, the GPU process got
+    0.6-0.8 of a core while other jobs ran, against 0.95 for vLLM's worker, which vLLM pins the same
+    way (`VLLM_CPU_OMP_THREADS_BIND=auto`: first core for the model, the rest for its front end).
+    A pinned busy task keeps its core, and the kernel's load balancer moves the movable tasks
+    (API workers, other jobs) to the other cores. Off by default: servers started side by side on
+    one machine (a test suite) would all pin to the same first CPU.
+    """
+    import os
+
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    if len(allowed) <= count:
+        return None
+    chosen = set(allowed[:count])
+    try:
+        os.sched_setaffinity(0, chosen)
+    except OSError as exc:
+        log.warning("could not pin the GPU process to CPUs %s: %s", sorted(chosen), exc)
+        return None
+    log.info("GPU process pinned to CPUs %s", sorted(chosen))
+    return chosen
 
 
 def keep_freed_memory() -> bool:

@@ -4,6 +4,7 @@ the sampler, built from the one Config. The scheduler (pure Python) sits beside 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -50,6 +51,21 @@ class Engine:
         return sample(logits, [s.sampling for s in rows], [s.context_len for s in rows])
 
 
+def _load_cpu_kernels(progress: Callable[[], None] | None) -> bool:
+    """Build (first start on this machine) and load the CPU kernels now, before READY, so no step
+    ever waits for a compiler; False, with the reason logged, where they cannot be built."""
+    from ringserve.gpu_proc.cpu_ext import CpuOpsUnavailable, load_cpu_ops
+
+    t0 = time.monotonic()
+    try:
+        load_cpu_ops(progress)
+    except CpuOpsUnavailable as exc:
+        log.warning("CPU kernels unavailable, serving with the torch reference path (slower): %s", exc)
+        return False
+    log.info("CPU kernels ready in %.1f s", time.monotonic() - t0)
+    return True
+
+
 def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype) -> int:
     if config.num_blocks:
         return config.num_blocks
@@ -69,17 +85,21 @@ def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype)
 
 
 def build_engine(config: Config, model_dir: str | Path, progress: Callable[[], None] | None = None) -> Engine:
-    """Load the model, size and allocate the KV pool, compile the kernels and run the warm-up steps.
-    `progress()`, if given, is called as loading advances (per tensor read, per phase, between
-    kernel compiles), never more than a few seconds apart: the GPU process beats its heartbeat
-    from it, so a load that stops making progress is caught by the watchdog."""
+    """Load the model, size and allocate the KV pool, build or compile the kernels and run the
+    warm-up steps. `progress()`, if given, is called as loading advances (per tensor read, per
+    phase, while the CPU kernels build the first time, between kernel compiles), never more than a
+    few seconds apart: the GPU process beats its heartbeat from it, so a load that stops making
+    progress is caught by the watchdog."""
     progress = progress or (lambda: None)
     device = resolve_device(config.device)
     progress()
+    cpu_kernels = False
     if device.type == "cpu":
         # API workers share these cores: torch's default of one thread per core starves them.
-        tune_cpu_process(config.cpu_threads)
-    model = load_model(model_dir, device, config.dtype, config.load_format, progress=progress)
+        tune_cpu_process(config.cpu_threads, pin=config.cpu_pin)
+        cpu_kernels = config.cpu_kernels and _load_cpu_kernels(progress)
+    model = load_model(model_dir, device, config.dtype, config.load_format, progress=progress,
+                       cpu_kernels=cpu_kernels)
     dtype = next(model.parameters()).dtype
     special = read_special_tokens(model_dir)
     args = model.args

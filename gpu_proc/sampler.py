@@ -19,7 +19,9 @@ the nucleus can hold, and `topk` of that many replaces a full sort. Rows without
 vocabulary order straight from one cumulative sum.
 
 Logprobs are those of the model's raw distribution (`log_softmax` of the logits, before temperature
-and filters), as OpenAI-compatible servers report them.
+and filters), as OpenAI-compatible servers report them. A row whose request did not ask for them
+(`logprobs` None) gets NaN (the API sends null), and a batch where no row asked skips the
+log-sum-exp over the vocabulary altogether: at a 49k vocabulary it cost as much as the argmax.
 
 The work is split so a benchmark can time it: `plan_sampling` (host: per-row parameters into a few
 tensors), `sample_tensors` (device math, vectorised over rows), `to_output` (host: one transfer back
@@ -28,10 +30,12 @@ and the Python lists).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from . import cpu_ops
 from .attention.metadata import host_tensor
 from .step import RowSampling
 
@@ -96,7 +100,7 @@ class SamplingPlan:
     top_p: torch.Tensor | None  # float32[Rr]
     filtered: torch.Tensor | None  # int64[Rf]: indices into the random rows that use top-k/top-p
     unfiltered: torch.Tensor | None  # int64[Ru]: the other random rows
-    top_n: list[int | None]  # per row: how many top logprobs to return
+    top_n: list[int | None]  # per row: how many top logprobs to return; None: no logprob at all
     max_top_n: int
     max_top_k: int = 0  # known on the host, so choosing the candidate count needs no device sync
 
@@ -188,18 +192,24 @@ def _nucleus_bound(probs: torch.Tensor, top_p: torch.Tensor) -> int:
     return min(vocab, int(count.cumsum(1).gather(1, last).max()))
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    if logits.device.type == "cpu" and cpu_ops.kernels_loaded():
+        return cpu_ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def sample_tensors(logits: torch.Tensor, plan: SamplingPlan
                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Device half: (`[2, R]` float64 of token ids and their logprobs, top-N ids `[R, N]`, top-N
-    logprobs `[R, N]`). float64 holds every token id exactly, so ids and logprobs leave the device
-    as one tensor."""
+    """Device half: (`[2, R]` float64 of token ids and their logprobs — `[1, R]`, ids only, when no
+    row wants logprobs — top-N ids `[R, N]`, top-N logprobs `[R, N]`). float64 holds every token id
+    exactly, so ids and logprobs leave the device as one tensor."""
     if logits.dim() != 2 or logits.shape[0] != plan.num_rows:
         raise ValueError(f"logits {tuple(logits.shape)} do not match {plan.num_rows} sampling rows")
     logits = logits.float()
     # Each pass over [rows, vocab] costs about as much as the whole host side at 256 rows, so
     # subsets are only cut out (copied) when a batch really mixes kinds of rows.
     all_random = plan.random_rows is not None and plan.random_rows.shape[0] == plan.num_rows
-    tokens = None if all_random else logits.argmax(dim=-1)  # greedy rows keep this
+    tokens = None if all_random else _argmax(logits)  # greedy rows keep this
     if plan.random_rows is not None:
         if all_random:
             z = logits / plan.temperature[:, None]  # [Rr, V]
@@ -234,6 +244,8 @@ def sample_tensors(logits: torch.Tensor, plan: SamplingPlan
             else:
                 picked[rf] = chosen
         tokens = picked if all_random else tokens.index_put((plan.random_rows,), picked)
+    if all(n is None for n in plan.top_n):  # nobody asked: no pass over the vocabulary for them
+        return tokens.double()[None, :], None, None
     lse = torch.logsumexp(logits, dim=-1)  # [R]
     logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - lse
     top_ids = top_lp = None
@@ -246,8 +258,12 @@ def sample_tensors(logits: torch.Tensor, plan: SamplingPlan
 def to_output(plan: SamplingPlan, packed: torch.Tensor, top_ids: torch.Tensor | None,
               top_lp: torch.Tensor | None) -> SampleOutput:
     """Host half: one device-to-host transfer, then plain Python lists."""
-    ids_f, logprobs = packed.tolist()
-    token_ids = list(map(int, ids_f))
+    packed_l = packed.tolist()
+    token_ids = list(map(int, packed_l[0]))
+    if len(packed_l) == 1:
+        logprobs = [math.nan] * plan.num_rows
+    else:
+        logprobs = [lp if n is not None else math.nan for lp, n in zip(packed_l[1], plan.top_n)]
     tops: list[list[tuple[int, float]] | None] = [None] * plan.num_rows
     if top_ids is not None:
         ids_l, lp_l = top_ids.tolist(), top_lp.tolist()

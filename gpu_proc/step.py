@@ -20,7 +20,7 @@ class RowSampling:
     top_p: float = 1.0
     seed: int = 0
     sample_index: int = 0
-    logprobs: int | None = None  # top-N logprobs to return; None: only the sampled token's
+    logprobs: int | None = None  # top-N logprobs to return (0: the sampled token's only); None: none
 
 
 @dataclass(slots=True)

@@ -32,6 +32,12 @@ class Config:
     cpu_threads: int = 1
     # Replay decode-only steps from CUDA graphs captured at load (ignored on the CPU).
     cuda_graphs: bool = True
+    # bind the GPU process to its first cpu_threads CPUs (the API workers then run on the others),
+    # as vLLM CPU does by default; off: servers started side by side would share the first CPU
+    cpu_pin: bool = False
+    # compiled CPU kernels (paged attention in place, fused norms/RoPE/SiLU, packed matmuls), built
+    # once per machine at start-up; false: the torch reference path
+    cpu_kernels: bool = True
     api_keys_file: str | None = None
     # KV pool
     block_size: int = 16

@@ -41,7 +41,7 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     arrival_ts: float  # time.time() at the worker
     deadline_ts: float  # time.time() after which the row is removed
     n: int = 1
-    logprobs: int | None = None  # top-N logprobs per token; None: only the sampled token's
+    logprobs: int | None = None  # top-N logprobs per token (0: the sampled token's only); None: none
     # Prefix-cache isolation: only requests with the same salt share cached KV blocks; a tenant
     # sets one to keep its prompts out of timing side channels (None: the shared cache).
     cache_salt: str | None = None

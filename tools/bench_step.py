@@ -11,10 +11,12 @@ split into phases:
   the stop check and the `Token` record for the worker.
 
 Host overhead = prepare + other: Python work per step outside the forward and the sampler math.
-Models: the tiny checkpoint (real forward), and a null model with a 32,000-token vocabulary whose
-forward returns precomputed logits at once, which exposes the host overhead ("null": LM-like peaked
-logits; "flat": pure noise, the sampler's worst case for top-p). On CUDA every phase
-ends with a synchronize so its device time is its own. Figures are medians over `--iters` steps.
+Models: the tiny checkpoint (real forward; `--model` for another, `--dtype`, and `--reference` to
+run it beside itself on the torch reference path, CPU kernels off), and a null model with a
+32,000-token vocabulary whose forward returns precomputed logits at once, which exposes the host
+overhead ("null": LM-like peaked logits; "flat": pure noise, the sampler's worst case for top-p).
+On CUDA every phase ends with a synchronize so its device time is its own. Figures are medians
+over `--iters` steps.
 
 With `--cuda-graphs on` (CUDA) the model's decode steps replay captured graphs: their "forward" is
 the replay including the copy of the step into the graph's static buffers, and "prepare" is 0.
@@ -137,13 +139,13 @@ def measure(runner, rows: int, iters: int, warmup: int = 3) -> dict[str, float]:
 
 
 def _model_runner(model_dir: str, device, max_rows: int, load_format: str = "auto", dtype: str = "auto",
-                  cuda_graphs: bool = False):
+                  cuda_graphs: bool = False, cpu_kernels: bool = True):
     from ringserve.gpu_proc.kv_pool import KVPool
     from ringserve.gpu_proc.model.loader import load_model
     from ringserve.gpu_proc.model_runner import ModelRunner
     from ringserve.gpu_proc.warmup import warm_up
 
-    model = load_model(model_dir, device, dtype, load_format)
+    model = load_model(model_dir, device, dtype, load_format, cpu_kernels=cpu_kernels)
     a = model.args
     runner = ModelRunner(model, KVPool(a.num_layers, max_rows * 64, a.num_kv_heads, a.head_dim,
                                        dtype=model.dtype, device=device))
@@ -164,7 +166,8 @@ def _null_runner(device, max_rows: int, flat: bool = False):
 
 
 def run(device_name: str, rows_list: list[int], iters: int, model_dir: str | None, warmup: int = 3,
-        load_format: str = "auto", dtype: str = "auto", cuda_graphs: bool = False) -> dict:
+        load_format: str = "auto", dtype: str = "auto", cuda_graphs: bool = False,
+        reference: bool = False) -> dict:
     import torch
 
     if device_name == "cuda" and not torch.cuda.is_available():
@@ -183,8 +186,11 @@ def run(device_name: str, rows_list: list[int], iters: int, model_dir: str | Non
             from ringserve.tools.make_tiny_model import build_tiny_model
 
             model_dir = str(build_tiny_model(tmp))
-        runners = {"tiny": _model_runner(model_dir, device, max_rows, load_format, dtype, cuda_graphs),
-                   "null": _null_runner(device, max_rows),
+        runners = {"tiny": _model_runner(model_dir, device, max_rows, load_format, dtype, cuda_graphs)}
+        if reference:  # the same model on the torch reference path (CPU kernels off), in the same run
+            runners["tiny_ref"] = _model_runner(model_dir, device, max_rows, load_format, dtype,
+                                                cpu_kernels=False)
+        runners |= {"null": _null_runner(device, max_rows),
                    "flat": _null_runner(device, max_rows, flat=True)}
         for name, runner in runners.items():
             report["models"][name] = {str(r): measure(runner, r, iters, warmup) for r in rows_list}
@@ -196,6 +202,8 @@ def run(device_name: str, rows_list: list[int], iters: int, model_dir: str | Non
         report[f"prepare_ms_{r}"] = round(null["prepare"], 4)
         report[f"sample_ms_{r}_flat"] = round(report["models"]["flat"][str(r)]["sample"], 4)
         report[f"forward_ms_tiny_{r}"] = round(report["models"]["tiny"][str(r)]["forward"], 4)
+        if reference:
+            report[f"forward_ms_tiny_ref_{r}"] = round(report["models"]["tiny_ref"][str(r)]["forward"], 4)
     return report
 
 
@@ -226,8 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="checkpoint directory (default: build the tiny model)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights of --model's shape (no weight files)")
-    p.add_argument("--dtype", default="auto", help="auto, float16, bfloat16 or float32")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="the model's dtype (auto: the checkpoint's; float32 on CPU for half-precision ones)")
     p.add_argument("--cuda-graphs", choices=("on", "off"), default="off", help="replay decode steps from CUDA graphs")
+    p.add_argument("--reference", action="store_true",
+                   help="also run the model on the torch reference path (CPU kernels off): 'tiny_ref' rows")
     args = p.parse_args(argv)
     try:
         rows = sorted({int(x) for x in args.rows.split(",") if x.strip()})
@@ -236,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if not rows or rows[0] <= 0 or args.iters <= 0 or args.warmup < 0:
         p.error("--rows must be positive integers, --iters > 0 and --warmup >= 0")
     report = run(args.device, rows, args.iters, args.model, args.warmup, args.load_format, args.dtype,
-                 args.cuda_graphs == "on")
+                 args.cuda_graphs == "on", args.reference)
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0
 

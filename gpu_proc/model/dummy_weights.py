@@ -17,7 +17,8 @@ SEED = 0
 
 
 @torch.no_grad()
-def random_model(args: ModelArgs, device: torch.device | str, dtype: torch.dtype, seed: int = SEED) -> Llama:
+def random_model(args: ModelArgs, device: torch.device | str, dtype: torch.dtype, seed: int = SEED,
+                 cpu_kernels: bool = True) -> Llama:
     """A `Llama` of `args` on `device` in `dtype` with seeded random weights, ready for forward."""
     device = torch.device(device)
     with torch.device("meta"):
@@ -34,5 +35,5 @@ def random_model(args: ModelArgs, device: torch.device | str, dtype: torch.dtype
     if args.tie_word_embeddings:
         model.tie_weights()
     model.eval().requires_grad_(False)
-    model.setup(device)
+    model.setup(device, cpu_kernels=cpu_kernels)
     return model

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .. import cpu_ops
 from ..attention import AttentionBackend, get_backend
 from ..attention.metadata import AttentionMetadata
 from ..kv_pool import KVPool
@@ -80,6 +81,21 @@ def rope_inv_freq(args: ModelArgs, device: torch.device) -> torch.Tensor:
     raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
+def _fuse(projs: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the projections' weights (and biases) along the output dimension and point
+    each projection's parameters at its slice, so the fused and the separate weights share memory."""
+    weight = torch.cat([p.weight for p in projs])
+    bias = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
+    lo = 0
+    for p in projs:
+        n = p.weight.shape[0]
+        p.weight = nn.Parameter(weight[lo:lo + n], requires_grad=False)
+        if bias is not None:
+            p.bias = nn.Parameter(bias[lo:lo + n], requires_grad=False)
+        lo += n
+    return weight, bias
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -114,6 +130,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, args.num_kv_heads * args.head_dim, bias=bias)
         self.o_proj = nn.Linear(args.num_heads * args.head_dim, h, bias=bias)
         self.scale = args.head_dim ** -0.5
+        self.qkv: cpu_ops.PackedLinear | None = None  # set by fuse_projections
+        self.o: cpu_ops.PackedLinear | None = None
+
+    def fuse_projections(self) -> None:
+        """One `[(heads + 2 kv_heads) * head_dim, hidden]` weight for q, k and v (the three
+        projections keep their names, so state dicts are unchanged, as views into it), and the
+        projections packed for the CPU matmul."""
+        self.qkv = cpu_ops.PackedLinear(*_fuse((self.q_proj, self.k_proj, self.v_proj)))
+        self.o = cpu_ops.PackedLinear(self.o_proj.weight, self.o_proj.bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
@@ -134,6 +159,14 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_up: cpu_ops.PackedLinear | None = None  # set by fuse_projections
+        self.down: cpu_ops.PackedLinear | None = None
+
+    def fuse_projections(self) -> None:
+        """One `[2 * intermediate, hidden]` weight for gate and up (views keep the old names),
+        packed for the CPU matmul like down_proj."""
+        self.gate_up = cpu_ops.PackedLinear(*_fuse((self.gate_proj, self.up_proj)))
+        self.down = cpu_ops.PackedLinear(self.down_proj.weight, self.down_proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -175,21 +208,44 @@ class Llama(nn.Module):
         self.model = Transformer(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.backend: AttentionBackend | None = None
+        self.fused = False
+        self.packed_head: cpu_ops.PackedLinear | None = None  # the fused CPU forward's lm_head
+        self.block_weights: list[tuple] = []  # per block, cpu_ops.BlockWeights.args()
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
 
-    def setup(self, device: torch.device | str, backend: AttentionBackend | None = None) -> None:
-        """Rotary tables for every position up to max_position_embeddings, and the attention backend."""
+    def setup(self, device: torch.device | str, backend: AttentionBackend | None = None,
+              cpu_kernels: bool = True) -> None:
+        """Rotary tables for every position up to max_position_embeddings, and the attention backend.
+
+        With the compiled CPU backend (`attention/cpu_backend.py`) the forward also runs fused, one
+        compiled call per block (`cpu_ops.block`): one matmul for q/k/v and one for gate/up (the
+        separate weights become views into the concatenated ones), every projection's weight packed
+        once for oneDNN. NOTE: the packed copies double the projections' weight memory (the plain
+        weights stay, for state dicts and the reference path)."""
         device = torch.device(device)
         inv_freq = rope_inv_freq(self.args, device)
         pos = torch.arange(self.args.max_position_embeddings, device=device, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)  # [max_pos, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
-        self.rope_cos, self.rope_sin = emb.cos(), emb.sin()
-        self.backend = backend or get_backend(device)
+        self.rope_cos, self.rope_sin = emb.cos().contiguous(), emb.sin().contiguous()
+        self.backend = backend or get_backend(device, self.dtype, cpu_kernels=cpu_kernels)
+        # The fused forward runs oneDNN-packed matmuls: every x86/aarch64 torch wheel has oneDNN.
+        self.fused = self.backend.name == "cpu" and torch.backends.mkldnn.is_available()
+        if self.fused:
+            self.block_weights = [self._block_weights(layer).args() for layer in self.model.layers]
+            self.packed_head = cpu_ops.PackedLinear(self.lm_head.weight)
+
+    def _block_weights(self, layer: "TransformerBlock") -> cpu_ops.BlockWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.fuse_projections()
+        mlp.fuse_projections()
+        return cpu_ops.BlockWeights(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                    self.args.rms_norm_eps, attn.qkv, attn.o, mlp.gate_up, mlp.down,
+                                    attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
 
     @property
     def device(self) -> torch.device:
@@ -204,6 +260,8 @@ class Llama(nn.Module):
         """Run T new tokens; return float32 logits `[R, vocab]` for the tokens at `logits_indices`."""
         if self.backend is None:
             raise RuntimeError("Llama.setup(device) must run before the first forward")
+        if self.fused:
+            return self._forward_fused(input_ids, meta, kv_pool, logits_indices)
         cos, sin = self.rope_cos[meta.positions], self.rope_sin[meta.positions]  # [T, head_dim]
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         for i, layer in enumerate(self.model.layers):
@@ -211,3 +269,20 @@ class Llama(nn.Module):
         # The final norm and the head only for tokens that sample: a prefill chunk needs one row.
         x = self.model.norm(x[logits_indices])  # [R, hidden]
         return self.lm_head(x).float()  # [R, vocab]
+
+    def _forward_fused(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVPool,
+                       logits_indices: torch.Tensor) -> torch.Tensor:
+        """`forward` with the CPU kernels: the same math, each block in one compiled call
+        (`cpu_ops.block`). The residual stream is carried beside the block output so each add is
+        fused into the next norm. The first block's inputs are checked; the others have the same
+        shapes, dtypes and strides."""
+        t = input_ids.shape[0]
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for i, weights in enumerate(self.block_weights):
+            step = (meta.positions, self.rope_cos, self.rope_sin, meta.slot_mapping, kv_pool.k[i], kv_pool.v[i], meta)
+            x, residual = cpu_ops.block(x, residual, weights, step, check=i == 0)
+        if logits_indices.shape[0] != t:  # a prefill chunk samples only its last token
+            x, residual = x[logits_indices], residual[logits_indices]
+        h = cpu_ops.add_rms_norm_(x, residual, self.model.norm.weight, self.args.rms_norm_eps)  # [R, hidden]
+        return self.packed_head(h).float()  # [R, vocab]

@@ -161,8 +161,9 @@ def _no_initial_values():
 
 def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
                dtype: str | torch.dtype | None = "auto", load_format: str = "auto",
-               progress: Callable[[], None] | None = None) -> Llama:
-    """Load a checkpoint directory onto `device` in `dtype`, ready for `forward` (setup done).
+               progress: Callable[[], None] | None = None, cpu_kernels: bool = True) -> Llama:
+    """Load a checkpoint directory onto `device` in `dtype`, ready for `forward` (setup done; on the
+    CPU with the compiled kernels unless `cpu_kernels` is False, see `Llama.setup`).
     `load_format="dummy"` reads only config.json and makes random weights (dummy_weights.py).
     `progress()`, if given, is called after each tensor is read."""
     from safetensors import SafetensorError, safe_open
@@ -178,7 +179,7 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
     if load_format == "dummy":
         from .dummy_weights import random_model
 
-        return random_model(args, device, dtype)
+        return random_model(args, device, dtype, cpu_kernels=cpu_kernels)
     if load_format != "auto":
         raise CheckpointError(f"load format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
 
@@ -214,7 +215,7 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
     if args.tie_word_embeddings:
         model.tie_weights()
     model.eval().requires_grad_(False)
-    model.setup(device)
+    model.setup(device, cpu_kernels=cpu_kernels)
     if progress is not None:
         progress()
     return model

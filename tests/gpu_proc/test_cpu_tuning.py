@@ -70,3 +70,17 @@ def test_freed_step_memory_is_kept_until_released():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     base, kept, released = map(int, out.stdout.split())
     assert kept - base > 250 and released - base < 50, (base, kept, released)
+def test_pin_binds_to_the_first_cpus_only_when_there_are_more():
+    """Pinning takes the first `count` allowed CPUs, and does nothing when no CPU would be left."""
+    import os
+
+    from ringserve.gpu_proc.cpu_tuning import pin_to_cpus
+
+    before = os.sched_getaffinity(0)
+    try:
+        assert pin_to_cpus(len(before)) is None and os.sched_getaffinity(0) == before
+        if len(before) > 1:
+            chosen = pin_to_cpus(1)
+            assert chosen == {min(before)} == os.sched_getaffinity(0)
+    finally:
+        os.sched_setaffinity(0, before)

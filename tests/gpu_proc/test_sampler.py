@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -39,7 +40,7 @@ def test_denormal_temperature_is_greedy_not_nan():
 def test_greedy_is_argmax_with_raw_logprob():
     """Temperature 0 picks the argmax; its logprob is log_softmax of the raw logits."""
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0))
-    out = sample(logits, [RowSampling(temperature=0.0)] * 4, [5, 6, 7, 8])
+    out = sample(logits, [RowSampling(temperature=0.0, logprobs=0)] * 4, [5, 6, 7, 8])
     assert out.token_ids == logits.argmax(-1).tolist()
     expected = logits.log_softmax(-1).gather(1, logits.argmax(-1, keepdim=True)).squeeze(1)
     assert out.logprobs == pytest.approx(expected.tolist(), abs=1e-5)
@@ -71,7 +72,7 @@ def test_row_result_independent_of_batch_neighbours():
     for i, row in enumerate(rows):
         alone = sample(logits[i:i + 1], [row], [positions[i]])
         assert alone.token_ids[0] == together.token_ids[i]
-        assert alone.logprobs[0] == pytest.approx(together.logprobs[i], abs=1e-6)
+        assert alone.logprobs[0] == pytest.approx(together.logprobs[i], abs=1e-6, nan_ok=True)
 
 
 def test_uniform_is_a_pure_function():
@@ -149,10 +150,22 @@ def test_top_logprobs_are_the_n_best_in_order():
     assert out.top_logprobs[1] is None
 
 
+def test_logprob_only_for_rows_that_ask():
+    """Rows without `logprobs` get NaN (null on the wire) whatever their neighbours asked; a batch
+    where no row asks still samples the same tokens."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(6))
+    rows = [RowSampling(temperature=0.0), RowSampling(temperature=0.0, logprobs=0), RowSampling(temperature=0.9, seed=1)]
+    mixed = sample(logits, rows, [1, 2, 3])
+    none = sample(logits[[0, 2]], [rows[0], rows[2]], [1, 3])
+    assert math.isnan(mixed.logprobs[0]) and math.isnan(mixed.logprobs[2]) and not math.isnan(mixed.logprobs[1])
+    assert all(math.isnan(x) for x in none.logprobs)
+    assert none.token_ids == [mixed.token_ids[0], mixed.token_ids[2]]
+
+
 def test_sampled_logprob_is_raw_for_random_rows():
     """A sampled token's logprob is under the raw distribution, not the tempered or filtered one."""
     logits = torch.randn(1, V, generator=torch.Generator().manual_seed(4))
-    out = sample(logits, [RowSampling(temperature=0.5, top_k=3, seed=2)], [0])
+    out = sample(logits, [RowSampling(temperature=0.5, top_k=3, seed=2, logprobs=0)], [0])
     assert out.logprobs[0] == pytest.approx(logits[0].log_softmax(-1)[out.token_ids[0]].item(), abs=1e-5)
 
 

@@ -1,0 +1,219 @@
+"""The Llama forward's small CPU operations, fused (`csrc/cpu_fused.cpp`), beside their torch references.
+
+Each `*_reference` is the spec: the same math as `model/llama.py`'s modules (and Hugging Face's
+Llama), rounding to the model dtype where they do. The launchers check what the kernels assume
+(CPU, float32 or bfloat16, matching dtypes, contiguous rows) and raise ValueError before a kernel
+runs. `tests/gpu_proc/test_cpu_ops.py` sweeps shapes and dtypes against the references.
+
+- `rms_norm(x, w, eps)` -> new tensor: `w * (x / rms(x))`, normalised in float32.
+- `add_rms_norm_(x, residual, w, eps)`: `residual += x`, then `x = rms_norm(residual)`, in place —
+  the residual stream and the next layer's input in one pass, as the transformer block needs them.
+- `rope_(q, k, positions, cos, sin)`: rotary embedding of q and k in place ("rotate half" form);
+  q and k may be views into one fused projection output.
+- `silu_mul(gate_up)` -> `silu(gate) * up` from the fused gate/up projection `[T, 2I]`.
+- `argmax_rows(logits)` -> `torch.argmax(logits, -1)` (greedy sampling), about 10x faster on CPU.
+- `block(x, residual, weights, step, check)`: one whole transformer block (`csrc/cpu_block.cpp`),
+  the kernels above and the packed matmuls in one call; `BlockWeights` and `BlockStep` hold what
+  stays fixed for a model and for a step.
+
+`PackedLinear` is the matmul side: a weight reordered once, at load, into oneDNN's blocked layout
+(what Inductor's CPU "freezing" does). On the 2-vCPU AMD machine of docs/BENCHMARKS.md it ran a
+`[T, 512] x [512, 2816]` projection 2.0x (bfloat16, T = 1-32) and 2.4x (float32, T = 32) faster than
+`F.linear`, whose float32 path is MKL (slow on AMD) and whose bfloat16 path reorders the weight on
+every call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _check(name: str, x: torch.Tensor, dims: int, dtype: torch.dtype | None = None) -> None:
+    if x.device.type != "cpu" or x.dim() != dims:
+        raise ValueError(f"{name}: expected a {dims}-d CPU tensor, got shape {tuple(x.shape)} on {x.device}")
+    if x.dtype not in DTYPES or (dtype is not None and x.dtype != dtype):
+        raise ValueError(f"{name}: dtype {x.dtype} (expected {dtype or 'float32 or bfloat16'})")
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name}: last dimension must be contiguous, got strides {x.stride()}")
+
+
+def _check_weight(w: torch.Tensor, x: torch.Tensor) -> None:
+    _check("weight", w, 1, x.dtype)
+    if w.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight of {w.shape[0]} elements for rows of {x.shape[-1]}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check("x", x, 2)
+    _check_weight(weight, x)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    torch.ops.ringserve_cpu.rms_norm.default(x, weight, eps, out)
+    return out
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x; x = rms_norm(residual). Both in place; returns x."""
+    for name, t in (("x", x), ("residual", residual)):
+        _check(name, t, 2, x.dtype)
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous, got strides {t.stride()}")
+    if residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+    _check_weight(weight, x)
+    torch.ops.ringserve_cpu.add_rms_norm.default(x, residual, weight, eps)
+    return x
+
+
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normalised rows, new residual) without touching the inputs."""
+    res = residual + x
+    return rms_norm_reference(res, weight, eps), res
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+          sin: torch.Tensor) -> None:
+    """q `[T, H, D]`, k `[T, KVH, D]` rotated in place; cos/sin float32 `[max_pos, D]`; positions int64 `[T]`."""
+    _check_rope(q, k, positions, cos, sin)
+    torch.ops.ringserve_cpu.rope.default(q, k, positions, cos, sin)
+
+
+def _check_rope(q, k, positions, cos, sin) -> None:
+    _check("q", q, 3)
+    _check("k", k, 3, q.dtype)
+    t, _, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d or d % 2:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} need equal tokens and an even, equal head_dim")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dtype != torch.float32 or table.dim() != 2 or table.shape[1] != d or not table.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous float32 [max_pos, {d}] table, got "
+                             f"{table.dtype} {tuple(table.shape)}")
+    if positions.dtype != torch.int64 or positions.shape != (t,) or positions.stride(0) != 1:
+        raise ValueError(f"positions: expected contiguous int64 [{t}], got {positions.dtype} {tuple(positions.shape)}")
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[T, heads, D]` with cos/sin rows `[T, D]` (already indexed by position), in float32."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    _check("gate_up", gate_up, 2)
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up: expected [T, 2 * intermediate], got {tuple(gate_up.shape)}")
+    out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
+    torch.ops.ringserve_cpu.silu_mul.default(gate_up, out)
+    return out
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class PackedLinear:
+    """`F.linear(x, weight, bias)` with the weight packed once for oneDNN (which every x86/aarch64
+    torch wheel has; the fused forward is only used where `torch.backends.mkldnn` is available)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        if weight.device.type != "cpu" or weight.dtype not in DTYPES or weight.dim() != 2:
+            raise ValueError(f"weight: expected a 2-d float32 or bfloat16 CPU tensor, got {weight.dtype} "
+                             f"{tuple(weight.shape)} on {weight.device}")
+        self.weight, self.bias = weight, bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise.default(x, self.packed, self.bias, "none", [], "")
+
+
+def kernels_loaded() -> bool:
+    """True when this process has the compiled kernels (a cheap check, made per sampling step)."""
+    return hasattr(torch.ops.ringserve_cpu, "argmax_rows")
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """int64 `[R]`: each row's first maximum (a NaN counts as the maximum), as `torch.argmax`."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits: expected float32 [rows, vocab] CPU rows, got {logits.dtype} "
+                         f"{tuple(logits.shape)} on {logits.device}")
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    torch.ops.ringserve_cpu.argmax_rows.default(logits, out)
+    return out
+
+
+@dataclass(frozen=True)
+class BlockWeights:
+    """One transformer block's weights in the order `torch.ops.ringserve_cpu.block` takes them."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qkv: PackedLinear
+    o: PackedLinear
+    gate_up: PackedLinear
+    down: PackedLinear
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+    def __post_init__(self) -> None:
+        hidden = self.input_norm.shape[0]
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes = {"qkv": (self.qkv.weight.shape, (q + 2 * kv, hidden)), "o": (self.o.weight.shape, (hidden, q)),
+                  "down": (self.down.weight.shape, (hidden, self.gate_up.weight.shape[0] // 2))}
+        for name, (got, want) in shapes.items():
+            if tuple(got) != want:
+                raise ValueError(f"{name} weight {tuple(got)} does not fit the block (expected {want})")
+
+    def args(self) -> tuple:
+        return (self.input_norm, self.post_norm, self.eps, self.qkv.packed, self.qkv.bias, self.o.packed,
+                self.o.bias, self.gate_up.packed, self.gate_up.bias, self.down.packed, self.down.bias,
+                self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+
+
+def block(x: torch.Tensor, residual: torch.Tensor | None, weights: tuple, step: tuple, check: bool = True
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One transformer block: returns (the block's output, the residual stream). `weights` is
+    `BlockWeights.args()`; `step` is (positions, cos, sin, slot_mapping, k_cache, v_cache, meta).
+    x (and residual) are overwritten. With `check`, every shape the kernels rely on is checked
+    first, as the one-op launchers check theirs."""
+    positions, cos, sin, slot_mapping, k_cache, v_cache, meta = step
+    if check:
+        _check_block(x, residual, weights, step)
+    return torch.ops.ringserve_cpu.block.default(
+        x, residual, *weights, positions, cos, sin, slot_mapping, k_cache, v_cache,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables)
+
+
+def _check_block(x, residual, weights: tuple, step: tuple) -> None:
+    from .attention import cpu_backend
+
+    positions, cos, sin, slot_mapping, k_cache, v_cache, meta = step
+    input_norm, num_heads, num_kv_heads, head_dim = weights[0], weights[11], weights[12], weights[13]
+    _check("x", x, 2)
+    _check_weight(input_norm, x)
+    if not x.is_contiguous():
+        raise ValueError(f"x: must be contiguous, got strides {x.stride()}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):
+        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} does not match x {x.dtype} {tuple(x.shape)}")
+    # The kernels' own launchers check views of these shapes; the block makes them the same way.
+    t = x.shape[0]
+    q = torch.empty((t, num_heads, head_dim), dtype=x.dtype)
+    k = torch.empty((t, num_kv_heads, head_dim), dtype=x.dtype)
+    _check_rope(q, k, positions, cos, sin)
+    cpu_backend.check_write(k, k, k_cache, v_cache, slot_mapping)
+    cpu_backend.check_attention(q, k_cache, v_cache, meta)
