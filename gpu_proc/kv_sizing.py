@@ -6,7 +6,7 @@ the weights (and anything else already allocated) and an activation reserve.
 
 `used_now` is `total - free` as the driver reports it after the weights are loaded, so it counts
 the weights, torch's cached allocations, the CUDA context and any other process on the device.
-The arithmetic is a pure function (`plan_kv_blocks`), tested on CPU with the seed's numbers; only
+The arithmetic is a pure function (`plan_kv_blocks`), tested on CPU with the numbers of docs/design.md#sizing; only
 `gpu_memory_info` touches torch.cuda.
 """
 
@@ -48,7 +48,7 @@ class KVPlan:
 
 def kv_block_bytes(*, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                    dtype_bytes: int) -> int:
-    """Bytes of one block across all layers, K and V: the seed's 8.39 MB for a 7B model in fp16."""
+    """Bytes of one block across all layers, K and V: 8.39 MB for a 7B model in fp16."""
     for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("block_size", block_size), ("dtype_bytes", dtype_bytes)):
         if value <= 0:

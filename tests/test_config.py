@@ -1,4 +1,4 @@
-"""Config: defaults from the seed, environment overrides, clear errors."""
+"""Config: defaults from docs/design.md, environment overrides, clear errors."""
 
 import pytest
 

@@ -13,7 +13,7 @@
   or when no more will come) and dynamic batching (fire when full or when the oldest has waited
   `window_s`). A fired batch prefills every prompt in one step, then decodes until its longest
   answer ends. NOTE: rows whose answer is done keep computing until then, as in a static-batch
-  engine (HF `generate`): that idle work is the cost the seed describes.
+  engine (HF `generate`): that idle work is the cost docs/design.md#scheduler-pass avoids.
 
 Every policy answers greedily with EOS ignored, so output lengths replay the trace exactly.
 """

@@ -2,7 +2,7 @@
 
 One pass is `schedule()` + `update()`: leave, join, build the flat step, fold samples back and
 make the events. It runs once per GPU step, so its time is pure overhead on every token. Measured
-at 32 and 256 running rows on the seed's 7,152-block pool, with a deep queue spread over several
+at 32 and 256 running rows on the design's 7,152-block pool (docs/design.md#sizing), with a deep queue spread over several
 API keys and answers of mixed length, so rows leave and join during the run as in service.
 
 Goals (issue 4): median <= 0.2 ms at 32 rows, <= 1 ms at 256.

@@ -1,20 +1,20 @@
 """`ringserve bench sched`: one trace through static, dynamic, continuous and chunked batching.
 
-Variants (the seed's "Scheduler comparison"): static (row cap 32), dynamic (row cap 32, 10 ms
+Variants (the design's scheduler comparison, docs/design.md#experiments): static (row cap 32), dynamic (row cap 32, 10 ms
 window), continuous (row cap 32, whole prompts), chunked (row cap 32, chunk 256), then chunked with
 row caps 16 / 48 and chunks 128 / 512. Three runs of them:
 
 1. `real`: the real engine on this machine (CPU by default) with the tiny model, on the built-in
    mix with output lengths times `--scale` (default 0.1: 1..100 tokens), prompt lengths times
    `--prompt-scale` (default 0.02: 1..160 tokens; a prompt token costs a larger share of a step on
-   CPU than on the seed's GPU, so prompts shrink more to keep prefill's share of the work near the
-   seed's) and prefill chunks times `--chunk-scale` (default 0.25: 32 / 64 / 128, so chunks still
+   CPU than on the design's GPU, so prompts shrink more to keep prefill's share of the work near the
+   design's) and prefill chunks times `--chunk-scale` (default 0.25: 32 / 64 / 128, so chunks still
    split the longer scaled prompts); row caps are unchanged. Time is the measured wall time of
    every pass (see `sched_sim.replay`).
 2. `sim-fit`: the simulator with `step_ms = a + b*rows + c*prefill_tokens` fitted by least squares
    to the step times of run 1, on the same trace — how far the model is from the engine.
-3. `sim-seed`: the simulator with the seed's 7B/A100 model (25 ms at 1 row, 40 ms at 32, 0.1 ms per
-   prompt token), the unscaled mix and a 7,152-block pool: the seed's numbers on paper.
+3. `sim-design`: the simulator with the design's 7B/A100 model (docs/design.md#sizing: 25 ms at 1 row, 40 ms at 32, 0.1 ms per
+   prompt token), the unscaled mix and a 7,152-block pool: the design's numbers on paper.
 
 With `--hf`, the real run also replays the trace through Hugging Face `generate` with static
 batches of 32 (`hf_baseline.run_hf`) and reports ringserve's throughput ratio against it.
@@ -33,10 +33,10 @@ import tempfile
 from dataclasses import dataclass
 
 from .batchers import ContinuousPolicy, RunToCompletionPolicy
-from .sched_sim import SEED_7B_A100, EngineExecutor, SimExecutor, StepCost, replay
+from .sched_sim import DESIGN_7B_A100, EngineExecutor, SimExecutor, StepCost, replay
 from .trace import builtin_mix, describe, poisson_arrivals, read_jsonl, scaled
 
-SEED_BLOCKS = 7152
+DESIGN_BLOCKS = 7152
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads for the real run")
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks for the real run")
-    p.add_argument("--seed-requests", type=int, default=300, help="requests in the 7B/A100 paper run")
-    p.add_argument("--seed-rate", type=float, default=1.5, help="arrival rate of the paper run (the seed's plan)")
-    p.add_argument("--skip-real", action="store_true", help="only the simulator with the seed's model")
+    p.add_argument("--design-requests", type=int, default=300, help="requests in the 7B/A100 paper run")
+    p.add_argument("--design-rate", type=float, default=1.5, help="arrival rate of the paper run (the design's plan)")
+    p.add_argument("--skip-real", action="store_true", help="only the simulator with the design's paper model")
     p.add_argument("--limit-variants", type=int, default=0, help="run only the first N variants (tests)")
     p.add_argument("--repeat", type=int, default=3, help="interleaved rounds of the real run (medians reported)")
     p.add_argument("--hf", action="store_true", help="add HF transformers static batching to the real run")
@@ -226,12 +226,12 @@ def main(argv: list[str] | None = None) -> int:
                                   "prompt_scale": args.prompt_scale, "chunk_scale": args.chunk_scale, **facts,
                                   "rows": _strip(real)}
         report["runs"]["sim-fit"] = {"trace": describe(trace), "rate": args.rate, "fit": fit, "rows": _strip(simfit)}
-    seed_trace = builtin_mix(args.seed_requests, seed=args.seed) if not args.trace else base
-    seed_arr = poisson_arrivals(len(seed_trace), args.seed_rate, seed=args.seed)
-    paper = run_variants(_variants(args), seed_trace, seed_arr, lambda: SimExecutor(SEED_7B_A100),
-                         num_blocks=SEED_BLOCKS)
-    report["runs"]["sim-seed"] = {"trace": describe(seed_trace), "rate": args.seed_rate,
-                                  "model": SEED_7B_A100.describe(), "num_blocks": SEED_BLOCKS, "rows": _strip(paper)}
+    design_trace = builtin_mix(args.design_requests, seed=args.seed) if not args.trace else base
+    design_arr = poisson_arrivals(len(design_trace), args.design_rate, seed=args.seed)
+    paper = run_variants(_variants(args), design_trace, design_arr, lambda: SimExecutor(DESIGN_7B_A100),
+                         num_blocks=DESIGN_BLOCKS)
+    report["runs"]["sim-design"] = {"trace": describe(design_trace), "rate": args.design_rate,
+                                  "model": DESIGN_7B_A100.describe(), "num_blocks": DESIGN_BLOCKS, "rows": _strip(paper)}
     if args.plot:
         import os
 

@@ -13,8 +13,8 @@ for a step, runs it on an executor, and advances the clock by the step's cost:
 An idle policy jumps the clock to the next arrival (or its own batching window), so a replay takes
 the time of its steps, not of the trace. `StepCost.fit` fits (a, b, c) by least squares to the
 (rows, prefill tokens, ms) samples an engine replay records, so the simulator can be checked
-against the engine on the same trace and then run at sizes the machine cannot. `SEED_7B_A100` is
-the seed's paper model: 25 ms at 1 row, 40 ms at 32 rows, 0.1 ms per prompt token.
+against the engine on the same trace and then run at sizes the machine cannot. `DESIGN_7B_A100` is
+the design's paper model (docs/design.md#sizing): 25 ms at 1 row, 40 ms at 32 rows, 0.1 ms per prompt token.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class StepCost:
         return f"step_ms = {self.a_ms:.3f} + {self.b_ms:.4f} * rows + {self.c_ms:.5f} * prefill_tokens"
 
 
-SEED_7B_A100 = StepCost(25.0 - 15.0 / 31.0, 15.0 / 31.0, 0.1)  # 25 ms @ 1 row, 40 ms @ 32, 0.1 ms/token
+DESIGN_7B_A100 = StepCost(25.0 - 15.0 / 31.0, 15.0 / 31.0, 0.1)  # 25 ms @ 1 row, 40 ms @ 32, 0.1 ms/token
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ A trace is a list of `TraceRequest(prompt_tokens, output_tokens, key)`. It comes
 - output tokens: log-normal, median 182, sigma 1.0 (mean 300 before clipping), clipped to 1..1,000;
 - prompt + output never exceeds the 8,192-token context (the output is shortened first).
 
-The medians and sigmas put the means at the seed's averages (1,250 prompt, 300 output tokens); the
+The medians and sigmas put the means at the design's averages (docs/design.md#sizing) (1,250 prompt, 300 output tokens); the
 clipping pulls the measured means a little lower (1,221 and 271 on 10,000 draws, seed 0). Lengths
 scale by a factor for small hardware (`scaled`), never below 1 token. Arrivals are Poisson
 (exponential gaps) at a fixed rate: the load is open-loop, so a slow server sees its queue grow
@@ -88,8 +88,8 @@ def scaled(trace: list[TraceRequest], factor: float, prompt_factor: float | None
     """Every length times `factor` (rounded, at least 1): the same skew on smaller hardware.
 
     `prompt_factor`, when given, scales prompts apart from outputs: on hardware where a prompt
-    token costs a larger share of a decode step than on the seed's GPU, a smaller prompt factor
-    keeps prefill's share of the work near the seed's."""
+    token costs a larger share of a decode step than on the design's GPU, a smaller prompt factor
+    keeps prefill's share of the work near the design's."""
     pf = factor if prompt_factor is None else prompt_factor
     if not (factor > 0 and pf > 0):
         raise ValueError(f"scale factors must be > 0, got {factor} and {pf}")

@@ -1,4 +1,4 @@
-"""The seed's experiments through the HTTP server (`ringserve serve` as a subprocess on CPU with the
+"""The design's experiments (docs/design.md#experiments) through the HTTP server (`ringserve serve` as a subprocess on CPU with the
 tiny model), at sizes a CPU test can afford; each test says how it is scaled.
 
 Correctness: markers at 1,000 concurrent requests, batch invariance at temperature 0, seeded
@@ -201,8 +201,8 @@ def test_seeded_sampling_repeats_alone_and_among_neighbours(server):
 
 def test_fairness_short_requests_start_fast_while_another_key_floods(server):
     """Key A sends 100 long requests at once (prompts of 100 tokens, answers of 16..94 tokens); key B
-    sends a short request every 0.2 s (the seed's 1 per second, scaled by the ~5x shorter CPU steps).
-    B's p95 TTFT stays under the seed's 1 s, and far under A's."""
+    sends a short request every 0.2 s (the design's 1 per second, scaled by the ~5x shorter CPU steps).
+    B's p95 TTFT stays under the design's 1 s, and far under A's."""
 
     async def go(s):
         flood = [asyncio.create_task(_stream(s, server, {"prompt_token_ids": _prompt(i, 100),

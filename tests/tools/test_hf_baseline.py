@@ -46,7 +46,7 @@ def test_compare_runs_both_systems_on_one_trace(tiny_model_dir):
 def test_bench_sched_with_hf_row(tiny_model_dir, capsys):
     """`ringserve bench sched --hf` adds the HF row and the ratio to the real run."""
     code = sched_compare.main(["--requests", "6", "--scale", "0.05", "--prompt-scale", "0.01", "--limit-variants", "4",
-                               "--hf", "--model-dir", str(tiny_model_dir), "--seed-requests", "6", "--rate", "50",
+                               "--hf", "--model-dir", str(tiny_model_dir), "--design-requests", "6", "--rate", "50",
                                "--num-blocks", "256", "--repeat", "1", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out)

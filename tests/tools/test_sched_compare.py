@@ -8,7 +8,7 @@ import pytest
 
 from ringserve.tools import sched_compare
 from ringserve.tools.batchers import ContinuousPolicy, RunToCompletionPolicy
-from ringserve.tools.sched_sim import SEED_7B_A100, SimExecutor, StepCost, replay
+from ringserve.tools.sched_sim import DESIGN_7B_A100, SimExecutor, StepCost, replay
 from ringserve.tools.trace import TraceRequest, builtin_mix, poisson_arrivals, scaled
 
 FLAT = StepCost(10.0, 1.0, 0.1)  # easy numbers: 10 ms + 1 ms/row + 0.1 ms/prompt token
@@ -36,11 +36,11 @@ def test_fit_refuses_samples_that_cannot_separate_the_terms():
         StepCost.fit([(r, 0, 10.0 + r) for r in range(1, 10)])
 
 
-def test_seed_model_matches_the_seed():
+def test_design_model_matches_the_design():
     """The paper model: 25 ms at 1 row, 40 ms at 32 rows, 0.1 ms per prompt token."""
-    assert SEED_7B_A100.ms(1, 0) == pytest.approx(25.0)
-    assert SEED_7B_A100.ms(32, 0) == pytest.approx(40.0)
-    assert SEED_7B_A100.ms(1, 1000) - SEED_7B_A100.ms(1, 0) == pytest.approx(100.0)
+    assert DESIGN_7B_A100.ms(1, 0) == pytest.approx(25.0)
+    assert DESIGN_7B_A100.ms(32, 0) == pytest.approx(40.0)
+    assert DESIGN_7B_A100.ms(1, 1000) - DESIGN_7B_A100.ms(1, 0) == pytest.approx(100.0)
 
 
 def test_every_policy_replays_exact_output_lengths_and_frees_its_blocks():
@@ -92,7 +92,7 @@ def test_continuous_beats_static_on_a_skewed_trace():
     """On the built-in skew, continuous batching has far lower TTFT and higher throughput than static."""
     trace = builtin_mix(60, seed=5)
     arrivals = poisson_arrivals(60, 1.5, seed=5)
-    static, _, cont, _ = [replay(p, trace, arrivals, SimExecutor(SEED_7B_A100)) for p in _policies(32, 7152)]
+    static, _, cont, _ = [replay(p, trace, arrivals, SimExecutor(DESIGN_7B_A100)) for p in _policies(32, 7152)]
     assert cont.throughput_tok_s > 1.3 * static.throughput_tok_s
     assert cont.summary()["ttft_p50_ms"] < 0.1 * static.summary()["ttft_p50_ms"]
 
@@ -121,11 +121,11 @@ def test_real_engine_replay_and_fit(tiny_model_dir):
 
 def test_cli_paper_run_writes_json_and_a_plot(tmp_path, capsys):
     """`ringserve bench sched --skip-real` prints one row per variant and writes the PNG."""
-    assert sched_compare.main(["--skip-real", "--seed-requests", "10", "--json", "--plot", str(tmp_path)]) == 0
+    assert sched_compare.main(["--skip-real", "--design-requests", "10", "--json", "--plot", str(tmp_path)]) == 0
     report = json.loads(capsys.readouterr().out)
-    rows = report["runs"]["sim-seed"]["rows"]
+    rows = report["runs"]["sim-design"]["rows"]
     assert [r["label"] for r in rows] == [v.label for v in sched_compare.VARIANTS]
-    assert (tmp_path / "sched-sim-seed-r1.5.png").stat().st_size > 1000
+    assert (tmp_path / "sched-sim-design-r1.5.png").stat().st_size > 1000
 
 
 def test_repeated_rounds_report_medians_and_pool_the_step_samples():
