@@ -100,11 +100,12 @@ class GpuClient:
 
     def __init__(self, transport: Transport, worker: int = 0,
                  ready: Callable[[], bool] | None = None, hold_s: float = 30.0,
-                 down_reason: Callable[[], str | None] | None = None) -> None:
+                 down_reason: Callable[[], str | None] | None = None, first_rid: int = 1) -> None:
         """`ready()` says whether the GPU process is READY (the control block); held requests are
         resubmitted once it is, or failed after `hold_s`. None: always ready (a transport without
         restarts). `down_reason()` says how the last GPU process ended ("was killed by SIGKILL"),
-        for the error a held request gets (None: unknown)."""
+        for the error a held request gets (None: unknown). Rids count from `first_rid`
+        (`shm.messages.first_rid` of the worker's slot generation)."""
         self.transport = transport
         self.worker = worker
         self.ready = ready or (lambda: True)
@@ -116,7 +117,7 @@ class GpuClient:
         self._poll: asyncio.TimerHandle | None = None
         self._restarting = False  # a restart was seen and the GPU process is not READY again yet
         self.resubmitted = 0  # requests resubmitted after a restart (for tests and stats)
-        self._next_rid = 1
+        self._next_rid = first_rid
         self._pending: deque[Submit | Cancel] = deque()
         self._retry: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -130,13 +130,8 @@ def _histograms(stats: Mapping[str, float]) -> Iterator[Metric]:
 
 def _buckets(stats: Mapping[str, float], hist: L.Histogram) -> tuple[list[tuple[str, float]], float]:
     """Cumulative buckets with bounds in seconds (the region counts in ms), and the sum."""
-    out, running = [], 0.0
-    for i, bound in enumerate(hist.bounds):
-        running += stats.get(f"{hist.name}_bucket_{i}", 0.0)
-        out.append((repr(bound / 1000.0), running))
-    running += stats.get(f"{hist.name}_bucket_{len(hist.bounds)}", 0.0)
-    out.append(("+Inf", running))
-    return out, stats.get(f"{hist.name}_sum", 0.0) / 1000.0
+    bounds = [repr(bound / 1000.0) for bound in hist.bounds] + ["+Inf"]
+    return list(zip(bounds, hist.cumulative(stats))), stats.get(f"{hist.name}_sum", 0.0) / 1000.0
 
 
 def render(snap: StatsSnapshot) -> bytes:

@@ -44,7 +44,7 @@ class RingTransport:
         """From an attached `shm.instance.ShmInstance` (with its doorbells) and a worker slot."""
         if instance.input_bell is None or instance.output_bells is None:
             raise ValueError("the shm instance was attached without its doorbells")
-        requests, outputs = instance.worker_rings(slot)
+        requests, outputs = instance.worker_rings(slot)  # output of a dead predecessor is dropped
         return cls(requests, outputs, instance.input_bell, instance.output_bells[slot])
 
     # Transport -------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from typing import Callable
 
 import uvloop
@@ -33,6 +34,7 @@ from ringserve.api.state import STATE, ApiState
 from ringserve.api.tokenizer import TextCodec
 from ringserve.api.worker_stats import WorkerStats
 from ringserve.config import Config
+from ringserve.shm.messages import first_rid
 
 log = logging.getLogger("ringserve.api.worker")
 
@@ -104,7 +106,7 @@ def run_worker(config: Config, *, index: int, transport: Callable[[], Transport]
                publish: Callable[[WorkerStats], None] | None = None,
                peers: PeerCancel | None = None, sock: socket.socket | None = None,
                reload_s: Callable[[], float | None] | None = None,
-               restart_status: Callable[[], dict | None] = lambda: None) -> int:
+               restart_status: Callable[[], dict | None] = lambda: None, first_rid: int = 1) -> int:
     """The worker process's main: runs until SIGTERM (drain) or SIGINT."""
     # A SIGTERM while still starting (nothing to drain yet) is a clean exit; the event loop's own
     # handler, installed below, takes over once serving.
@@ -123,7 +125,8 @@ def run_worker(config: Config, *, index: int, transport: Callable[[], Transport]
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         client = GpuClient(transport(), worker=index, ready=ready, hold_s=config.restart_hold_s,
-                           down_reason=lambda: (restart_status() or {}).get("last_error"))
+                           down_reason=lambda: (restart_status() or {}).get("last_error"),
+                           first_rid=first_rid)
         app = init_app(config, client, codec, model_name=model_name, ready=ready,
                        stats_source=stats_source, auth=auth, worker=index, publish=publish,
                        peers=peers, reload_s=reload_s, restart_status=restart_status,
@@ -159,6 +162,7 @@ def run_attached(config: Config, *, slot: int, instance: str, bell_fds: list[int
                              **({"directory": directory} if directory else {}))
     control = shm.control
     region = control.worker_stats(slot)
+    generation = _slot_generation(control, slot)
 
     def publish(stats) -> None:
         stats.publish(region)
@@ -171,9 +175,24 @@ def run_attached(config: Config, *, slot: int, instance: str, bell_fds: list[int
                           stats_source=lambda st: from_control(control), publish=publish,
                           peers=PeerCancel(instance, slot, control.n_workers), sock=sock,
                           reload_s=lambda: (control.model_facts() or {}).get("load_s"),
-                          restart_status=control.restart_status)
+                          restart_status=control.restart_status, first_rid=first_rid(generation))
     finally:
         shm.close()
+
+
+SLOT_WAIT_S = 10.0
+
+
+def _slot_generation(control, slot: int) -> int:
+    """This worker's slot generation. The supervisor records it right after spawning us; until the
+    slot names our pid, what it holds is our predecessor's."""
+    deadline = time.monotonic() + SLOT_WAIT_S
+    while (info := control.worker_slot(slot))["pid"] != os.getpid():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"worker slot {slot} was not assigned to pid {os.getpid()} within "
+                               f"{SLOT_WAIT_S:.0f} s (slot pid {info['pid']})")
+        time.sleep(0.005)
+    return info["generation"]
 
 
 def _config(host: str | None, port: int | None) -> Config:

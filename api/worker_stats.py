@@ -43,14 +43,8 @@ class WorkerStats:
             split = f"{hist_name}_plen_{prompt_len_label(prompt_tokens)}"
             if split in _HISTS:
                 self.observe(split, value)
-        hist = _HISTS[hist_name]
-        bucket = len(hist.bounds)
-        for i, bound in enumerate(hist.bounds):
-            if value <= bound:
-                bucket = i
-                break
         v = self.values
-        v[f"{hist_name}_bucket_{bucket}"] += 1
+        v[_HISTS[hist_name].bucket_name(value)] += 1
         v[f"{hist_name}_sum"] += value
         v[f"{hist_name}_count"] += 1
 

@@ -14,7 +14,7 @@ import torch
 from ringserve.config import Config
 from ringserve.gpu_proc.cpu_tuning import tune_cpu_process
 from ringserve.gpu_proc.kv_pool import KVPool
-from ringserve.gpu_proc.kv_sizing import estimate_activation_bytes, plan_kv_blocks_on_device
+from ringserve.gpu_proc.kv_sizing import estimate_activation_bytes, kv_block_bytes, plan_kv_blocks_on_device
 from ringserve.gpu_proc.model.loader import load_model, read_special_tokens
 from ringserve.gpu_proc.model_runner import ModelRunner
 from ringserve.gpu_proc.sampler import SampleOutput, sample
@@ -72,12 +72,13 @@ def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype)
     if device.type != "cuda":
         return config.cpu_kv_blocks
     args = model.args
-    block_bytes = KVPool.bytes_per_block(args.num_layers, args.num_kv_heads, args.head_dim,
-                                         config.block_size, dtype)
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    block_bytes = kv_block_bytes(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
+                                 head_dim=args.head_dim, block_size=config.block_size, dtype_bytes=dtype_bytes)
     reserve = estimate_activation_bytes(
         max_step_tokens=config.max_rows + config.prefill_budget * 8, max_rows=config.max_rows,
         hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-        vocab_size=args.vocab_size, dtype_bytes=torch.empty((), dtype=dtype).element_size())
+        vocab_size=args.vocab_size, dtype_bytes=dtype_bytes)
     plan = plan_kv_blocks_on_device(device, utilization=config.gpu_memory_utilization,
                                     block_bytes=block_bytes, activation_reserve_bytes=reserve)
     log.info("KV pool: %s", plan.describe())

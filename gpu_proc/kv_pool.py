@@ -45,14 +45,3 @@ class KVPool:
         self.v_all = torch.zeros(shape, dtype=dtype, device=self.device)
         self.k: list[torch.Tensor] = list(self.k_all.unbind(0))
         self.v: list[torch.Tensor] = list(self.v_all.unbind(0))
-
-    @classmethod
-    def bytes_per_block(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                        dtype: torch.dtype) -> int:
-        """Memory one block takes over all layers, K and V — for sizing the pool from free memory."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * block_size * head_dim * itemsize
-
-    @property
-    def num_bytes(self) -> int:
-        return 2 * self.k_all.numel() * self.k_all.element_size()

@@ -69,7 +69,7 @@ class GpuLoop:
         self.control = shm.control
         self.engine = engine
         self.scheduler = scheduler
-        self.requests, outputs = shm.gpu_rings()
+        self.requests, outputs = shm.gpu_rings(self.control.gpu_generation)
         self.outboxes = [Outbox(ring, bell) for ring, bell in zip(outputs, shm.output_bells)]
         self.slot_generations = [self.control.worker_slot(i)["generation"] for i in range(shm.n_workers)]
         self.step_no = 0
@@ -129,10 +129,13 @@ class GpuLoop:
             gen = self.control.worker_slot(slot)["generation"]
             if gen != known:
                 self.slot_generations[slot] = gen
-                self._drop_worker(slot, f"worker slot {slot} restarted (generation {gen})")
+                self._drop_worker(slot, f"worker slot {slot} restarted (generation {gen})", keep=gen)
 
-    def _drop_worker(self, slot: int, why: str) -> None:
-        dropped = [key for key in self.scheduler.live_keys() if key[0] == slot]
+    def _drop_worker(self, slot: int, why: str, keep: int | None = None) -> None:
+        """Cancel the slot's requests (all, or those numbered by another worker than generation
+        `keep`: the successor's own requests may already be here) and drop its pending output."""
+        dropped = [key for key in self.scheduler.live_keys()
+                   if key[0] == slot and (keep is None or M.rid_generation(key[1]) != keep)]
         for key in dropped:
             self.scheduler.cancel(key, "cancelled")
         box = self.outboxes[slot]
@@ -241,10 +244,6 @@ def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
     sched = Scheduler(config, BlockManager(engine.num_blocks, config.block_size),
                       eos_token_ids=engine.eos_token_ids)
     loop = GpuLoop(config, shm, engine, sched)
-    for ring in loop.requests:
-        ring.adopt_consumer(control.gpu_generation, discard=True)
-    for box in loop.outboxes:
-        box.ring.adopt_producer(control.gpu_generation)
     control.set_model_facts({
         "model": config.model_name or os.path.basename(os.path.normpath(model_dir)),
         "vocab_size": engine.vocab_size, "block_size": config.block_size,

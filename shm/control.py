@@ -120,18 +120,6 @@ class StatsRegion:
         for name, value in values.items():
             local[self._index[name]] = value
 
-    def observe(self, hist: L.Histogram, value: float) -> None:
-        """Count `value` into histogram `hist` (its bucket, sum and count)."""
-        local = self._local()
-        bucket = len(hist.bounds)
-        for i, bound in enumerate(hist.bounds):
-            if value <= bound:
-                bucket = i
-                break
-        local[self._index[f"{hist.name}_bucket_{bucket}"]] += 1
-        local[self._index[f"{hist.name}_sum"]] += value
-        local[self._index[f"{hist.name}_count"]] += 1
-
     def reset(self) -> None:
         """Writer: start from zeros (a fresh process, or after a writer died mid-update)."""
         self._values = [0.0] * len(self.names)
@@ -177,15 +165,6 @@ class BlobRegion:
 
 def _clip(text: str, limit: int) -> str:
     return text if len(text.encode()) <= limit else text.encode()[:limit].decode(errors="ignore") + "..."
-
-
-def histogram_counts(stats: Mapping[str, float], hist: L.Histogram) -> tuple[list[float], float, float]:
-    """(cumulative bucket counts aligned with `hist.bounds` + [+Inf], sum, count) from a snapshot."""
-    running, cumulative = 0.0, []
-    for i in range(len(hist.bounds) + 1):
-        running += stats[f"{hist.name}_bucket_{i}"]
-        cumulative.append(running)
-    return cumulative, stats[f"{hist.name}_sum"], stats[f"{hist.name}_count"]
 
 
 class Control:

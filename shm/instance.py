@@ -126,29 +126,22 @@ class ShmInstance:
         return [self.input_bell.fileno()] + [b.fileno() for b in self.output_bells]
 
     # -- ring sides -----------------------------------------------------------------------------
-    def worker_rings(self, slot: int, generation: int | None = None) -> tuple[Ring, Ring]:
+    def worker_rings(self, slot: int) -> tuple[Ring, Ring]:
         """Worker `slot`: (request ring as producer, output ring as consumer).
 
-        A worker restarted in a used slot passes the slot's new `generation`: it then adopts
-        both rings, dropping output its dead predecessor never read.
+        Output left in the ring by a dead predecessor in the slot is dropped: it is for requests
+        this worker never made. (The rings' generation is the GPU process's; only the supervisor
+        and the GPU process stamp it.)
         """
-        req_buf, out_buf = self.request_segments[slot].buf, self.output_segments[slot].buf
-        if generation is None:
-            return Ring.producer(req_buf), Ring.consumer(out_buf)
-        req, out = Ring(req_buf), Ring(out_buf)
-        req.adopt_producer(generation)
-        out.adopt_consumer(generation)
+        req = Ring.producer(self.request_segments[slot].buf)
+        out = Ring.consumer(self.output_segments[slot].buf)
+        out.skip_committed()
         return req, out
 
-    def gpu_rings(self, generation: int | None = None) -> tuple[list[Ring], list[Ring]]:
-        """GPU process: (request rings as consumer, output rings as producer), one per slot.
-
-        A restarted GPU process passes its new `generation`: it then adopts every ring,
-        dropping requests queued for its dead predecessor.
-        """
-        if generation is None:
-            return ([Ring.consumer(s.buf) for s in self.request_segments],
-                    [Ring.producer(s.buf) for s in self.output_segments])
+    def gpu_rings(self, generation: int) -> tuple[list[Ring], list[Ring]]:
+        """GPU process `generation`: (request rings as consumer, output rings as producer), one per
+        slot, adopted: requests queued for a dead predecessor are dropped, and every ring carries
+        the generation (which is how workers see a restart)."""
         requests = [Ring(s.buf) for s in self.request_segments]
         outputs = [Ring(s.buf) for s in self.output_segments]
         for ring in requests:

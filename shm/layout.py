@@ -35,7 +35,6 @@ SEGMENT_PREFIX = "ringserve."
 DEFAULT_DIRECTORY = "/dev/shm"
 
 U64 = struct.Struct("Q")  # native: one aligned 8-byte load/store (see the module note)
-F64 = struct.Struct("d")
 
 
 def _magic(tag: bytes) -> int:
@@ -122,7 +121,6 @@ class GpuState(IntEnum):
     NONE = 0
     STARTING = 1
     READY = 2
-    DRAINING = 3
     DEAD = 4
 
 
@@ -145,6 +143,21 @@ class Histogram:
     def field_names(self) -> tuple[str, ...]:
         buckets = tuple(f"{self.name}_bucket_{i}" for i in range(len(self.bounds) + 1))
         return buckets + (f"{self.name}_sum", f"{self.name}_count")
+
+    def bucket_name(self, value: float) -> str:
+        """The field that counts `value`: the first bucket whose bound is at least it, else +Inf."""
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                return f"{self.name}_bucket_{i}"
+        return f"{self.name}_bucket_{len(self.bounds)}"
+
+    def cumulative(self, stats) -> list[float]:
+        """Cumulative counts per bound, then +Inf, from a stats snapshot ({field: value})."""
+        running, out = 0.0, []
+        for i in range(len(self.bounds) + 1):
+            running += stats.get(f"{self.name}_bucket_{i}", 0.0)
+            out.append(running)
+        return out
 
 
 TTFT_MS_BOUNDS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)

@@ -1,8 +1,13 @@
 """Every message that crosses a ring: `msgspec.Struct`s forming one tagged union, msgpack-encoded.
 
-Workers name their requests with a small integer `rid`, unique within the worker, so per-token
-records stay small; the string `request_id` travels once, in `Submit`, for logs. Per step the GPU
-process sends one `StepOutput` per worker holding all of that worker's new tokens and finishes.
+Workers name their requests with an integer `rid`, so per-token records stay small; the string
+`request_id` travels once, in `Submit`, for logs. Per step the GPU process sends one `StepOutput`
+per worker holding all of that worker's new tokens and finishes.
+
+A worker numbers its requests from `first_rid(slot_generation)`: rids are unique per worker slot
+across worker restarts, so a record a dead worker left in a ring (a Submit the GPU process had not
+read yet, output it never read) can never name a request of its successor in the same slot, and the
+GPU process drops exactly the dead worker's requests (`rid_generation`).
 """
 
 from __future__ import annotations
@@ -10,6 +15,19 @@ from __future__ import annotations
 from typing import Union
 
 import msgspec
+
+_RID_GENERATION_SHIFT = 32
+
+
+def first_rid(slot_generation: int) -> int:
+    """The first rid of a worker started under `slot_generation` (its predecessors used lower ones)."""
+    return (slot_generation << _RID_GENERATION_SHIFT) + 1
+
+
+def rid_generation(rid: int) -> int:
+    """The slot generation of the worker that numbered `rid`."""
+    return rid >> _RID_GENERATION_SHIFT
+
 
 FINISH_REASONS = ("stop", "length", "cancelled", "deadline", "error")
 

@@ -170,15 +170,20 @@ class Ring:
         _pack(self._buf, L.RING_GENERATION_OFF, generation)
         self._pending = None
         self._tail = _unpack(self._buf, L.RING_TAIL_OFF)[0]
-        dropped = 0
-        if discard:
-            head = _unpack(self._buf, L.RING_HEAD_OFF)[0]
-            while self._tail < head:  # one at a time: never drop a record pushed after `head`
-                if not self.pop_many(1):
-                    break  # the record at the old head was never committed
-                dropped += 1
+        dropped = self.skip_committed() if discard else 0
         _pack(self._buf, L.RING_CONSUMER_PID_OFF, os.getpid())
         self.consumer_heartbeat()
+        return dropped
+
+    def skip_committed(self) -> int:
+        """Consumer: drop the records committed before this call (meant for a consumer that is
+        gone); later ones are delivered. Returns the number dropped."""
+        dropped = 0
+        head = _unpack(self._buf, L.RING_HEAD_OFF)[0]
+        while self._tail < head:  # one at a time: never drop a record pushed after `head`
+            if not self.pop_many(1):
+                break  # the record at the old head was never committed
+            dropped += 1
         return dropped
 
     def reset(self, generation: int) -> None:

@@ -222,6 +222,7 @@ def run(clients: int = 64, seconds: float = 5.0, warmup_s: float = 1.0, long_eve
              subprocess.Popen([sys.executable, "-m", "ringserve.api.worker", "--attach", shm.instance,
                                "--slot", "0", "--tokenizer", tmp, "--model-name", "bench", *common],
                               pass_fds=fds, env=env, stdout=log, stderr=subprocess.STDOUT)]
+    shm.control.start_worker_slot(0, procs[1].pid)  # as the supervisor does
     try:
         _wait_healthy(port, procs, urllib.request)
         worker = psutil.Process(procs[1].pid)

@@ -30,7 +30,7 @@ class _Row:
 
 def run(instance: str, bell_fds: list[int], directory: str) -> int:
     shm = ShmInstance.attach(instance, bell_fds=bell_fds, directory=directory)
-    ins, outs = shm.gpu_rings()
+    ins, outs = shm.gpu_rings(shm.control.gpu_generation)
     requests, output, bell = ins[0], outs[0], shm.output_bells[0]
     rows: dict[int, _Row] = {}
     stopping = False

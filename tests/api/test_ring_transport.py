@@ -33,7 +33,7 @@ async def test_submit_and_step_output_over_rings(instance):
     """A Submit reaches the GPU's request ring and rings its bell; pushed records are delivered."""
     client = GpuClient(RingTransport.for_slot(instance, 0))
     client.start()
-    gpu_in, gpu_out = instance.gpu_rings()
+    gpu_in, gpu_out = instance.gpu_rings(instance.control.gpu_generation)
     stream = client.open_stream()
     admitted = asyncio.create_task(client.submit(stream, _submit(stream.rid)))
     await asyncio.sleep(0)
@@ -60,7 +60,7 @@ async def test_generation_change_fails_streamed_and_resubmits_the_rest(instance)
     ready = [True]
     client = GpuClient(RingTransport.for_slot(instance, 0), ready=lambda: ready[0])
     client.start()
-    gpu_in, gpu_out = instance.gpu_rings()
+    gpu_in, gpu_out = instance.gpu_rings(instance.control.gpu_generation)
     a, b = client.open_stream(), client.open_stream()
     for s in (a, b):
         asyncio.create_task(client.submit(s, _submit(s.rid, deadline_ts=time.time() + 60)))
@@ -94,7 +94,7 @@ async def test_backlog_is_delivered_in_bounded_batches(instance):
     """A backlog larger than one batch is delivered whole and in order after a single bell."""
     client = GpuClient(RingTransport.for_slot(instance, 0))
     client.start()
-    _, gpu_out = instance.gpu_rings()
+    _, gpu_out = instance.gpu_rings(instance.control.gpu_generation)
     stream = client.open_stream()
     for step in range(40):
         assert gpu_out[0].try_push(encode(StepOutput(step=step, tokens=[Token(stream.rid, 0, step, 0.0)])))

@@ -33,7 +33,7 @@ class _EchoGpu(threading.Thread):
     def __init__(self, shm: ShmInstance) -> None:
         super().__init__(daemon=True)
         self.shm = shm
-        self.ins, self.outs = shm.gpu_rings()
+        self.ins, self.outs = shm.gpu_rings(shm.control.gpu_generation)
         self.stop = threading.Event()
         self.submits: list[tuple[int, Submit]] = []
         self.held: dict[int, set[int]] = {}  # slot -> rids kept running until cancelled
@@ -138,6 +138,8 @@ def test_two_workers_over_shared_memory(tmp_path, tiny_model_dir, codec):
          "--shm-dir", str(tmp_path), "--model-name", "tiny"],
         env=env, pass_fds=fds, stdout=logs[slot].open("w"), stderr=subprocess.STDOUT)
         for slot in (0, 1)]
+    for slot, proc in enumerate(procs):  # as the supervisor does: the slot names its worker's pid
+        shm.control.start_worker_slot(slot, proc.pid)
     try:
         _wait_serving(procs, logs)
         status, body = _post(port, {"prompt": "x"})

@@ -153,3 +153,27 @@ def test_stop_token_ids_over_the_cap_are_refused(gpu_process):
     w.pump(lambda: w.finishes(3))
     assert w.finishes(3)[0].reason == "stop" and w.tokens(3) == [first]
     assert proc.poll() is None
+
+
+def test_restarted_worker_keeps_its_own_requests_and_loses_its_predecessors(gpu_process):
+    """A worker restarted in a slot numbers its requests from its own slot generation: when the GPU
+    process sees the new generation it cancels the dead worker's request (its blocks come back)
+    but not the one the successor already sent, which streams to the end."""
+    shm, _ = gpu_process
+    old_gen = shm.control.worker_slot(0)["generation"]
+    w = _Worker(shm)
+    dead = M.first_rid(old_gen)
+    w.send(_submit(dead, [5, 6, 7], max_tokens=200))
+    w.pump(lambda: w.tokens(dead))
+    new_gen = shm.control.start_worker_slot(0, os.getpid())
+    successor = _Worker(shm)
+    mine = M.first_rid(new_gen)
+    successor.send(_submit(mine, [1, 2, 3], max_tokens=8))
+    successor.pump(lambda: successor.finishes(mine))
+    assert [f.reason for f in successor.finishes(mine)] == ["length"]
+    assert len(successor.tokens(mine)) == 8
+    # Output pushed for the dead request before the GPU process saw the new generation may still
+    # reach the successor, but under a rid it never made (its client drops such records).
+    others = {t.rid for m in successor.messages if isinstance(m, M.StepOutput) for t in m.tokens} - {mine}
+    assert others <= {dead} and M.rid_generation(dead) != new_gen
+    successor.pump(lambda: shm.control.gpu_stats.read()["kv_blocks_free"] == 64)

@@ -7,8 +7,9 @@ import multiprocessing
 
 import pytest
 
+from ringserve.api.worker_stats import WorkerStats
 from ringserve.shm import layout as L
-from ringserve.shm.control import Control, ControlError, TornReadError, histogram_counts
+from ringserve.shm.control import Control, ControlError, TornReadError
 
 
 def _make_control(n_workers: int = 2) -> Control:
@@ -46,16 +47,15 @@ def test_worker_slots_and_summed_stats():
     assert slot["pid"] == 43 and slot["generation"] == 2 and slot["heartbeat_age_s"] >= 0
     ttft = L.HISTOGRAMS[0]
     for i in range(3):
-        stats = ctl.worker_stats(i)
+        stats = WorkerStats()  # what a worker counts and publishes into its slot
         stats.add("requests_total", i + 1)
         stats.add("finished_stop")
-        stats.observe(ttft, 30.0 * (i + 1))  # 30, 60, 90 ms
-        stats.publish()
+        stats.observe(ttft.name, 30.0 * (i + 1))  # 30, 60, 90 ms
+        stats.publish(ctl.worker_stats(i))
     total = ctl.all_worker_stats()
     assert total["requests_total"] == 6 and total["finished_stop"] == 3
-    cumulative, s, count = histogram_counts(total, ttft)
-    assert count == 3 and s == 180.0
-    assert cumulative[:4] == [0, 0, 1, 3]  # le 10, 25, 50, 100
+    assert total[f"{ttft.name}_count"] == 3 and total[f"{ttft.name}_sum"] == 180.0
+    assert ttft.cumulative(total)[:4] == [0, 0, 1, 3]  # le 10, 25, 50, 100
     with pytest.raises(IndexError):
         ctl.worker_slot(3)
 

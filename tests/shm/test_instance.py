@@ -36,7 +36,7 @@ def test_worker_process_round_trip_through_an_instance(shm_dir):
     try:
         shm.control.set_model_facts({"name": "tiny"})
         shm.control.set_gpu_state(GpuState.READY)
-        requests, outputs = shm.gpu_rings()
+        requests, outputs = shm.gpu_rings(shm.control.gpu_generation)
         fds = shm.bell_fds()
         child = subprocess.Popen(
             [sys.executable, "-c", _WORKER, shm.instance, shm_dir, ",".join(map(str, fds))],
@@ -75,13 +75,13 @@ def test_restarted_gpu_process_adopts_the_rings(shm_dir):
 
 
 def test_restarted_worker_drops_output_of_its_predecessor(shm_dir):
-    """A worker restarted in a slot with the slot's new generation never sees old output."""
+    """A worker attaching to a slot never sees output left for a dead predecessor; what the GPU
+    process pushes after it attached is delivered, and its requests reach the GPU process."""
     with ShmInstance.create(ring_bytes=4096, n_workers=1, directory=shm_dir) as shm:
-        requests, outputs = shm.gpu_rings()
+        requests, outputs = shm.gpu_rings(shm.control.gpu_generation)
         shm.worker_rings(0)
         assert outputs[0].try_push(b"for the dead worker")
-        gen = shm.control.start_worker_slot(0, pid=os.getpid())
-        req, out = shm.worker_rings(0, generation=gen)
+        req, out = shm.worker_rings(0)
         assert out.pop() is None
         assert outputs[0].try_push(b"for the new worker") and out.pop() == b"for the new worker"
         assert req.try_push(b"hello") and requests[0].pop() == b"hello"
