@@ -271,31 +271,8 @@ class Ring:
 
     def pop(self) -> bytes | None:
         """Remove and return the oldest record (a copy), or None if the ring is empty."""
-        if self._pending is not None:
-            raise RingError("release() the records of pop_views() before popping more")
-        buf, cap = self._buf, self._cap
-        tail = self._tail
-        while True:
-            off = tail % cap
-            d = _DATA + off
-            word = _unpack(buf, d)[0]
-            if not word:
-                if tail != self._tail:  # pads were skipped: give their space back
-                    _pack(buf, _TAIL, tail)
-                    self._tail = tail
-                return None
-            if word >> 32 != _COMMIT_HI | ((tail >> 3) & _STAMP_MASK):
-                self._check_word(word, tail, off)  # raises unless it is a valid pad record
-                tail += cap - off
-                continue
-            n = word & _LEN_MASK
-            if off + n + 8 > cap:
-                self._check_word(word, tail, off)  # raises: the length is impossible
-            rec = buf[d + 8:d + 8 + n]
-            tail += (n + 15) & -8
-            _pack(buf, _TAIL, tail)  # after the copy: only now may the producer reuse the space
-            self._tail = tail
-            return rec
+        records = self.pop_many(1)
+        return records[0] if records else None
 
     def pop_many(self, max_records: int = 1 << 30) -> list[bytes]:
         """Remove and return up to `max_records` records (copies), oldest first."""

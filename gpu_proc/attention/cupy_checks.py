@@ -79,16 +79,22 @@ def require_cuda(k_cache) -> torch.device:
     return device
 
 
-def check_write_kv_args(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Everything `write_kv` checks before launching, on any device (raises ValueError/TypeError)."""
+def _check_caches(k_cache, v_cache) -> torch.device:
+    """The K and V caches: tensors of one layer's pool, alike in shape and dtype; their device."""
     if not isinstance(k_cache, torch.Tensor):
         raise TypeError(f"k_cache: expected a torch.Tensor, got {type(k_cache).__name__}")
     device = k_cache.device
     _check_cache("k_cache", k_cache, device)
     _check_cache("v_cache", v_cache, device)
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} does not match k_cache "
+        raise ValueError(f"v_cache does not match k_cache: {tuple(v_cache.shape)} {v_cache.dtype} against "
                          f"{tuple(k_cache.shape)} {k_cache.dtype}")
+    return device
+
+
+def check_write_kv_args(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Everything `write_kv` checks before launching, on any device (raises ValueError/TypeError)."""
+    device = _check_caches(k_cache, v_cache)
     _, num_kv_heads, _, head_dim = k_cache.shape
     if (head_dim * k_cache.element_size()) % 16:
         raise ValueError(f"head_dim {head_dim} must be a multiple of 8 for 16-byte copies")
@@ -101,13 +107,7 @@ def check_write_kv_args(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 def check_attention_args(q, k_cache, v_cache, meta) -> torch.device:
     """Everything the attention launchers check before launching, on any device; returns the device."""
-    if not isinstance(k_cache, torch.Tensor):
-        raise TypeError(f"k_cache: expected a torch.Tensor, got {type(k_cache).__name__}")
-    device = k_cache.device
-    _check_cache("k_cache", k_cache, device)
-    _check_cache("v_cache", v_cache, device)
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError("v_cache does not match k_cache in shape or dtype")
+    device = _check_caches(k_cache, v_cache)
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} unsupported; kernels exist for {HEAD_DIMS}")

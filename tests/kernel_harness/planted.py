@@ -67,8 +67,8 @@ PLANTED = [
             "        __syncthreads();  // the next block overwrites sk, sv and sp", ""),
     Planted("prefill: causal mask excludes the diagonal", "paged_prefill.cu",
             "if (kpos <= spos[r]) {", "if (kpos < spos[r]) {"),
-    Planted("prefill: tile one row too long", "paged_prefill.cu",
-            "nrows = min(RS_PF_ROWS, start + len - row0);", "nrows = min(RS_PF_ROWS, start + len - row0 + 1);"),
+    Planted("prefill: tile one row too long (both prefill kernels)", "common.cu",
+            "ntok = min(tile_tokens, start + len - row0);", "ntok = min(tile_tokens, start + len - row0 + 1);"),
     Planted("prefill: wrong query-head -> KV-head map", "paged_prefill.cu",
             "const int kvh = h / (num_heads / num_kv_heads);", "const int kvh = h % num_kv_heads;"),
     # ---- paged_prefill_tc.cu

@@ -145,3 +145,28 @@ __device__ __forceinline__ bool rs_chunk_token(const int* __restrict__ query_sta
     const long long s = token_seq[t];
     return query_start_loc[s + 1] - query_start_loc[s] != 1;
 }
+
+// The prefill tile this CTA (blockIdx.x) owns: the prompt chunks of the step are cut into tiles of
+// `tile_tokens` query tokens, sequence by sequence (single-token sequences are decode rows when
+// `skip_single`, and get no tile). On return `seq` is the tile's sequence (-1: a surplus CTA, with
+// nothing to do), `row0` its first query row and `ntok` its tokens. Every thread of the CTA computes
+// the same answer, so a CTA that returns early skips no barrier.
+__device__ __forceinline__ void rs_prefill_tile(const int* query_start_loc, int num_seqs, int skip_single,
+                                                int tile_tokens, int& seq, int& row0, int& ntok) {
+    seq = -1;
+    row0 = 0;
+    ntok = 0;
+    int seen = 0;
+    for (int s = 0; s < num_seqs; ++s) {
+        const int start = query_start_loc[s];
+        const int len = query_start_loc[s + 1] - start;
+        const int tiles = (skip_single && len == 1) ? 0 : (len + tile_tokens - 1) / tile_tokens;
+        if ((int)blockIdx.x < seen + tiles) {
+            seq = s;
+            row0 = start + ((int)blockIdx.x - seen) * tile_tokens;
+            ntok = min(tile_tokens, start + len - row0);
+            return;
+        }
+        seen += tiles;
+    }
+}

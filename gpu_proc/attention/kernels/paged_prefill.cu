@@ -38,22 +38,8 @@ __global__ void __launch_bounds__(RS_PF_THREADS) rs_paged_prefill(
     __shared__ float sm_alpha[RS_PF_ROWS];
     __shared__ long long spos[RS_PF_ROWS];
 
-    int seq = -1, row0 = 0, nrows = 0;
-    {
-        int seen = 0;
-        for (int s = 0; s < num_seqs; ++s) {
-            const int start = query_start_loc[s];
-            const int len = query_start_loc[s + 1] - start;
-            const int tiles = (skip_single && len == 1) ? 0 : (len + RS_PF_ROWS - 1) / RS_PF_ROWS;
-            if ((int)blockIdx.x < seen + tiles) {
-                seq = s;
-                row0 = start + ((int)blockIdx.x - seen) * RS_PF_ROWS;
-                nrows = min(RS_PF_ROWS, start + len - row0);
-                break;
-            }
-            seen += tiles;
-        }
-    }
+    int seq, row0, nrows;
+    rs_prefill_tile(query_start_loc, num_seqs, skip_single, RS_PF_ROWS, seq, row0, nrows);
     if (seq < 0) {
         return;  // surplus CTA; the condition is uniform over the CTA, so no barrier is skipped
     }

@@ -94,22 +94,8 @@ __global__ void __launch_bounds__(RS_TC_THREADS) rs_paged_prefill_tc(
 
     const int group = num_heads / num_kv_heads;  // the launcher guarantees group <= RS_TC_ROWS
     const int tile_tokens = RS_TC_ROWS / group;
-    int seq = -1, row0 = 0, ntok = 0;
-    {
-        int seen = 0;
-        for (int s = 0; s < num_seqs; ++s) {
-            const int start = query_start_loc[s];
-            const int len = query_start_loc[s + 1] - start;
-            const int tiles = (skip_single && len == 1) ? 0 : (len + tile_tokens - 1) / tile_tokens;
-            if ((int)blockIdx.x < seen + tiles) {
-                seq = s;
-                row0 = start + ((int)blockIdx.x - seen) * tile_tokens;
-                ntok = min(tile_tokens, start + len - row0);
-                break;
-            }
-            seen += tiles;
-        }
-    }
+    int seq, row0, ntok;
+    rs_prefill_tile(query_start_loc, num_seqs, skip_single, tile_tokens, seq, row0, ntok);
     if (seq < 0) {
         return;  // surplus CTA; uniform over the CTA, so no barrier is skipped
     }
