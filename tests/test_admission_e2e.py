@@ -14,7 +14,7 @@ from collections.abc import Callable
 import aiohttp
 import pytest
 
-from tests.serverutil import ServerProcess
+from tests.helpers.server import ServerProcess
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ringserve.tools.drill import attach_control, find_instance
-from tests.serverutil import ServerProcess, http_json
+from tests.helpers.net import http_json
+from tests.helpers.server import ServerProcess
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,7 +7,6 @@ Meanwhile /ready is 503 with Retry-After from the GPU process's measured load ti
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import signal
@@ -18,7 +17,8 @@ import pytest
 
 from ringserve.restart_policy import BACKOFF_BASE_S
 from ringserve.tools.drill import attach_control, find_instance
-from tests.serverutil import ServerProcess
+from tests.helpers.server import ServerProcess
+from tests.helpers.sse import iter_sse
 
 LONG = {"prompt": "long", "max_tokens": 1000, "ignore_eos": True, "stream": True}
 SEEDED = {"prompt": "seeded", "max_tokens": 12, "ignore_eos": True, "stream": True,
@@ -38,12 +38,7 @@ class _Reader:
         async with session.post(url + "/v1/completions", json=body) as resp:
             assert resp.status == 200, await resp.text()
             self.request_id = resp.headers["x-request-id"]
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[6:]
-                ev = "[DONE]" if data == b"[DONE]" else json.loads(data)
+            async for ev in iter_sse(resp):
                 self.events.append(ev)
                 if ev == "[DONE]":
                     return

@@ -19,7 +19,8 @@ import urllib.request
 import pytest
 
 from ringserve.tools.drill import attach_control, find_instance
-from tests.serverutil import ServerProcess, free_port, http_json
+from tests.helpers.net import free_port, http_json
+from tests.helpers.server import ServerProcess
 
 pytestmark = pytest.mark.timeout(240)
 

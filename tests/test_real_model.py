@@ -9,7 +9,6 @@ test keeps to a few dozen tokens: a step of this model on a busy 2-CPU machine t
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 
 import aiohttp
@@ -18,7 +17,8 @@ import pytest
 from ringserve import models
 from ringserve.api.chat_template import ChatTemplate
 from ringserve.api.tokenizer import TextCodec
-from tests.serverutil import ServerProcess
+from tests.helpers.server import ServerProcess
+from tests.helpers.sse import sse_events
 
 MODEL = "smollm2-135m-instruct"
 NEW_TOKENS = 24
@@ -82,9 +82,8 @@ async def _greedy_ids(session, url: str, ids: list[int], max_tokens: int = NEW_T
     body = {"prompt_token_ids": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     async with session.post(url + "/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
-        raw = await resp.read()
-    events = [json.loads(b[6:]) for b in raw.split(b"\n\n") if b.startswith(b"data: {")]
-    return [e["token_id"] for e in events if "token_id" in e]
+        events = sse_events(await resp.read())
+    return [e["token_id"] for e in events if isinstance(e, dict) and "token_id" in e]
 
 
 def _filler(rng: random.Random, codec: TextCodec) -> dict:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import aiohttp
 import pytest
 
-from tests.serverutil import ServerProcess, http_json
+from tests.helpers.net import http_json
+from tests.helpers.server import ServerProcess
+from tests.helpers.sse import iter_sse
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -36,16 +37,10 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
     async with session.post(url + "/v1/completions", json={**body, "stream": True}) as resp:
         assert resp.status == 200, await resp.text()
         rid = resp.headers["x-request-id"]
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
-            if data == "[DONE]":
-                events.append("[DONE]")
-                break
-            ev = json.loads(data)
+        async for ev in iter_sse(resp):
             events.append(ev)
+            if ev == "[DONE]":
+                break
             if ev["choices"] and ev["choices"][0]["finish_reason"] is None:
                 text += ev["choices"][0]["text"]
                 token_ids.append(ev["token_id"])

@@ -17,7 +17,8 @@ from ringserve.restart_policy import BACKOFF_BASE_S, BACKOFF_MAX_S, RestartPolic
 from ringserve.shm.segment import list_segments
 from ringserve.shm.segment import pid_alive
 from ringserve.tools.drill import attach_control, find_instance
-from tests.serverutil import ServerProcess, free_port
+from tests.helpers.net import free_port
+from tests.helpers.server import ServerProcess
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -3,7 +3,6 @@ helpers to read SSE streams."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,7 +18,7 @@ from ringserve.api.state import STATE, ApiState
 from ringserve.api.tokenizer import TextCodec
 from ringserve.config import Config
 
-MODEL = "tiny-test"
+from tests.helpers.fake_api import MODEL
 
 
 @pytest.fixture(scope="session")
@@ -58,21 +57,3 @@ def serve(aiohttp_client, codec, chat_template) -> Callable:
         return Served(client, fake, app[STATE])
 
     return _serve
-
-
-def sse_events(raw: bytes) -> list:
-    """Parse an SSE body into JSON objects, with the literal "[DONE]" kept as a string."""
-    events = []
-    for block in raw.decode().split("\n\n"):
-        if not block.strip():
-            continue
-        if not block.startswith("data: "):
-            raise AssertionError(f"not an SSE data line: {block!r}")
-        data = block[len("data: "):]
-        events.append(data if data == "[DONE]" else json.loads(data))
-    return events
-
-
-def prompt_text_of(codec: TextCodec, text: str) -> list[int]:
-    """The ids the fake GPU echoes for `text` (the tokenizer adds BOS, which decodes to "")."""
-    return codec.encode(text)

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ringserve.api.auth import SHARED_TENANT, tenant_of
-from tests.api.conftest import MODEL
+from tests.helpers.fake_api import MODEL
 
 pytestmark = pytest.mark.asyncio
 

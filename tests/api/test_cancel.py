@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from ringserve.api.fake_gpu import FakeGpu
-from tests.api.conftest import sse_events
+from tests.helpers.sse import sse_events
 
 pytestmark = pytest.mark.asyncio
 

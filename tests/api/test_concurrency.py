@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from ringserve.api.fake_gpu import FakeGpu
-from tests.api.conftest import sse_events
+from tests.helpers.sse import sse_events
 
 pytestmark = pytest.mark.asyncio
 

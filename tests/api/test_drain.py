@@ -14,7 +14,8 @@ from ringserve.api.fake_gpu import FakeGpu
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.worker import listen_socket, serve
 from ringserve.config import Config
-from tests.api.conftest import MODEL, sse_events
+from tests.helpers.fake_api import MODEL
+from tests.helpers.sse import sse_events
 
 pytestmark = pytest.mark.asyncio
 

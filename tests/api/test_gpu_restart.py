@@ -13,7 +13,8 @@ from ringserve.api.errors import ApiError
 from ringserve.api.fake_gpu import FakeGpu
 from ringserve.api.gpu_client import RESTART_ERROR, GpuClient
 from ringserve.shm.messages import Accepted, Error, Finish, SamplingParams, Submit, Token
-from tests.api.conftest import prompt_text_of, sse_events
+from tests.helpers.fake_api import prompt_text_of
+from tests.helpers.sse import sse_events
 
 pytestmark = pytest.mark.asyncio
 

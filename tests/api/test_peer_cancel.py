@@ -14,7 +14,7 @@ from ringserve.api.gpu_client import GpuClient, RequestStream
 from ringserve.api.peer_cancel import PeerCancel
 from ringserve.api.registry import OpenRequest, Registry
 from ringserve.config import Config
-from tests.api.conftest import sse_events
+from tests.helpers.sse import sse_events
 
 pytestmark = pytest.mark.asyncio
 

@@ -7,7 +7,8 @@ import itertools
 import pytest
 
 from ringserve.api.fake_gpu import FakeGpu
-from tests.api.conftest import MODEL, sse_events
+from tests.helpers.fake_api import MODEL
+from tests.helpers.sse import sse_events
 
 pytestmark = pytest.mark.asyncio
 

@@ -8,7 +8,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,8 @@ from ringserve.config import Config
 from ringserve.shm import layout as L
 from ringserve.shm.instance import ShmInstance
 from ringserve.shm.messages import Accepted, Finish, StepOutput, Submit, Token, decode, encode
+from tests.helpers.net import free_port
+from tests.helpers.sse import sse_events
 
 
 HOLD_TOKENS = 500
@@ -91,12 +92,6 @@ def _delete_mid_stream(port: int) -> None:
     assert '"finish_reason":"cancelled"' in rest and rest.rstrip().endswith("data: [DONE]")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(port: int, body: dict) -> tuple[int, bytes]:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
                                  data=json.dumps(body).encode(),
@@ -127,7 +122,7 @@ def test_two_workers_over_shared_memory(tmp_path, tiny_model_dir, codec):
     shm = ShmInstance.create(ring_bytes=1 << 16, n_workers=2, directory=str(tmp_path))
     gpu = _EchoGpu(shm)
     gpu.start()
-    port = _free_port()
+    port = free_port()
     # As the supervisor hands it over: the whole Config as JSON in the environment.
     env = {**os.environ, "RINGSERVE_CONFIG_JSON": Config(port=port, workers=2, drain_timeout_s=5.0).to_json()}
     fds = shm.bell_fds()
@@ -152,9 +147,9 @@ def test_two_workers_over_shared_memory(tmp_path, tiny_model_dir, codec):
             assert status == 200, body
             assert json.loads(body)["choices"][0]["text"] == text
         status, body = _post(port, {"prompt": text, "max_tokens": n, "stream": True})
-        events = [ln[6:] for ln in body.decode().split("\n\n") if ln.startswith("data: ")]
+        events = sse_events(body)
         assert events[-1] == "[DONE]"
-        assert "".join(json.loads(e).get("text", "") for e in events[:-2]) == text
+        assert "".join(e.get("text", "") for e in events[:-2]) == text
         assert {slot for slot, _ in gpu.submits} <= {0, 1} and len(gpu.submits) == 13
         # Each DELETE takes a fresh connection: about half land on the other worker than the
         # stream's, and must still cancel it.

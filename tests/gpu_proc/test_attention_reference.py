@@ -12,70 +12,8 @@ from ringserve.gpu_proc.attention.metadata import build_step_inputs
 from ringserve.gpu_proc.attention.reference import paged_attention, paged_attention_naive, write_kv
 from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.step import SeqStep, StepBatch
+from tests.helpers.attention_cases import BS, run_case
 
-BS = 16
-
-
-def _dense_attention(q, k, v, scale, start):
-    """Plain causal attention of new queries q [n, H, d] over one sequence's full k, v [L, KVH, d];
-    query i sits at position start + i."""
-    n, h, d = q.shape
-    group = h // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)  # [L, H, d]
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,lhd->hnl", q.double(), k.double()) * scale
-    pos = torch.arange(start, start + n)[:, None]
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > pos, float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v.double()).float()
-
-
-def _run_case(seqs_spec, num_heads, num_kv_heads, head_dim, num_blocks, rng, shared_prefix=0,
-              dtype=torch.float32, fill=0.0, attention=paged_attention):
-    """Build sequences (cached, new) with random block tables, write their K/V through write_kv, and
-    return (paged output, dense output). With shared_prefix > 0, every sequence reuses the first
-    sequence's first `shared_prefix` blocks (and their contents), as n samples of one prompt do.
-    Slots never written hold `fill`; `attention` is the function under test."""
-    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    pool = KVPool(1, num_blocks, num_kv_heads, head_dim, dtype=dtype)
-    pool.k_all.fill_(fill)
-    pool.v_all.fill_(fill)
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)
-    full_k, full_v, steps, qs = [], [], [], []
-    shared_blocks: list[int] = []
-    shared_k = shared_v = None
-    for i, (cached, new) in enumerate(seqs_spec):
-        total = cached + new
-        nblocks = (total + BS - 1) // BS
-        table = [ids.pop() for _ in range(nblocks)]
-        k = torch.randn(total, num_kv_heads, head_dim, generator=gen)
-        v = torch.randn(total, num_kv_heads, head_dim, generator=gen)
-        if shared_prefix:
-            if i == 0:
-                shared_blocks = table[:shared_prefix]
-                shared_k, shared_v = k[:shared_prefix * BS].clone(), v[:shared_prefix * BS].clone()
-            else:
-                ids.extend(table[:shared_prefix])  # give the unused private ids back
-                table[:shared_prefix] = shared_blocks
-                k[:shared_prefix * BS], v[:shared_prefix * BS] = shared_k, shared_v
-        # The cached prefix is written as an earlier step would have (shared blocks rewritten with
-        # identical values is harmless).
-        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(cached)], dtype=torch.long)
-        if cached:
-            write_kv(k[:cached], v[:cached], pool.k[0], pool.v[0], slots)
-        full_k.append(k)
-        full_v.append(v)
-        qs.append(torch.randn(new, num_heads, head_dim, generator=gen))
-        steps.append(SeqStep(i, [0] * new, cached, table))
-    inputs = build_step_inputs(StepBatch(steps), BS, torch.device("cpu"))
-    new_k = torch.cat([k[s.start_pos:] for k, s in zip(full_k, steps)])
-    new_v = torch.cat([v[s.start_pos:] for v, s in zip(full_v, steps)])
-    write_kv(new_k, new_v, pool.k[0], pool.v[0], inputs.meta.slot_mapping)
-    scale = head_dim ** -0.5
-    paged = attention(torch.cat(qs).to(dtype), pool.k[0], pool.v[0], inputs.meta, scale).float()
-    dense = torch.cat([_dense_attention(q, k, v, scale, s.start_pos)
-                       for q, k, v, s in zip(qs, full_k, full_v, steps)])
-    return paged, dense
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (4, 1)])
@@ -86,7 +24,7 @@ def test_paged_equals_dense_for_random_block_tables(num_heads, num_kv_heads, tri
     spec = [(rng.randrange(0, 70), 1) for _ in range(5)]  # decode rows
     spec += [(rng.randrange(0, 40), rng.randrange(2, 40)) for _ in range(3)]  # chunks, some first
     spec.append((0, 1))  # a one-token prompt
-    paged, dense = _run_case(spec, num_heads, num_kv_heads, 32, 128, rng)
+    paged, dense = run_case(spec, num_heads, num_kv_heads, 32, 128, rng)
     torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-4)
 
 
@@ -94,7 +32,7 @@ def test_blocks_shared_between_sequences():
     """Sequences that share prefix blocks each see the shared keys plus their own continuation."""
     rng = random.Random(7)
     spec = [(40, 1), (40, 3), (33, 1), (48, 17)]  # all reuse the first two blocks (32 tokens)
-    paged, dense = _run_case(spec, 4, 2, 16, 64, rng, shared_prefix=2)
+    paged, dense = run_case(spec, 4, 2, 16, 64, rng, shared_prefix=2)
     torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-4)
 
 
@@ -135,7 +73,7 @@ def test_write_kv_rejects_mismatched_cache():
 
 def test_bfloat16_cache_matches_dense_within_bf16_tolerance():
     """A bfloat16 cache and queries give the float64 dense answer to bfloat16 precision."""
-    paged, dense = _run_case([(20, 1), (0, 9), (31, 2)], 4, 2, 32, 16, random.Random(3), dtype=torch.bfloat16)
+    paged, dense = run_case([(20, 1), (0, 9), (31, 2)], 4, 2, 32, 16, random.Random(3), dtype=torch.bfloat16)
     torch.testing.assert_close(paged, dense, atol=3e-2, rtol=3e-2)
 
 
@@ -152,9 +90,9 @@ def test_small_memory_budget_slices_tokens_with_same_result(monkeypatch):
     from ringserve.gpu_proc.attention import reference
 
     spec = [(20, 1), (0, 9), (31, 2), (5, 1), (40, 20)]
-    full, dense = _run_case(spec, 4, 2, 16, 32, random.Random(11))
+    full, dense = run_case(spec, 4, 2, 16, 32, random.Random(11))
     monkeypatch.setattr(reference, "_GATHER_BUDGET_BYTES", 4096)
-    sliced, _ = _run_case(spec, 4, 2, 16, 32, random.Random(11))
+    sliced, _ = run_case(spec, 4, 2, 16, 32, random.Random(11))
     torch.testing.assert_close(sliced, full, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(sliced, dense, atol=1e-5, rtol=1e-4)
 
@@ -164,7 +102,7 @@ def test_nan_in_unwritten_slots_never_reaches_the_output(attention):
     """A pool whose unwritten slots (block tails, padding blocks, block 0) are NaN gives the dense
     answer: garbage a token may not see is masked out of both the scores and the values."""
     spec = [(3, 1), (70, 1), (0, 5), (17, 30), (200, 1), (33, 2)]
-    paged, dense = _run_case(spec, 4, 2, 16, 64, random.Random(5), fill=float("nan"))
+    paged, dense = run_case(spec, 4, 2, 16, 64, random.Random(5), fill=float("nan"))
     assert not paged.isnan().any()
     torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-4)
 
@@ -177,8 +115,8 @@ def test_fast_path_equals_naive_on_mixed_steps(trial):
     spec = [(rng.choice([0, 5, 15, 16, 40, 130, 300]), 1) for _ in range(12)]
     spec += [(rng.randrange(0, 100), rng.randrange(2, 50)) for _ in range(2)]
     rng.shuffle(spec)
-    fast, dense = _run_case(spec, 8, 2, 16, 512, random.Random(trial))
-    naive, _ = _run_case(spec, 8, 2, 16, 512, random.Random(trial), attention=paged_attention_naive)
+    fast, dense = run_case(spec, 8, 2, 16, 512, random.Random(trial))
+    naive, _ = run_case(spec, 8, 2, 16, 512, random.Random(trial), attention=paged_attention_naive)
     torch.testing.assert_close(fast, naive, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(fast, dense, atol=1e-5, rtol=1e-4)
 

@@ -11,7 +11,7 @@ from ringserve.gpu_proc.attention import get_backend, reference
 from ringserve.gpu_proc.attention.metadata import build_step_inputs
 from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.step import SeqStep, StepBatch
-from tests.gpu_proc.test_attention_reference import BS, _run_case
+from tests.helpers.attention_cases import BS, run_case
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -34,7 +34,7 @@ def _spec(rng: random.Random) -> list[tuple[int, int]]:
 def test_matches_dense_attention_float32(head_dim, num_heads, num_kv_heads):
     """Every head size (unrolled ones and the general loop) and grouping gives dense causal attention."""
     rng = random.Random(head_dim * 100 + num_heads * 10 + num_kv_heads)
-    paged, dense = _run_case(_spec(rng), num_heads, num_kv_heads, head_dim, 128, rng, attention=_cpu_attention)
+    paged, dense = run_case(_spec(rng), num_heads, num_kv_heads, head_dim, 128, rng, attention=_cpu_attention)
     torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-4)
 
 
@@ -43,9 +43,9 @@ def test_bfloat16_matches_dense_and_the_reference(head_dim):
     """bfloat16 caches: the float64 dense answer to bfloat16 precision, and no further from it
     than the reference is (the kernel keeps scores and probabilities in float32)."""
     spec = _spec(random.Random(head_dim))
-    paged, dense = _run_case(spec, 8, 2, head_dim, 128, random.Random(1), dtype=torch.bfloat16,
+    paged, dense = run_case(spec, 8, 2, head_dim, 128, random.Random(1), dtype=torch.bfloat16,
                              attention=_cpu_attention)
-    ref, _ = _run_case(spec, 8, 2, head_dim, 128, random.Random(1), dtype=torch.bfloat16)
+    ref, _ = run_case(spec, 8, 2, head_dim, 128, random.Random(1), dtype=torch.bfloat16)
     torch.testing.assert_close(paged, dense, atol=3e-2, rtol=3e-2)
     assert (paged - dense).abs().max() <= (ref - dense).abs().max() + 1e-2
 
@@ -54,7 +54,7 @@ def test_bfloat16_matches_dense_and_the_reference(head_dim):
 def test_nan_in_unwritten_slots_never_reaches_the_output(dtype):
     """Unwritten slots full of NaN (block tails the kernel reads in whole 16-key chunks) are masked."""
     spec = [(3, 1), (70, 1), (0, 5), (17, 30), (200, 1), (33, 2)]
-    paged, dense = _run_case(spec, 4, 2, 64, 64, random.Random(5), dtype=dtype, fill=float("nan"),
+    paged, dense = run_case(spec, 4, 2, 64, 64, random.Random(5), dtype=dtype, fill=float("nan"),
                              attention=_cpu_attention)
     assert not paged.isnan().any()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
@@ -64,7 +64,7 @@ def test_nan_in_unwritten_slots_never_reaches_the_output(dtype):
 def test_blocks_shared_between_sequences():
     """Sequences sharing prefix blocks each see the shared keys plus their own continuation."""
     spec = [(40, 1), (40, 3), (33, 1), (48, 17)]
-    paged, dense = _run_case(spec, 4, 2, 16, 64, random.Random(7), shared_prefix=2, attention=_cpu_attention)
+    paged, dense = run_case(spec, 4, 2, 16, 64, random.Random(7), shared_prefix=2, attention=_cpu_attention)
     torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-4)
 
 

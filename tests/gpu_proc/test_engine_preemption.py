@@ -7,7 +7,7 @@ from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.engine import build_engine
 from ringserve.gpu_proc.request import Request, SamplingSpec
 from ringserve.gpu_proc.scheduler import Scheduler
-from tests.gpu_proc.engine_loop import serve_until_idle
+from tests.helpers.engine_loop import serve_until_idle
 
 
 def _run(model_dir, num_blocks: int, prompts: list[list[int]], max_tokens: int):

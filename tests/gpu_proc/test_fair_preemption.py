@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ringserve.gpu_proc.request import FinishEvent
-from tests.gpu_proc.test_scheduler_fakes import Harness, make_harness, make_request
+from tests.helpers.scheduler_fakes import Harness, make_harness, make_request
 
 K = 4  # fair_preempt_steps (the default)
 

@@ -15,8 +15,9 @@ from safetensors.torch import load_file
 
 from ringserve import models
 from ringserve.gpu_proc.model.gguf_convert import GgufError, check_architecture, convert_gguf
-from tests.gguf_files import write_llama_gguf
-from tests.serverutil import ServerProcess, http_json
+from tests.helpers.gguf_files import write_llama_gguf
+from tests.helpers.net import http_json
+from tests.helpers.server import ServerProcess
 
 TEXTS = ["Hello world", "今天天气很好 🙂", "  two  spaces\n\nand lines", "<|end_of_text|> after a special"]
 

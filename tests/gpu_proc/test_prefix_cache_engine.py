@@ -10,7 +10,7 @@ from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.engine import build_engine
 from ringserve.gpu_proc.request import Request, SamplingSpec
 from ringserve.gpu_proc.scheduler import Scheduler
-from tests.gpu_proc.engine_loop import serve_until_idle
+from tests.helpers.engine_loop import serve_until_idle
 
 SYSTEM = [(5 + 7 * k) % 200 + 3 for k in range(40)]  # a shared 40-token "system prompt"
 

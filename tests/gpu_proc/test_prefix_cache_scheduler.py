@@ -9,7 +9,7 @@ from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.prefix_cache import PrefixCache
 from ringserve.gpu_proc.request import RequestState
 from ringserve.gpu_proc.scheduler import Scheduler
-from tests.gpu_proc.test_scheduler_fakes import EOS, FakeEngine, Harness, expected_stream, make_harness, make_request
+from tests.helpers.scheduler_fakes import EOS, FakeEngine, Harness, expected_stream, make_harness, make_request
 
 P = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # 10 tokens: two full 4-token blocks and a partial one
 

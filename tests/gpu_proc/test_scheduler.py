@@ -3,7 +3,7 @@
 import pytest
 
 from ringserve.gpu_proc.request import RequestState
-from tests.gpu_proc.test_scheduler_fakes import expected_stream, make_harness, make_request
+from tests.helpers.scheduler_fakes import expected_stream, make_harness, make_request
 
 
 def _tables(batch):

@@ -1,7 +1,7 @@
 """Cancellation, deadlines, and 400/429 through the scheduler."""
 
 from ringserve.gpu_proc.request import RequestState
-from tests.gpu_proc.test_scheduler_fakes import expected_stream, make_harness, make_request
+from tests.helpers.scheduler_fakes import expected_stream, make_harness, make_request
 
 
 def _rows_in(batch):

@@ -2,7 +2,7 @@
 
 import random
 
-from tests.gpu_proc.test_scheduler_fakes import make_harness, make_request
+from tests.helpers.scheduler_fakes import make_harness, make_request
 
 STEPS_PER_SECOND = 25  # the design's 40 ms full-batch decode step (`docs/design.md#admission`)
 A_MIN_ANSWER = 40

@@ -17,7 +17,7 @@ from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.prefix_cache import PrefixCache
 from ringserve.gpu_proc.scheduler import Scheduler
-from tests.gpu_proc.test_scheduler_fakes import EOS, VOCAB, expected_stream, make_harness, make_request
+from tests.helpers.scheduler_fakes import EOS, VOCAB, expected_stream, make_harness, make_request
 
 NUM_BLOCKS = 20
 # the last shares its second block with the second: equal tokens after different parents

@@ -16,7 +16,7 @@ from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.engine import build_engine
 from ringserve.gpu_proc.request import Request, SamplingSpec
 from ringserve.gpu_proc.scheduler import Scheduler
-from tests.gpu_proc.engine_loop import serve_until_idle
+from tests.helpers.engine_loop import serve_until_idle
 
 RECORDED = Path(__file__).parent / "data" / "seeded_n_samples.json"
 # prompt lengths around the 16-token block: shorter than one block, one block exactly, just past

@@ -14,7 +14,8 @@ import pytest
 
 from ringserve.tools import drill
 from ringserve.tools.drill import StreamResult, _report, attach_control, find_instance, format_table, run_drill
-from tests.serverutil import ServerProcess, http_json
+from tests.helpers.net import http_json
+from tests.helpers.server import ServerProcess
 
 WATCHDOG_S = 2.0
 
@@ -100,7 +101,9 @@ def test_gpu_death_answers_plain_requests_503_and_ready_fails(server):
 def test_term_drains_and_unlinks_everything(server):
     """SIGTERM the supervisor: open streams finish, a new request gets 503, the server exits 0
     and no segment is left."""
-    rep = _drill(server, "term", streams=4, max_tokens=30)
+    # Long enough to outlast the drain's first moments at sub-millisecond tiny-model steps: the
+    # probe must find the server draining, not already gone.
+    rep = _drill(server, "term", streams=4, max_tokens=1000)
     assert rep.ok, format_table(rep) + server.log()
     assert rep.completed == 4 and rep.drain_new_request_status == 503
     assert rep.leaked_segments == 0

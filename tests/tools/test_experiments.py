@@ -1,5 +1,6 @@
-"""The design's experiments (docs/design.md#experiments) through the HTTP server (`ringserve serve` as a subprocess on CPU with the
-tiny model), at sizes a CPU test can afford; each test says how it is scaled.
+"""The design's experiments (docs/design.md#experiments) through the HTTP server (`ringserve serve`
+as a subprocess on CPU with the tiny model), at sizes a CPU test can afford; each test says how it
+is scaled.
 
 Correctness: markers at 1,000 concurrent requests, batch invariance at temperature 0, seeded
 repeatability. Fairness: one key floods, another's short requests still start fast. Cancellation:
@@ -9,77 +10,30 @@ repeatability. Fairness: one key floods, another's short requests still start fa
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 
 import pytest
 
 from ringserve.tools.sched_sim import percentile
+from tests.helpers.net import metrics
+from tests.helpers.server import ServerProcess
+from tests.helpers.sse import iter_sse
 
 aiohttp = pytest.importorskip("aiohttp")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _metrics(url: str) -> dict[str, float]:
-    """Every sample of /metrics by name (labels folded into the name)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            label = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{label}}}" if label else s.name] = s.value
-    return out
-
-
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
+def server(tiny_model_dir, tmp_path_factory):
     """`ringserve serve` on a free loopback port: one worker, one torch thread, a queue limit that
     never refuses (the experiments measure scheduling, not admission). Stopped with SIGTERM."""
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "ringserve.cli", "serve", "--model", str(tiny_model_dir),
-                             "--port", str(port), "--workers", "1", "--queue-limit-s", "100000",
-                             "--log-level", "warning"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if urllib.request.urlopen(f"{url}/ready", timeout=1).status == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"ringserve serve did not become ready (exit {proc.poll()})")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("shm"), workers=1, queue_limit_s=100000,
+                       log_level="warning") as srv:
+        yield srv.url
 
 
 async def _stream(session, url: str, body: dict, key: str = "key-a", stop_after: int | None = None) -> dict:
     """POST a streaming completion; returns token ids, text, TTFT (s), finish reason and the final usage.
     With `stop_after`, the client disconnects after that many tokens."""
-    import json
-
     t0 = time.perf_counter()
     out = {"tokens": [], "text": "", "ttft": None, "finish": None, "usage": None, "status": None}
     async with session.post(f"{url}/v1/completions", json=body | {"stream": True},
@@ -87,11 +41,9 @@ async def _stream(session, url: str, body: dict, key: str = "key-a", stop_after:
         out["status"] = resp.status
         if resp.status != 200:
             return out
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            ev = json.loads(line[5:])
+        async for ev in iter_sse(resp):
+            if ev == "[DONE]":
+                break
             if "token_id" in ev:
                 if out["ttft"] is None:
                     out["ttft"] = time.perf_counter() - t0
@@ -119,7 +71,7 @@ def _run(coro_fn, timeout_s: float = 120):
 def _wait_idle(url: str, timeout_s: float = 30) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
-        m = _metrics(url)
+        m = metrics(url)
         if m["ringserve_running_rows"] == 0 and m["ringserve_queue_depth"] == 0:
             return m
         if time.monotonic() > deadline:
@@ -231,7 +183,7 @@ def test_disconnects_cost_little_and_free_every_block(server):
     """20 of 100 clients (20 %) disconnect after 5 tokens of a 200-token answer: each costs at most a
     few more tokens (one step plus what was already on its way), the others finish, and once idle
     every KV block is free."""
-    before = _metrics(server)
+    before = metrics(server)
 
     async def go(s):
         return await asyncio.gather(*[

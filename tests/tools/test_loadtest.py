@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -16,18 +15,13 @@ import pytest
 from ringserve.tools import loadtest
 from ringserve.tools.load_report import RequestRecord, goodput, summarize_rate
 from ringserve.tools.trace import TraceRequest
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers.net import free_port
 
 
 @pytest.fixture(scope="module")
 def fake_server(tiny_model_dir):
     """An API worker with the fake GPU (echoes prompt tokens, 2 ms steps) on a free loopback port."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ringserve.api.worker", "--fake", "--tokenizer", str(tiny_model_dir),
                              "--port", str(port), "--step-ms", "2"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -2,36 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_json(url: str, body: dict | None = None, method: str | None = None, headers: dict | None = None,
-              timeout: float = 30.0) -> tuple[int, dict, dict]:
-    """(status, json body, headers) of one request; error statuses are returned, not raised."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"content-type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read() or b"null"), dict(resp.headers)
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"null"), dict(err.headers)
+from tests.helpers.net import free_port, http_json, metrics
 
 
 class ServerProcess:
@@ -102,17 +81,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled samples of /metrics by name (labelled ones keyed `name{k="v",...}`)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                key = s.name if not s.labels else s.name + "{" + ",".join(
-                    f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}"
-                out[key] = s.value
-        return out
+        return metrics(self.url)
 
     def wait_metric(self, name: str, predicate, timeout_s: float = 30.0) -> float:
         deadline = time.monotonic() + timeout_s

@@ -1,0 +1,42 @@
+"""Loopback plumbing for tests: a free port, one JSON request, the /metrics samples."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, body: dict | None = None, method: str | None = None, headers: dict | None = None,
+              timeout: float = 30.0) -> tuple[int, dict, dict]:
+    """(status, json body, headers) of one request; error statuses are returned, not raised."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"null"), dict(resp.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"null"), dict(err.headers)
+
+
+def metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """Samples of `url`/metrics by name; labelled ones keyed `name{k="v",...}` (labels sorted)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=timeout) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name if not s.labels else s.name + "{" + ",".join(
+                f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}"
+            out[key] = s.value
+    return out

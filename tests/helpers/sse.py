@@ -1,0 +1,33 @@
+"""Server-sent events as a client reads them: JSON objects, and the literal "[DONE]" as a string."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+
+def sse_events(raw: bytes | str) -> list:
+    """Parse a whole SSE body; every block must be a `data:` line."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    events = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        if not block.startswith("data: "):
+            raise AssertionError(f"not an SSE data line: {block!r}")
+        data = block[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+async def iter_sse(resp) -> AsyncIterator:
+    """The events of an aiohttp streaming response as they arrive, up to and including "[DONE]"."""
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            yield "[DONE]"
+            return
+        yield json.loads(data)
