@@ -14,6 +14,7 @@ from ringserve.api.prompt_limits import check_fits, encode_prompt
 from ringserve.api.request_flow import Job, Output, check_available, run
 from ringserve.api.sse import EventEncoder
 from ringserve.api.state import STATE, ApiState
+from ringserve.rules import vocabulary_error
 
 
 def _body(request_id: str, model: str, gen: Generation) -> dict:
@@ -48,9 +49,9 @@ async def _tokenize(st: ApiState, req: CompletionRequest) -> list[int]:
     limit = st.config.context_limit
     if req.prompt_ids is not None:
         check_fits(len(req.prompt_ids), req.max_tokens, limit)
-        if max(req.prompt_ids) >= st.codec.vocab_size:
-            raise bad_request(f"prompt holds a token id outside the vocabulary (size "
-                              f"{st.codec.vocab_size}).", "prompt")
+        outside = vocabulary_error(req.prompt_ids, st.codec.vocab_size)
+        if outside is not None:
+            raise bad_request(outside, "prompt")
         return list(req.prompt_ids)
     return await encode_prompt(st.codec, req.prompt_text, max_tokens=req.max_tokens,
                                context_limit=limit, executor=st.executor,

@@ -2,7 +2,11 @@
 
 It admits every Submit (unless `admit` says otherwise), then runs "steps" on the event loop: each
 step emits one token for every running sample and finishes samples at `max_tokens` (`length`), at
-a stop token id (`stop`) or on Cancel (`cancelled`), with usage and timing like the real engine.
+a stop token id (`stop`), at the context limit, or on Cancel (`cancelled`, or `stop` for a stop
+string), with usage and timing like the real engine: the finish rule is the GPU process's own
+(`ringserve.rules.finish_reason`). It is a double of the protocol, not of the scheduler: it admits
+at once (no queue, no deadlines, no 429 unless `admit` says so) and prices nothing; the tests of
+those run against the real GPU process on the tiny model.
 The tokens a sample produces come from `script(submit, index)`, by default the prompt ids repeated
 in order, so a test knows exactly which text must come out. Used by the API tests and
 `ringserve bench api` (where `step_interval_s=0` makes it a producer that never waits).
@@ -21,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from ringserve.rules import finish_reason
 from ringserve.shm.messages import (Accepted, Cancel, Error, Finish, Message, Rejected, StepOutput,
                                     Submit, Token, decode, encode)
 from ringserve.shm.stats_schema import GPU_STAT_NAMES
@@ -39,7 +44,8 @@ class _Row:
     live: list[bool]
     arrival: float
     first_token: float | None = None
-    cancelled: set[int] = field(default_factory=set)  # samples cancelled one by one (Cancel.index)
+    stop_token_ids: frozenset[int] = frozenset()
+    cancelled: dict[int, str] = field(default_factory=dict)  # sample -> finish, cancelled one by one
 
 
 @dataclass
@@ -49,6 +55,7 @@ class FakeGpu:
     script: Callable[[Submit, int], Iterator[int]] = echo_prompt
     step_interval_s: float = 0.0
     eos_token_ids: frozenset[int] = frozenset()
+    context_limit: int = 1 << 30  # as the real engine, a sample also ends where the context does
     admit: Callable[[Submit], Rejected | None] | None = None
     wire: bool = True  # round-trip every message through msgpack, as the ring does
     paused: bool = False  # hold every running row (no tokens) until resumed
@@ -59,7 +66,7 @@ class FakeGpu:
     cancels: list[Cancel] = field(default_factory=list)
     finished: dict[str, int] = field(default_factory=dict)
     _rows: dict[int, _Row] = field(default_factory=dict)
-    _cancelled: set[int] = field(default_factory=set)
+    _cancelled: dict[int, str] = field(default_factory=dict)  # rid -> finish of the whole request
     _deliver: Callable[[Message], None] | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _timer: asyncio.Handle | None = None
@@ -83,14 +90,16 @@ class FakeGpu:
             self._post(refusal or Accepted(rid=msg.rid, est_gpu_ms=1.0))
             if refusal is None:
                 self._rows[msg.rid] = _Row(msg, [self.script(msg, i) for i in range(msg.n)],
-                                           [0] * msg.n, [True] * msg.n, time.time())
+                                           [0] * msg.n, [True] * msg.n, time.time(),
+                                           stop_token_ids=frozenset(msg.sampling.stop_token_ids))
         else:
             self.cancels.append(msg)
             row = self._rows.get(msg.rid)
+            reason = "stop" if msg.reason == "stop" else "cancelled"  # as the GPU process finishes it
             if row is not None and msg.index is not None:
-                row.cancelled.add(msg.index)
+                row.cancelled[msg.index] = reason
             elif row is not None:
-                self._cancelled.add(msg.rid)
+                self._cancelled[msg.rid] = reason
         self._wake()
         return True
 
@@ -161,12 +170,13 @@ class FakeGpu:
         finishes: list[Finish] = []
         for rid in list(self._rows):
             row = self._rows[rid]
-            cancelled = rid in self._cancelled
+            cancelled = self._cancelled.get(rid)
             for i in range(row.submit.n):
                 if not row.live[i]:
                     continue
-                if cancelled or i in row.cancelled:
-                    finishes.append(self._finish(row, i, "cancelled", now))
+                ended = cancelled or row.cancelled.get(i)
+                if ended is not None:
+                    finishes.append(self._finish(row, i, ended, now))
                     continue
                 tid = next(row.tokens[i])
                 row.generated[i] += 1
@@ -174,22 +184,17 @@ class FakeGpu:
                     row.first_token = now
                 top = [(tid, -0.5)] * row.submit.logprobs if row.submit.logprobs else None
                 tokens.append(Token(rid, i, tid, -0.5, top))
-                reason = self._stop_reason(row, tid, i)
+                reason = finish_reason(tid, row.generated[i], len(row.submit.prompt_ids) + row.generated[i],
+                                       eos_token_ids=self.eos_token_ids, stop_token_ids=row.stop_token_ids,
+                                       ignore_eos=row.submit.sampling.ignore_eos,
+                                       max_tokens=row.submit.max_tokens, context_limit=self.context_limit)
                 if reason is not None:
                     finishes.append(self._finish(row, i, reason, now))
             if not any(row.live):
                 del self._rows[rid]
-                self._cancelled.discard(rid)
+                self._cancelled.pop(rid, None)
         self._post(StepOutput(step=self._step, tokens=tokens, finishes=finishes))
         self._wake()
-
-    def _stop_reason(self, row: _Row, tid: int, i: int) -> str | None:
-        sp = row.submit.sampling
-        if tid in sp.stop_token_ids or (not sp.ignore_eos and tid in self.eos_token_ids):
-            return "stop"
-        if row.generated[i] >= row.submit.max_tokens:
-            return "length"
-        return None
 
     def _finish(self, row: _Row, i: int, reason: str, now: float) -> Finish:
         row.live[i] = False

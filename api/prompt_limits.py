@@ -19,6 +19,7 @@ from concurrent.futures import Executor
 
 from ringserve.api.errors import bad_request
 from ringserve.api.tokenizer import TextCodec
+from ringserve.rules import CONTEXT_LENGTH_EXCEEDED, context_error
 
 
 def utf8_length(text: str) -> int:
@@ -36,13 +37,9 @@ def min_prompt_tokens(codec: TextCodec, text: str) -> int:
 def check_fits(prompt_tokens: int, max_tokens: int, context_limit: int, *, at_least: bool = False,
                param: str = "prompt") -> None:
     """400 `context_length_exceeded` when the prompt and max_tokens cannot fit the context."""
-    if prompt_tokens + max_tokens <= context_limit:
-        return
-    count = f"at least {prompt_tokens} tokens (from its length in bytes)" if at_least \
-        else f"{prompt_tokens} tokens"
-    raise bad_request(f"prompt ({count}) + max_tokens ({max_tokens}) is over the context limit "
-                      f"of {context_limit} tokens; shorten the prompt or lower max_tokens.",
-                      param, code="context_length_exceeded")
+    message = context_error(prompt_tokens, max_tokens, context_limit, at_least=at_least)
+    if message is not None:
+        raise bad_request(message, param, code=CONTEXT_LENGTH_EXCEEDED)
 
 
 async def encode_prompt(codec: TextCodec, text: str, *, max_tokens: int, context_limit: int,

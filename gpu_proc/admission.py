@@ -13,6 +13,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ringserve.rules import CONTEXT_LENGTH_EXCEEDED, context_error
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
@@ -185,11 +187,9 @@ class AdmissionController:
         drains at about one GPU millisecond per millisecond. Whole seconds, at least 1.
         """
         total = prompt_tokens + max_tokens
-        if total > self.context_limit:
-            return Decision(400, code="context_length_exceeded",
-                            message=f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-                                    f"is over the {self.context_limit}-token limit; shorten the prompt "
-                                    f"or lower max_tokens")
+        too_long = context_error(prompt_tokens, max_tokens, self.context_limit)
+        if too_long is not None:
+            return Decision(400, code=CONTEXT_LENGTH_EXCEEDED, message=too_long)
         if max_tokens > self.max_tokens_limit:
             return Decision(400, code="max_tokens_too_large",
                             message=f"max_tokens {max_tokens} is over the limit of {self.max_tokens_limit}")

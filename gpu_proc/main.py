@@ -26,6 +26,7 @@ from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.request import Request, TokenEvent
 from ringserve.gpu_proc.scheduler import Scheduler
+from ringserve.rules import vocabulary_error
 from ringserve.shm import layout as L
 from ringserve.shm import messages as M
 from ringserve.shm.instance import ShmInstance
@@ -108,9 +109,9 @@ class GpuLoop:
                 raise ValueError(f"stop_token_ids holds {len(msg.sampling.stop_token_ids)} ids; "
                                  f"at most {M.MAX_STOP_TOKEN_IDS}")
             req = Request.from_submit(slot, msg)
-            bad = next((t for t in msg.prompt_ids if not 0 <= t < self.engine.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{self.engine.vocab_size - 1})")
+            outside = vocabulary_error(msg.prompt_ids, self.engine.vocab_size)
+            if outside is not None:
+                raise ValueError(outside)
         except ValueError as exc:
             self.outboxes[slot].send(M.Rejected(rid=msg.rid, status=400, code="invalid_request", message=str(exc)))
             return

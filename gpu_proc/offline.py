@@ -12,10 +12,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from ringserve.rules import finish_reason
+
 from .model_runner import ModelRunner
 from .sampler import sample
 from .step import RowSampling, SeqStep, StepBatch
-from .stops import stop_reason
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,7 +123,7 @@ def generate(runner: ModelRunner, requests: list[OfflineRequest], *, eos_token_i
             res.token_ids.append(out.token_ids[j])
             res.logprobs.append(out.logprobs[j])
             res.top_logprobs.append(out.top_logprobs[j])
-            res.finish_reason = stop_reason(
+            res.finish_reason = finish_reason(
                 out.token_ids[j], len(res.token_ids), s.context_len + 1, eos_token_ids=eos_token_ids,
                 stop_token_ids=row.req.stop_token_ids, ignore_eos=row.req.ignore_eos,
                 max_tokens=row.req.max_tokens, context_limit=context_limit)

@@ -57,7 +57,7 @@ from ringserve.gpu_proc.request import FinishEvent, Request, RequestState, Token
 from ringserve.gpu_proc.scheduler_checks import SchedulerIntegrityError, SchedulerSnapshot, check_scheduler
 from ringserve.gpu_proc.siblings import Siblings
 from ringserve.gpu_proc.step import SeqStep, StepBatch
-from ringserve.gpu_proc.stops import stop_reason
+from ringserve.rules import finish_reason
 
 if TYPE_CHECKING:
     from ringserve.config import Config
@@ -495,7 +495,7 @@ class Scheduler:
                                      tops[k] if req.logprobs is not None else None))
             charge(req.tenant, 0, 1)
             sp = req.sampling
-            reason = stop_reason(tok, len(gen), req.prompt_len + len(gen), eos_token_ids=eos,
+            reason = finish_reason(tok, len(gen), req.prompt_len + len(gen), eos_token_ids=eos,
                                  stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
                                  max_tokens=req.max_tokens, context_limit=limit)
             self.generation_tokens_total += 1

@@ -89,7 +89,7 @@ def _sync(device) -> None:
 def measure(runner, rows: int, iters: int, warmup: int = 3) -> dict[str, float]:
     """Median milliseconds per phase of a `rows`-row decode step."""
     from ringserve.gpu_proc.sampler import plan_sampling, sample_tensors, to_output
-    from ringserve.gpu_proc.stops import stop_reason
+    from ringserve.rules import finish_reason
     from ringserve.shm.messages import Token
 
     batch = _decode_batch(rows, runner.block_size)
@@ -122,7 +122,7 @@ def measure(runner, rows: int, iters: int, warmup: int = 3) -> dict[str, float]:
         out = to_output(plan, *result)
         records = []
         for s, tok, lp in zip(samplers, out.token_ids, out.logprobs):
-            stop_reason(tok, 1, s.context_len + 1, eos_token_ids=eos, max_tokens=1000, context_limit=8192)
+            finish_reason(tok, 1, s.context_len + 1, eos_token_ids=eos, max_tokens=1000, context_limit=8192)
             records.append(Token(s.seq_id, 0, tok, lp))
         t5 = clock()
         if it >= warmup:

@@ -20,7 +20,7 @@ def test_over_context_limit_is_400():
     """prompt + max_tokens over 8,192 is refused with a message naming both numbers."""
     d = AdmissionController().decide(8000, 193, 1, queued_ms=0)
     assert d.status == 400 and d.code == "context_length_exceeded"
-    assert "8193" in d.message and "8192" in d.message
+    assert "8000 tokens" in d.message and "(193)" in d.message and "8192" in d.message
     assert AdmissionController().decide(8000, 192, 1, queued_ms=0).accepted
 
 

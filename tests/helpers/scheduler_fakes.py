@@ -24,7 +24,7 @@ from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.request import Request, SamplingSpec, TokenEvent
 from ringserve.gpu_proc.scheduler import Scheduler
 from ringserve.gpu_proc.step import StepBatch
-from ringserve.gpu_proc.stops import stop_reason
+from ringserve.rules import finish_reason
 
 VOCAB = 40
 EOS = 0
@@ -89,7 +89,7 @@ def reference_tokens(prompt: list[int], seed: int, index: int, max_tokens: int, 
         tok = fake_token(seed, index, len(ctx), tuple(ctx))
         ctx.append(tok)
         out.append(tok)
-        reason = stop_reason(tok, len(out), len(ctx), eos_token_ids={EOS}, stop_token_ids=stop_token_ids,
+        reason = finish_reason(tok, len(out), len(ctx), eos_token_ids={EOS}, stop_token_ids=stop_token_ids,
                              ignore_eos=ignore_eos, max_tokens=max_tokens, context_limit=context_limit)
         if reason:
             return out, reason

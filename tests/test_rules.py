@@ -1,6 +1,7 @@
-"""Engine stop rules: EOS, stop_token_ids, ignore_eos, max_tokens, the context limit."""
+"""The shared request rules: when a sequence finishes (EOS, stop_token_ids, ignore_eos, max_tokens,
+the context limit), whether a request fits the context, whether its ids are in the vocabulary."""
 
-from ringserve.gpu_proc.stops import stop_reason
+from ringserve.rules import context_error, finish_reason, vocabulary_error
 
 EOS = frozenset({2})
 
@@ -8,7 +9,7 @@ EOS = frozenset({2})
 def _reason(token, generated=1, context=10, **kw):
     kw.setdefault("max_tokens", 5)
     kw.setdefault("context_limit", 100)
-    return stop_reason(token, generated, context, eos_token_ids=EOS, **kw)
+    return finish_reason(token, generated, context, eos_token_ids=EOS, **kw)
 
 
 def test_eos_stops_unless_ignored():
@@ -37,3 +38,18 @@ def test_length_limits():
     assert _reason(5, context=100) == "length"
     assert _reason(5, generated=4, context=99) is None
     assert _reason(2, generated=5) == "stop"
+
+
+def test_context_error_names_the_counts_and_the_limit():
+    """Fitting exactly is fine; one over names both counts and the limit, and a byte-length lower
+    bound says so."""
+    assert context_error(90, 10, 100) is None
+    msg = context_error(91, 10, 100)
+    assert "91 tokens" in msg and "max_tokens (10)" in msg and "100" in msg
+    assert "at least 200 tokens" in context_error(200, 1, 100, at_least=True)
+
+
+def test_vocabulary_error_names_the_first_bad_id():
+    assert vocabulary_error([0, 5, 9], 10) is None
+    assert "id 10" in vocabulary_error([3, 10, -1], 10) and "0..9" in vocabulary_error([10], 10)
+    assert vocabulary_error([-1], 10).startswith("prompt holds token id -1")

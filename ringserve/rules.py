@@ -1,0 +1,58 @@
+"""The request rules both sides apply, written once (docs/design.md#limits-and-timeouts).
+
+Pure functions, importable by every layer like `ringserve.config`: the API workers use them to
+refuse a request early, with the same message the GPU process would give, and their fake GPU
+follows them; the GPU process enforces them on every Submit, whatever a worker let through; the
+scheduling core decides with them when a sequence has finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def finish_reason(
+    token_id: int,
+    num_generated: int,
+    context_len: int,
+    *,
+    eos_token_ids: frozenset[int] | set[int],
+    stop_token_ids: frozenset[int] = frozenset(),
+    ignore_eos: bool = False,
+    max_tokens: int,
+    context_limit: int,
+) -> str | None:
+    """`"stop"`, `"length"` or None for a sequence that just sampled `token_id`.
+
+    `num_generated` and `context_len` already count `token_id`. Both id sets are frozensets: this
+    runs for every sampled token of every row, so a lookup must not cost the set's size (a request
+    holds at most `shm.messages.MAX_STOP_TOKEN_IDS`). A stop token ends the answer
+    (OpenAI reports `stop`); `ignore_eos` disables EOS but never the caller's own
+    `stop_token_ids`. Reaching `max_tokens` or the context limit is `length`.
+    """
+    if token_id in stop_token_ids or (not ignore_eos and token_id in eos_token_ids):
+        return "stop"
+    if num_generated >= max_tokens or context_len >= context_limit:
+        return "length"
+    return None
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+def context_error(prompt_tokens: int, max_tokens: int, context_limit: int, *, at_least: bool = False) -> str | None:
+    """Why a prompt and its answer cannot fit the context (None: they fit). With `at_least`, the
+    prompt's count is a lower bound (from its length in bytes, before tokenizing)."""
+    if prompt_tokens + max_tokens <= context_limit:
+        return None
+    count = f"at least {prompt_tokens} tokens (from its length in bytes)" if at_least else f"{prompt_tokens} tokens"
+    return (f"prompt ({count}) + max_tokens ({max_tokens}) is over the context limit of {context_limit} "
+            f"tokens; shorten the prompt or lower max_tokens.")
+
+
+def vocabulary_error(token_ids: Iterable[int], vocab_size: int, what: str = "prompt") -> str | None:
+    """Why `token_ids` cannot be fed to a model of `vocab_size` tokens (None: every id is in it)."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is None:
+        return None
+    return f"{what} holds token id {bad}, outside the vocabulary (0..{vocab_size - 1})."
