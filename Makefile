@@ -13,7 +13,7 @@ EXTRAS     ?= $(if $(HAS_CUDA),test$(COMMA)cuda,test)
 PYTEST_ARGS ?=
 SOAK_S ?= 60
 
-.PHONY: install serve test test-fast bench soak kernel-check kernel-resources gpu-check clean
+.PHONY: install serve test bench soak kernel-check kernel-resources gpu-check clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
