@@ -1,4 +1,5 @@
 # `make serve` and `make test` set everything up on a fresh machine.
+SHELL  := /bin/bash
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -9,11 +10,11 @@ STAMP  := $(VENV)/.installed
 HAS_CUDA   := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 COMMA      := ,
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS     ?= $(if $(HAS_CUDA),test$(COMMA)cuda,test)
+EXTRAS     ?= $(if $(HAS_CUDA),test$(COMMA)lint$(COMMA)cuda,test$(COMMA)lint)
 PYTEST_ARGS ?=
 SOAK_S ?= 60
 
-.PHONY: install serve test bench soak kernel-check kernel-resources gpu-check clean
+.PHONY: install serve test lint bench soak kernel-check kernel-resources gpu-check clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +30,21 @@ install: $(STAMP)
 # `make serve ARGS='--model tiny'` (or a checkpoint directory, or a .gguf file) serves another.
 serve: $(STAMP)
 	$(VENV)/bin/ringserve serve $(ARGS)
+
+# ruff (lint and format), mypy and the layer contracts (import-linter, pyproject.toml). mypy and
+# import-linter read the installed layout (`ringserve.api` is api/, ...), mirrored in build/lint as
+# symlinks to the real files; reports name the real paths.
+LINT_TREE := build/lint
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	rm -rf $(LINT_TREE) && mkdir -p $(LINT_TREE)/ringserve
+	cp -rs $(CURDIR)/ringserve/. $(LINT_TREE)/ringserve/
+	for d in api gpu_proc shm tools; do cp -rs $(CURDIR)/$$d $(LINT_TREE)/ringserve/; done
+	find $(LINT_TREE) -name __pycache__ -prune -exec rm -rf {} +
+	cd $(LINT_TREE) && $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml
+	set -o pipefail; MYPYPATH=$(LINT_TREE) $(VENV)/bin/mypy --config-file pyproject.toml -p ringserve 2>&1 \
+	  | sed -E 's#$(LINT_TREE)/ringserve/(api|gpu_proc|shm|tools)/#\1/#; s#$(LINT_TREE)/ringserve/#ringserve/#'
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
