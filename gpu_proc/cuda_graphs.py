@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -76,8 +76,8 @@ class StaticStep:
     """Device buffers for up to `rows` decode rows with contexts up to `max_blocks` blocks."""
 
     def __init__(self, rows: int, max_blocks: int, block_size: int, device: torch.device) -> None:
-        i64 = dict(dtype=torch.int64, device=device)
-        i32 = dict(dtype=torch.int32, device=device)
+        i64: dict[str, Any] = {"dtype": torch.int64, "device": device}
+        i32: dict[str, Any] = {"dtype": torch.int32, "device": device}
         self.rows, self.max_blocks, self.block_size = rows, max_blocks, block_size
         self.ids = torch.zeros(rows, **i64)
         self.positions = torch.zeros(rows, **i64)

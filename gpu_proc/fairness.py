@@ -187,8 +187,8 @@ class FairQueue:
             if bool(u.waiting) != (name in self._waiting_tenants):
                 raise ValueError(f"tenant {name!r}: waiting index disagrees with its queue")
         for name in set(self._tenants) | set(running_rows):
-            u = self._tenants.get(name)
-            have = 0 if u is None else u.running_rows
+            held = self._tenants.get(name)
+            have = 0 if held is None else held.running_rows
             if have != running_rows.get(name, 0):
                 raise ValueError(f"tenant {name!r}: {have} running rows counted, {running_rows.get(name, 0)} held")
 

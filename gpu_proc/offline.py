@@ -111,21 +111,21 @@ def generate(runner: ModelRunner, requests: list[OfflineRequest], *, eos_token_i
             steps.append((row, SeqStep(row.index, ids[row.computed:end], row.computed, row.blocks, sampling)))
         batch = StepBatch([s for _, s in steps])
         logits = runner.execute(batch)
-        samplers = [(row, s) for row, s in steps if s.sampling is not None]
-        out = sample(logits, [s.sampling for _, s in samplers], [s.context_len for _, s in samplers])
+        samplers = [(row, s, s.sampling) for row, s in steps if s.sampling is not None]
+        out = sample(logits, [sp for _, _, sp in samplers], [s.context_len for _, s, _ in samplers])
         if log is not None:
             prefill = sum(1 for row, s in steps if s.start_pos < len(row.req.prompt_ids))
             log.append(StepRecord(len(steps), batch.num_tokens, prefill, len(steps) - prefill))
         for row, s in steps:
             row.computed = s.context_len
-        for j, (row, s) in enumerate(samplers):
+        for j, (row, s, _) in enumerate(samplers):
             res = row.result
             res.token_ids.append(out.token_ids[j])
             res.logprobs.append(out.logprobs[j])
             res.top_logprobs.append(out.top_logprobs[j])
             res.finish_reason = finish_reason(
                 out.token_ids[j], len(res.token_ids), s.context_len + 1, eos_token_ids=eos_token_ids,
-                stop_token_ids=row.req.stop_token_ids, ignore_eos=row.req.ignore_eos,
+                stop_token_ids=frozenset(row.req.stop_token_ids), ignore_eos=row.req.ignore_eos,
                 max_tokens=row.req.max_tokens, context_limit=context_limit)
         still = []
         for row in running:
@@ -135,4 +135,7 @@ def generate(runner: ModelRunner, requests: list[OfflineRequest], *, eos_token_i
                 free += row.blocks
                 results[row.index] = row.result
         running = still
-    return results
+    done = [r for r in results if r is not None]
+    if len(done) != len(results):
+        raise RuntimeError(f"{len(results) - len(done)} requests never finished")
+    return done

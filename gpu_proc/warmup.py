@@ -17,13 +17,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 
 from .model_runner import ModelRunner
 from .sampler import sample
 from .step import RowSampling, SeqStep, StepBatch
+
+if TYPE_CHECKING:
+    from .model.llama import Llama
 
 log = logging.getLogger("ringserve.gpu")
 
@@ -60,7 +63,7 @@ def warmup_blocks(block_size: int) -> int:
 def warm_up(runner: ModelRunner, progress: Callable[[], None] | None = None) -> WarmupReport:
     """Compile the model's kernels and run the warm-up steps; `progress()` between each piece."""
     beat = progress or (lambda: None)
-    model, pool = runner.model, runner.kv_pool
+    model, pool = cast("Llama", runner.model), runner.kv_pool
     used = warmup_blocks(pool.block_size)
     if pool.num_blocks < used or DECODE_POSITION + 2 > pool.block_size:
         raise ValueError(f"warm-up needs a pool of at least {used} blocks of >= {DECODE_POSITION + 2} tokens, "
@@ -76,8 +79,8 @@ def warm_up(runner: ModelRunner, progress: Callable[[], None] | None = None) -> 
     beat()
     for batch in warmup_steps(model.args.vocab_size, pool.block_size):
         logits = runner.execute(batch)
-        rows = batch.sampling_seqs
-        sample(logits, [s.sampling for s in rows], [s.context_len for s in rows])
+        rows = [(s.sampling, s.context_len) for s in batch.sampling_seqs if s.sampling is not None]
+        sample(logits, [sp for sp, _ in rows], [pos for _, pos in rows])
         beat()
     with torch.no_grad():
         pool.k_all[:, :used].zero_()

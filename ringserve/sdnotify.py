@@ -45,7 +45,7 @@ class Notifier:
         A failed send is logged, never raised: a lost notification must not take the server down
         (systemd's watchdog then acts, which is what it is for).
         """
-        if self._sock is None:
+        if self._sock is None or self.address is None:
             return False
         payload = "\n".join(f"{key.upper()}={value}" for key, value in fields.items()).encode()
         try:

@@ -266,8 +266,9 @@ class Control:
     def set_restart_status(self, status: Mapping[str, object]) -> None:
         """Supervisor: {state, last_error, failures, retry_at (unix time or None)}."""
         status = dict(status)
-        if isinstance(status.get("last_error"), str):
-            status["last_error"] = _clip(status["last_error"], L.CTRL_NOTE_BYTES - 128)
+        error = status.get("last_error")
+        if isinstance(error, str):
+            status["last_error"] = _clip(error, L.CTRL_NOTE_BYTES - 128)
         self._restart.write(status)
 
     def restart_status(self) -> dict | None:
@@ -317,7 +318,7 @@ class Control:
 
     def snapshot(self) -> dict:
         """Header fields, GPU state and facts, and slots, for the inspector."""
-        snap = {f.name: f.read(self._buf) for f in L.CONTROL_FIELDS if f.name != "magic"}
+        snap: dict[str, object] = {f.name: f.read(self._buf) for f in L.CONTROL_FIELDS if f.name != "magic"}
         snap["gpu_state"] = self.gpu_state.name.lower()
         snap["gpu_heartbeat_age_s"] = self.gpu_heartbeat_age_s()
         snap["model_facts"] = self.model_facts()

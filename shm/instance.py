@@ -85,7 +85,8 @@ class ShmInstance:
         try:
             control = make("control", L.control_segment_size(n_workers))
             Control.format(control.buf, n_workers)
-            requests, outputs = [], []
+            requests: list[Segment] = []
+            outputs: list[Segment] = []
             for i in range(n_workers):
                 for part, group in ((f"req.{i}", requests), (f"out.{i}", outputs)):
                     seg = make(part, L.ring_segment_size(ring_bytes))

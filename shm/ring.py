@@ -280,7 +280,7 @@ class Ring:
             raise RingError("release() the records of pop_views() before popping more")
         buf, cap = self._buf, self._cap
         tail = start = self._tail
-        out = []
+        out: list[bytes] = []
         append = out.append
         count = 0
         while count < max_records:
@@ -317,7 +317,7 @@ class Ring:
         if view is None:
             view = self._view = memoryview(buf)
         tail = self._tail
-        out = []
+        out: list[memoryview] = []
         while len(out) < max_records:
             off = tail % cap
             d = L.RING_DATA_OFF + off
@@ -378,10 +378,11 @@ class Ring:
     def snapshot(self) -> dict:
         """Every header field plus derived values, for the inspector and logs."""
         now = time.monotonic_ns()
-        snap = {f.name: f.read(self._buf) for f in L.RING_FIELDS if f.name != "magic"}
-        snap["used_bytes"] = max(0, snap["head"] - snap["tail"])
+        fields = {f.name: f.read(self._buf) for f in L.RING_FIELDS if f.name != "magic"}
+        snap: dict[str, float | int | None] = dict(fields)
+        snap["used_bytes"] = max(0, fields["head"] - fields["tail"])
         for side in ("producer", "consumer"):
-            hb = snap[f"{side}_heartbeat_ns"]
+            hb = fields[f"{side}_heartbeat_ns"]
             snap[f"{side}_heartbeat_age_s"] = (now - hb) / 1e9 if hb else None
         return snap
 

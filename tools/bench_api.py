@@ -167,7 +167,7 @@ def run_inproc(clients: int = 64, seconds: float = 5.0, warmup_s: float = 1.0,
         import uvloop
         result = uvloop.run(_client(info["port"], clients, warmup_s, seconds, _long_prompt(codec),
                                     long_every_s, stop, parent.send))
-        os.kill(proc.pid, signal.SIGTERM)
+        proc.terminate()
         if not parent.poll(30):
             raise RuntimeError("the bench worker did not report")
         worker = parent.recv()

@@ -16,6 +16,8 @@ warm-up. Needs a CUDA device and CuPy (`pip install -e .[cuda]`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import argparse
 import json
 import math
@@ -39,7 +41,7 @@ DEVICE_PEAKS = {
     "A10": (600.0, 125.0),
     "RTX 4090": (1008.0, 165.0),
 }
-SEVEN_B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
+SEVEN_B: dict[str, Any] = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
                num_kv_heads=32, head_dim=128, max_position_embeddings=4096)
 BLOCK = 16
 

@@ -128,7 +128,10 @@ async def closed_loop(url: str, bodies: list[dict], concurrency: int, timeout_s:
     t0 = time.perf_counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await asyncio.gather(*(stream(session) for _ in range(min(concurrency, len(bodies)))))
-    return answers, time.perf_counter() - t0
+    done = [a for a in answers if a is not None]
+    if len(done) != len(answers):
+        raise RuntimeError(f"{len(answers) - len(done)} of {len(answers)} requests got no answer")
+    return done, time.perf_counter() - t0
 
 
 def summarize(answers: list[Answer], wall_s: float, want_tokens: int) -> dict:

@@ -15,6 +15,8 @@ The real engine (tiny model unless `--model`) under the real Scheduler, no rings
 
 from __future__ import annotations
 
+from typing import Any
+
 import argparse
 import json
 import random
@@ -40,7 +42,7 @@ class _Bench:
         from ringserve.config import Config
         from ringserve.gpu_proc.engine import build_engine
 
-        self.kwargs = dict(num_blocks=num_blocks, max_rows=max_rows, prefill_budget=prefill_budget,
+        self.kwargs: dict[str, Any] = dict(num_blocks=num_blocks, max_rows=max_rows, prefill_budget=prefill_budget,
                            context_limit=8192, max_tokens_limit=1024, queue_limit_s=1e9, device="cpu",
                            cpu_threads=threads)
         self.engine = build_engine(Config(**self.kwargs), model_dir)
@@ -116,7 +118,7 @@ def measure_trace(bench: _Bench, requests: int, share: float, system: int, max_t
         tail = _tokens(rng, vocab, rng.randint(32, 128))
         prompts.append((sys_prompt if rng.random() < share else _tokens(rng, vocab, system)) + tail)
     shared_count = sum(p[:system] == sys_prompt for p in prompts)
-    out = {"requests": requests, "shared_requests": shared_count, "system_tokens": system,
+    out: dict[str, Any] = {"requests": requests, "shared_requests": shared_count, "system_tokens": system,
            "max_tokens": max_tokens, "reps": reps}
     runs: dict = {True: [], False: []}
     for _ in range(reps):  # alternate on and off, so a change in machine load hits both alike

@@ -30,6 +30,9 @@ class _Row:
 
 def run(instance: str, bell_fds: list[int], directory: str) -> int:
     shm = ShmInstance.attach(instance, bell_fds=bell_fds, directory=directory)
+    if shm.input_bell is None or shm.output_bells is None:
+        raise RuntimeError("the producer needs the instance's doorbells (--bell-fds)")
+    input_bell = shm.input_bell
     ins, outs = shm.gpu_rings(shm.control.gpu_generation)
     requests, output, bell = ins[0], outs[0], shm.output_bells[0]
     rows: dict[int, _Row] = {}
@@ -43,7 +46,7 @@ def run(instance: str, bell_fds: list[int], directory: str) -> int:
     step = 0
     while not stopping:
         if not rows:
-            shm.input_bell.wait(0.05)
+            input_bell.wait(0.05)
         news: list = []
         for raw in requests.pop_many():
             msg = decode(raw)

@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
+from typing import Any
 
 from ringserve.shm import messages
 from ringserve.shm.instance import ShmInstance
@@ -33,7 +34,7 @@ from ringserve.shm.ring import Ring
 _CTX = multiprocessing.get_context("fork")
 TRANSPORTS = ("ring", "zmq", "mpq")
 # case -> (payload bytes or "msg", records at scale 1)
-CASES = {"64B": (64, 100_000), "1KiB": (1024, 50_000), "16KiB": (16384, 10_000),
+CASES: dict[str, tuple[int | str, int]] = {"64B": (64, 100_000), "1KiB": (1024, 50_000), "16KiB": (16384, 10_000),
          "msg_1KiB": ("msg", 30_000)}
 LATENCY_ROUNDS = 3_000
 RING_BYTES = 4 * 1024 * 1024  # the server's default ring size
@@ -55,7 +56,10 @@ class _RingEnd:
     def __init__(self, env: dict, sending: bool, direction: int = 0):
         shm = ShmInstance.attach(env["instance"], directory=env["dir"], bell_fds=env["fds"])
         seg = (shm.request_segments if direction == 0 else shm.output_segments)[0]
-        self.bell = shm.input_bell if direction == 0 else shm.output_bells[0]
+        bell = shm.input_bell if direction == 0 else shm.output_bells[0] if shm.output_bells else None
+        if bell is None:
+            raise RuntimeError("the ring bench attaches with its doorbells")
+        self.bell = bell
         self.space = env["space"][direction]
         self.ring = Ring.producer(seg.buf) if sending else Ring.consumer(seg.buf)
         self.flush = self.bell.ring  # the doorbell, rung once per batch of pushes
@@ -142,7 +146,7 @@ class _QueueEnd:
         pass
 
 
-_ENDS = {"ring": _RingEnd, "zmq": _ZmqEnd, "mpq": _QueueEnd}
+_ENDS: dict[str, Any] = {"ring": _RingEnd, "zmq": _ZmqEnd, "mpq": _QueueEnd}  # one duck-typed interface
 
 
 # --- child processes ---------------------------------------------------------------------------
@@ -161,7 +165,7 @@ def _sender(transport: str, env: dict, case: str, n: int, barrier, conn) -> None
             if i % BATCH == 0:
                 flush()
     else:
-        payload = os.urandom(size)
+        payload = os.urandom(int(size))
         for i in range(n):
             send(payload)
             if i % BATCH == 0:
@@ -309,7 +313,7 @@ def run(scale: float = 1.0, transports=TRANSPORTS, repeat: int = 3) -> dict:
                     latency[transport] = got
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    report = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+    report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform()},
               "scale": scale, "repeat": repeat, "throughput": throughput, "latency": latency}
     if "ring" in transports and "zmq" in transports:
@@ -324,9 +328,9 @@ def run(scale: float = 1.0, transports=TRANSPORTS, repeat: int = 3) -> dict:
 _CASE_KEYS = {"64B": "64b", "1KiB": "1k", "16KiB": "16k", "msg_1KiB": "msg_1k"}
 
 
-def _ratios(throughput: dict, latency: dict, with_mpq: bool) -> dict:
+def _ratios(throughput: dict, latency: dict, with_mpq: bool) -> dict[str, float]:
     """`ring_vs_<other>_*`: ours over theirs (latency: lower is better; throughput: higher)."""
-    out = {}
+    out: dict[str, float] = {}
     for pct in ("p50", "p99"):
         ours, theirs = latency["ring"][f"{pct}_us"], latency["zmq"][f"{pct}_us"]
         out[f"ring_vs_zmq_{pct}_latency_1k"] = round(ours / theirs, 3)

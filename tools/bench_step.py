@@ -26,6 +26,8 @@ the replay including the copy of the step into the graph's static buffers, and "
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import argparse
 import json
 import statistics
@@ -34,6 +36,9 @@ import tempfile
 import time
 
 GOALS_MS = {32: 0.3, 256: 1.0}  # host overhead goals from the engine issue
+
+if TYPE_CHECKING:
+    import torch
 
 
 class NullModel:
@@ -153,8 +158,9 @@ def _model_runner(model_dir: str, device, max_rows: int, load_format: str = "aut
     if cuda_graphs and device.type == "cuda":
         from ringserve.gpu_proc.cuda_graphs import DecodeGraphs
 
-        runner.graphs = DecodeGraphs(runner, max_rows, context_limit=1024)  # the bench contexts are ~530
-        runner.graphs.capture_all()
+        graphs = DecodeGraphs(runner, max_rows, context_limit=1024)  # the bench contexts are ~530
+        graphs.capture_all()
+        runner.graphs = graphs
     return runner
 
 
@@ -162,7 +168,8 @@ def _null_runner(device, max_rows: int, flat: bool = False):
     from ringserve.gpu_proc.kv_pool import KVPool
     from ringserve.gpu_proc.model_runner import ModelRunner
 
-    return ModelRunner(NullModel(32000, max_rows, device, flat), KVPool(1, max_rows * 64, 1, 8, device=device))
+    model = cast("torch.nn.Module", NullModel(32000, max_rows, device, flat))  # a forward, no weights
+    return ModelRunner(model, KVPool(1, max_rows * 64, 1, 8, device=device))
 
 
 def run(device_name: str, rows_list: list[int], iters: int, model_dir: str | None, warmup: int = 3,

@@ -259,7 +259,7 @@ def _fmt(value: object) -> str:
 
 
 def format_table(rep: DrillReport) -> str:
-    rows = [
+    rows: list[tuple[str, object]] = [
         ("streams open", rep.streams_open), ("streams completed", rep.completed),
         ("streams with the error event", rep.error_events),
         ("streams dropped (connection closed)", rep.dropped),

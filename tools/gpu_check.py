@@ -19,6 +19,8 @@ says so and exits 2; a failed section makes it exit 1.
 
 from __future__ import annotations
 
+from typing import Any
+
 import argparse
 import json
 import os
@@ -59,7 +61,7 @@ def _last_json(text: str):
 def environment() -> dict:
     import torch
 
-    env = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+    env: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
            "cuda_available": torch.cuda.is_available()}
     for mod in ("cupy", "transformers", "msgspec"):
         try:
@@ -143,7 +145,7 @@ def load_test(model_dir: str, tmp: str) -> dict:
                 pass
             if server.poll() is not None or time.monotonic() > deadline:
                 return {"status": "failed", "why": "server did not become ready",
-                        "tail": server.stdout.read().decode(errors="replace")[-3000:] if server.poll() is not None else ""}
+                        "tail": _output(server) if server.poll() is not None else ""}
             time.sleep(1)
         vocab = "3:1000"
         cmd = [sys.executable, "-m", "ringserve.tools.loadtest", "--url", url, "--json", "--trace", _trace_file(tmp),
@@ -297,3 +299,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _output(proc: subprocess.Popen) -> str:
+    """The end of what an exited child wrote to its stdout pipe."""
+    return proc.stdout.read().decode(errors="replace")[-3000:] if proc.stdout is not None else ""

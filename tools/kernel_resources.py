@@ -61,7 +61,10 @@ def _demangle(names: list[str]) -> dict[str, str]:
 def _threads(name: str) -> int:
     """The block size the launchers use for this kernel."""
     if name.startswith("rs_decode_merge"):
-        return int(re.search(r", (\d+)>", name).group(1))  # one thread per channel
+        head_dim = re.search(r", (\d+)>", name)
+        if head_dim is None:
+            raise ValueError(f"{name}: no head dimension in the kernel name")
+        return int(head_dim.group(1))  # one thread per channel
     if name.startswith("rs_kv_append"):
         return 256
     return cupy_backend.DECODE_THREADS if name.startswith("rs_paged_decode") else cupy_backend.PREFILL_THREADS

@@ -107,11 +107,17 @@ class RunningServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def _running(self) -> subprocess.Popen:
+        if self.proc is None:
+            raise RuntimeError(f"{self.spec.engine} has not been started (use the server as a context manager)")
+        return self.proc
+
     def _wait_ready(self, t0: float) -> None:
         url = self.spec.url + self.spec.ready_path
+        proc = self._running()
         while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.spec.engine} exited with status {self.proc.returncode} before it was "
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.spec.engine} exited with status {proc.returncode} before it was "
                                    f"ready; its log ({self.log_path}) ends:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as resp:
@@ -129,7 +135,7 @@ class RunningServer:
         import psutil
 
         try:
-            root = psutil.Process(self.proc.pid)
+            root = psutil.Process(self._running().pid)
             procs = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return {}

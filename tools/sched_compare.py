@@ -64,6 +64,8 @@ class Variant:
         if self.kind == "continuous":
             return ContinuousPolicy(max_rows=self.max_rows, prefill_budget=None, num_blocks=num_blocks)
         if self.kind == "chunked":
+            if self.chunk is None:
+                raise ValueError("a chunked variant needs its chunk size")
             return ContinuousPolicy(max_rows=self.max_rows, prefill_budget=max(1, round(self.chunk * chunk_scale)),
                                     num_blocks=num_blocks)
         raise ValueError(f"unknown scheduler kind {self.kind!r}")

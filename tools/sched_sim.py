@@ -105,11 +105,11 @@ class EngineExecutor:
 class _Timing:
     arrival: float
     want: int
-    first: float | None = None
-    last: float | None = None
+    first: float = 0.0  # these three are set with the first token / the finish; the replay checks
+    last: float = 0.0  # that every request got all its tokens before reading them
     tokens: int = 0
     max_gap: float = 0.0
-    done: float | None = None
+    done: float = 0.0
 
 
 @dataclass(slots=True)
@@ -205,7 +205,7 @@ def replay(policy, trace: list[TraceRequest], arrivals: list[float], executor, *
         for rid, emitted, done in events:
             t = timings[rid]
             if emitted:
-                if t.first is None:
+                if t.tokens == 0:
                     t.first = now
                 else:
                     t.max_gap = max(t.max_gap, now - t.last)

@@ -67,7 +67,7 @@ def builtin_mix(n: int, *, seed: int = 0, keys: int = 1, context_limit: int = CO
 
 def read_jsonl(path: str | Path, *, keys: int = 1) -> list[TraceRequest]:
     """Read a JSONL trace. Lines without a `key` get `key-<i mod keys>`; blank lines are skipped."""
-    out = []
+    out: list[TraceRequest] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():

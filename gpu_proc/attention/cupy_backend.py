@@ -227,7 +227,8 @@ class AttentionKernels:
         blocks_per_split = math.ceil(max_blocks / num_splits)
         num_splits = math.ceil(max_blocks / blocks_per_split)  # drop splits that would all be empty
         single_qsl = meta.query_start_loc if single_only else 0  # 0: every token
-        part_acc = part_ml = 0
+        part_acc: torch.Tensor | int = 0  # 0: a null pointer, no partial results (one split)
+        part_ml: torch.Tensor | int = 0
         if num_splits > 1:
             part_acc = self.executor.empty((num_splits, t, num_heads, head_dim), torch.float32, device)
             part_ml = self.executor.empty((num_splits, t, num_heads, 2), torch.float32, device)

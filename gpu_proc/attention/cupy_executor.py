@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -59,7 +59,7 @@ class CupyExecutor:
 
     def __init__(self, source: Callable[[], str]) -> None:
         self._source = source
-        self._functions: dict[tuple[int, str], object] = {}
+        self._functions: dict[tuple[int, str], Any] = {}  # cupy.RawKernel (cupy is imported lazily)
         self._occupancy: dict[tuple[int, str, int], int] = {}
         self.compiles_at_launch = 0  # kernels compiled by a launch rather than ahead of time
 

@@ -59,7 +59,7 @@ class GgufHeader:
 def read_gguf_header(path: Path) -> GgufHeader:
     """The GGUF version, tensor count, `general.architecture` and `general.name`, read from the
     metadata without touching the tensors (both keys come first in files llama.cpp writes)."""
-    wanted = {"general.architecture": None, "general.name": None}
+    wanted: dict[str, str | None] = {"general.architecture": None, "general.name": None}
     with open(path, "rb") as f:
         magic = f.read(4)
         if magic != _GGUF_MAGIC:

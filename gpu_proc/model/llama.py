@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -66,11 +67,11 @@ def rope_inv_freq(args: ModelArgs, device: torch.device) -> torch.Tensor:
     if kind == "default":
         return inv_freq
     if kind == "linear":
-        return inv_freq / float(cfg["factor"])
+        return inv_freq / _number(cfg, "factor")
     if kind == "llama3":
-        factor = float(cfg["factor"])
-        low, high = float(cfg["low_freq_factor"]), float(cfg["high_freq_factor"])
-        old_ctx = float(cfg["original_max_position_embeddings"])
+        factor = _number(cfg, "factor")
+        low, high = _number(cfg, "low_freq_factor"), _number(cfg, "high_freq_factor")
+        old_ctx = _number(cfg, "original_max_position_embeddings")
         wavelen = 2 * math.pi / inv_freq
         # Long wavelengths are stretched by `factor`, short ones kept, the band between blended.
         scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
@@ -94,6 +95,13 @@ def _fuse(projs: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | No
             p.bias = nn.Parameter(bias[lo:lo + n], requires_grad=False)
         lo += n
     return weight, bias
+
+
+def _number(cfg: dict[str, object], name: str) -> float:
+    value = cfg.get(name)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"rope_scaling field {name!r} must be a number, got {value!r}")
+    return float(value)
 
 
 class RMSNorm(nn.Module):
@@ -133,12 +141,13 @@ class Attention(nn.Module):
         self.qkv: cpu_ops.PackedLinear | None = None  # set by fuse_projections
         self.o: cpu_ops.PackedLinear | None = None
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self) -> tuple[cpu_ops.PackedLinear, cpu_ops.PackedLinear]:
         """One `[(heads + 2 kv_heads) * head_dim, hidden]` weight for q, k and v (the three
         projections keep their names, so state dicts are unchanged, as views into it), and the
-        projections packed for the CPU matmul."""
-        self.qkv = cpu_ops.PackedLinear(*_fuse((self.q_proj, self.k_proj, self.v_proj)))
-        self.o = cpu_ops.PackedLinear(self.o_proj.weight, self.o_proj.bias)
+        projections packed for the CPU matmul: (qkv, o)."""
+        self.qkv = qkv = cpu_ops.PackedLinear(*_fuse((self.q_proj, self.k_proj, self.v_proj)))
+        self.o = o = cpu_ops.PackedLinear(self.o_proj.weight, self.o_proj.bias)
+        return qkv, o
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
@@ -162,11 +171,12 @@ class FeedForward(nn.Module):
         self.gate_up: cpu_ops.PackedLinear | None = None  # set by fuse_projections
         self.down: cpu_ops.PackedLinear | None = None
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self) -> tuple[cpu_ops.PackedLinear, cpu_ops.PackedLinear]:
         """One `[2 * intermediate, hidden]` weight for gate and up (views keep the old names),
-        packed for the CPU matmul like down_proj."""
-        self.gate_up = cpu_ops.PackedLinear(*_fuse((self.gate_proj, self.up_proj)))
-        self.down = cpu_ops.PackedLinear(self.down_proj.weight, self.down_proj.bias)
+        packed for the CPU matmul like down_proj: (gate_up, down)."""
+        self.gate_up = gate_up = cpu_ops.PackedLinear(*_fuse((self.gate_proj, self.up_proj)))
+        self.down = down = cpu_ops.PackedLinear(self.down_proj.weight, self.down_proj.bias)
+        return gate_up, down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -235,16 +245,18 @@ class Llama(nn.Module):
         self.backend = backend or get_backend(device, self.dtype, cpu_kernels=cpu_kernels)
         # The fused forward runs oneDNN-packed matmuls: every x86/aarch64 torch wheel has oneDNN.
         self.fused = self.backend.name == "cpu" and torch.backends.mkldnn.is_available()
+        self.packed_head = None
         if self.fused:
-            self.block_weights = [self._block_weights(layer).args() for layer in self.model.layers]
+            self.block_weights = [self._block_weights(cast(TransformerBlock, layer)).args()
+                                  for layer in self.model.layers]
             self.packed_head = cpu_ops.PackedLinear(self.lm_head.weight)
 
-    def _block_weights(self, layer: "TransformerBlock") -> cpu_ops.BlockWeights:
+    def _block_weights(self, layer: TransformerBlock) -> cpu_ops.BlockWeights:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.fuse_projections()
-        mlp.fuse_projections()
+        qkv, o = attn.fuse_projections()
+        gate_up, down = mlp.fuse_projections()
         return cpu_ops.BlockWeights(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                    self.args.rms_norm_eps, attn.qkv, attn.o, mlp.gate_up, mlp.down,
+                                    self.args.rms_norm_eps, qkv, o, gate_up, down,
                                     attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
 
     @property
@@ -258,10 +270,11 @@ class Llama(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVPool,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Run T new tokens; return float32 logits `[R, vocab]` for the tokens at `logits_indices`."""
-        if self.backend is None:
+        if self.backend is None or self.rope_cos is None or self.rope_sin is None:
             raise RuntimeError("Llama.setup(device) must run before the first forward")
-        if self.fused:
-            return self._forward_fused(input_ids, meta, kv_pool, logits_indices)
+        if self.packed_head is not None:  # the fused CPU forward (setup packed it)
+            return self._forward_fused(input_ids, meta, kv_pool, logits_indices, self.packed_head,
+                                       self.rope_cos, self.rope_sin)
         cos, sin = self.rope_cos[meta.positions], self.rope_sin[meta.positions]  # [T, head_dim]
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         for i, layer in enumerate(self.model.layers):
@@ -271,18 +284,21 @@ class Llama(nn.Module):
         return self.lm_head(x).float()  # [R, vocab]
 
     def _forward_fused(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVPool,
-                       logits_indices: torch.Tensor) -> torch.Tensor:
+                       logits_indices: torch.Tensor, head: cpu_ops.PackedLinear, rope_cos: torch.Tensor,
+                       rope_sin: torch.Tensor) -> torch.Tensor:
         """`forward` with the CPU kernels: the same math, each block in one compiled call
         (`cpu_ops.block`). The residual stream is carried beside the block output so each add is
         fused into the next norm. The first block's inputs are checked; the others have the same
         shapes, dtypes and strides."""
         t = input_ids.shape[0]
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        residual = None
+        residual: torch.Tensor | None = None
         for i, weights in enumerate(self.block_weights):
-            step = (meta.positions, self.rope_cos, self.rope_sin, meta.slot_mapping, kv_pool.k[i], kv_pool.v[i], meta)
+            step = (meta.positions, rope_cos, rope_sin, meta.slot_mapping, kv_pool.k[i], kv_pool.v[i], meta)
             x, residual = cpu_ops.block(x, residual, weights, step, check=i == 0)
+        if residual is None:
+            raise RuntimeError("a model without layers has no residual stream")
         if logits_indices.shape[0] != t:  # a prefill chunk samples only its last token
             x, residual = x[logits_indices], residual[logits_indices]
         h = cpu_ops.add_rms_norm_(x, residual, self.model.norm.weight, self.args.rms_norm_eps)  # [R, hidden]
-        return self.packed_head(h).float()  # [R, vocab]
+        return head(h).float()  # [R, vocab]

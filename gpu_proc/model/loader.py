@@ -174,6 +174,8 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
     device = torch.device(device)
     config_path = model_dir / "config.json"
     cfg = _read_json(config_path)
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{config_path}: not a JSON object")
     args = model_args_from_config(cfg, config_path)
     dtype = resolve_dtype(dtype, cfg, device)
     if load_format == "dummy":
