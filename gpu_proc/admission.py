@@ -144,7 +144,7 @@ class AdmissionController:
         self,
         *,
         context_limit: int = 8192,
-        max_tokens_limit: int = 1000,
+        max_tokens_limit: int = 0,
         max_rows: int = 32,
         queue_limit_s: float = 2.0,
         c_prefill_ms: float = 0.1,
@@ -190,7 +190,7 @@ class AdmissionController:
                             message=f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
                                     f"is over the {self.context_limit}-token limit; shorten the prompt "
                                     f"or lower max_tokens")
-        if max_tokens > self.max_tokens_limit:
+        if self.max_tokens_limit and max_tokens > self.max_tokens_limit:
             return Decision(400, code="max_tokens_too_large",
                             message=f"max_tokens {max_tokens} is over the limit of {self.max_tokens_limit}")
         if n > self.max_rows:
