@@ -158,7 +158,8 @@ async def _handle_model(request: web.Request) -> web.Response:
     """`GET /v1/models/{id}`: the model by its id or by the path it was served from."""
     st = request.app[STATE]
     model_id = request.match_info["model_id"]
-    if model_id != st.model_name and model_id not in st.model_aliases:
+    # NOTE: an absolute path as the id arrives as /v1/models//abs/path, or with one slash.
+    if model_id != st.model_name and model_id not in st.model_aliases and "/" + model_id not in st.model_aliases:
         raise ApiError(404, f"The model {model_id!r} does not exist; this server serves {st.model_name!r}.",
                        param="model", code="model_not_found")
     return _json(_model_card(st))

@@ -210,11 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--step-ms", type=float, default=20.0, help="fake GPU step time")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.attach and "RINGSERVE_CONFIG_JSON" in os.environ:
         config = Config.from_json(os.environ["RINGSERVE_CONFIG_JSON"])  # the supervisor's one Config
     else:
         config = _config(args.host, args.port)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.attach:
         fds = [int(x) for x in args.bell_fds.split(",") if x]
         return run_attached(config, slot=args.slot, instance=args.attach, bell_fds=fds,
