@@ -32,8 +32,8 @@ OUTPUTS = {as_ids: Output(encoder=ChatEventEncoder, body=chat_body, logprob_form
 async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     st.stats.add("requests_total")
-    req = parse_chat_body(await request.read(), max_tokens_limit=st.config.max_tokens_limit)
-    note_ignored(request, req.ignored)
+    req = parse_chat_body(await request.read(), max_tokens_limit=st.config.max_tokens_limit,
+                          on_ignored=lambda names: note_ignored(request, names))
     check_model(req.model, st.model_name, st.model_aliases)
     template = _template(st)
     common = req.common

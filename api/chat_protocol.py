@@ -14,6 +14,7 @@ and named (`body.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import msgspec
 
@@ -92,15 +93,17 @@ class ChatRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict | None = None
-    ignored: tuple[str, ...] = ()
 
 
 _decoder = msgspec.json.Decoder(_ChatBody)
 
 
-def parse_chat_body(raw: bytes, *, max_tokens_limit: int) -> ChatRequest:
-    """Decode and validate a chat request body, raising `ApiError(400)` naming the field."""
+def parse_chat_body(raw: bytes, *, max_tokens_limit: int,
+                    on_ignored: Callable[[tuple[str, ...]], None] = lambda names: None) -> ChatRequest:
+    """Decode and validate a chat request body, raising `ApiError(400)` naming the field;
+    `on_ignored(names)` hears of unknown fields first."""
     body, ignored = decode_body(_decoder, raw)
+    on_ignored(ignored)
     _check_unsupported(body)
     messages = parse_messages(body.messages)
     max_tokens = _max_tokens(body, max_tokens_limit)
@@ -123,8 +126,7 @@ def parse_chat_body(raw: bytes, *, max_tokens_limit: int) -> ChatRequest:
                        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                        add_special_tokens=bool(body.add_special_tokens),
                        add_generation_prompt=body.add_generation_prompt is not False,
-                       continue_final_message=bool(body.continue_final_message), template_kwargs=kwargs,
-                       ignored=ignored)
+                       continue_final_message=bool(body.continue_final_message), template_kwargs=kwargs)
 
 
 def _check_unsupported(body: _ChatBody) -> None:

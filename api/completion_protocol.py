@@ -10,6 +10,7 @@ prompt without generating), `logprobs`, `echo`, `add_special_tokens`; `suffix`, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import msgspec
 
@@ -55,15 +56,17 @@ class CompletionRequest:
     prompt_logprobs: int | None  # alternatives per prompt token the GPU computes (None: not scored)
     add_special_tokens: bool
     common: SamplingFields
-    ignored: tuple[str, ...] = ()
 
 
 _decoder = msgspec.json.Decoder(_Body)
 
 
-def parse_body(raw: bytes, *, max_tokens_limit: int) -> CompletionRequest:
-    """Decode and validate a request body, raising `ApiError(400)` naming the offending field."""
+def parse_body(raw: bytes, *, max_tokens_limit: int,
+               on_ignored: Callable[[tuple[str, ...]], None] = lambda names: None) -> CompletionRequest:
+    """Decode and validate a request body, raising `ApiError(400)` naming the offending field;
+    `on_ignored(names)` hears of unknown fields first, so even that 400 can name them."""
     body, ignored = decode_body(_decoder, raw)
+    on_ignored(ignored)
     echo = bool(body.echo)
     n = body.n or 1
     check_neutral({
@@ -84,8 +87,7 @@ def parse_body(raw: bytes, *, max_tokens_limit: int) -> CompletionRequest:
         scored = body.logprobs  # the echoed prompt's logprobs (vLLM: prompt_logprobs = logprobs)
     return CompletionRequest(prompts=prompts, model=body.model, max_tokens=1 if score_only else max_tokens,
                              score_only=score_only, logprobs=body.logprobs, echo=echo, prompt_logprobs=scored,
-                             add_special_tokens=body.add_special_tokens is not False, common=common,
-                             ignored=ignored)
+                             add_special_tokens=body.add_special_tokens is not False, common=common)
 
 
 def _prompts(body: _Body) -> tuple[Prompt, ...]:

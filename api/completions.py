@@ -36,8 +36,8 @@ OUTPUT_TOKEN_IDS = _output(True)
 async def handle_completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     st.stats.add("requests_total")
-    req = parse_body(await request.read(), max_tokens_limit=st.config.max_tokens_limit)
-    note_ignored(request, req.ignored)
+    req = parse_body(await request.read(), max_tokens_limit=st.config.max_tokens_limit,
+                     on_ignored=lambda names: note_ignored(request, names))
     check_model(req.model, st.model_name, st.model_aliases)
     common = req.common
     sampling = finish_sampling(common, st.codec)
