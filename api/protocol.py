@@ -77,6 +77,7 @@ class SamplingBody(msgspec.Struct, forbid_unknown_fields=True):
     prompt_logprobs: int | None = None
     # accepted at their neutral values only
     use_beam_search: bool | None = False
+    watermarking: bool | None = None
     priority: int | None = 0
     structured_outputs: dict | None = None
     response_format: dict | None = None
@@ -121,6 +122,7 @@ def parse_sampling(body: SamplingBody) -> SamplingFields:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}.", "n")
     check_neutral({
         "use_beam_search": not body.use_beam_search,
+        "watermarking": not body.watermarking,
         "priority": body.priority in (None, 0),
         "structured_outputs": body.structured_outputs is None,
         "response_format": body.response_format is None or body.response_format == {"type": "text"},
