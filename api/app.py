@@ -50,7 +50,8 @@ def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name:
              reload_s: Callable[[], float | None] | None = None,
              restart_status: Callable[[], dict | None] | None = None,
              chat_template: ChatTemplate | None = None,
-             model_aliases: frozenset[str] = frozenset()) -> web.Application:
+             model_aliases: frozenset[str] = frozenset(),
+             eos_token_ids: Callable[[], frozenset[int]] | None = None) -> web.Application:
     """Build a worker's app. `ready()` says whether the GPU process is ready (control block);
     `stats_source(state)` returns the server-wide stats snapshot for /metrics (default: this
     worker's own counters only); `publish(stats)`, if given, runs every `publish_every_s` and at
@@ -59,7 +60,8 @@ def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name:
     `reload_s()` is the GPU process's measured load time (None: unknown), for Retry-After;
     `restart_status()` the supervisor's restart status, quoted while the GPU process is down;
     `chat_template` formats /v1/chat/completions messages (None: that route answers 400);
-    `model_aliases` are other names a request may give the model (the path it was served from)."""
+    `model_aliases` are other names a request may give the model (the path it was served from);
+    `eos_token_ids()` the model's EOS ids (the GPU process's published facts)."""
     guard = ConnectionGuard(config)
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[_error_middleware, guard.middleware, _auth_middleware])
@@ -73,6 +75,8 @@ def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name:
         state.reload_s = lambda: _reload_or_default(reload_s)
     if restart_status is not None:
         state.restart_status = restart_status
+    if eos_token_ids is not None:
+        state.eos_token_ids = eos_token_ids
     app[STATE] = state
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_post("/v1/chat/completions", handle_chat_completions)

@@ -186,9 +186,6 @@ class Generation:
             scores = self.prompt_scores[s.prompt] if self.prompt_scores is not None else []
             entries = [self._entry(s, prompt[0], None, None)]
             entries += [self._entry(s, tid, logprob, top) for tid, logprob, _, top in scores]
-            if self.encoder is None:
-                s.parts.append(text)
-                return
             lp = self.logprob_format.event(entries)
         if self.encoder is not None:
             out.append(self.encoder.text(index, text, lp))

@@ -94,7 +94,7 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
             for stream, prompt, max_tokens in zip(streams, job.prompts, job.max_tokens)])
         gen = Generation(st.codec, n=job.n, stop=job.stop, prompts=job.prompts, arrival=arrival,
                          encoder=None, logprobs=job.logprobs, logprob_format=output.logprob_format,
-                         options=job.options, stop_ids=frozenset(job.sampling.stop_token_ids),
+                         options=job.options, stop_ids=_stop_ids(st, job.sampling),
                          echo=job.echo, score_only=job.score_only, scored=job.prompt_logprobs is not None,
                          continuous_usage=job.continuous_usage)
         gen.show_prompt_logprobs = job.show_prompt_logprobs
@@ -114,6 +114,12 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
             client.release(stream)
         st.registry.remove(entry)
         st.stats.add("open_streams", -1)
+
+
+def _stop_ids(st: ApiState, sampling: SamplingParams) -> frozenset[int]:
+    """The tokens that end a sample with `stop` (their text is not shown unless asked)."""
+    ids = frozenset(sampling.stop_token_ids)
+    return ids if sampling.ignore_eos else ids | st.eos_token_ids()
 
 
 async def _submit(client: GpuClient, streams: list[RequestStream], submits: list[Submit]) -> None:

@@ -58,6 +58,9 @@ class ApiState:
     chat_template: ChatTemplate | None = None
     # Other names a request's `model` may use: the path the model was served from (vLLM's id).
     model_aliases: frozenset[str] = frozenset()
+    # The model's EOS ids, as the GPU process publishes them (empty until it has): a sample that
+    # ends on one does not show its text (vLLM), which matters when special tokens are shown.
+    eos_token_ids: Callable[[], frozenset[int]] = lambda: frozenset()
 
 
 STATE: web.AppKey[ApiState] = web.AppKey("ringserve_api_state", ApiState)

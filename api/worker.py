@@ -105,7 +105,8 @@ def run_worker(config: Config, *, index: int, transport: Callable[[], Transport]
                peers: PeerCancel | None = None, sock: socket.socket | None = None,
                reload_s: Callable[[], float | None] | None = None,
                restart_status: Callable[[], dict | None] = lambda: None,
-               model_aliases: frozenset[str] = frozenset()) -> int:
+               model_aliases: frozenset[str] = frozenset(),
+               eos_token_ids: Callable[[], frozenset[int]] | None = None) -> int:
     """The worker process's main: runs until SIGTERM (drain) or SIGINT."""
     # A SIGTERM while still starting (nothing to drain yet) is a clean exit; the event loop's own
     # handler, installed below, takes over once serving.
@@ -128,7 +129,7 @@ def run_worker(config: Config, *, index: int, transport: Callable[[], Transport]
         app = init_app(config, client, codec, model_name=model_name, ready=ready,
                        stats_source=stats_source, auth=auth, worker=index, publish=publish,
                        peers=peers, reload_s=reload_s, restart_status=restart_status,
-                       chat_template=chat_template, model_aliases=model_aliases)
+                       chat_template=chat_template, model_aliases=model_aliases, eos_token_ids=eos_token_ids)
         await serve(config, app, sock, stop)
 
     uvloop.run(main())
@@ -172,9 +173,25 @@ def run_attached(config: Config, *, slot: int, instance: str, bell_fds: list[int
                           stats_source=lambda st: from_control(control), publish=publish,
                           peers=PeerCancel(instance, slot, control.n_workers), sock=sock,
                           reload_s=lambda: (control.model_facts() or {}).get("load_s"),
-                          restart_status=control.restart_status, model_aliases=model_aliases)
+                          restart_status=control.restart_status, model_aliases=model_aliases,
+                          eos_token_ids=_published_eos(control))
     finally:
         shm.close()
+
+
+def _published_eos(control) -> Callable[[], frozenset[int]]:
+    """The EOS ids the GPU process published with its model facts, read once they are there."""
+    known: list[frozenset[int]] = []
+
+    def eos() -> frozenset[int]:
+        if not known:
+            facts = control.model_facts()
+            if not facts:
+                return frozenset()
+            known.append(frozenset(facts.get("eos_token_ids", ())))
+        return known[0]
+
+    return eos
 
 
 def _config(host: str | None, port: int | None) -> Config:

@@ -184,6 +184,19 @@ async def test_skip_special_tokens_false_shows_them(serve, codec):
         assert out["choices"][0]["text"] == want
 
 
+async def test_the_eos_that_ends_a_sample_is_not_shown(serve, codec):
+    """With special tokens shown, the EOS that ends a sample still is not (vLLM); under
+    ignore_eos it is ordinary text."""
+    eos = min(codec.special_ids)
+    text_ids = codec.encode("hi", add_special_tokens=False)
+    fake = FakeGpu(script=lambda submit, index: itertools.cycle([*text_ids, eos]), eos_token_ids=frozenset({eos}))
+    served = await serve(fake=fake, app_kw={"eos_token_ids": lambda: frozenset({eos})})
+    _, out = await _post(served, prompt="x", max_tokens=10, skip_special_tokens=False)
+    assert out["choices"][0] == {"index": 0, "text": "hi", "logprobs": None, "finish_reason": "stop"}
+    _, out = await _post(served, prompt="x", max_tokens=len(text_ids) + 1, skip_special_tokens=False, ignore_eos=True)
+    assert out["choices"][0]["text"] == "hi" + codec.tokenizer.id_to_token(eos)
+
+
 async def test_truncate_prompt_tokens_and_add_special_tokens(serve, codec):
     """truncate_prompt_tokens keeps the last N tokens (truncation_side right: the first N);
     add_special_tokens false sends the text's own tokens only."""
