@@ -154,3 +154,12 @@ def test_penalties_through_the_openai_client(smollm2_server):
     assert penalized != plain
     assert max(penalized.count(w) for w in penalized.split() if len(w) > 3) <= max(
         plain.count(w) for w in plain.split() if len(w) > 3)
+
+
+def test_the_model_by_the_path_it_was_served_from(smollm2_server, smollm2_dir):
+    """vLLM's default model id is the served path; `ringserve serve` passes it to the workers."""
+    client = _client(smollm2_server)
+    path = str(smollm2_dir)
+    assert client.models.retrieve(MODEL).root == path and client.models.retrieve(path).id == MODEL
+    out = client.completions.create(model=path, prompt="The capital of France is", max_tokens=2, temperature=0)
+    assert out.model == MODEL and out.choices[0].text
