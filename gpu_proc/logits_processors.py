@@ -60,18 +60,18 @@ class ControlsState:
         self._free: list[int] = []
         self._step = 0
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[SeqStep]) -> SampleOutput:
         """Sample the step's sampling rows (`logits` `[R, vocab]`, modified in place for the rows
-        with controls), as `sampler.sample` does. (The runner's logits are inference tensors.)"""
-        plan = self.plan(rows)
+        with controls), as `sampler.sample` does."""
         sampling = [s.sampling for s in rows]
         positions = [s.context_len for s in rows]
-        if plan is None:
-            return sample(logits, sampling, positions)
-        raw = plan.apply(logits)
-        out = sample(logits, sampling, positions)
-        plan.report_raw(raw, out, sampling)
+        if all(r.controls is None for r in sampling):
+            return sample(logits, sampling, positions)  # the common case: nothing more at all
+        with torch.inference_mode():  # the runner's logits are inference tensors
+            plan = self.plan(rows)
+            raw = plan.apply(logits)
+            out = sample(logits, sampling, positions)
+            plan.report_raw(raw, out, sampling)
         return out
 
     # -- the plan (host) --------------------------------------------------------------------------
@@ -210,46 +210,54 @@ class ControlsPlan:
         """Process the controlled rows of `logits` `[R, vocab]` in place; returns their raw logits
         `[Rc, vocab]` (float32) for the logprobs."""
         raw = logits.index_select(0, self.rows).float()  # [Rc, V]
-        z = raw.clone()
-        flat = z.view(-1)
+        masks = self.keep is not None or self.ban is not None
+        z = raw.clone() if masks or self.bias is not None else raw  # raw stays unchanged
         if self.keep is not None:
             keep = torch.ones_like(z, dtype=torch.bool)
             keep[self.keep_rows] = False
             keep.view(-1)[self.keep] = True
             z.masked_fill_(~keep, _NEG_INF)
         if self.ban is not None:
-            flat[self.ban] = _NEG_INF
+            z.view(-1)[self.ban] = _NEG_INF
         if self.bias is not None:
-            flat.index_add_(0, self.bias_at, self.bias)
+            z.view(-1).index_add_(0, self.bias_at, self.bias)
         if self.pen_slots is not None:
-            self._penalize(z)
+            z = self._rows_replaced(z, raw, self.pen_rows, self._penalize)
         if self.minp_shift is not None:
-            part = z if self.minp_rows is None else z[self.minp_rows]  # [Rm, V]
-            cut = part.amax(-1, keepdim=True) + self.minp_shift[:, None]
-            part = part.masked_fill(part < cut, _NEG_INF)
-            if self.minp_rows is None:
-                z = part
-            else:
-                z[self.minp_rows] = part
-        # NOTE: a row whose controls mask every token (allowed ids all banned) samples from its
-        # raw logits rather than from nothing.
-        z = torch.where(torch.isneginf(z.amax(-1, keepdim=True)), raw, z)
+            z = self._rows_replaced(z, raw, self.minp_rows, self._min_p)
+        if masks:
+            # NOTE: a row whose controls mask every token (allowed ids all banned) samples from
+            # its raw logits rather than from nothing; only masks can do that (min_p keeps the top).
+            z = torch.where(torch.isneginf(z.amax(-1, keepdim=True)), raw, z)
         logits.index_copy_(0, self.rows, z.to(logits.dtype))
         return raw
 
-    def _penalize(self, z: torch.Tensor) -> None:
-        part = z if self.pen_rows is None else z[self.pen_rows]  # [Rp, V]
+    @staticmethod
+    def _rows_replaced(z: torch.Tensor, raw: torch.Tensor, rows: torch.Tensor | None, fn) -> torch.Tensor:
+        """`z` with `fn` applied to its `rows` (None: all of them); never changes `raw`."""
+        if rows is None:
+            return fn(z)
+        if z is raw:
+            z = raw.clone()
+        z[rows] = fn(z[rows])
+        return z
+
+    def _penalize(self, part: torch.Tensor) -> torch.Tensor:
+        """The penalized rows' logits `[Rp, V]` after the penalties, as a new tensor."""
         pen = self.pen.view(-1, 3)
         rep, freq, pres = pen[:, 0:1], pen[:, 1:2], pen[:, 2:3]  # [Rp, 1]
         counts = self.counts.index_select(0, self.pen_slots)  # [Rp, V]
         in_output = counts > 0
-        seen = in_output | self.in_prompt.index_select(0, self.pen_slots)
-        part = torch.where(seen, torch.where(part > 0, part / rep, part * rep), part)
-        part = part - freq * counts - pres * in_output
-        if self.pen_rows is None:
-            z.copy_(part)
-        else:
-            z[self.pen_rows] = part
+        seen = self.in_prompt.index_select(0, self.pen_slots).logical_or_(in_output)
+        # repetition: divide positive logits by the penalty, multiply the others, seen tokens only
+        factor = torch.where(part > 0, rep.reciprocal(), rep).masked_fill_(~seen, 1.0)
+        part = part * factor
+        return part.addcmul_(counts, freq, value=-1.0).addcmul_(in_output, pres, value=-1.0)
+
+    def _min_p(self, part: torch.Tensor) -> torch.Tensor:
+        """Tokens below min_p x the top probability at the row's temperature, masked (new tensor)."""
+        cut = part.amax(-1, keepdim=True) + self.minp_shift[:, None]
+        return part.masked_fill(part < cut, _NEG_INF)
 
     def report_raw(self, raw: torch.Tensor, out: SampleOutput, sampling) -> None:
         """Replace the controlled rows' logprobs in `out` with their raw distribution's."""

@@ -34,6 +34,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "sched": ("ringserve.tools.sched_compare", "static / dynamic / continuous / chunked schedulers"),
     "hf": ("ringserve.tools.hf_baseline", "the same trace through transformers generate (static batches)"),
     "prefix": ("ringserve.tools.bench_prefix", "TTFT and throughput with and without prefix caching"),
+    "controls": ("ringserve.tools.bench_controls", "the sampler with and without vLLM's logits controls; prompt scoring"),
 }
 
 

@@ -97,6 +97,29 @@ def test_each_control_matches_the_numpy_reference(name, temperature):
     assert torch.equal(logits[1], raw[1])
 
 
+def test_rows_with_different_controls_in_one_step():
+    """Each controlled row gets exactly its own controls (penalties, min_p, bias and masks mixed
+    in one step), and the raw logits kept for the logprobs are left as they were."""
+    settings = [CASES["all penalties"], CASES["min_p"], CASES["logit_bias"], CASES["repetition"], CASES["bad_words"]]
+    logits = _logits(len(settings) + 1, seed=7)
+    raw_in = logits.clone()
+    rows = [_row(i, st, PROMPT, OUTPUT, 0.9) for i, st in enumerate(settings)] + [_row(9, None, PROMPT, OUTPUT)]
+    # all of them; and only rows that need no copy of the raw logits (penalties, min_p)
+    for kept in ([0, 1, 2, 3, 4, 5], [0, 1, 3, 5]):
+        logits = raw_in[kept].clone()
+        plan = ControlsState(VOCAB, {EOS}, torch.device("cpu")).plan([rows[i] for i in kept])
+        with torch.inference_mode():
+            raw = plan.apply(logits)
+        controlled = [j for j, i in enumerate(kept) if i < len(settings)]
+        torch.testing.assert_close(raw, raw_in[[kept[j] for j in controlled]])
+        for j in controlled:
+            want = reference(raw_in[kept[j]].numpy(), settings[kept[j]], PROMPT, OUTPUT, 0.9)
+            got = logits[j].double().numpy()
+            assert np.array_equal(np.isneginf(got), np.isneginf(want))
+            np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-5, atol=1e-5)
+        assert torch.equal(logits[-1], raw_in[-1])
+
+
 def test_no_controls_no_plan():
     """A step whose rows ask for no control does no work here (no plan, no state)."""
     state = ControlsState(VOCAB, {EOS}, torch.device("cpu"))
