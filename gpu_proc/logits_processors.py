@@ -13,8 +13,8 @@ unchanged: randomness stays a pure function of (seed, index, position), so a see
 penalties repeats exactly, alone or batched, preempted or not.
 
 The logprobs a request gets are those of the raw distribution, as vLLM reports them: the sampler
-sees the processed logits, and `ControlsPlan.report_raw` recomputes the processed rows' logprobs
-from a copy of their raw logits.
+sees the processed logits, and `ControlsPlan.report_raw` recomputes the logprobs of the processed
+rows that asked for logprobs from a copy of their raw logits.
 
 State. The penalties need each sequence's output token counts and the set of its prompt tokens.
 They live on the device, one row of a slab per sequence (by seq id), updated with the one token a
@@ -260,12 +260,20 @@ class ControlsPlan:
         return part.masked_fill(part < cut, _NEG_INF)
 
     def report_raw(self, raw: torch.Tensor, out: SampleOutput, sampling) -> None:
-        """Replace the controlled rows' logprobs in `out` with their raw distribution's."""
+        """Replace the logprobs in `out` of the controlled rows that asked for logprobs with their
+        raw distribution's (the others' logprob is the sampler's; a request that did not ask
+        shows none)."""
         rows = self.rows.tolist()
+        asked = [j for j, i in enumerate(rows) if sampling[i].logprobs is not None]
+        if not asked:
+            return
+        if len(asked) < len(rows):
+            raw = raw[asked]
+            rows = [rows[j] for j in asked]
         tokens = host_tensor("q", [out.token_ids[i] for i in rows]).to(raw.device)
-        lse = torch.logsumexp(raw, dim=-1)  # [Rc]
+        lse = torch.logsumexp(raw, dim=-1)  # [Ra]
         lp = (raw.gather(1, tokens[:, None]).squeeze(1) - lse).tolist()
-        top_n = [sampling[i].logprobs or 0 for i in rows]
+        top_n = [sampling[i].logprobs for i in rows]
         tops = None
         if max(top_n):
             vals, ids = torch.topk(raw, min(max(top_n), raw.shape[-1]), dim=-1)
