@@ -4,8 +4,9 @@
 `torch.tensor` call), then `forward`; or, for a decode-only step when decode graphs are captured
 (`cuda_graphs.py`), a replay. A step that scores prompts (`prompt_logprobs.py`) also asks for
 the logits of the scored positions, after the sampling rows'. The two halves are public so
-`ringserve bench step` can time host overhead and device work separately. The runner keeps no per-sequence state: everything a
-step needs is in the `StepBatch`, so preemption, recomputation and restarts need nothing from it.
+`ringserve bench step` can time host overhead and device work separately. The runner keeps no
+per-sequence state: everything a step needs is in the `StepBatch`, so preemption, recomputation
+and restarts need nothing from it.
 """
 
 from __future__ import annotations
