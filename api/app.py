@@ -1,7 +1,8 @@
 """`init_app`: the aiohttp application of one API worker.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, DELETE /v1/requests/{request_id},
-GET /v1/models, /health, /ready, /metrics. Three middlewares: errors in the OpenAI shape (with
+GET /v1/models, /v1/models/{id}, /version, /health, /ready, /metrics; vLLM's POST /tokenize and
+/detokenize. Three middlewares: errors in the OpenAI shape (with
 x-request-id when one was assigned), the connection guard (the connection is busy; the body must
 arrive within body_timeout_s), then authentication (deny by default; /health, /ready and /metrics
 are open). Background work — the GPU client's transport, the tokenizer thread pool, the
@@ -18,6 +19,7 @@ from typing import Callable
 import msgspec
 from aiohttp import web
 
+from ringserve import __version__
 from ringserve.api.auth import PUBLIC_PATHS, Authenticator
 from ringserve.api.availability import gpu_not_ready
 from ringserve.api.chat import handle_chat_completions
@@ -29,7 +31,8 @@ from ringserve.api.gpu_client import GpuClient
 from ringserve.api.metrics import CONTENT_TYPE, StatsSnapshot, render
 from ringserve.api.peer_cancel import PeerCancel
 from ringserve.api.registry import Registry
-from ringserve.api.state import DEFAULT_RELOAD_S, REQUEST_ID, STATE, TENANT, ApiState
+from ringserve.api.state import DEFAULT_RELOAD_S, REQUEST_ID, STATE, TENANT, ApiState, ignored_header
+from ringserve.api.tokenize import handle_detokenize, handle_tokenize
 from ringserve.api.tokenizer import TextCodec
 from ringserve.api.worker_stats import WorkerStats
 from ringserve.config import Config
@@ -46,7 +49,9 @@ def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name:
              publish_every_s: float = 0.25,
              reload_s: Callable[[], float | None] | None = None,
              restart_status: Callable[[], dict | None] | None = None,
-             chat_template: ChatTemplate | None = None) -> web.Application:
+             chat_template: ChatTemplate | None = None,
+             model_aliases: frozenset[str] = frozenset(),
+             eos_token_ids: Callable[[], frozenset[int]] | None = None) -> web.Application:
     """Build a worker's app. `ready()` says whether the GPU process is ready (control block);
     `stats_source(state)` returns the server-wide stats snapshot for /metrics (default: this
     worker's own counters only); `publish(stats)`, if given, runs every `publish_every_s` and at
@@ -54,7 +59,9 @@ def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name:
     `peers`, if given, lets a DELETE reach the request's worker whichever worker receives it;
     `reload_s()` is the GPU process's measured load time (None: unknown), for Retry-After;
     `restart_status()` the supervisor's restart status, quoted while the GPU process is down;
-    `chat_template` formats /v1/chat/completions messages (None: that route answers 400)."""
+    `chat_template` formats /v1/chat/completions messages (None: that route answers 400);
+    `model_aliases` are other names a request may give the model (the path it was served from);
+    `eos_token_ids()` the model's EOS ids (the GPU process's published facts)."""
     guard = ConnectionGuard(config)
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[_error_middleware, guard.middleware, _auth_middleware])
@@ -63,16 +70,22 @@ def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name:
                      stats_source=lambda: source(state), auth=auth or Authenticator(),
                      registry=Registry(worker), connections=guard, publish=publish,
                      remote_cancel=peers.cancel if peers is not None else None,
-                     chat_template=chat_template)
+                     chat_template=chat_template, model_aliases=frozenset(model_aliases) - {model_name})
     if reload_s is not None:
         state.reload_s = lambda: _reload_or_default(reload_s)
     if restart_status is not None:
         state.restart_status = restart_status
+    if eos_token_ids is not None:
+        state.eos_token_ids = eos_token_ids
     app[STATE] = state
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_post("/v1/chat/completions", handle_chat_completions)
     app.router.add_delete("/v1/requests/{request_id}", _handle_delete)
     app.router.add_get("/v1/models", _handle_models)
+    app.router.add_get("/v1/models/{model_id:.+}", _handle_model)
+    app.router.add_post("/tokenize", handle_tokenize)
+    app.router.add_post("/detokenize", handle_detokenize)
+    app.router.add_get("/version", _handle_version)
     app.router.add_get("/health", _handle_health)
     app.router.add_get("/ready", _handle_ready)
     app.router.add_get("/metrics", _handle_metrics)
@@ -102,7 +115,10 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
     if request.path in GENERATION_PATHS:
         st.stats.count_rejection(error.status)
     rid = request.get(REQUEST_ID)
-    return error.response({"x-request-id": rid} if rid else None)
+    headers = ignored_header(request)
+    if rid:
+        headers["x-request-id"] = rid
+    return error.response(headers or None)
 
 
 @web.middleware
@@ -133,11 +149,28 @@ async def _handle_delete(request: web.Request) -> web.Response:
                    code="request_not_found")
 
 
+def _model_card(st: ApiState) -> dict:
+    return {"id": st.model_name, "object": "model", "created": 0, "owned_by": "ringserve",
+            "root": next(iter(sorted(st.model_aliases)), st.model_name), "max_model_len": st.config.context_limit}
+
+
 async def _handle_models(request: web.Request) -> web.Response:
+    return _json({"object": "list", "data": [_model_card(request.app[STATE])]})
+
+
+async def _handle_model(request: web.Request) -> web.Response:
+    """`GET /v1/models/{id}`: the model by its id or by the path it was served from."""
     st = request.app[STATE]
-    return _json({"object": "list", "data": [{"id": st.model_name, "object": "model",
-                                              "created": 0, "owned_by": "ringserve",
-                                              "max_model_len": st.config.context_limit}]})
+    model_id = request.match_info["model_id"]
+    # NOTE: an absolute path as the id arrives as /v1/models//abs/path, or with one slash.
+    if model_id != st.model_name and model_id not in st.model_aliases and "/" + model_id not in st.model_aliases:
+        raise ApiError(404, f"The model {model_id!r} does not exist; this server serves {st.model_name!r}.",
+                       param="model", code="model_not_found")
+    return _json(_model_card(st))
+
+
+async def _handle_version(request: web.Request) -> web.Response:
+    return _json({"version": __version__})
 
 
 async def _handle_health(request: web.Request) -> web.Response:

@@ -5,18 +5,18 @@ A stream is: one chunk per choice with the role (`delta: {"role": "assistant", "
 one chunk per token (`delta: {"content": text}`), one chunk per choice with its `finish_reason`,
 then the usage chunk (`"choices": []`) only when `stream_options.include_usage` is true, then
 `[DONE]`. ringserve's own fields ride along as on /v1/completions: `request_id`, `index`, `text`,
-`token_id` and `logprob` on token chunks, `timing` on finish and usage chunks.
+`token_id` and `logprob` on token chunks, `usage` (the choice's) and `timing` on finish chunks,
+`timing` on the usage chunk; with `continuous_usage_stats` every choice chunk carries the choice's
+usage so far.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import msgspec
 
 from ringserve.api.generation import Generation
+from ringserve.api.logprobs import LOGPROB_FLOOR, token_text
 from ringserve.api.tokenizer import TextCodec
-from ringserve.shm.messages import Token
 
 _enc = msgspec.json.encode
 
@@ -24,39 +24,42 @@ _enc = msgspec.json.encode
 class ChatLogprobs:
     """`{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`"""
 
-    def entry(self, codec: TextCodec, item: Token, offset: int) -> dict:
-        top = [_token_logprob(codec, tid, lp) for tid, lp in item.top_logprobs or ()]
-        return {**_token_logprob(codec, item.token_id, item.logprob), "top_logprobs": top}
+    __slots__ = ("tokens_as_ids",)
 
-    def event(self, entry: dict) -> dict:
-        return {"content": [entry]}
+    def __init__(self, tokens_as_ids: bool = False) -> None:
+        self.tokens_as_ids = tokens_as_ids
 
-    def collect(self, entries: list) -> dict:
+    def entry(self, codec: TextCodec, token_id: int, logprob: float | None,
+              top: list[tuple[int, float]] | None, want: int, offset: int) -> tuple[dict, int]:
+        alternatives = [self._token(codec, tid, lp) for tid, lp in (top or ())[:want]]
+        return {**self._token(codec, token_id, logprob), "top_logprobs": alternatives}, 0
+
+    def event(self, entries: list) -> dict:
         return {"content": entries}
+
+    collect = event
+
+    def _token(self, codec: TextCodec, token_id: int, logprob: float | None) -> dict:
+        table = codec.byte_table
+        raw = table[token_id] if table is not None and 0 <= token_id < len(table) else None
+        text = token_text(codec, token_id, self.tokens_as_ids)
+        return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR) if logprob is not None else None,
+                "bytes": list(raw if raw is not None else codec.decode([token_id]).encode())}
 
 
 CHAT_LOGPROBS = ChatLogprobs()
 
 
-def _token_logprob(codec: TextCodec, token_id: int, logprob: float) -> dict:
-    table = codec.byte_table
-    raw = table[token_id] if table is not None and 0 <= token_id < len(table) else None
-    text = codec.decode([token_id])
-    return {"token": text, "logprob": logprob, "bytes": list(raw if raw is not None else text.encode())}
-
-
 class ChatEventEncoder:
     """Encodes one chat request's SSE chunks (the interface of `sse.EventEncoder`)."""
 
-    __slots__ = ("request_id", "model", "created", "include_usage", "timing", "_head", "_tail_head")
+    __slots__ = ("request_id", "model", "created", "include_usage", "_head", "_tail_head")
 
-    def __init__(self, request_id: str, model: str, created: int, timing: Callable[[], dict], *,
-                 include_usage: bool) -> None:
+    def __init__(self, request_id: str, model: str, created: int, include_usage: bool = False) -> None:
         self.request_id = request_id
         self.model = model
         self.created = created
         self.include_usage = include_usage
-        self.timing = timing
         self._head = (b'data: {"id":' + _enc(request_id) + b',"object":"chat.completion.chunk",'
                       b'"created":' + _enc(created) + b',"model":' + _enc(model)
                       + b',"choices":[{"index":')
@@ -69,21 +72,27 @@ class ChatEventEncoder:
                         for i in range(n))
 
     def token(self, index: int, text: str, token_id: int, logprob: float,
-              logprobs: dict | None = None) -> bytes:
+              logprobs: dict | None = None, usage: dict | None = None) -> bytes:
         t = _enc(text)
         idx = str(index).encode()
         return b"".join((self._head, idx, b',"delta":{"content":', t, b'},"logprobs":',
                          b"null" if logprobs is None else _enc(logprobs),
                          b',"finish_reason":null}]', self._tail_head, idx, b',"text":', t,
                          b',"token_id":', str(token_id).encode(), b',"logprob":', _enc(logprob),
-                         b"}\n\n"))
+                         b"}\n\n" if usage is None else b',"usage":' + _enc(usage) + b"}\n\n"))
 
-    def finish(self, index: int, text: str, reason: str) -> bytes:
-        """A choice's last chunk: any text still held back, and its finish_reason."""
+    def text(self, index: int, text: str, logprobs: dict | None) -> bytes:
+        """Content that is not a generated token."""
+        return self._chunk([{"index": index, "delta": {"content": text}, "logprobs": logprobs,
+                             "finish_reason": None}], index=index, text=text)
+
+    def finish(self, index: int, text: str, reason: str, usage: dict, timing: dict) -> bytes:
+        """A choice's last chunk: any text still held back, its finish_reason, and (our own
+        fields) its usage and the request's timing."""
         delta = {"content": text} if text else {}
         return self._chunk([{"index": index, "delta": delta, "logprobs": None,
                              "finish_reason": reason}],
-                           index=index, finish_reason=reason, timing=self.timing())
+                           index=index, finish_reason=reason, usage=usage, timing=timing)
 
     def usage(self, usage: dict, timing: dict) -> bytes:
         """The usage chunk, only when the client asked for it (`stream_options.include_usage`)."""
@@ -106,6 +115,9 @@ def chat_body(request_id: str, model: str, gen: Generation) -> dict:
     choices = [{"index": i, "message": {"role": "assistant", "content": "".join(s.parts)},
                 "logprobs": gen.sample_logprobs(s), "finish_reason": s.reason}
                for i, s in enumerate(gen.samples)]
-    return {"id": request_id, "object": "chat.completion", "created": int(gen.arrival),
+    body = {"id": request_id, "object": "chat.completion", "created": int(gen.arrival),
             "model": model, "choices": choices, "usage": gen.usage(), "timing": gen.timing(),
             "request_id": request_id}
+    if gen.show_prompt_logprobs is not None:  # vLLM's field, on the response
+        body["prompt_logprobs"] = gen.prompt_logprobs(0, gen.show_prompt_logprobs)
+    return body

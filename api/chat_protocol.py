@@ -3,29 +3,40 @@
 The sampling fields are `protocol.SamplingBody`'s, validated by the same `parse_sampling` as
 /v1/completions. On top: `messages` (system / user / assistant; content a string or a list of text
 parts, joined with newlines as vLLM does for string-content templates), `max_tokens` /
-`max_completion_tokens` (unset: up to the context limit), `logprobs` + `top_logprobs`,
-`stream_options.include_usage`. OpenAI fields we cannot honour (tools, response formats, audio,
-...) are accepted only at their neutral values (unset, null, empty, "none", text); anything else
-is a 400 that names the field, never silently ignored.
+`max_completion_tokens` (unset or null: up to the context limit), `logprobs` + `top_logprobs`,
+vLLM's template options (`add_generation_prompt`, `continue_final_message`,
+`chat_template_kwargs`, `add_special_tokens`). OpenAI and vLLM fields we cannot honour (tools,
+audio, a request's own template, ...) are accepted only at their neutral values (unset, null,
+empty, "none", text); anything else is a 400 that names the field. Unknown fields are ignored
+and named (`body.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import msgspec
 
+from ringserve.api.body import decode_body
 from ringserve.api.errors import bad_request
 from ringserve.api.protocol import (MAX_LOGPROBS, SamplingBody, SamplingFields, check_max_tokens,
-                                    check_neutral, decode_body, parse_sampling)
+                                    check_neutral, parse_sampling)
 
 ROLES = ("system", "user", "assistant")
 MAX_MESSAGES = 4096
 
 
-class _Message(msgspec.Struct, forbid_unknown_fields=True):
+class _Part(msgspec.Struct, forbid_unknown_fields=True):
+    """A content part; only text parts are served (their other keys are ignored and named)."""
+
+    type: str
+    text: str | None = None
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True):
     role: str
-    content: str | list[dict] | None = None
+    content: str | list[_Part] | None = None
     name: str | None = None
     # what an assistant message returned by the API may carry back; accepted when empty
     tool_calls: list | None = None
@@ -38,12 +49,19 @@ class _Message(msgspec.Struct, forbid_unknown_fields=True):
 class _ChatBody(SamplingBody):
     """The wire shape; types only."""
 
-    messages: list[_Message] | None = None
+    messages: list[Message] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+    add_special_tokens: bool | None = False  # the template writes BOS and the turn markers
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict | None = None  # extra variables for the model's template
     # accepted only at their neutral values
+    echo: bool | None = False
+    chat_template: str | None = None
+    documents: list | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
@@ -71,32 +89,44 @@ class ChatRequest:
     max_tokens: int | None
     common: SamplingFields
     logprobs: int | None
-    include_usage: bool
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict | None = None
 
 
 _decoder = msgspec.json.Decoder(_ChatBody)
 
 
-def parse_chat_body(raw: bytes, *, max_tokens_limit: int) -> ChatRequest:
-    """Decode and validate a chat request body, raising `ApiError(400)` naming the field."""
-    body = decode_body(_decoder, raw)
+def parse_chat_body(raw: bytes, *, max_tokens_limit: int,
+                    on_ignored: Callable[[tuple[str, ...]], None] = lambda names: None) -> ChatRequest:
+    """Decode and validate a chat request body, raising `ApiError(400)` naming the field;
+    `on_ignored(names)` hears of unknown fields first."""
+    body, ignored = decode_body(_decoder, raw)
+    on_ignored(ignored)
     _check_unsupported(body)
-    messages = _messages(body.messages)
+    messages = parse_messages(body.messages)
     max_tokens = _max_tokens(body, max_tokens_limit)
     if body.top_logprobs is not None:
-        if not body.logprobs:
+        if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true.", "top_logprobs")
         if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got "
                               f"{body.top_logprobs}.", "top_logprobs")
-    options = body.stream_options
-    if options is not None and options.continuous_usage_stats:
-        raise bad_request("stream_options.continuous_usage_stats is not supported by ringserve; "
-                          "leave it unset or false.", "stream_options", code="unsupported_value")
+    if body.continue_final_message and body.add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true "
+                          "(set add_generation_prompt to false).", "continue_final_message")
+    kwargs = body.chat_template_kwargs or None
+    if kwargs is not None and not all(isinstance(k, str) and k.isidentifier() and not k.startswith("_")
+                                      for k in kwargs):
+        raise bad_request("chat_template_kwargs keys must be identifiers not starting with '_'.",
+                          "chat_template_kwargs")
     return ChatRequest(messages=messages, model=body.model, max_tokens=max_tokens,
                        common=parse_sampling(body),
                        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                       include_usage=options is not None and options.include_usage)
+                       add_special_tokens=bool(body.add_special_tokens),
+                       add_generation_prompt=body.add_generation_prompt is not False,
+                       continue_final_message=bool(body.continue_final_message), template_kwargs=kwargs)
 
 
 def _check_unsupported(body: _ChatBody) -> None:
@@ -115,6 +145,9 @@ def _check_unsupported(body: _ChatBody) -> None:
         "metadata": not body.metadata,
         "service_tier": body.service_tier in (None, "auto", "default"),
         "web_search_options": body.web_search_options is None,
+        "echo": not body.echo,
+        "chat_template": body.chat_template is None,
+        "documents": not body.documents,
     })
 
 
@@ -129,7 +162,8 @@ def _max_tokens(body: _ChatBody, limit: int) -> int | None:
     return check_max_tokens(given[0][1], limit, given[0][0])
 
 
-def _messages(messages: list[_Message] | None) -> tuple[dict, ...]:
+def parse_messages(messages: list[Message] | None) -> tuple[dict, ...]:
+    """Template-ready messages (`role`, `content`, and `name` when given), or a 400."""
     if not messages:
         raise bad_request("messages must be a non-empty list of {role, content} objects.",
                           "messages", code="missing_messages" if messages is None else "invalid_value")
@@ -139,7 +173,7 @@ def _messages(messages: list[_Message] | None) -> tuple[dict, ...]:
     return tuple(_message(m, i) for i, m in enumerate(messages))
 
 
-def _message(m: _Message, i: int) -> dict:
+def _message(m: Message, i: int) -> dict:
     where = f"messages[{i}]"
     if m.role not in ROLES:
         hint = " (use system for developer instructions)" if m.role == "developer" else ""
@@ -157,7 +191,7 @@ def _message(m: _Message, i: int) -> dict:
     return out
 
 
-def _content(content: str | list[dict] | None, where: str) -> str:
+def _content(content: str | list[_Part] | None, where: str) -> str:
     if isinstance(content, str):
         return content
     if content is None:
@@ -165,13 +199,11 @@ def _content(content: str | list[dict] | None, where: str) -> str:
                           f"{where}.content")
     texts = []
     for j, part in enumerate(content):
-        kind = part.get("type")
-        if kind != "text":
-            raise bad_request(f"{where}.content[{j}].type {kind!r} is not supported: ringserve "
+        if part.type != "text":
+            raise bad_request(f"{where}.content[{j}].type {part.type!r} is not supported: ringserve "
                               "serves text-only models; send text parts.", f"{where}.content[{j}].type")
-        text = part.get("text")
-        if not isinstance(text, str) or set(part) - {"type", "text"}:
+        if part.text is None:
             raise bad_request(f"{where}.content[{j}] must be {{\"type\": \"text\", \"text\": "
                               "string}.", f"{where}.content[{j}]")
-        texts.append(text)
+        texts.append(part.text)
     return "\n".join(texts)

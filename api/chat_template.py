@@ -129,16 +129,28 @@ class ChatTemplate:
         probe = cls(source, special, template, ())
         return cls(source, special, template, probe._find_end_of_turn(codec))
 
-    def render(self, messages: list[dict] | tuple[dict, ...], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`; `ChatTemplateError` if the template refuses them."""
+    def render(self, messages: list[dict] | tuple[dict, ...], add_generation_prompt: bool = True, *,
+               extra: dict | None = None, continue_final_message: bool = False) -> str:
+        """The prompt text for `messages`; `ChatTemplateError` if the template refuses them.
+        `extra`: more template variables (vLLM's `chat_template_kwargs`; ours win on a clash);
+        `continue_final_message`: end the text right after the last message's content, so the
+        model continues it (as transformers does)."""
         try:
-            return self.template.render(messages=list(messages), tools=None, documents=None,
-                                        add_generation_prompt=add_generation_prompt,
-                                        **self.special_tokens)
+            text = self.template.render({**(extra or {}), "messages": list(messages), "tools": None,
+                                         "documents": None, "add_generation_prompt": add_generation_prompt,
+                                         **self.special_tokens})
         except jinja2.exceptions.TemplateError as exc:  # raise_exception, undefined, sandbox
             raise ChatTemplateError(str(exc)) from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from None
+        if continue_final_message:
+            final = messages[-1]["content"] if messages else ""
+            at = text.rfind(final) if final else -1
+            if at == -1:
+                raise ChatTemplateError("continue_final_message: the template does not write the last "
+                                        "message's content as it is, so it cannot be continued")
+            text = text[:at + len(final)]
+        return text
 
     def _find_end_of_turn(self, codec: TextCodec) -> tuple[int, ...]:
         ids = set()

@@ -1,5 +1,5 @@
-"""`POST /v1/completions`: validate, tokenize, then submit and stream SSE or answer one JSON body
-(`request_flow.run`)."""
+"""`POST /v1/completions`: validate, tokenize every prompt, then submit and stream SSE or answer one
+JSON body (`request_flow.run`)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,16 @@ import asyncio
 
 from aiohttp import web
 
+from ringserve.api.completion_protocol import CompletionRequest, Prompt, parse_body
 from ringserve.api.errors import bad_request
 from ringserve.api.generation import Generation
-from ringserve.api.protocol import CompletionRequest, check_model, parse_body
-from ringserve.api.prompt_limits import check_fits, encode_prompt
+from ringserve.api.logprobs import CompletionLogprobs
+from ringserve.api.prompt_limits import encode_prompt, fit_ids, resolve_max_tokens
+from ringserve.api.protocol import check_min_tokens, check_model
 from ringserve.api.request_flow import Job, Output, check_available, run
+from ringserve.api.sampling_tokens import finish_sampling
 from ringserve.api.sse import EventEncoder
-from ringserve.api.state import STATE, ApiState
+from ringserve.api.state import STATE, ApiState, note_ignored
 from ringserve.rules import vocabulary_error
 
 
@@ -23,36 +26,53 @@ def _body(request_id: str, model: str, gen: Generation) -> dict:
             "timing": gen.timing(), "request_id": request_id}
 
 
-OUTPUT = Output(encoder=lambda request_id, model, created, timing: EventEncoder(request_id, model, created),
-                body=_body)
+def _output(tokens_as_ids: bool) -> Output:
+    return Output(encoder=EventEncoder, body=_body, logprob_format=CompletionLogprobs(tokens_as_ids))
+
+
+OUTPUT = _output(False)
+OUTPUT_TOKEN_IDS = _output(True)
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     st.stats.add("requests_total")
-    req = parse_body(await request.read(), max_tokens_limit=st.config.max_tokens_limit)
-    check_model(req.model, st.model_name)
+    req = parse_body(await request.read(), max_tokens_limit=st.config.max_tokens_limit,
+                     on_ignored=lambda names: note_ignored(request, names))
+    check_model(req.model, st.model_name, st.model_aliases)
+    common = req.common
+    sampling = finish_sampling(common, st.codec)
     check_available(st)
     try:
-        prompt_ids = await _tokenize(st, req)
+        prompts = [await _tokenize(st, req, p) for p in req.prompts]
     except asyncio.CancelledError:
         st.stats.add("disconnects")  # the client left while its prompt was tokenized
         raise
-    return await run(request, st, Job(prompt_ids=prompt_ids, max_tokens=req.max_tokens,
-                                      sampling=req.sampling, stop=req.stop, n=req.n,
-                                      logprobs=req.logprobs, stream=req.stream,
-                                      cache_salt=req.cache_salt), OUTPUT)
+    limit = st.config.max_tokens_limit
+    max_tokens = [resolve_max_tokens(len(ids), req.max_tokens, st.config.context_limit, limit) for ids in prompts]
+    check_min_tokens(common, min(max_tokens))
+    echo = None
+    if req.echo:
+        skip = common.output.skip_special_tokens
+        echo = [p if isinstance(p, str) and common.truncate is None else st.codec.decode(ids, skip)
+                for p, ids in zip(req.prompts, prompts)]
+    job = Job(prompts=prompts, max_tokens=max_tokens, sampling=sampling, stop=common.stop, n=common.n,
+              logprobs=req.logprobs, stream=common.stream, cache_salt=common.cache_salt,
+              prompt_logprobs=req.prompt_logprobs, show_prompt_logprobs=common.prompt_logprobs, echo=echo,
+              score_only=req.score_only, options=common.output, include_usage=common.include_usage,
+              continuous_usage=common.continuous_usage, request_id=common.request_id)
+    return await run(request, st, job, OUTPUT_TOKEN_IDS if common.output.tokens_as_ids else OUTPUT)
 
 
-async def _tokenize(st: ApiState, req: CompletionRequest) -> list[int]:
-    """The prompt's ids; a prompt that cannot fit the context is refused before any work on it."""
+async def _tokenize(st: ApiState, req: CompletionRequest, prompt: Prompt) -> list[int]:
+    """A prompt's ids; a prompt that cannot fit the context is refused before any work on it."""
     limit = st.config.context_limit
-    if req.prompt_ids is not None:
-        check_fits(len(req.prompt_ids), req.max_tokens, limit)
-        outside = vocabulary_error(req.prompt_ids, st.codec.vocab_size)
-        if outside is not None:
-            raise bad_request(outside, "prompt")
-        return list(req.prompt_ids)
-    return await encode_prompt(st.codec, req.prompt_text, max_tokens=req.max_tokens,
-                               context_limit=limit, executor=st.executor,
-                               inline_chars=st.tokenize_inline_chars)
+    truncate = req.common.truncate
+    if isinstance(prompt, str):
+        return await encode_prompt(st.codec, prompt, max_tokens=req.max_tokens, context_limit=limit,
+                                   executor=st.executor, inline_chars=st.tokenize_inline_chars,
+                                   add_special_tokens=req.add_special_tokens, truncate=truncate)
+    outside = vocabulary_error(prompt, st.codec.vocab_size)
+    if outside is not None:
+        raise bad_request(outside, "prompt")
+    return fit_ids(list(prompt), req.max_tokens, limit, truncate)

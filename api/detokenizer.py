@@ -16,12 +16,14 @@ _REPLACEMENT = "\ufffd"
 
 
 class Detokenizer:
-    """Per-sample streaming detokenizer; `push(token_id)` returns the newly completed text."""
+    """Per-sample streaming detokenizer; `push(token_id)` returns the newly completed text.
+    `skip_special_tokens=False` shows special tokens' text (vLLM's option)."""
 
-    __slots__ = ("_table", "_utf8", "_codec", "_ids", "_prefix", "_read")
+    __slots__ = ("_table", "_skip", "_utf8", "_codec", "_ids", "_prefix", "_read")
 
-    def __init__(self, codec: TextCodec) -> None:
-        self._table = codec.byte_table
+    def __init__(self, codec: TextCodec, skip_special_tokens: bool = True) -> None:
+        self._table = codec.byte_table if skip_special_tokens else codec.byte_table_with_specials
+        self._skip = skip_special_tokens
         # errors="replace": bytes that can never form a character become U+FFFD, as decode() does.
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._table is not None else None
         self._codec = codec
@@ -42,16 +44,16 @@ class Detokenizer:
             return self._utf8.decode(b"", final=True)
         if self._read == len(self._ids):
             return ""
-        prefix_text = self._codec.decode(self._ids[self._prefix:self._read])
-        text = self._codec.decode(self._ids[self._prefix:])
+        prefix_text = self._codec.decode(self._ids[self._prefix:self._read], self._skip)
+        text = self._codec.decode(self._ids[self._prefix:], self._skip)
         self._read = len(self._ids)
         return text[len(prefix_text):]
 
     def _push_window(self, token_id: int) -> str:
         ids = self._ids
         ids.append(token_id)
-        prefix_text = self._codec.decode(ids[self._prefix:self._read])
-        text = self._codec.decode(ids[self._prefix:])
+        prefix_text = self._codec.decode(ids[self._prefix:self._read], self._skip)
+        text = self._codec.decode(ids[self._prefix:], self._skip)
         # A trailing U+FFFD means the last ids end inside a character: wait for more.
         if len(text) > len(prefix_text) and not text.endswith(_REPLACEMENT):
             new = text[len(prefix_text):]

@@ -8,7 +8,9 @@ string), with usage and timing like the real engine: the finish rule is the GPU 
 at once (no queue, no deadlines, no 429 unless `admit` says so) and prices nothing; the tests of
 those run against the real GPU process on the tiny model.
 The tokens a sample produces come from `script(submit, index)`, by default the prompt ids repeated
-in order, so a test knows exactly which text must come out. Used by the API tests and
+in order, so a test knows exactly which text must come out. A Submit asking for prompt logprobs
+gets them in its first step: every prompt token from 1 on at -1.0, rank 1, and itself as its one
+alternative. Used by the API tests and
 `ringserve bench api` (where `step_interval_s=0` makes it a producer that never waits).
 
 `restart()` simulates a GPU-process death and the supervisor's fence: rows are dropped, the worker
@@ -26,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from ringserve.rules import finish_reason
-from ringserve.shm.messages import (Accepted, Cancel, Error, Finish, Message, Rejected, StepOutput,
-                                    Submit, Token, decode, encode)
+from ringserve.shm.messages import (Accepted, Cancel, Error, Finish, Message, PromptLogprobs, Rejected,
+                                    StepOutput, Submit, Token, decode, encode)
 from ringserve.shm.stats_schema import GPU_STAT_NAMES
 
 
@@ -168,8 +170,13 @@ class FakeGpu:
         now = time.time()
         tokens: list[Token] = []
         finishes: list[Finish] = []
+        prompts: list[PromptLogprobs] = []
         for rid in list(self._rows):
             row = self._rows[rid]
+            if row.first_token is None and row.submit.prompt_logprobs is not None:
+                ids = row.submit.prompt_ids[1:]
+                top = [[(t, -1.0)] for t in ids] if row.submit.prompt_logprobs else None
+                prompts.append(PromptLogprobs(rid, 1, [-1.0] * len(ids), [1] * len(ids), top))
             cancelled = self._cancelled.get(rid)
             for i in range(row.submit.n):
                 if not row.live[i]:
@@ -193,7 +200,7 @@ class FakeGpu:
             if not any(row.live):
                 del self._rows[rid]
                 self._cancelled.pop(rid, None)
-        self._post(StepOutput(step=self._step, tokens=tokens, finishes=finishes))
+        self._post(StepOutput(step=self._step, tokens=tokens, finishes=finishes, prompt_logprobs=prompts))
         self._wake()
 
     def _finish(self, row: _Row, i: int, reason: str, now: float) -> Finish:

@@ -1,19 +1,29 @@
 """One request's output state: GPU records in, client-visible text and finish reasons out.
 
-`Generation.consume(batch)` turns a batch of `Token` / `Finish` / `Error` records into per-sample
-text (detokenized incrementally, stop strings applied) and, when streaming, SSE event bytes. It
-knows nothing about HTTP: the handler writes what it returns and asks it when to cancel and when
-the request is over.
+`Generation.consume(batch)` turns a batch of `Token` / `Finish` / `PromptScores` / `Error`
+records into per-choice text (detokenized incrementally, stop strings applied) and, when
+streaming, SSE event bytes. A request has one or more prompts (a batch of prompts fans out into
+one Submit each) of `n` choices each; choice `p * n + j` is sample j of prompt p, as OpenAI
+numbers them. It knows nothing about HTTP: the handler writes what it returns and asks it when to
+cancel and when the request is over.
+
+Per choice, in order: the echoed prompt (`echo`: the prompt's text, with its tokens' logprobs when
+asked), then the generated text. A stop token's text is not shown, and a matched stop string is
+cut off, unless `include_stop_str_in_output`; no stop string ends a choice before it has more than
+`min_tokens` tokens (vLLM's rules). With `score_only` (max_tokens 0 with echo) the one token the
+GPU generates is not shown.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from ringserve.api.detokenizer import Detokenizer
 from ringserve.api.errors import error_object, error_type
+from ringserve.api.gpu_client import PromptScores
+from ringserve.api.logprobs import COMPLETION_LOGPROBS, LogprobFormat
+from ringserve.api.protocol import OutputOptions
 from ringserve.api.sse import Encoder
 from ringserve.api.stop_strings import StopMatcher
 from ringserve.api.tokenizer import TextCodec
@@ -22,42 +32,6 @@ from ringserve.shm.messages import Error, Finish, Token
 # GPU finish reasons as the client sees them (the API promises stop | length | cancelled).
 _CLIENT_REASON = {"stop": "stop", "length": "length", "cancelled": "cancelled",
                   "deadline": "cancelled"}
-
-
-class LogprobFormat(Protocol):
-    """How a route shows token logprobs: one entry per token, one object per streamed event, and
-    the object of a whole sample (non-streaming)."""
-
-    def entry(self, codec: TextCodec, item: Token, offset: int) -> object:
-        """One token's entry; `offset` is where its text starts in the sample's text."""
-
-    def event(self, entry: object) -> dict:
-        """The logprobs object of the streamed event carrying that one token."""
-
-    def collect(self, entries: list) -> dict:
-        """The logprobs object of a whole sample."""
-
-
-class CompletionLogprobs:
-    """/v1/completions: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` columns."""
-
-    def entry(self, codec: TextCodec, item: Token, offset: int) -> tuple:
-        top = None
-        if item.top_logprobs:
-            top = {codec.decode([tid]): lp for tid, lp in item.top_logprobs}
-        return codec.decode([item.token_id]), item.logprob, top, offset
-
-    def event(self, entry: tuple) -> dict:
-        token, logprob, top, _ = entry
-        return {"tokens": [token], "token_logprobs": [logprob],
-                "top_logprobs": [top] if top is not None else None, "text_offset": [0]}
-
-    def collect(self, entries: list) -> dict:
-        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
-                "top_logprobs": [e[2] for e in entries], "text_offset": [e[3] for e in entries]}
-
-
-COMPLETION_LOGPROBS = CompletionLogprobs()
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,31 +45,48 @@ class LocalCancel:
 class Sample:
     detok: Detokenizer
     stops: StopMatcher | None
+    prompt: int  # which prompt of the request this choice answers
     parts: list[str] = field(default_factory=list)  # the text so far (non-streaming only)
     tokens: int = 0
     reason: str | None = None  # the client-visible finish reason, once finished
     gpu_done: bool = False  # the GPU process reported this sample's Finish
     logprobs: list | None = None  # per-token logprob entries (non-streaming, when asked for)
-    chars: int = 0  # characters of text so far (the logprobs text_offset)
+    offset: int = 0  # the text offset of the next logprobs entry
+    echoed: bool = False
 
 
 class Generation:
-    """Output state of one request with `n` samples."""
+    """Output state of one request: `len(prompts) * n` choices."""
 
-    def __init__(self, codec: TextCodec, *, n: int, stop: tuple[str, ...], prompt_tokens: int,
+    def __init__(self, codec: TextCodec, *, n: int, stop: tuple[str, ...], prompts: list[list[int]],
                  arrival: float, encoder: Encoder | None, logprobs: int | None = None,
-                 logprob_format: LogprobFormat = COMPLETION_LOGPROBS) -> None:
+                 logprob_format: LogprobFormat = COMPLETION_LOGPROBS, options: OutputOptions = OutputOptions(),
+                 stop_ids: frozenset[int] = frozenset(), echo: list[str] | None = None,
+                 score_only: bool = False, scored: bool = False, continuous_usage: bool = False) -> None:
         """`encoder` writes the route's SSE events (None: not streaming); `logprobs` is the
-        request's setting (None: no logprobs objects), shown as `logprob_format` says."""
+        request's setting (None: no logprobs objects), shown as `logprob_format` says; `stop_ids`
+        the request's stop token ids (their text is not shown); `echo` each prompt's text to show
+        first; `scored`: the GPU sends the prompts' logprobs (echo with logprobs, prompt_logprobs)."""
         self.codec = codec
-        self.samples = [Sample(Detokenizer(codec), StopMatcher(stop) if stop else None,
-                               logprobs=[] if logprobs is not None else None)
-                        for _ in range(n)]
+        self.n = n
+        self.prompts = prompts
+        self.options = options
+        skip = options.skip_special_tokens
+        self.samples = [Sample(Detokenizer(codec, skip_special_tokens=skip), StopMatcher(stop, options.include_stop_str)
+                               if stop else None, i // n, logprobs=[] if logprobs is not None else None)
+                        for i in range(n * len(prompts))]
         self.logprob_format = logprob_format
-        self.prompt_tokens = prompt_tokens
+        self.prompt_tokens = sum(map(len, prompts))
         self.arrival = arrival
         self.encoder = encoder
         self.want_logprobs = logprobs
+        self.stop_ids = stop_ids if not options.include_stop_str else frozenset()
+        self.echo = echo
+        self.score_only = score_only
+        self.continuous_usage = continuous_usage
+        self.show_prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` field on the body
+        # Per prompt: (token id, logprob, rank, top) of prompt tokens 1, 2, ... as they arrive.
+        self.prompt_scores: list[list[tuple]] | None = [[] for _ in prompts] if scored else None
         self.error: Error | None = None
         self.queue_ms: float | None = None  # from the GPU process's Finish records
         self.gpu_ttft_ms: float | None = None
@@ -106,7 +97,7 @@ class Generation:
         self.last_token_t = 0.0
         self.max_gap_s = 0.0
         self.tokens = 0
-        self.unfinished = n  # samples without a client-visible finish
+        self.unfinished = len(self.samples)  # samples without a client-visible finish
         self.stopped: list[int] = []  # samples a stop string ended, whose GPU rows may still run
 
     # ------------------------------------------------------------------------------------------
@@ -114,7 +105,6 @@ class Generation:
         """Apply records; returns SSE events (empty when not streaming)."""
         out: list[bytes] = []
         samples = self.samples
-        enc = self.encoder
         tokens_before = self.tokens
         for item in batch:
             if self.error is not None:
@@ -122,38 +112,15 @@ class Generation:
             kind = type(item)
             if kind is Token:
                 s = samples[item.index]
-                if s.reason is not None:
-                    continue  # arrived after a stop string ended the sample; never shown
-                s.tokens += 1
-                self.tokens += 1
-                text = s.detok.push(item.token_id)
-                hit = False
-                if s.stops is not None:
-                    text, hit = s.stops.feed(text)
-                lp = self._logprobs(s, item) if self.want_logprobs is not None else None
-                if enc is not None:
-                    out.append(enc.token(item.index, text, item.token_id, item.logprob, lp))
-                elif text:
-                    s.parts.append(text)
-                    s.chars += len(text)
-                if hit:
-                    self._finish(s, item.index, "", "stop", out)
-                    self.stopped.append(item.index)
+                if s.reason is not None or self.score_only:
+                    continue  # after a stop string ended the sample, or the hidden scoring token
+                if self.echo is not None and not s.echoed:
+                    self._echo(s, item.index, out)
+                self._token(s, item, out)
             elif kind is Finish:
-                s = samples[item.index]
-                s.gpu_done = True
-                if self.queue_ms is None:
-                    self.queue_ms = item.queue_ms
-                self.gpu_ttft_ms = item.ttft_ms if self.gpu_ttft_ms is None \
-                    else min(self.gpu_ttft_ms, item.ttft_ms)
-                if s.reason is not None:
-                    continue
-                reason = _CLIENT_REASON.get(item.reason)
-                if reason is None:  # "error": the GPU process failed this request's row
-                    self._fail(Error(code="gpu_error", rid=item.rid, message="the GPU process "
-                                     "could not finish this request; retry it"), out)
-                else:
-                    self._finish(s, item.index, self._tail(s), reason, out)
+                self._gpu_finish(samples[item.index], item, out)
+            elif kind is PromptScores:
+                self._prompt_scores(item)
             elif kind is LocalCancel:
                 for i, s in enumerate(samples):
                     if s.reason is None:
@@ -163,6 +130,75 @@ class Generation:
         if self.tokens != tokens_before:
             self._arrived()
         return out
+
+    def _token(self, s: Sample, item: Token, out: list[bytes]) -> None:
+        s.tokens += 1
+        self.tokens += 1
+        index = item.index
+        # A stop token ends the sample; like a stop string, its text is not part of the answer.
+        text = "" if item.token_id in self.stop_ids else s.detok.push(item.token_id)
+        hit = False
+        if s.stops is not None and s.tokens > self.options.min_tokens:
+            text, hit = s.stops.feed(text)
+        lp = None
+        if self.want_logprobs is not None:
+            entry = self._entry(s, item.token_id, item.logprob, item.top_logprobs)
+            lp = self.logprob_format.event([entry]) if self.encoder is not None else None
+        enc = self.encoder
+        if enc is not None:
+            out.append(enc.token(index, text, item.token_id, item.logprob, lp, self._usage_of(s)))
+        elif text:
+            s.parts.append(text)
+        if hit:
+            self._finish(s, index, "", "stop", out)
+            self.stopped.append(index)
+
+    def _gpu_finish(self, s: Sample, item: Finish, out: list[bytes]) -> None:
+        s.gpu_done = True
+        if self.queue_ms is None:
+            self.queue_ms = item.queue_ms
+        self.gpu_ttft_ms = item.ttft_ms if self.gpu_ttft_ms is None else min(self.gpu_ttft_ms, item.ttft_ms)
+        if s.reason is not None:
+            return
+        reason = _CLIENT_REASON.get(item.reason)
+        if reason is None:  # "error": the GPU process failed this request's row
+            self._fail(Error(code="gpu_error", rid=item.rid, message="the GPU process "
+                             "could not finish this request; retry it"), out)
+            return
+        if self.echo is not None and not s.echoed:
+            self._echo(s, item.index, out)
+        self._finish(s, item.index, self._tail(s), reason, out)
+
+    def _prompt_scores(self, item: PromptScores) -> None:
+        if self.prompt_scores is None:
+            return
+        rec = item.record
+        ids = self.prompts[item.prompt][rec.start:rec.start + len(rec.logprobs)]
+        self.prompt_scores[item.prompt] += zip(ids, rec.logprobs, rec.ranks, rec.top or [None] * len(ids))
+
+    def _echo(self, s: Sample, index: int, out: list[bytes]) -> None:
+        """Show the choice's prompt before its first token (or its finish)."""
+        s.echoed = True
+        text = self.echo[s.prompt]
+        lp = None
+        if self.want_logprobs is not None:
+            prompt = self.prompts[s.prompt]
+            scores = self.prompt_scores[s.prompt] if self.prompt_scores is not None else []
+            entries = [self._entry(s, prompt[0], None, None)]
+            entries += [self._entry(s, tid, logprob, top) for tid, logprob, _, top in scores]
+            lp = self.logprob_format.event(entries)
+        if self.encoder is not None:
+            out.append(self.encoder.text(index, text, lp))
+        else:
+            s.parts.append(text)
+
+    def _entry(self, s: Sample, token_id: int, logprob: float | None, top) -> object:
+        entry, width = self.logprob_format.entry(self.codec, token_id, logprob, top, self.want_logprobs,
+                                                 s.offset)
+        s.offset += width
+        if self.encoder is None:
+            s.logprobs.append(entry)
+        return entry
 
     def _arrived(self) -> None:
         """Tokens arrived in this batch: track first-token time and the longest gap."""
@@ -204,9 +240,18 @@ class Generation:
         return self.unfinished == 0 and not self.gpu_done
 
     def usage(self) -> dict:
+        """The whole request's usage: every prompt once, every choice's tokens."""
         completion = sum(s.tokens for s in self.samples)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
+
+    def sample_usage(self, s: Sample) -> dict:
+        """One choice's usage: its prompt and its tokens."""
+        prompt = len(self.prompts[s.prompt])
+        return {"prompt_tokens": prompt, "completion_tokens": s.tokens, "total_tokens": prompt + s.tokens}
+
+    def _usage_of(self, s: Sample) -> dict | None:
+        return self.sample_usage(s) if self.continuous_usage else None
 
     def timing(self) -> dict:
         """The GPU process's queue and TTFT times; the worker's TTFT if those never came."""
@@ -222,12 +267,32 @@ class Generation:
 
     def choices(self) -> list[dict]:
         """The /v1/completions choices of a non-streamed request."""
-        return [{"index": i, "text": "".join(s.parts), "logprobs": self.sample_logprobs(s),
-                 "finish_reason": s.reason} for i, s in enumerate(self.samples)]
+        choices = [{"index": i, "text": "".join(s.parts), "logprobs": self.sample_logprobs(s),
+                    "finish_reason": s.reason} for i, s in enumerate(self.samples)]
+        if self.show_prompt_logprobs is not None:
+            for choice, s in zip(choices, self.samples):
+                choice["prompt_logprobs"] = self.prompt_logprobs(s.prompt, self.show_prompt_logprobs)
+        return choices
 
     def sample_logprobs(self, s: Sample) -> dict | None:
         """A non-streamed sample's logprobs object, None when the request did not ask for one."""
         return None if s.logprobs is None else self.logprob_format.collect(s.logprobs)
+
+    def prompt_logprobs(self, prompt: int, want: int) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs` of a prompt: None for its first token, then per token
+        `{token id: {"logprob", "rank", "decoded_token"}}` holding the token and its `want` most
+        probable alternatives."""
+        if self.prompt_scores is None:
+            return None
+        decode = self.codec.decode
+        out: list[dict | None] = [None]
+        for tid, logprob, rank, top in self.prompt_scores[prompt]:
+            entry = {tid: {"logprob": logprob, "rank": rank, "decoded_token": decode([tid])}}
+            for k, (alt, alt_lp) in enumerate((top or ())[:want]):
+                if alt not in entry:
+                    entry[alt] = {"logprob": alt_lp, "rank": k + 1, "decoded_token": decode([alt])}
+            out.append(entry)
+        return out
 
     # ------------------------------------------------------------------------------------------
     def _tail(self, s: Sample) -> str:
@@ -242,15 +307,6 @@ class Generation:
         s.reason = reason
         self.unfinished -= 1
         if self.encoder is not None:
-            out.append(self.encoder.finish(index, tail, reason))
+            out.append(self.encoder.finish(index, tail, reason, self.sample_usage(s), self.timing()))
         elif tail:
             s.parts.append(tail)
-            s.chars += len(tail)
-
-    def _logprobs(self, s: Sample, item: Token) -> dict | None:
-        """The streamed event's logprobs object; when not streaming, the entry is kept instead."""
-        entry = self.logprob_format.entry(self.codec, item, s.chars)  # the offset before this text
-        if self.encoder is not None:
-            return self.logprob_format.event(entry)
-        s.logprobs.append(entry)
-        return None

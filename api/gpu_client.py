@@ -31,8 +31,10 @@ from typing import Callable, Protocol
 import msgspec
 
 from ringserve.api.errors import ApiError, error_type
-from ringserve.shm.messages import (Accepted, Cancel, Error, Finish, Message, Rejected, StepOutput,
-                                    Submit, Token)
+from dataclasses import dataclass
+
+from ringserve.shm.messages import (Accepted, Cancel, Error, Finish, Message, PromptLogprobs, Rejected,
+                                    StepOutput, Submit, Token)
 from ringserve.shm.ring import RecordTooLarge
 
 log = logging.getLogger("ringserve.api.gpu_client")
@@ -57,24 +59,24 @@ class Transport(Protocol):
         """Stop delivering and release the channel."""
 
 
-class RequestStream:
-    """One request's inbox: its admission answer, then batches of Token / Finish / Error records."""
+@dataclass(frozen=True, slots=True)
+class PromptScores:
+    """A `PromptLogprobs` record, tagged with its stream's prompt index (a batched request)."""
 
-    __slots__ = ("rid", "admission", "submit", "streamed", "cancelled", "resubmits", "held_at",
-                 "_items", "_waiter")
+    prompt: int
+    record: PromptLogprobs
 
-    def __init__(self, rid: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.rid = rid  # changes when the request is resubmitted after a GPU-process restart
-        self.admission: asyncio.Future = loop.create_future()
-        self.submit: Submit | None = None  # as last sent, for a resubmission
-        self.streamed = False  # a Token arrived: the request can no longer be resubmitted
-        self.cancelled = False  # a Cancel was sent: never resubmit it
-        self.resubmits = 0
-        self.held_at = 0.0  # time.monotonic() when it was last held for resubmission
-        self._items: list[Token | Finish | Error] = []
+
+class Inbox:
+    """Records waiting for a request's handler; the streams of a batched request share one."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list = []
         self._waiter: asyncio.Future | None = None
 
-    def feed(self, item: Token | Finish | Error) -> None:
+    def feed(self, item) -> None:
         self._items.append(item)
         waiter = self._waiter
         if waiter is not None:
@@ -82,13 +84,47 @@ class RequestStream:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def next_batch(self) -> list[Token | Finish | Error]:
+    async def next_batch(self) -> list:
         """Everything that arrived since the last call; waits while there is nothing."""
         if not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         items, self._items = self._items, []
         return items
+
+
+class RequestStream:
+    """One Submit's channel: its admission answer, then Token / Finish / PromptScores / Error
+    records into its inbox. The streams of a batched request (one Submit per prompt) share an
+    inbox; stream `prompt` renumbers its samples from `offset` (= prompt * n)."""
+
+    __slots__ = ("rid", "admission", "submit", "streamed", "cancelled", "resubmits", "held_at",
+                 "inbox", "prompt", "offset")
+
+    def __init__(self, rid: int, loop: asyncio.AbstractEventLoop, inbox: Inbox | None = None,
+                 prompt: int = 0, offset: int = 0) -> None:
+        self.rid = rid  # changes when the request is resubmitted after a GPU-process restart
+        self.admission: asyncio.Future = loop.create_future()
+        self.submit: Submit | None = None  # as last sent, for a resubmission
+        self.streamed = False  # output arrived: the request can no longer be resubmitted
+        self.cancelled = False  # a Cancel was sent: never resubmit it
+        self.resubmits = 0
+        self.held_at = 0.0  # time.monotonic() when it was last held for resubmission
+        self.inbox = inbox or Inbox()
+        self.prompt = prompt
+        self.offset = offset
+
+    def feed(self, item) -> None:
+        kind = type(item)
+        if self.offset and (kind is Token or kind is Finish):
+            item = msgspec.structs.replace(item, index=item.index + self.offset)
+        elif kind is PromptLogprobs:
+            item = PromptScores(self.prompt, item)
+        self.inbox.feed(item)
+
+    async def next_batch(self) -> list:
+        """Everything that arrived (for every stream sharing the inbox) since the last call."""
+        return await self.inbox.next_batch()
 
     def set_admission(self, msg: Accepted | Rejected | Error) -> None:
         if not self.admission.done():
@@ -141,11 +177,12 @@ class GpuClient:
         return len(self._streams)
 
     # requests --------------------------------------------------------------------------------
-    def open_stream(self) -> RequestStream:
-        """Register a new request; its rid goes into the Submit the caller builds."""
+    def open_stream(self, inbox: Inbox | None = None, prompt: int = 0, offset: int = 0) -> RequestStream:
+        """Register a new Submit; its rid goes into the Submit the caller builds. The streams of a
+        batched request share `inbox` (see `RequestStream`)."""
         rid = self._next_rid
         self._next_rid += 1
-        stream = RequestStream(rid, self._loop or asyncio.get_running_loop())
+        stream = RequestStream(rid, self._loop or asyncio.get_running_loop(), inbox, prompt, offset)
         self._streams[rid] = stream
         return stream
 
@@ -213,6 +250,11 @@ class GpuClient:
         """Route one incoming message (called by the transport on the event loop)."""
         streams = self._streams
         if type(msg) is StepOutput:
+            for item in msg.prompt_logprobs:  # a chunk's prompt logprobs come before its tokens
+                s = streams.get(item.rid)
+                if s is not None:
+                    s.streamed = True  # a resubmission would send them again
+                    s.feed(item)
             for item in msg.tokens:
                 s = streams.get(item.rid)
                 if s is not None:

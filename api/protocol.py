@@ -1,206 +1,196 @@
-"""`POST /v1/completions` bodies: decoded with msgspec, validated into a frozen `CompletionRequest`;
-and what both generation routes share (`SamplingBody` / `parse_sampling`, `decode_body`, the
-neutral-value rule), which `chat_protocol.py` builds on for `/v1/chat/completions`.
+"""What both generation routes share: the sampling fields (`SamplingBody`), validated once
+(`parse_sampling`) into `SamplingFields`; the neutral-value rule; the model check.
+`completion_protocol.py` (/v1/completions) and `chat_protocol.py` (/v1/chat/completions) build on it.
 
-Accepted and ignored (they never change the result at their neutral values, and we say so in the
-docs): `user`, `echo: false`, `suffix: null`, `best_of` equal to `n`, `frequency_penalty: 0`,
-`presence_penalty: 0`, `logit_bias: {}`. A non-neutral value of one of those, a field we do not
-know, a wrong type or an out-of-range value is a 400 that names the field (`param`).
+Fields are those of vLLM's OpenAI server (its request models list them; docs/api.md says how each
+is treated). Three kinds:
+- honoured: sampling, stops, `n`, the logits controls (penalties, `logit_bias`, `min_p`,
+  `min_tokens`, `allowed_token_ids`, `bad_words`, applied on the GPU), the output options
+  (`include_stop_str_in_output`, `skip_special_tokens`, `return_tokens_as_token_ids`), prompt
+  truncation, prompt logprobs, `cache_salt`, `request_id`;
+- accepted at their neutral values only (`check_neutral`): what would change the result if we
+  ignored it (`use_beam_search`, `priority`, `structured_outputs`, `response_format`, ...); any
+  other value is a 400 that names the field;
+- unknown: ignored, as vLLM ignores them, and named in the `x-ringserve-ignored-fields` header
+  (`body.py`).
 """
 
 from __future__ import annotations
 
-import re
+import math
 from dataclasses import dataclass
 
 import msgspec
 
 from ringserve.api.errors import ApiError, bad_request
-from ringserve.shm.messages import MAX_CACHE_SALT_CHARS, MAX_STOP_TOKEN_IDS, SamplingParams
+from ringserve.shm.messages import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS,
+                                    MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, SamplingParams)
 
 MAX_N = 16
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = MAX_TOP_LOGPROBS
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
+MAX_BAD_WORD_CHARS = 256
 _SEED_RANGE = (-(2**63), 2**64 - 1)
-_MAX_ID = 2**31 - 1  # no vocabulary is larger; bigger ints would not even fit the wire format
+MAX_ID = 2**31 - 1  # no vocabulary is larger; bigger ints would not even fit the wire format
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = False  # OpenAI's default; /v1/completions always ends with usage
-    continuous_usage_stats: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class SamplingBody(msgspec.Struct, forbid_unknown_fields=True):
-    """The fields /v1/completions and /v1/chat/completions share: model, sampling, stops, n,
-    streaming, the prefix-cache salt, and OpenAI fields accepted only at their neutral values.
-    Types only; `parse_sampling` validates them, once for both routes."""
+    """The fields /v1/completions and /v1/chat/completions share. Types only; `parse_sampling`
+    validates them, once for both routes."""
 
     model: str | None = None
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # prefix-cache isolation (vLLM's field): equal salts share blocks
-    # accepted and ignored at their neutral values
-    user: str | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, no effect (as in vLLM)
+    request_id: str | None = None  # vLLM's: the request's id when no x-request-id header names one
+    # the logits controls, applied on the GPU (gpu_proc/logits_processors.py)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # the output, in the worker
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    return_tokens_as_token_ids: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
+    prompt_logprobs: int | None = None
+    # accepted at their neutral values only
+    use_beam_search: bool | None = False
+    watermarking: bool | None = None
+    priority: int | None = 0
+    structured_outputs: dict | None = None
+    response_format: dict | None = None
+    logprob_token_ids: list[int] | None = None
+    repetition_detection: dict | None = None
 
 
-class _Body(SamplingBody):
-    """The /v1/completions wire shape; types only. Ranges and cross-field rules are checked in
-    `parse_body`."""
+@dataclass(frozen=True, slots=True)
+class OutputOptions:
+    """How the worker turns a sample's tokens into text and logprobs."""
 
-    prompt: str | list | None = None
-    prompt_token_ids: list[int] | None = None
-    max_tokens: int | None = None
-    logprobs: int | None = None
-    # accepted and ignored at their neutral values
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    include_stop_str: bool = False  # keep the matched stop string (or stop token's text)
+    skip_special_tokens: bool = True
+    tokens_as_ids: bool = False  # logprob tokens as "token_id:<id>"
+    min_tokens: int = 0  # no stop string ends a sample before it has more tokens than this
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingFields:
-    """The validated shared fields (see `SamplingBody`)."""
+    """The validated shared fields (see `SamplingBody`). `bad_words` are still text (the route
+    tokenizes them, `prompt_tokens.bad_word_ids`); `logit_bias` and `allowed_token_ids` are in
+    `sampling`, checked against the vocabulary by the route (`check_token_ids`)."""
 
     sampling: SamplingParams
     stop: tuple[str, ...]
     n: int
     stream: bool
+    include_usage: bool
+    continuous_usage: bool
     cache_salt: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionRequest:
-    """A validated completion request; exactly one of `prompt_text` and `prompt_ids` is set."""
-
-    prompt_text: str | None
-    prompt_ids: tuple[int, ...] | None
-    model: str | None
-    max_tokens: int
-    sampling: SamplingParams
-    stop: tuple[str, ...]
-    n: int
-    logprobs: int | None
-    stream: bool
-    cache_salt: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.prompt_text is None) == (self.prompt_ids is None):
-            raise ValueError("exactly one of prompt_text and prompt_ids must be set")
-
-
-_decoder = msgspec.json.Decoder(_Body)
-_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
-_UNKNOWN = re.compile(r"unknown field `([^`]+)`")
-_AT = re.compile(r"at `\$\.([^`]+)`")
-
-
-def decode_body(decoder: msgspec.json.Decoder, raw: bytes):
-    """Decode a JSON request body, raising `ApiError(400)` that names the offending field."""
-    try:
-        return decoder.decode(raw)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        unknown = _UNKNOWN.search(text)
-        if unknown:
-            raise bad_request(f"Unknown field {unknown.group(1)!r}{_where(text)}: ringserve does not "
-                              "support it and it could change the result.", unknown.group(1),
-                              code="unknown_field") from None
-        path = _PATH.search(text)
-        raise bad_request(f"Invalid request body: {text}", path.group(1) if path else None,
-                          code="invalid_type") from None
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"Request body is not valid JSON: {exc}", None, code="invalid_json") from None
-    except RecursionError:  # msgspec's error for arrays or objects nested about 1,000 deep
-        raise bad_request("Request body is nested too deeply; no field of a completion request "
-                          "nests more than two levels.", None, code="invalid_json") from None
-    except UnicodeDecodeError as exc:  # msgspec's error for invalid UTF-8 inside a string
-        raise bad_request(f"Request body is not valid UTF-8 ({exc.reason} at byte {exc.start}); "
-                          "JSON text must be UTF-8.", None, code="invalid_json") from None
-
-
-def _where(text: str) -> str:
-    """` in messages[0]` for an unknown field inside an object of the body ('' at the top)."""
-    at = _AT.search(text)
-    return f" in {at.group(1)}" if at else ""
-
-
-def parse_body(raw: bytes, *, max_tokens_limit: int, default_max_tokens: int = 16) -> CompletionRequest:
-    """Decode and validate a request body, raising `ApiError(400)` naming the offending field."""
-    body = decode_body(_decoder, raw)
-    _check_ignored(body)
-    prompt_text, prompt_ids = _prompt(body)
-    max_tokens = check_max_tokens(default_max_tokens if body.max_tokens is None else body.max_tokens,
-                                  max_tokens_limit, "max_tokens")
-    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {body.logprobs}.",
-                          "logprobs")
-    common = parse_sampling(body)
-    return CompletionRequest(prompt_text=prompt_text, prompt_ids=prompt_ids, model=body.model,
-                             max_tokens=max_tokens, sampling=common.sampling, stop=common.stop,
-                             n=common.n, logprobs=body.logprobs, stream=common.stream,
-                             cache_salt=common.cache_salt)
-
-
-def check_max_tokens(value: int, limit: int, param: str) -> int:
-    if not 1 <= value <= limit:
-        raise bad_request(f"{param} must be between 1 and {limit}, got {value}.", param)
-    return value
+    request_id: str | None
+    output: OutputOptions
+    bad_words: tuple[str, ...]
+    truncate: tuple[int, str] | None  # (tokens to keep, -1: the context; "left" | "right")
+    prompt_logprobs: int | None
 
 
 def parse_sampling(body: SamplingBody) -> SamplingFields:
     """Validate the fields every generation route shares (`SamplingBody`)."""
-    if not 1 <= body.n <= MAX_N:
-        raise bad_request(f"n must be between 1 and {MAX_N}, got {body.n}.", "n")
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {n}.", "n")
     check_neutral({
-        "frequency_penalty": body.frequency_penalty in (None, 0.0),
-        "presence_penalty": body.presence_penalty in (None, 0.0),
-        "logit_bias": not body.logit_bias,
+        "use_beam_search": not body.use_beam_search,
+        "watermarking": not body.watermarking,
+        "priority": body.priority in (None, 0),
+        "structured_outputs": body.structured_outputs is None,
+        "response_format": body.response_format is None or body.response_format == {"type": "text"},
+        "logprob_token_ids": not body.logprob_token_ids,
+        "repetition_detection": body.repetition_detection is None,
     })
-    return SamplingFields(sampling=_sampling(body), stop=_stops(body.stop), n=body.n,
-                          stream=body.stream, cache_salt=_salt(body))
+    stream = bool(body.stream)
+    options = body.stream_options
+    if options is not None and not stream:
+        raise bad_request("stream_options can only be set when stream is true.", "stream_options")
+    include_usage = options is not None and bool(options.include_usage)
+    prompt_logprobs = _prompt_logprobs(body.prompt_logprobs, stream)
+    if body.request_id is not None and not 1 <= len(body.request_id) <= 128:
+        raise bad_request("request_id must be 1 to 128 characters.", "request_id")
+    return SamplingFields(
+        sampling=_sampling(body), stop=_stops(body.stop), n=n, stream=stream, include_usage=include_usage,
+        continuous_usage=include_usage and bool(options.continuous_usage_stats), cache_salt=_salt(body),
+        request_id=body.request_id, output=OutputOptions(
+            include_stop_str=bool(body.include_stop_str_in_output),
+            skip_special_tokens=body.skip_special_tokens is not False,
+            tokens_as_ids=bool(body.return_tokens_as_token_ids), min_tokens=body.min_tokens or 0),
+        bad_words=_bad_words(body.bad_words), truncate=_truncate(body), prompt_logprobs=prompt_logprobs)
 
 
-def _prompt(body: _Body) -> tuple[str | None, tuple[int, ...] | None]:
-    given = [name for name in ("prompt", "prompt_token_ids") if getattr(body, name) is not None]
-    if len(given) != 1:
-        raise bad_request("Send exactly one of 'prompt' and 'prompt_token_ids'.", "prompt",
-                          code="missing_prompt" if not given else "invalid_value")
-    if body.prompt_token_ids is not None:
-        return None, _token_ids(body.prompt_token_ids, "prompt_token_ids")
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("prompt must not be empty.", "prompt")
-        return prompt, None
-    # A list: token ids, or a batch of one string/one id list (OpenAI shapes). Larger batches
-    # would change the response shape; we ask for one prompt per request.
-    if prompt and all(type(x) is int for x in prompt):
-        return None, _token_ids(prompt, "prompt")
-    if len(prompt) == 1 and isinstance(prompt[0], str) and prompt[0]:
-        return prompt[0], None
-    if len(prompt) == 1 and isinstance(prompt[0], list) and prompt[0] and all(type(x) is int for x in prompt[0]):
-        return None, _token_ids(prompt[0], "prompt")
-    raise bad_request("prompt must be a non-empty string or a list of token ids; batched prompts "
-                      "are not supported, send one request per prompt.", "prompt")
+def check_max_tokens(value: int, limit: int, param: str, minimum: int = 1) -> int:
+    """`value` within [minimum, limit] (limit 0: no limit but the context)."""
+    if value < minimum or (limit and value > limit):
+        upper = f" and {limit}" if limit else ""
+        raise bad_request(f"{param} must be at least {minimum}{upper}, got {value}.", param)
+    return value
 
 
-def _token_ids(ids: list[int], param: str) -> tuple[int, ...]:
+def check_min_tokens(fields: SamplingFields, max_tokens: int) -> None:
+    if fields.sampling.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({fields.sampling.min_tokens}) must not exceed max_tokens "
+                          f"({max_tokens}).", "min_tokens")
+
+
+def check_token_ids(fields: SamplingFields, vocab_size: int) -> None:
+    """logit_bias keys and allowed_token_ids must name tokens of the vocabulary (vLLM's rule)."""
+    sp = fields.sampling
+    for param, ids in (("logit_bias", [t for t, _ in sp.logit_bias]), ("allowed_token_ids", sp.allowed_token_ids)):
+        if ids and max(ids) >= vocab_size:
+            raise bad_request(f"{param} holds token id {max(ids)}, outside the vocabulary (0..{vocab_size - 1}).",
+                              param)
+
+
+def check_neutral(neutral: dict[str, bool]) -> None:
+    """`neutral` maps a field to whether its value leaves the result unchanged; any other is 400."""
+    for name, ok in neutral.items():
+        if not ok:
+            raise bad_request(f"{name} is not supported by ringserve; leave it unset or at its "
+                              "default.", name, code="unsupported_value")
+
+
+def check_model(requested: str | None, served: str, aliases: frozenset[str] = frozenset()) -> None:
+    """A request naming another model is refused, as OpenAI does (404 model_not_found). The model
+    may be named by its id or by the path it was served from (vLLM's default id)."""
+    if requested is not None and requested != served and requested not in aliases:
+        raise ApiError(404, f"The model {requested!r} does not exist; this server serves {served!r}.",
+                       param="model", code="model_not_found")
+
+
+def token_ids(ids: list[int], param: str) -> tuple[int, ...]:
     if not ids:
         raise bad_request(f"{param} must not be empty.", param)
-    if min(ids) < 0 or max(ids) > _MAX_ID:
-        raise bad_request(f"{param} must hold token ids between 0 and {_MAX_ID}.", param)
+    if min(ids) < 0 or max(ids) > MAX_ID:
+        raise bad_request(f"{param} must hold token ids between 0 and {MAX_ID}.", param)
     return tuple(ids)
 
 
@@ -212,7 +202,7 @@ def _sampling(body: SamplingBody) -> SamplingParams:
     if not 0.0 < top_p <= 1.0:
         raise bad_request(f"top_p must be in (0, 1], got {top_p}.", "top_p")
     top_k = 0 if body.top_k is None or body.top_k == -1 else body.top_k  # -1: vLLM's "off"
-    if not 0 <= top_k <= _MAX_ID:
+    if not 0 <= top_k <= MAX_ID:
         raise bad_request(f"top_k must be >= 0 (0 or -1: off), got {top_k}.", "top_k")
     if body.seed is not None and not _SEED_RANGE[0] <= body.seed <= _SEED_RANGE[1]:
         raise bad_request("seed must fit in 64 bits.", "seed")
@@ -221,9 +211,94 @@ def _sampling(body: SamplingBody) -> SamplingParams:
         if len(body.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise bad_request(f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids, got "
                               f"{len(body.stop_token_ids)}.", "stop_token_ids")
-        stop_ids = tuple(sorted(set(_token_ids(body.stop_token_ids, "stop_token_ids"))))
+        stop_ids = tuple(sorted(set(token_ids(body.stop_token_ids, "stop_token_ids"))))
+    penalties = {name: _in_range(getattr(body, name), default, lo, hi, name)
+                 for name, default, lo, hi in (("presence_penalty", 0.0, -2.0, 2.0),
+                                               ("frequency_penalty", 0.0, -2.0, 2.0),
+                                               ("min_p", 0.0, 0.0, 1.0))}
+    repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
+    if not (repetition > 0 and math.isfinite(repetition)):
+        raise bad_request(f"repetition_penalty must be a number > 0 (1: off), got {repetition}.",
+                          "repetition_penalty")
+    min_tokens = body.min_tokens or 0
+    if min_tokens < 0:
+        raise bad_request(f"min_tokens must be >= 0, got {min_tokens}.", "min_tokens")
+    if temperature < 1e-5:
+        penalties["min_p"] = 0.0  # greedy: min_p cannot change the choice (vLLM drops it too)
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=body.seed,
-                          stop_token_ids=stop_ids, ignore_eos=body.ignore_eos)
+                          stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, repetition_penalty=repetition,
+                          min_tokens=min_tokens, logit_bias=_logit_bias(body.logit_bias),
+                          allowed_token_ids=_allowed(body.allowed_token_ids), **penalties)
+
+
+def _in_range(value: float | None, default: float, lo: float, hi: float, name: str) -> float:
+    value = default if value is None else value
+    if not lo <= value <= hi:
+        raise bad_request(f"{name} must be between {lo:g} and {hi:g}, got {value}.", name)
+    return value
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """`{"token id": bias}`, biases clamped to [-100, 100] as vLLM does."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}.", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}.", "logit_bias") from None
+        if not 0 <= token <= MAX_ID or not math.isfinite(value):
+            raise bad_request(f"logit_bias maps token ids (0 and up) to finite numbers; got {key!r}: {value}.",
+                              "logit_bias")
+        out[token] = min(100.0, max(-100.0, value))
+    return tuple(sorted(out.items()))
+
+
+def _allowed(ids: list[int] | None) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+        raise bad_request(f"allowed_token_ids holds at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(ids)}.",
+                          "allowed_token_ids")
+    return tuple(sorted(set(token_ids(ids, "allowed_token_ids"))))
+
+
+def _bad_words(words: list[str] | None) -> tuple[str, ...]:
+    words = tuple(dict.fromkeys(words or ()))
+    if len(words) > MAX_BAD_WORDS:
+        raise bad_request(f"bad_words holds at most {MAX_BAD_WORDS} words, got {len(words)}.", "bad_words")
+    if any(not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in words):
+        raise bad_request(f"each of bad_words must be 1 to {MAX_BAD_WORD_CHARS} characters, not only spaces.",
+                          "bad_words")
+    return words
+
+
+def _truncate(body: SamplingBody) -> tuple[int, str] | None:
+    side = body.truncation_side
+    if side not in (None, "left", "right"):
+        raise bad_request(f"truncation_side must be 'left' or 'right', got {side!r}.", "truncation_side")
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return None
+    if keep < -1:
+        raise bad_request(f"truncate_prompt_tokens must be -1 (the context) or >= 0, got {keep}.",
+                          "truncate_prompt_tokens")
+    return keep, side or "left"  # vLLM's side for generation: keep the last tokens
+
+
+def _prompt_logprobs(value: int | None, stream: bool) -> int | None:
+    if value is None:
+        return None
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {value}.",
+                          "prompt_logprobs")
+    if stream and value > 0:
+        raise bad_request("prompt_logprobs are not available when stream is true (as in vLLM); use "
+                          "echo with logprobs, or a non-streamed request.", "prompt_logprobs")
+    return value
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -234,30 +309,6 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
         if not s or len(s) > MAX_STOP_CHARS:
             raise bad_request(f"each stop string must be 1 to {MAX_STOP_CHARS} characters.", "stop")
     return tuple(dict.fromkeys(stops))  # dedupe, keep order
-
-
-def _check_ignored(body: _Body) -> None:
-    """/v1/completions fields we accept only at values that leave the result unchanged."""
-    check_neutral({
-        "echo": body.echo is False,
-        "suffix": body.suffix in (None, ""),
-        "best_of": body.best_of in (None, body.n),
-    })
-
-
-def check_neutral(neutral: dict[str, bool]) -> None:
-    """`neutral` maps a field to whether its value leaves the result unchanged; any other is 400."""
-    for name, ok in neutral.items():
-        if not ok:
-            raise bad_request(f"{name} is not supported by ringserve; leave it unset or at its "
-                              "default.", name, code="unsupported_value")
-
-
-def check_model(requested: str | None, served: str) -> None:
-    """A request naming another model is refused, as OpenAI does (404 model_not_found)."""
-    if requested is not None and requested != served:
-        raise ApiError(404, f"The model {requested!r} does not exist; this server serves {served!r}.",
-                       param="model", code="model_not_found")
 
 
 def _salt(body: SamplingBody) -> str | None:

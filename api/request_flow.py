@@ -1,8 +1,8 @@
 """What every generation route does once its request is validated and tokenized.
 
 `run(request, st, job, output)`: register the request (DELETE, slow-reader watchdog), submit it
-and wait for admission (a 429 is answered before any SSE starts), then stream its events or
-collect one JSON body; stop rows the client no longer needs (stop strings, DELETE, disconnect),
+(one Submit per prompt of a batch) and wait for admission (a 429 is answered before any SSE
+starts), then stream its events or collect one JSON body; stop rows the client no longer needs (stop strings, DELETE, disconnect),
 count it into the worker's stats, and release everything whatever happened. The routes differ
 only in their `Output`: the SSE encoder, the non-streaming body and the logprobs shape.
 """
@@ -20,10 +20,13 @@ from aiohttp import web
 
 from ringserve.api.availability import gpu_not_ready
 from ringserve.api.errors import ApiError
-from ringserve.api.generation import COMPLETION_LOGPROBS, Generation, LogprobFormat
+from ringserve.api.generation import Generation
+from ringserve.api.gpu_client import GpuClient, Inbox, RequestStream
+from ringserve.api.logprobs import COMPLETION_LOGPROBS, LogprobFormat
+from ringserve.api.protocol import OutputOptions
 from ringserve.api.registry import OpenRequest
 from ringserve.api.sse import DONE, Encoder
-from ringserve.api.state import REQUEST_ID, TENANT, ApiState
+from ringserve.api.state import REQUEST_ID, TENANT, ApiState, ignored_header
 from ringserve.shm.messages import SamplingParams, Submit
 
 # Kernel send buffer of a streaming connection. Bounded (the kernel would autotune it to MBs) so a
@@ -37,92 +40,158 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """A validated, tokenized generation request, as a route hands it to `run`."""
+    """A validated, tokenized generation request, as a route hands it to `run`: one Submit per
+    prompt (a batch fans out), `n` choices each."""
 
-    prompt_ids: list[int]
-    max_tokens: int
+    prompts: list[list[int]]
+    max_tokens: list[int]  # per prompt
     sampling: SamplingParams
     stop: tuple[str, ...]
     n: int
     logprobs: int | None
     stream: bool
     cache_salt: str | None
+    prompt_logprobs: int | None = None  # alternatives per prompt token the GPU computes
+    show_prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` field on the response
+    echo: list[str] | None = None  # per prompt: the text shown before its choices' answers
+    score_only: bool = False  # max_tokens 0 with echo: the one generated token is not shown
+    options: OutputOptions = OutputOptions()
+    include_usage: bool = False
+    continuous_usage: bool = False
+    request_id: str | None = None  # the body's request_id (an x-request-id header wins)
 
 
 @dataclass(frozen=True, slots=True)
 class Output:
     """A route's response shapes.
 
-    `encoder(request_id, model, created, timing)` builds the `sse.Encoder` of a streamed request
-    (`timing()` is the request's timing so far); `body(request_id, model, gen)` is the JSON body
-    of a non-streamed one.
+    `encoder(request_id, model, created, include_usage)` builds the `sse.Encoder` of a streamed
+    request; `body(request_id, model, gen)` is the JSON body of a non-streamed one.
     """
 
-    encoder: Callable[[str, str, int, Callable[[], dict]], Encoder]
+    encoder: Callable[[str, str, int, bool], Encoder]
     body: Callable[[str, str, Generation], dict]
     logprob_format: LogprobFormat = COMPLETION_LOGPROBS
 
 
 async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> web.StreamResponse:
-    request_id = st.registry.new_id(request.headers.get("x-request-id"), request[TENANT])
+    request_id = st.registry.new_id(request.headers.get("x-request-id") or job.request_id, request[TENANT])
     request[REQUEST_ID] = request_id  # the error middleware puts it on error responses too
     arrival = time.time()
     client = st.client
-    stream = client.open_stream()
-    entry = OpenRequest(request_id, request[TENANT], stream, request.transport)
+    inbox = Inbox()
+    streams = [client.open_stream(inbox, p, p * job.n) for p in range(len(job.prompts))]
+    entry = OpenRequest(request_id, request[TENANT], streams[0], request.transport)
     st.registry.add(entry)
     st.stats.add("open_streams")
     gen: Generation | None = None
     try:
-        await client.submit(stream, Submit(
-            rid=stream.rid, request_id=request_id, tenant=request[TENANT], prompt_ids=job.prompt_ids,
-            max_tokens=job.max_tokens, sampling=job.sampling, arrival_ts=arrival,
+        await _submit(client, streams, [Submit(
+            rid=stream.rid, request_id=request_id, tenant=request[TENANT], prompt_ids=prompt,
+            max_tokens=max_tokens, sampling=job.sampling, arrival_ts=arrival,
             deadline_ts=arrival + st.config.request_timeout_s, n=job.n, logprobs=job.logprobs,
-            cache_salt=job.cache_salt))
-        gen = Generation(st.codec, n=job.n, stop=job.stop, prompt_tokens=len(job.prompt_ids),
-                         arrival=arrival, encoder=None, logprobs=job.logprobs,
-                         logprob_format=output.logprob_format)
+            cache_salt=job.cache_salt, prompt_logprobs=job.prompt_logprobs)
+            for stream, prompt, max_tokens in zip(streams, job.prompts, job.max_tokens)])
+        gen = Generation(st.codec, n=job.n, stop=job.stop, prompts=job.prompts, arrival=arrival,
+                         encoder=None, logprobs=job.logprobs, logprob_format=output.logprob_format,
+                         options=job.options, stop_ids=_stop_ids(st, job.sampling),
+                         echo=job.echo, score_only=job.score_only, scored=job.prompt_logprobs is not None,
+                         continuous_usage=job.continuous_usage)
+        gen.show_prompt_logprobs = job.show_prompt_logprobs
+        flow = _Flow(request, st, entry, streams, gen, job.n)
         if job.stream:
-            gen.encoder = output.encoder(request_id, st.model_name, int(arrival), gen.timing)
-            return await _stream(request, st, entry, gen)
-        return await _complete(st, entry, gen, output)
+            gen.encoder = output.encoder(request_id, st.model_name, int(arrival), job.include_usage)
+            return await _stream(flow)
+        return await _complete(flow, output)
     except asyncio.CancelledError:
         _count_gone(st, entry)  # the client went away; its handler was cancelled
         raise
     finally:
         if gen is not None:
-            if not gen.gpu_done:
-                client.cancel(stream.rid, _cancel_reason(entry, gen))
-            _record(st, gen, len(job.prompt_ids))
-        client.release(stream)
+            _Flow(request, st, entry, streams, gen, job.n).cancel_running(_cancel_reason(entry, gen))
+            _record(st, gen)
+        for stream in streams:
+            client.release(stream)
         st.registry.remove(entry)
         st.stats.add("open_streams", -1)
 
 
-async def _stream(request: web.Request, st: ApiState, entry: OpenRequest,
-                  gen: Generation) -> web.StreamResponse:
+def _stop_ids(st: ApiState, sampling: SamplingParams) -> frozenset[int]:
+    """The tokens that end a sample with `stop` (their text is not shown unless asked)."""
+    ids = frozenset(sampling.stop_token_ids)
+    return ids if sampling.ignore_eos else ids | st.eos_token_ids()
+
+
+async def _submit(client: GpuClient, streams: list[RequestStream], submits: list[Submit]) -> None:
+    """Submit every prompt and wait for their admissions; if one is refused, the others are
+    cancelled and the refusal is the answer (a batch is admitted whole or not at all)."""
+    if len(streams) == 1:
+        await client.submit(streams[0], submits[0])
+        return
+    answers = await asyncio.gather(*(client.submit(s, m) for s, m in zip(streams, submits)),
+                                   return_exceptions=True)
+    refused = [a for a in answers if isinstance(a, BaseException)]
+    if refused:
+        for stream, answer in zip(streams, answers):
+            if not isinstance(answer, BaseException):
+                client.cancel(stream.rid, "cancelled")
+        raise refused[0]
+
+
+@dataclass(slots=True)
+class _Flow:
+    """A running request: its streams (one per prompt) and its output state."""
+
+    request: web.Request
+    st: ApiState
+    entry: OpenRequest
+    streams: list[RequestStream]
+    gen: Generation
+    n: int
+
+    async def next_batch(self) -> list:
+        return await self.entry.stream.next_batch()  # every stream feeds the one inbox
+
+    def running(self) -> list[RequestStream]:
+        """The streams with a sample the GPU has not finished."""
+        n, samples = self.n, self.gen.samples
+        return [s for p, s in enumerate(self.streams)
+                if not all(x.gpu_done for x in samples[p * n:(p + 1) * n])]
+
+    def cancel_running(self, reason: str) -> None:
+        for stream in self.running():
+            self.st.client.cancel(stream.rid, reason)
+
+    def cancel_sample(self, index: int) -> None:
+        self.st.client.cancel(self.streams[index // self.n].rid, "stop", index=index % self.n)
+
+    def headers(self) -> dict[str, str]:
+        return {"x-request-id": self.entry.request_id, **ignored_header(self.request)}
+
+
+async def _stream(flow: _Flow) -> web.StreamResponse:
+    request, st, entry, gen = flow.request, flow.st, flow.entry, flow.gen
     encoder = gen.encoder
-    resp = web.StreamResponse(headers={**_SSE_HEADERS, "x-request-id": entry.request_id})
+    resp = web.StreamResponse(headers={**_SSE_HEADERS, **flow.headers()})
     sock = request.transport.get_extra_info("socket") if request.transport is not None else None
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
     loop = asyncio.get_running_loop()
-    stream = entry.stream
     try:
         await resp.prepare(request)
         opening = encoder.start(len(gen.samples))
         if opening:
             await resp.write(opening)
         while not gen.finished:
-            events = gen.consume(await stream.next_batch())
-            _cancel_stopped(st, entry, gen)
+            events = gen.consume(await flow.next_batch())
+            _cancel_stopped(flow)
             if events:
                 entry.write_since = loop.time()
                 await resp.write(b"".join(events) if len(events) > 1 else events[0])
                 entry.write_since = 0.0
         tail = [DONE]
         if gen.error is None:
-            await _settle(st, entry, gen)
+            await _settle(flow)
             tail.insert(0, encoder.usage(gen.usage(), gen.timing()))
         entry.write_since = loop.time()
         await resp.write(b"".join(tail))
@@ -130,14 +199,15 @@ async def _stream(request: web.Request, st: ApiState, entry: OpenRequest,
         entry.write_since = 0.0
     except ConnectionError:
         # A write found the connection gone (client left, or the slow-reader watchdog closed it);
-        # the caller's finally cancels the row. Nothing more can be sent.
+        # the caller's finally cancels the rows. Nothing more can be sent.
         _count_gone(st, entry)
     return resp
 
 
-def _record(st: ApiState, gen: Generation, prompt_tokens: int) -> None:
+def _record(st: ApiState, gen: Generation) -> None:
     """Count a finished request into the worker's stats: tokens, finish reasons, latencies."""
     stats = st.stats
+    prompt_tokens = gen.prompt_tokens
     stats.add("prompt_tokens_total", prompt_tokens)
     stats.add("completion_tokens_total", gen.tokens)
     for s in gen.samples:
@@ -158,32 +228,33 @@ def _count_gone(st: ApiState, entry: OpenRequest) -> None:
         st.stats.add("disconnects")
 
 
-async def _complete(st: ApiState, entry: OpenRequest, gen: Generation, output: Output) -> web.Response:
-    stream = entry.stream
+async def _complete(flow: _Flow, output: Output) -> web.Response:
+    st, entry, gen = flow.st, flow.entry, flow.gen
     while not gen.finished:
-        gen.consume(await stream.next_batch())
-        _cancel_stopped(st, entry, gen)
+        gen.consume(await flow.next_batch())
+        _cancel_stopped(flow)
     if gen.error is not None:
         err = gen.error_body()["error"]
         extra = {k: v for k, v in err.items() if k not in ("message", "type", "param", "code")}
         raise ApiError(503, err["message"], code=err["code"], type_=err["type"], extra=extra,
                        retry_after_s=st.reload_s())
-    await _settle(st, entry, gen)
+    await _settle(flow)
     body = output.body(entry.request_id, st.model_name, gen)
     return web.Response(body=msgspec.json.encode(body), content_type="application/json",
-                        headers={"x-request-id": entry.request_id})
+                        headers=flow.headers())
 
 
-async def _settle(st: ApiState, entry: OpenRequest, gen: Generation) -> None:
+async def _settle(flow: _Flow) -> None:
     """Every sample is finished for the client; stop the GPU rows still running (stop strings,
     DELETE) and give their Finish records (timing) a moment to arrive."""
+    gen = flow.gen
     if gen.gpu_done:
         return
-    st.client.cancel(entry.stream.rid, _cancel_reason(entry, gen))
+    flow.cancel_running(_cancel_reason(flow.entry, gen))
     try:
-        async with asyncio.timeout(st.finish_grace_s):
+        async with asyncio.timeout(flow.st.finish_grace_s):
             while not gen.gpu_done:
-                gen.consume(await entry.stream.next_batch())
+                gen.consume(await flow.next_batch())
     except TimeoutError:
         pass
     if gen.gpu_done:
@@ -193,13 +264,14 @@ async def _settle(st: ApiState, entry: OpenRequest, gen: Generation) -> None:
         s.gpu_done = True
 
 
-def _cancel_stopped(st: ApiState, entry: OpenRequest, gen: Generation) -> None:
+def _cancel_stopped(flow: _Flow) -> None:
     """A stop string ended a sample while others still run: stop that sample's GPU row now (the
     request's own Cancel covers the last one)."""
+    gen = flow.gen
     while gen.stopped:
         index = gen.stopped.pop()
         if gen.unfinished and not gen.samples[index].gpu_done:
-            st.client.cancel(entry.stream.rid, "stop", index=index)
+            flow.cancel_sample(index)
 
 
 def _cancel_reason(entry: OpenRequest, gen: Generation) -> str:

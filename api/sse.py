@@ -3,6 +3,12 @@
 Every per-token event has the same shape, so the constant parts (id, created, model, request id)
 are encoded once per request and each event is a `bytes.join` of those pieces with the token's
 text, index, id and logprob; only the text and the logprob go through the JSON encoder.
+
+A stream is: an event per token per choice (the echoed prompt first, with `echo`), an event per
+choice with its `finish_reason` (carrying ringserve's `usage` of that choice and the request's
+`timing`), the `"choices": []` usage event only when `stream_options.include_usage` is true (as
+vLLM and OpenAI send it: a client's `chunk.choices[0]` never fails otherwise), then `[DONE]`.
+With `continuous_usage_stats`, every choice event carries that choice's usage so far.
 """
 
 from __future__ import annotations
@@ -23,25 +29,29 @@ class Encoder(Protocol):
         """Bytes before the first token (may be empty)."""
 
     def token(self, index: int, text: str, token_id: int, logprob: float,
-              logprobs: dict | None = None) -> bytes: ...
+              logprobs: dict | None = None, usage: dict | None = None) -> bytes: ...
 
-    def finish(self, index: int, text: str, reason: str) -> bytes: ...
+    def text(self, index: int, text: str, logprobs: dict | None) -> bytes:
+        """A choice's text that is not a generated token (the echoed prompt)."""
+
+    def finish(self, index: int, text: str, reason: str, usage: dict, timing: dict) -> bytes: ...
 
     def usage(self, usage: dict, timing: dict) -> bytes:
-        """The event after every sample finished (may be empty)."""
+        """The event after every sample finished (empty unless the client asked for usage)."""
 
     def error(self, body: dict) -> bytes: ...
 
 
 class EventEncoder:
-    """Encodes one /v1/completions request's events: token, finish, usage, error."""
+    """Encodes one /v1/completions request's events: token, text, finish, usage, error."""
 
-    __slots__ = ("request_id", "model", "created", "_head", "_tail_head")
+    __slots__ = ("request_id", "model", "created", "include_usage", "_head", "_tail_head")
 
-    def __init__(self, request_id: str, model: str, created: int) -> None:
+    def __init__(self, request_id: str, model: str, created: int, include_usage: bool = False) -> None:
         self.request_id = request_id
         self.model = model
         self.created = created
+        self.include_usage = include_usage
         self._head = (b'data: {"id":' + _enc(request_id) + b',"object":"text_completion","created":'
                       + _enc(created) + b',"model":' + _enc(model) + b',"choices":[{"index":')
         self._tail_head = b',"request_id":' + _enc(request_id) + b',"index":'
@@ -51,28 +61,41 @@ class EventEncoder:
         return b""
 
     def token(self, index: int, text: str, token_id: int, logprob: float,
-              logprobs: dict | None = None) -> bytes:
+              logprobs: dict | None = None, usage: dict | None = None) -> bytes:
         """`{"id","object","created","model","choices":[{"index","text","logprobs","finish_reason":null}],
-        "request_id","index","text","token_id","logprob"}`"""
+        "request_id","index","text","token_id","logprob"[,"usage"]}`"""
         t = _enc(text)
         idx = _INDEX[index] if index < 64 else str(index).encode()
         return b"".join((self._head, idx, b',"text":', t, b',"logprobs":',
                          b"null" if logprobs is None else _enc(logprobs),
                          b',"finish_reason":null}]', self._tail_head, idx, b',"text":', t,
                          b',"token_id":', _INDEX[0] if token_id == 0 else str(token_id).encode(),
-                         b',"logprob":', _enc(logprob), b"}\n\n"))
+                         b',"logprob":', _enc(logprob),
+                         b"}\n\n" if usage is None else b',"usage":' + _enc(usage) + b"}\n\n"))
 
-    def finish(self, index: int, text: str, reason: str) -> bytes:
-        """A sample's last choices event: any text still held back, and its finish_reason."""
+    def text(self, index: int, text: str, logprobs: dict | None) -> bytes:
+        """A choices event with text that is not a generated token (the echoed prompt)."""
+        return self._event({"id": self.request_id, "object": "text_completion",
+                            "created": self.created, "model": self.model,
+                            "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                         "finish_reason": None}],
+                            "request_id": self.request_id, "index": index, "text": text})
+
+    def finish(self, index: int, text: str, reason: str, usage: dict, timing: dict) -> bytes:
+        """A sample's last choices event: any text still held back, its finish_reason, and (our
+        own fields, which OpenAI clients ignore) its usage and the request's timing."""
         return self._event({"id": self.request_id, "object": "text_completion",
                             "created": self.created, "model": self.model,
                             "choices": [{"index": index, "text": text, "logprobs": None,
                                          "finish_reason": reason}],
                             "request_id": self.request_id, "index": index, "text": text,
-                            "finish_reason": reason})
+                            "finish_reason": reason, "usage": usage, "timing": timing})
 
     def usage(self, usage: dict, timing: dict) -> bytes:
-        """The event after every sample finished: `"choices":[]`, usage and timing."""
+        """With `include_usage`, the event after every sample finished: `"choices":[]`, usage
+        and timing; otherwise nothing."""
+        if not self.include_usage:
+            return b""
         return self._event({"id": self.request_id, "object": "text_completion",
                             "created": self.created, "model": self.model, "choices": [],
                             "request_id": self.request_id, "usage": usage, "timing": timing})

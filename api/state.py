@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -55,8 +56,40 @@ class ApiState:
     restart_status: Callable[[], dict | None] = lambda: None
     # The model's chat template (None: the model has none, /v1/chat/completions answers 400).
     chat_template: ChatTemplate | None = None
+    # Other names a request's `model` may use: the path the model was served from (vLLM's id).
+    model_aliases: frozenset[str] = frozenset()
+    # The model's EOS ids, as the GPU process publishes them (empty until it has): a sample that
+    # ends on one does not show its text (vLLM), which matters when special tokens are shown.
+    eos_token_ids: Callable[[], frozenset[int]] = lambda: frozenset()
 
 
 STATE: web.AppKey[ApiState] = web.AppKey("ringserve_api_state", ApiState)
 TENANT: web.RequestKey[str] = web.RequestKey("ringserve_tenant", str)
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("ringserve_request_id", str)
+IGNORED: web.RequestKey[tuple] = web.RequestKey("ringserve_ignored_fields", tuple)
+IGNORED_HEADER = "x-ringserve-ignored-fields"
+
+log = logging.getLogger("ringserve.api")
+
+
+def note_ignored(request: web.Request, ignored: tuple[str, ...]) -> None:
+    """Fields of the request body ringserve does not know: ignored (as vLLM does), named on the
+    response (every response to the request, errors too) and in a debug log line."""
+    if ignored:
+        request[IGNORED] = ignored
+        log.debug("%s %s: ignored unknown fields %s", request.method, request.path, ", ".join(ignored))
+
+
+_HEADER_NAMES = 32  # a body may hold thousands of unknown keys; the header names the first ones
+
+
+def ignored_header(request: web.Request) -> dict[str, str]:
+    """`x-ringserve-ignored-fields: a, b.c` (names escaped to printable ASCII: a key of a JSON body
+    can hold any character, a header value cannot)."""
+    ignored = request.get(IGNORED)
+    if not ignored:
+        return {}
+    names = [name.encode("unicode_escape").decode("ascii")[:128] for name in ignored[:_HEADER_NAMES]]
+    if len(ignored) > _HEADER_NAMES:
+        names.append(f"... {len(ignored) - _HEADER_NAMES} more")
+    return {IGNORED_HEADER: ", ".join(names)}

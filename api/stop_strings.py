@@ -2,7 +2,8 @@
 
 Text that could still turn into a stop string is held back: with stop "END", a sample that has
 produced "...E" emits everything but the "E" until the next token says whether "END" follows. At a
-match (the first stop string to complete) the text is cut just before it (OpenAI does not return it) and the sample ends.
+match (the first stop string to complete) the text is cut just before it (OpenAI does not return it;
+with vLLM's `include_stop_str_in_output`, just after it) and the sample ends.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 class StopMatcher:
     """Per-sample matcher; `feed(text)` -> (text safe to emit, matched)."""
 
-    __slots__ = ("_stops", "_prefixes", "_hold_max", "_held")
+    __slots__ = ("_stops", "_prefixes", "_hold_max", "_held", "_include")
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         self._stops = stops
@@ -21,6 +22,7 @@ class StopMatcher:
         self._prefixes = frozenset(s[:k] for s in stops for k in range(1, len(s)))
         self._hold_max = max((len(s) for s in stops), default=1) - 1
         self._held = ""
+        self._include = include
 
     def feed(self, text: str) -> tuple[str, bool]:
         if not text:
@@ -36,7 +38,7 @@ class StopMatcher:
                 cut, end = i, i + len(s)
         if cut != -1:
             self._held = ""
-            return buf[:cut], True
+            return buf[:end if self._include else cut], True
         hold = self._hold_length(buf)
         if hold:
             self._held = buf[-hold:]

@@ -49,6 +49,17 @@ class TextCodec:
         spec = json.loads(backend.to_str())
         self.byte_table = _build_byte_table(backend, spec, self.special_ids)
         self.max_token_bytes = _max_token_bytes(backend, spec, self.byte_table)
+        self._with_specials: list[bytes] | None = None
+
+    @property
+    def byte_table_with_specials(self) -> list[bytes] | None:
+        """`byte_table` with the special tokens' text (for `skip_special_tokens: false`)."""
+        if self._with_specials is None and self.byte_table is not None:
+            table = list(self.byte_table)
+            for i, tok in self.tokenizer.get_added_tokens_decoder().items():
+                table[i] = tok.content.encode()
+            self._with_specials = table
+        return self._with_specials
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "TextCodec":
@@ -68,8 +79,8 @@ class TextCodec:
         (`encode` does not), so the event loop keeps running beside it."""
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _build_byte_table(tok: tokenizers.Tokenizer, spec: dict,

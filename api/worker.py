@@ -106,7 +106,9 @@ def run_worker(config: Config, *, index: int, transport: Callable[[], Transport]
                publish: Callable[[WorkerStats], None] | None = None,
                peers: PeerCancel | None = None, sock: socket.socket | None = None,
                reload_s: Callable[[], float | None] | None = None,
-               restart_status: Callable[[], dict | None] = lambda: None, first_rid: int = 1) -> int:
+               restart_status: Callable[[], dict | None] = lambda: None, first_rid: int = 1,
+               model_aliases: frozenset[str] = frozenset(),
+               eos_token_ids: Callable[[], frozenset[int]] | None = None) -> int:
     """The worker process's main: runs until SIGTERM (drain) or SIGINT."""
     # A SIGTERM while still starting (nothing to drain yet) is a clean exit; the event loop's own
     # handler, installed below, takes over once serving.
@@ -130,7 +132,7 @@ def run_worker(config: Config, *, index: int, transport: Callable[[], Transport]
         app = init_app(config, client, codec, model_name=model_name, ready=ready,
                        stats_source=stats_source, auth=auth, worker=index, publish=publish,
                        peers=peers, reload_s=reload_s, restart_status=restart_status,
-                       chat_template=chat_template)
+                       chat_template=chat_template, model_aliases=model_aliases, eos_token_ids=eos_token_ids)
         await serve(config, app, sock, stop)
 
     uvloop.run(main())
@@ -149,7 +151,7 @@ def _load_chat_template(model_dir: str, codec: TextCodec) -> ChatTemplate | None
 
 def run_attached(config: Config, *, slot: int, instance: str, bell_fds: list[int],
                  tokenizer_dir: str, model_name: str, directory: str | None = None,
-                 sock: socket.socket | None = None) -> int:
+                 sock: socket.socket | None = None, model_aliases: frozenset[str] = frozenset()) -> int:
     """A worker of a supervised server: attach to the shm instance, talk to the GPU process over
     ring pair `slot`, read readiness and /metrics from the control block, publish this worker's
     stats and heartbeat into its slot."""
@@ -175,7 +177,8 @@ def run_attached(config: Config, *, slot: int, instance: str, bell_fds: list[int
                           stats_source=lambda st: from_control(control), publish=publish,
                           peers=PeerCancel(instance, slot, control.n_workers), sock=sock,
                           reload_s=lambda: (control.model_facts() or {}).get("load_s"),
-                          restart_status=control.restart_status, first_rid=first_rid(generation))
+                          restart_status=control.restart_status, first_rid=first_rid(generation),
+                          model_aliases=model_aliases, eos_token_ids=_published_eos(control))
     finally:
         shm.close()
 
@@ -193,6 +196,19 @@ def _slot_generation(control, slot: int) -> int:
                                f"{SLOT_WAIT_S:.0f} s (slot pid {info['pid']})")
         time.sleep(0.005)
     return info["generation"]
+def _published_eos(control) -> Callable[[], frozenset[int]]:
+    """The EOS ids the GPU process published with its model facts, read once they are there."""
+    known: list[frozenset[int]] = []
+
+    def eos() -> frozenset[int]:
+        if not known:
+            facts = control.model_facts()
+            if not facts:
+                return frozenset()
+            known.append(frozenset(facts.get("eos_token_ids", ())))
+        return known[0]
+
+    return eos
 
 
 def _config(host: str | None, port: int | None) -> Config:
@@ -222,25 +238,27 @@ def main(argv: list[str] | None = None) -> int:
                    "then one per worker slot (ShmInstance.bell_fds())")
     p.add_argument("--shm-dir", default=None, help="shared-memory directory (default /dev/shm)")
     p.add_argument("--model-name", default="fake", help="the model id the API reports")
+    p.add_argument("--model-alias", action="append", default=[],
+                   help="another name requests may give the model (the path it was served from); repeatable")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--step-ms", type=float, default=20.0, help="fake GPU step time")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.attach and "RINGSERVE_CONFIG_JSON" in os.environ:
         config = Config.from_json(os.environ["RINGSERVE_CONFIG_JSON"])  # the supervisor's one Config
     else:
         config = _config(args.host, args.port)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.attach:
         fds = [int(x) for x in args.bell_fds.split(",") if x]
         return run_attached(config, slot=args.slot, instance=args.attach, bell_fds=fds,
                             tokenizer_dir=args.tokenizer, model_name=args.model_name,
-                            directory=args.shm_dir)
+                            directory=args.shm_dir, model_aliases=frozenset(args.model_alias))
     from ringserve.api.fake_gpu import FakeGpu
 
     fake = FakeGpu(step_interval_s=args.step_ms / 1000.0)
     return run_worker(config, index=0, transport=lambda: fake, tokenizer_dir=args.tokenizer,
-                      model_name=args.model_name, ready=lambda: True,
+                      model_name=args.model_name, ready=lambda: True, model_aliases=frozenset(args.model_alias),
                       stats_source=lambda st: StatsSnapshot(gpu=fake.stats(), workers=[st.stats.as_dict()],
                                                             block_size=16))
 

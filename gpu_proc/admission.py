@@ -146,7 +146,7 @@ class AdmissionController:
         self,
         *,
         context_limit: int = 8192,
-        max_tokens_limit: int = 1000,
+        max_tokens_limit: int = 0,
         max_rows: int = 32,
         queue_limit_s: float = 2.0,
         c_prefill_ms: float = 0.1,
@@ -190,7 +190,7 @@ class AdmissionController:
         too_long = context_error(prompt_tokens, max_tokens, self.context_limit)
         if too_long is not None:
             return Decision(400, code=CONTEXT_LENGTH_EXCEEDED, message=too_long)
-        if max_tokens > self.max_tokens_limit:
+        if self.max_tokens_limit and max_tokens > self.max_tokens_limit:
             return Decision(400, code="max_tokens_too_large",
                             message=f"max_tokens {max_tokens} is over the limit of {self.max_tokens_limit}")
         if n > self.max_rows:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -15,9 +15,11 @@ from ringserve.config import Config
 from ringserve.gpu_proc.cpu_tuning import tune_cpu_process
 from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.kv_sizing import estimate_activation_bytes, kv_block_bytes, plan_kv_blocks_on_device
+from ringserve.gpu_proc.logits_processors import ControlsState
 from ringserve.gpu_proc.model.loader import load_model, read_special_tokens
 from ringserve.gpu_proc.model_runner import ModelRunner
-from ringserve.gpu_proc.sampler import SampleOutput, sample
+from ringserve.gpu_proc.prompt_logprobs import score
+from ringserve.gpu_proc.sampler import SampleOutput
 from ringserve.gpu_proc.step import StepBatch
 from ringserve.gpu_proc.warmup import WarmupReport, warm_up
 
@@ -41,14 +43,21 @@ class Engine:
     device: torch.device
     dtype: torch.dtype
     warmup: WarmupReport | None = None
+    controls: ControlsState = field(init=False)  # the logits controls' per-sequence state
+
+    def __post_init__(self) -> None:
+        self.controls = ControlsState(self.vocab_size, self.eos_token_ids, self.device)
 
     def step(self, batch: StepBatch) -> SampleOutput | None:
-        """One forward pass and the samples of its sampling rows (None when no row samples)."""
+        """One forward pass and the samples of its sampling rows, with the prompt logprobs of its
+        scoring rows (None when no row samples or scores)."""
         logits = self.runner.execute(batch)
         rows = batch.sampling_seqs
-        if not rows:
-            return None
-        return sample(logits, [s.sampling for s in rows], [s.context_len for s in rows])
+        out = self.controls.sample(logits[:len(rows)], rows) if rows else None
+        if batch.scores_prompts:
+            out = out or SampleOutput([], [], [])
+            out.prompt_logprobs = score(logits[len(rows):], batch)
+        return out
 
 
 def _load_cpu_kernels(progress: Callable[[], None] | None) -> bool:

@@ -10,7 +10,7 @@ does the counting: a hit on a block another request holds costs nothing, a hit o
 uses up a free one (`docs/design.md#prefix-cache`).
 
 The prefix cache is used for a request when the config turns caching on, and always for the
-siblings of an n > 1 request, which share their prompt's blocks through it. With caching off, the
+siblings of an n > 1 request (but never read for one owed prompt logprobs), which share their prompt's blocks through it. With caching off, the
 scheduler gives each sibling group a salt of its own, so no other request finds its blocks, and
 those lookups are not counted in the cache's metrics.
 """
@@ -50,8 +50,9 @@ class KVCacheManager:
         return self.caching or req.n > 1
 
     def lookup(self, req: Request) -> list[int]:
-        """Cached blocks `req` can start from (none when the cache is not used for it)."""
-        return cached_prefix(self.cache, req) if self.uses_cache(req) else []
+        """Cached blocks `req` can start from (none when the cache is not used for it, or while it
+        is owed prompt logprobs: a cached block has no logits)."""
+        return cached_prefix(self.cache, req) if self.uses_cache(req) and not req.scores_prompt else []
 
     def allocate_slots(self, req: Request, n_tokens: int, hits: list[int] | tuple = (),
                        reserve: int = 0) -> list[int] | None:
@@ -74,7 +75,7 @@ class KVCacheManager:
                 bm.acquire(hits)
                 table += hits
             req.num_computed = len(hits) * self.block_size
-            if self.caching:
+            if self.caching and not req.scores_prompt:  # a request that scores its prompt looks nothing up
                 self.cache.record(n_tokens, req.num_computed)
         fresh = need - len(hits)
         if fresh == 1:

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
-from ringserve.gpu_proc.request import Request, TokenEvent
+from ringserve.gpu_proc.request import FinishEvent, Request, TokenEvent
 from ringserve.gpu_proc.scheduler import Scheduler
 from ringserve.rules import vocabulary_error
 from ringserve.shm import layout as L
@@ -40,7 +40,7 @@ BACKLOG_LIMIT = 4096  # records per worker waiting for ring space before its req
 class Outbox:
     """One worker's pending output: encoded records waiting for room in its ring."""
 
-    __slots__ = ("ring", "bell", "backlog", "tokens", "finishes")
+    __slots__ = ("ring", "bell", "backlog", "tokens", "finishes", "prompts")
 
     def __init__(self, ring, bell) -> None:
         self.ring = ring
@@ -48,6 +48,7 @@ class Outbox:
         self.backlog: deque[bytes] = deque()
         self.tokens: list[M.Token] = []
         self.finishes: list[M.Finish] = []
+        self.prompts: list[M.PromptLogprobs] = []
 
     def send(self, msg: M.Message) -> None:
         self.backlog.append(M.encode(msg))
@@ -105,13 +106,8 @@ class GpuLoop:
 
     def _submit(self, slot: int, msg: M.Submit) -> None:
         try:
-            if len(msg.sampling.stop_token_ids) > M.MAX_STOP_TOKEN_IDS:
-                raise ValueError(f"stop_token_ids holds {len(msg.sampling.stop_token_ids)} ids; "
-                                 f"at most {M.MAX_STOP_TOKEN_IDS}")
+            _check_limits(msg, self.engine.vocab_size)
             req = Request.from_submit(slot, msg)
-            outside = vocabulary_error(msg.prompt_ids, self.engine.vocab_size)
-            if outside is not None:
-                raise ValueError(outside)
         except ValueError as exc:
             self.outboxes[slot].send(M.Rejected(rid=msg.rid, status=400, code="invalid_request", message=str(exc)))
             return
@@ -143,6 +139,7 @@ class GpuLoop:
         box.backlog.clear()
         box.tokens.clear()
         box.finishes.clear()
+        box.prompts.clear()
         if dropped:
             log.warning("%s: cancelled %d requests", why, len(dropped))
 
@@ -169,13 +166,16 @@ class GpuLoop:
             slot, rid = ev.key
             if isinstance(ev, TokenEvent):
                 boxes[slot].tokens.append(M.Token(rid, ev.index, ev.token_id, ev.logprob, ev.top_logprobs))
-            else:
+            elif isinstance(ev, FinishEvent):
                 boxes[slot].finishes.append(M.Finish(rid, ev.index, ev.reason, ev.prompt_tokens,
                                                      ev.completion_tokens, ev.queue_ms, ev.ttft_ms))
+            else:
+                boxes[slot].prompts.append(M.PromptLogprobs(rid, ev.start, ev.logprobs, ev.ranks, ev.top))
         for slot, box in enumerate(boxes):
-            if box.tokens or box.finishes:
-                box.send(M.StepOutput(step=self.step_no, tokens=box.tokens, finishes=box.finishes))
-                box.tokens, box.finishes = [], []
+            if box.tokens or box.finishes or box.prompts:
+                box.send(M.StepOutput(step=self.step_no, tokens=box.tokens, finishes=box.finishes,
+                                      prompt_logprobs=box.prompts))
+                box.tokens, box.finishes, box.prompts = [], [], []
             if not box.flush() and len(box.backlog) > BACKLOG_LIMIT:
                 self._drop_worker(slot, f"worker slot {slot} stopped reading its output ring")
 
@@ -209,6 +209,28 @@ class GpuLoop:
             elif not ran and any(b.backlog for b in self.outboxes):
                 time.sleep(0.0005)  # only output is pending: give the workers a moment to read
             was_idle = idle
+
+
+def _check_limits(msg: M.Submit, vocab_size: int) -> None:
+    """The per-request limits of `shm/messages.py` and the vocabulary, which the worker checked
+    too: a Submit over them is refused (an id outside the vocabulary would index past the logits)."""
+    sp = msg.sampling
+    for name, value, limit in (("stop_token_ids", len(sp.stop_token_ids), M.MAX_STOP_TOKEN_IDS),
+                               ("logit_bias", len(sp.logit_bias), M.MAX_LOGIT_BIAS),
+                               ("allowed_token_ids", len(sp.allowed_token_ids), M.MAX_ALLOWED_TOKEN_IDS),
+                               ("bad_words", len(sp.bad_words), M.MAX_BAD_WORDS),
+                               ("bad_words tokens", max(map(len, sp.bad_words), default=0), M.MAX_BAD_WORD_TOKENS),
+                               ("logprobs", msg.logprobs or 0, M.MAX_TOP_LOGPROBS),
+                               ("prompt_logprobs", msg.prompt_logprobs or 0, M.MAX_TOP_LOGPROBS)):
+        if value > limit:
+            raise ValueError(f"{name} holds {value}; at most {limit}")
+    # NOTE: stop ids outside the vocabulary are harmless (never sampled) and stay allowed.
+    ids = (msg.prompt_ids, [t for t, _ in sp.logit_bias], sp.allowed_token_ids,
+           [t for words in sp.bad_words for t in words])
+    for name, group in zip(("prompt", "logit_bias", "allowed_token_ids", "bad_words"), ids):
+        outside = vocabulary_error(group, vocab_size, name)
+        if outside is not None:
+            raise ValueError(outside)
 
 
 @contextmanager

@@ -2,17 +2,20 @@
 
 `execute(batch)` = block copies, then `prepare` (the step's index tensors, built with one
 `torch.tensor` call), then `forward`; or, for a decode-only step when decode graphs are captured
-(`cuda_graphs.py`), a replay. The two halves are public so `ringserve bench step` can time host
-overhead and device work separately. The runner keeps no per-sequence state: everything a
-step needs is in the `StepBatch`, so preemption, recomputation and restarts need nothing from it.
+(`cuda_graphs.py`), a replay. A step that scores prompts (`prompt_logprobs.py`) also asks for
+the logits of the scored positions, after the sampling rows'. The two halves are public so
+`ringserve bench step` can time host overhead and device work separately. The runner keeps no
+per-sequence state: everything a step needs is in the `StepBatch`, so preemption, recomputation
+and restarts need nothing from it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attention.metadata import StepInputs, build_step_inputs
+from .attention.metadata import StepInputs, build_step_inputs, host_tensor
 from .kv_pool import KVPool
+from .prompt_logprobs import logits_rows
 from .step import StepBatch
 
 
@@ -39,7 +42,11 @@ class ModelRunner:
 
     def prepare(self, batch: StepBatch) -> StepInputs:
         """Host work of a step: the flat index tensors, on the device."""
-        return build_step_inputs(batch, self.block_size, self.device)
+        inputs = build_step_inputs(batch, self.block_size, self.device)
+        if batch.scores_prompts:
+            scored = host_tensor("q", logits_rows(batch)).to(self.device)
+            inputs.logits_indices = torch.cat((inputs.logits_indices, scored))
+        return inputs
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -50,8 +57,9 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.meta, self.kv_pool, inputs.logits_indices)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Run one step; logits `[R, vocab]` float32, rows in the order of `batch.sampling_seqs`."""
-        if self.graphs is not None:
+        """Run one step; logits `[R (+ P), vocab]` float32, rows in the order of
+        `batch.sampling_seqs` (then the P scored prompt positions, when the step scores prompts)."""
+        if self.graphs is not None and not batch.scores_prompts:
             size = self.graphs.size_for(batch)
             if size is not None:
                 return self.graphs.run(batch, size)

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from ringserve.gpu_proc.step import RowSampling
+from ringserve.gpu_proc.step import LogitsControls, RowSampling
 
 WorkerRid = tuple[int, int]  # (worker slot, rid): how a worker names its Submit on its ring
 
@@ -42,6 +42,7 @@ class SamplingSpec:
     seed: int | None = None
     stop_token_ids: frozenset[int] = frozenset()  # checked for every sampled token: O(1) lookups
     ignore_eos: bool = False
+    controls: LogitsControls | None = None  # None: no logits control asked for (never all-neutral)
 
     def __post_init__(self) -> None:
         if not isinstance(self.stop_token_ids, frozenset):
@@ -71,6 +72,7 @@ class Request:
     index: int = 0  # this sample's index, 0 <= index < n
     logprobs: int | None = None
     cache_salt: str | None = None  # prefix-cache isolation: only equal salts share cached blocks
+    prompt_logprobs: int | None = None  # top-N alternatives per prompt token; None: not scored
     # -- set by the scheduler ------------------------------------------------------------------
     seq_id: int = 0
     row_sampling: RowSampling | None = None  # the sampler's settings, with this sample's seed and index
@@ -87,6 +89,7 @@ class Request:
     # the salt, kept so a recompute or a repeated lookup does not rehash).
     block_hashes: list[int] = field(default_factory=list)
     cancel_reason: str | None = None
+    prompt_scored: int = 1  # the next prompt token to score (token 0 has no logprob)
     first_join_ts: float | None = None
     first_token_ts: float | None = None
 
@@ -104,15 +107,22 @@ class Request:
     def from_submit(cls, worker: int, msg) -> "Request":
         """Build from a worker's `shm.messages.Submit` (duck-typed: this core imports no shm)."""
         sp = msg.sampling
+        controls = LogitsControls(
+            presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty, min_p=sp.min_p, min_tokens=sp.min_tokens,
+            stop_token_ids=tuple(sp.stop_token_ids) if sp.min_tokens else (), logit_bias=tuple(map(tuple, sp.logit_bias)),
+            allowed_token_ids=tuple(sp.allowed_token_ids), bad_words=tuple(map(tuple, sp.bad_words)))
         return cls(key=(worker, msg.rid), request_id=msg.request_id, tenant=msg.tenant,
                    prompt_ids=list(msg.prompt_ids), max_tokens=msg.max_tokens,
                    sampling=SamplingSpec(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
-                                         stop_token_ids=frozenset(sp.stop_token_ids), ignore_eos=sp.ignore_eos),
+                                         stop_token_ids=frozenset(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+                                         controls=None if controls.neutral else controls),
                    arrival_ts=msg.arrival_ts, deadline_ts=msg.deadline_ts, n=msg.n, logprobs=msg.logprobs,
-                   cache_salt=msg.cache_salt)
+                   cache_salt=msg.cache_salt, prompt_logprobs=msg.prompt_logprobs)
 
     def sibling(self, index: int) -> "Request":
-        """Sample `index` of the same Submit: the same prompt and settings, none of the state."""
+        """Sample `index` of the same Submit: the same prompt and settings, none of the state. Only
+        sample 0 scores the prompt (the prompt and its logprobs are the same for all)."""
         return Request(key=self.key, request_id=self.request_id, tenant=self.tenant, prompt_ids=self.prompt_ids,
                        max_tokens=self.max_tokens, sampling=self.sampling, arrival_ts=self.arrival_ts,
                        deadline_ts=self.deadline_ts, n=self.n, index=index, logprobs=self.logprobs,
@@ -127,6 +137,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt logprobs are still owed: its prefill chunks must run (no prefix-cache hits)."""
+        return self.prompt_logprobs is not None and self.prompt_scored < len(self.prompt_ids)
 
     @property
     def is_waiting(self) -> bool:
@@ -160,6 +175,17 @@ class TokenEvent:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class PromptLogprobsEvent:
+    """Logprobs of prompt tokens `start, start + 1, ...` of a Submit (scored by its sample 0)."""
+
+    key: WorkerRid
+    start: int
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]] | None
 
 
 @dataclass(slots=True)

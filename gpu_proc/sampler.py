@@ -86,6 +86,7 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]] | None]
+    prompt_logprobs: list | None = None  # set by the engine (`prompt_logprobs.score`), not here
 
 
 @dataclass(slots=True)

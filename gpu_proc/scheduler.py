@@ -32,6 +32,10 @@ Rules (`docs/design.md#scheduler-pass`):
   recently admitted running request is preempted: its blocks are freed and it goes to the front of
   its tenant's queue. It is recomputed later (prompt plus tokens already produced) and resumes
   sampling where it stopped, so nothing is re-emitted and, with a seed, the output is unchanged.
+- Prompt logprobs (`#sampling`): a request that asks for them scores its prompt in the prefill
+  chunks it runs anyway, at most `PROMPT_LOGPROB_TOKENS_PER_STEP` prompt tokens per step for all
+  rows together (a chunk is cut where that runs out), and takes no prefix-cache hits until its
+  prompt is scored (a cached block has no logits). A recompute never scores a token twice.
 - Siblings (`#sampling`, `siblings.py`): sample 0 of an n > 1 Submit joins first; the others are
   queued once its prompt's full blocks are registered, and find them in the prefix cache, so the
   prompt is computed once. Blocks a step fills are registered when the step is built: its writes
@@ -53,10 +57,11 @@ from ringserve.gpu_proc.admission import AdmissionController, Decision
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.fairness import FairQueue
 from ringserve.gpu_proc.kv_manager import KVCacheManager
-from ringserve.gpu_proc.request import FinishEvent, Request, RequestState, TokenEvent, WorkerRid
+from ringserve.gpu_proc.request import (FinishEvent, PromptLogprobsEvent, Request, RequestState, TokenEvent,
+                                        WorkerRid)
 from ringserve.gpu_proc.scheduler_checks import SchedulerIntegrityError, SchedulerSnapshot, check_scheduler
 from ringserve.gpu_proc.siblings import Siblings
-from ringserve.gpu_proc.step import SeqStep, StepBatch
+from ringserve.gpu_proc.step import PROMPT_LOGPROB_TOKENS_PER_STEP, PromptScoring, SeqStep, StepBatch
 from ringserve.rules import finish_reason
 
 if TYPE_CHECKING:
@@ -64,7 +69,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Scheduler", "SchedulerIntegrityError", "SchedulerStats"]
 
-Event = TokenEvent | FinishEvent
+Event = TokenEvent | FinishEvent | PromptLogprobsEvent
 _WASTED = ("cancelled", "deadline")  # finish reasons whose generated tokens count as cancelled_tokens
 
 
@@ -132,6 +137,7 @@ class Scheduler:
         self._cancels: list[Request] = []
         self._events: list[Event] = []
         self._sampling: list[Request] = []  # requests sampling in the last batch, in batch order
+        self._scoring: list[tuple[Request, int]] = []  # (request, first prompt token) scored, in batch order
         self._pass = 0
         self._seq_ids = itertools.count(1)
         self._next_admit_seq = 0
@@ -262,10 +268,13 @@ class Scheduler:
 
     def update(self, samples=None) -> list[Event]:
         """Take the last batch's samples (`.token_ids`, `.logprobs`, `.top_logprobs`, one per
-        sampling row in `batch.sampling_seqs` order; None for a batch with no sampling rows) and
+        sampling row in `batch.sampling_seqs` order, and `.prompt_logprobs`, one (logprobs, ranks,
+        top) per row with `scoring` in batch order, or None; None for a batch with neither) and
         return every event since the last call, including the finishes the pass's leave phase made
         for cancelled and expired requests. Call it after every `schedule()`, even an empty one."""
         rows, self._sampling = self._sampling, []
+        if self._scoring:
+            self._apply_prompt_logprobs(getattr(samples, "prompt_logprobs", None))
         if samples is None:
             if rows:
                 raise ValueError(f"the last batch has {len(rows)} sampling rows but no samples were given")
@@ -408,7 +417,7 @@ class Scheduler:
             self.kv.register_filled(filled)
         # NOTE: `sampling` was appended in lockstep with `seqs`, so it is in batch.sampling_seqs
         # order, which is the order of the runner's logits and the sampler's output.
-        return StepBatch(seqs=seqs)
+        return StepBatch(seqs=seqs, scores_prompts=bool(self._scoring))
 
     def _grow_decode_rows(self) -> tuple[list[Request], list[Request]]:
         """The running requests that decode this step, each now holding a slot for its next token,
@@ -437,14 +446,22 @@ class Scheduler:
                         sampling: list[Request], filled: list[tuple[SeqStep, Request]]) -> int:
         """Prompt (or recompute) chunks, oldest request first, up to `budget` tokens; the tokens used."""
         bs, charge, used = self.block_size, self.queue.charge, 0
+        scoring_left = PROMPT_LOGPROB_TOKENS_PER_STEP
         for req in prefilling:
             if budget <= used:
                 break
             start, total = req.num_computed, req.num_tokens
             end = min(total, start + budget - used)
+            scoring = None
+            if req.scores_prompt:
+                end, scoring = self._score_chunk(req, start, end, scoring_left)
+                if end == start:
+                    continue  # this step's scoring allowance is spent; the chunk waits a step
+                if scoring is not None:
+                    scoring_left -= len(scoring.targets)
             samples = end == total
             s = SeqStep(req.seq_id, req.tokens(start, end), start, req.block_ids,
-                        req.row_sampling if samples else None)
+                        req.row_sampling if samples else None, scoring)
             seqs.append(s)
             if end // bs > start // bs:
                 filled.append((s, req))
@@ -454,6 +471,20 @@ class Scheduler:
             used += end - start
             charge(req.tenant, end - start, 0)
         return used
+
+    def _score_chunk(self, req: Request, start: int, end: int, allowance: int) -> tuple[int, PromptScoring | None]:
+        """The chunk `[start, end)` of a request owed prompt logprobs, cut so it scores at most
+        `allowance` tokens and leaves none unscored behind it, and what it scores. The logits at
+        position q score prompt token q + 1; tokens before `prompt_scored` were scored already."""
+        lo = max(start + 1, req.prompt_scored)
+        hi = min(end, req.prompt_len - 1, lo + allowance - 1)  # the last prompt token it scores
+        if hi < min(end, req.prompt_len - 1):
+            end = max(start, hi)  # stop where scoring stops, or score nothing and compute nothing
+        if lo > hi:
+            return end, None
+        req.prompt_scored = hi + 1
+        self._scoring.append((req, lo))
+        return end, PromptScoring(lo - 1 - start, req.prompt_ids[lo:hi + 1], req.prompt_logprobs)
 
     def prefill_budget_for(self, decode_rows: int) -> int:
         """Prompt tokens allowed in a step with `decode_rows` decoding rows (see module doc)."""
@@ -477,6 +508,14 @@ class Scheduler:
         self.preemptions += 1
 
     # -- samples ---------------------------------------------------------------------------------
+
+    def _apply_prompt_logprobs(self, scored) -> None:
+        rows, self._scoring = self._scoring, []
+        if scored is None or len(scored) != len(rows):
+            raise ValueError(f"the last batch scored {len(rows)} prompt chunks but "
+                             f"{0 if scored is None else len(scored)} results were given")
+        for (req, start), (logprobs, ranks, top) in zip(rows, scored):
+            self._events.append(PromptLogprobsEvent(req.key, start, logprobs, ranks, top))
 
     def _apply_samples(self, rows: list[Request], token_ids, logprobs, tops) -> None:
         now = self.clock()

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ringserve.gpu_proc.request import Request, WorkerRid
-from ringserve.gpu_proc.step import RowSampling
+from ringserve.gpu_proc.step import RowControls, RowSampling
 
 
 class Siblings:
@@ -38,7 +38,8 @@ class Siblings:
                 s.cache_salt = salt
         sp = req.sampling
         for s in samples:
-            s.row_sampling = RowSampling(sp.temperature, sp.top_k, sp.top_p, seed, s.index, req.logprobs)
+            controls = None if sp.controls is None else RowControls(sp.controls, s.prompt_ids, s.generated)
+            s.row_sampling = RowSampling(sp.temperature, sp.top_k, sp.top_p, seed, s.index, req.logprobs, controls)
             s.seq_id = next(seq_ids)
         return samples
 

@@ -35,6 +35,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "hf": ("ringserve.tools.hf_baseline", "the same trace through transformers generate (static batches)"),
     "prefix": ("ringserve.tools.bench_prefix", "TTFT and throughput with and without prefix caching"),
     "peers": ("ringserve.tools.bench_peers", "ringserve beside vLLM CPU: same checkpoint, client and run"),
+    "controls": ("ringserve.tools.bench_controls", "the sampler with and without vLLM's logits controls; prompt scoring"),
 }
 
 

@@ -48,7 +48,9 @@ class Config:
     max_rows: int = 32
     prefill_budget: int = 256
     context_limit: int = 8192
-    max_tokens_limit: int = 1000
+    # A cap on max_tokens below the context (the design's answers run to 1,000 tokens: 1000 gives
+    # that limit); 0: none, a request may generate up to the context minus its prompt.
+    max_tokens_limit: int = 0
     admission_margin: float = 0.05
     key_row_cap: int = 8
     # A request of a tenant below its fair share of rows that has waited more than this many
@@ -84,7 +86,7 @@ class Config:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "max_rows", "prefill_budget", "context_limit", "max_tokens_limit",
+        positive = ("block_size", "max_rows", "prefill_budget", "context_limit",
                     "key_row_cap", "ring_bytes", "max_body_bytes", "cpu_kv_blocks",
                     "cpu_threads", "watchdog_timeout_s", "drain_timeout_s", "restart_window_s",
                     "slow_reader_s", "request_timeout_s", "queue_limit_s", "header_timeout_s",
@@ -92,14 +94,14 @@ class Config:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("fair_preempt_steps", "restart_limit", "max_connections"):  # 0 has a meaning: see the fields
+        for name in ("fair_preempt_steps", "restart_limit", "max_connections", "max_tokens_limit"):  # 0 has a meaning: see the fields
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.admission_margin < 1.0:
             raise ConfigError(f"admission_margin must be in [0, 1), got {self.admission_margin}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_tokens_limit >= self.context_limit:
+        if self.max_tokens_limit and self.max_tokens_limit >= self.context_limit:
             raise ConfigError("max_tokens_limit must be below context_limit")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")

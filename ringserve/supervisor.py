@@ -45,7 +45,8 @@ from ringserve.restart_policy import RestartPolicy
 from ringserve.sdnotify import Notifier, watchdog_interval_s
 from ringserve.shm import layout as L
 from ringserve.shm.instance import ShmInstance
-from ringserve.shm.messages import max_submit_bytes
+from ringserve.gpu_proc.step import PROMPT_LOGPROB_TOKENS_PER_STEP
+from ringserve.shm.messages import max_step_output_bytes, max_submit_bytes
 from ringserve.shm.ring import Ring, max_record_bytes
 from ringserve.shm.segment import cleanup_stale
 
@@ -128,6 +129,14 @@ class Supervisor:
     def model_name(self) -> str:
         return self.config.model_name or self.model_dir.name
 
+    def _alias_args(self) -> list[str]:
+        """Other names a request may give the model: the path it was served from, as given and
+        resolved (vLLM's default model id is the `--model` argument)."""
+        names = {str(self.model_dir), str(self.model_dir.resolve())}
+        if self.config.model:
+            names.add(self.config.model)
+        return [arg for name in sorted(names - {self.model_name}) for arg in ("--model-alias", name)]
+
     def _spawn(self, module: str, args: list[str]) -> subprocess.Popen:
         fds = self.shm.bell_fds()
         return subprocess.Popen([sys.executable, "-m", module, "--shm-dir", self.shm_dir,
@@ -153,7 +162,7 @@ class Supervisor:
         self.worker_restart_at[slot] = None
         proc = self._spawn("ringserve.api.worker", ["--attach", self.shm.instance, "--slot", str(slot),
                                                     "--tokenizer", str(self.model_dir),
-                                                    "--model-name", self.model_name])
+                                                    "--model-name", self.model_name, *self._alias_args()])
         gen = self.shm.control.start_worker_slot(slot, proc.pid)
         self.workers[slot] = proc
         log.debug("worker %d started: pid %d, slot generation %d", slot, proc.pid, gen)
@@ -166,10 +175,13 @@ class Supervisor:
             self.port_claim = claim_port(self.config.host, self.config.port)
         except PortInUse as exc:
             raise SupervisorError(f"cannot start: {exc}") from None
-        largest, fits = max_submit_bytes(self.config.context_limit), max_record_bytes(self.config.ring_bytes)
+        largest = max(max_submit_bytes(self.config.context_limit),
+                      max_step_output_bytes(self.config.max_rows, PROMPT_LOGPROB_TOKENS_PER_STEP))
+        fits = max_record_bytes(self.config.ring_bytes)
         if largest > fits:
             raise SupervisorError(f"ring_bytes {self.config.ring_bytes} takes requests of up to {fits:,} "
-                                  f"bytes, but one at context_limit {self.config.context_limit} can take "
+                                  f"bytes, but a request at context_limit {self.config.context_limit} (or a step's output for "
+                                  f"{self.config.max_rows} rows) can take "
                                   f"{largest:,}; raise --ring-bytes to at least {2 * largest + 64}")
         removed = cleanup_stale(self.shm_dir)
         if removed:

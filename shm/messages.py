@@ -35,7 +35,15 @@ FINISH_REASONS = ("stop", "length", "cancelled", "deadline", "error")
 # a request over them with a 400, and the GPU process refuses a Submit over them.
 MAX_STOP_TOKEN_IDS = 256
 MAX_REQUEST_ID_CHARS = 128
-MAX_CACHE_SALT_CHARS = 256
+MAX_CACHE_SALT_CHARS = 1024  # vLLM's limit
+# The logits controls (docs/design.md#sampling) that grow a Submit: entries of `logit_bias`
+# (OpenAI documents 300 as its own limit; we take more), ids of `allowed_token_ids`, and
+# `bad_words` after tokenizing (vLLM's VLLM_MAX_NUM_BAD_WORDS default), each a short token sequence.
+MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 4096
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 32
+MAX_TOP_LOGPROBS = 20  # top alternatives per token (`logprobs`, `prompt_logprobs`); vLLM's default
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -47,6 +55,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     seed: int | None = None  # None: the GPU process draws one at admission
     stop_token_ids: tuple[int, ...] = ()  # at most MAX_STOP_TOKEN_IDS
     ignore_eos: bool = False
+    # vLLM's logits controls; every default is neutral (a request that sets none pays nothing)
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    repetition_penalty: float = 1.0  # > 0
+    min_p: float = 0.0  # in [0, 1]
+    min_tokens: int = 0  # stop tokens are masked until this many tokens were produced
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), sorted by id
+    allowed_token_ids: tuple[int, ...] = ()  # empty: every token; sorted, distinct
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
 
 
 class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
@@ -60,6 +77,7 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     deadline_ts: float  # time.time() after which the row is removed
     n: int = 1
     logprobs: int | None = None  # top-N logprobs per token (0: the sampled token's only); None: none
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token; None: none at all
     # Prefix-cache isolation: only requests with the same salt share cached KV blocks; a tenant
     # sets one to keep its prompts out of timing side channels (None: the shared cache).
     cache_salt: str | None = None
@@ -104,12 +122,25 @@ class Finish(msgspec.Struct, frozen=True, array_like=True):
     ttft_ms: float
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """Logprobs of prompt tokens `start, start + 1, ...` (position 0 has none), from one prefill
+    chunk: each token's logprob and rank (1: the most probable), and the top-N alternatives when
+    the request asked for N > 0."""
+
+    rid: int
+    start: int
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]] | None = None
+
+
 class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag="step"):
     """All of one worker's news from one step."""
 
     step: int
     tokens: list[Token] = []
     finishes: list[Finish] = []
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
@@ -121,7 +152,8 @@ class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
 
 
 Message = Union[Submit, Cancel, Accepted, Rejected, StepOutput, Error]
-MESSAGE_TYPES = (SamplingParams, Submit, Cancel, Accepted, Rejected, Token, Finish, StepOutput, Error)
+MESSAGE_TYPES = (SamplingParams, Submit, Cancel, Accepted, Rejected, Token, Finish, PromptLogprobs,
+                 StepOutput, Error)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -131,9 +163,23 @@ def max_submit_bytes(context_limit: int) -> int:
     """An upper bound on the encoded size of a Submit for any request that passed validation
     (prompt + max_tokens within `context_limit`, token ids below 2**31), so the supervisor checks
     the ring record limit once at start-up instead of a legal request ever failing it."""
-    ids = 5 * (context_limit + MAX_STOP_TOKEN_IDS)  # msgpack uint32 (or smaller) per token id
+    ids = 5 * (context_limit + MAX_STOP_TOKEN_IDS + MAX_ALLOWED_TOKEN_IDS)  # msgpack uint32 or less
+    bias = (5 + 9 + 1) * MAX_LOGIT_BIAS  # (id, float64) pairs
+    bad = (5 * MAX_BAD_WORD_TOKENS + 3) * MAX_BAD_WORDS
     strings = 4 * (MAX_REQUEST_ID_CHARS + MAX_CACHE_SALT_CHARS) + 64  # UTF-8; the tenant is a hash
-    return ids + strings + 512  # field names, scalars and headers
+    return ids + bias + bad + strings + 1024  # field names, scalars and headers
+
+
+def max_step_output_bytes(max_rows: int, prompt_positions: int) -> int:
+    """An upper bound on one StepOutput record: a token (with MAX_TOP_LOGPROBS alternatives) and a
+    finish for each of `max_rows` rows, and prompt logprobs for `prompt_positions` prompt tokens
+    (the GPU process scores at most that many per step, `gpu_proc/step.py`), each with
+    MAX_TOP_LOGPROBS alternatives. The supervisor checks it against the ring record limit."""
+    pair = 5 + 9 + 1  # (id, float64)
+    per_token = 32 + pair * MAX_TOP_LOGPROBS
+    per_finish = 64
+    per_prompt_token = 9 + 5 + 3 + pair * MAX_TOP_LOGPROBS
+    return max_rows * (per_token + per_finish + 32) + prompt_positions * per_prompt_token + 256
 
 
 def encode(msg: Message) -> bytes:

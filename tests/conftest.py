@@ -95,3 +95,26 @@ def smollm2_gguf(smollm2_dir):
         return fetch_gguf(models.DEFAULT_MODEL)
     except models.ModelError as exc:
         pytest.fail(f"the SmolLM2 GGUF is not available: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_dir, tmp_path_factory):
+    """`ringserve serve --model smollm2-135m-instruct` (the name, resolved as `make serve` does),
+    one for every module that talks to the real model."""
+    from ringserve import models
+    from tests.helpers.server import ServerProcess
+
+    # queue_limit_s: 200 requests at once are far above 2 s of estimated CPU work; admission
+    # would rightly answer 429, which is not what these tests are about.
+    with ServerProcess(models.DEFAULT_MODEL, tmp_path_factory.mktemp("smollm2-shm"), workers=2,
+                       queue_limit_s=600, ready_timeout_s=300) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """transformers' SmolLM2, loaded by its own GGUF loader from the file the server's checkpoint
+    was converted from: the reference for tokens and logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name).eval()

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(300)
 
 SPEC = yaml.safe_load((Path(__file__).resolve().parents[1] / "docs" / "openapi.yaml").read_text())
 # Keep generated work small on a CPU: the spec's ranges, clamped for these fields only.
-CLAMP = {"max_tokens": (1, 4), "max_completion_tokens": (1, 4), "n": (1, 2), "logprobs": (0, 3),
+CLAMP = {"max_tokens": (0, 4), "max_completion_tokens": (1, 4), "n": (1, 2), "logprobs": (0, 3),
+         "min_tokens": (0, 2), "prompt_logprobs": (0, 3), "truncate_prompt_tokens": (-1, 8),
          "top_logprobs": (0, 3)}
 MAX_TEXT = 40
 MAX_ITEMS = 6
@@ -87,8 +88,9 @@ confused_bodies = st.builds(lambda b, k, v: {**b, k: v}, valid_bodies,
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
+    # max_tokens_limit: a confused body's `max_tokens: null` asks for the whole context; 64 keeps it short.
     with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("shm"), workers=2, queue_limit_s=600,
-                       max_body_bytes=1 << 20) as srv:
+                       max_body_bytes=1 << 20, max_tokens_limit=64) as srv:
         seg, control = attach_control(srv.shm_dir, find_instance(srv.shm_dir))
         srv.generations = lambda: (control.gpu_generation,
                                    tuple(control.worker_slot(i)["generation"] for i in range(2)))

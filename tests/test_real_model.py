@@ -14,10 +14,8 @@ import random
 import aiohttp
 import pytest
 
-from ringserve import models
 from ringserve.api.chat_template import ChatTemplate
 from ringserve.api.tokenizer import TextCodec
-from tests.helpers.server import ServerProcess
 from tests.helpers.sse import sse_events
 
 MODEL = "smollm2-135m-instruct"
@@ -49,14 +47,12 @@ def prompts(smollm2_dir, codec) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_gguf, prompts) -> list[list[int]]:
-    """transformers' greedy tokens for each prompt, the model loaded by its own GGUF loader
-    (ending with the EOS token when it comes, as the server's answers do)."""
+def reference(smollm2_hf, prompts) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt (ending with the EOS token when it comes, as
+    the server's answers do)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
-    hf.eval()
+    hf = smollm2_hf
     eos = hf.generation_config.eos_token_id
     out = []
     with torch.no_grad():
@@ -69,13 +65,8 @@ def reference(smollm2_gguf, prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir, tmp_path_factory):
-    """`ringserve serve --model smollm2-135m-instruct`: the name, resolved as `make serve` does."""
-    # queue_limit_s: 200 requests at once are far above 2 s of estimated CPU work; admission
-    # would rightly answer 429, which is not what these tests are about.
-    with ServerProcess(models.DEFAULT_MODEL, tmp_path_factory.mktemp("shm"), workers=2,
-                       queue_limit_s=600, ready_timeout_s=300) as srv:
-        yield srv
+def server(smollm2_server):
+    return smollm2_server
 
 
 async def _greedy_ids(session, url: str, ids: list[int], max_tokens: int = NEW_TOKENS) -> list[int]:

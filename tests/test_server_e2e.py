@@ -74,8 +74,9 @@ def test_openai_client_streaming_and_not(server):
 
 
 def test_sse_event_sequence(server):
-    """Token events, then one finish event per sample, then usage/timing, then [DONE]."""
-    (res,) = _run(_many(server.url, [_body("Once upon a time", max_tokens=5, n=2)]))
+    """Token events, then one finish event per sample, then usage/timing (asked for), then [DONE]."""
+    (res,) = _run(_many(server.url, [_body("Once upon a time", max_tokens=5, n=2,
+                                           stream_options={"include_usage": True})]))
     events = res["events"]
     assert events[-1] == "[DONE]"
     final = events[-2]
@@ -158,7 +159,7 @@ def test_error_statuses(server):
         assert err.code == 400 and "error" in json.loads(err.read())
     status, body, _ = http_json(server.url + "/v1/completions", _body("hi", temperature="hot"))
     assert status == 400 and body["error"]["param"] == "temperature"
-    status, body, _ = http_json(server.url + "/v1/completions", _body("hi", max_tokens=5000))
+    status, body, _ = http_json(server.url + "/v1/completions", _body("hi", max_tokens=0))
     assert status == 400 and body["error"]["param"] == "max_tokens"
     status, body, _ = http_json(server.url + "/v1/completions",
                                 {"prompt_token_ids": [5] * 7500, "max_tokens": 1000})
@@ -169,14 +170,14 @@ def test_stop_string_spanning_tokens(server):
     """A stop string across a token boundary truncates the text there and finishes with `stop`."""
     (base,) = _run(_many(server.url, [_body("Far away", max_tokens=12)]))
     text = base["text"]
-    events = [e for e in base["events"][:-2] if e["choices"][0]["finish_reason"] is None]
+    events = [e for e in base["events"][:-1] if e["choices"][0]["finish_reason"] is None]
     # Two characters around the boundary between the 3rd and 4th token's text.
     cut = len("".join(e["text"] for e in events[:3]))
     stop = text[cut - 1:cut + 1]
     assert len(stop) == 2
     (res,) = _run(_many(server.url, [_body("Far away", max_tokens=12, stop=[stop])]))
     assert res["text"] == text[:text.index(stop)]
-    finishes = [e for e in res["events"][:-2] if e["choices"][0]["finish_reason"] is not None]
+    finishes = [e for e in res["events"][:-1] if e["choices"][0]["finish_reason"] is not None]
     assert finishes[0]["choices"][0]["finish_reason"] == "stop"
 
 

@@ -30,7 +30,7 @@ async def test_delete_cancels_the_stream(serve):
     deleted = await served.client.delete(f"/v1/requests/{request_id}")
     assert deleted.status == 200 and (await deleted.json())["cancelled"] is True
     events = sse_events(await resp.read())
-    assert events[-3]["choices"][0]["finish_reason"] == "cancelled"
+    assert events[-2]["choices"][0]["finish_reason"] == "cancelled"
     assert events[-2]["usage"]["completion_tokens"] >= 1 and events[-1] == "[DONE]"
     assert [c.reason for c in served.fake.cancels] == ["cancelled"]
     assert served.fake.running == 0 and len(served.state.registry) == 0

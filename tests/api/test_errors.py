@@ -21,8 +21,9 @@ async def _error(resp, status: int) -> dict:
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": 1001}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 9000}, "prompt"),
     ({"prompt": "x", "temperature": 3}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "top_k": -2}, "top_k"),
@@ -30,11 +31,31 @@ async def _error(resp, status: int) -> dict:
     ({"prompt": "x", "stop": [1]}, "stop"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "logprobs": 99}, "logprobs"),
-    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "guided_json": {}}, "guided_json"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
+    ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"prompt": "x", "presence_penalty": -3}, "presence_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": [99999]}, "allowed_token_ids"),
+    ({"prompt": "x", "bad_words": [" "]}, "bad_words"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"prompt": "x", "truncation_side": "middle"}, "truncation_side"),
+    ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ({"prompt": "x", "priority": 1}, "priority"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": ""}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", 1]}, "prompt[1]"),
+    ({"prompt": [[1, 2], []]}, "prompt[1]"),
     ({"max_tokens": 4}, "prompt"),
     ({"prompt": "x", "prompt_token_ids": [1]}, "prompt"),
     ({"prompt_token_ids": [1, -1]}, "prompt_token_ids"),
@@ -45,10 +66,10 @@ async def _error(resp, status: int) -> dict:
     ({"prompt": "x", "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}, "stop_token_ids"),
     ({"prompt": "x", "top_k": 2**70}, "top_k"),
     ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
-    ({"prompt": "x", "cache_salt": "s" * 300}, "cache_salt"),
+    ({"prompt": "x", "cache_salt": "s" * 1025}, "cache_salt"),
 ])
 async def test_bad_fields_are_400_naming_the_field(serve, body, param):
-    """Wrong types, out-of-range values and result-changing unknown fields name the field."""
+    """Wrong types, out-of-range values and unsupported values of known fields name the field."""
     served = await serve()
     err = await _error(await served.client.post("/v1/completions", json=body), 400)
     assert err["param"] == param and err["type"] == "invalid_request_error"

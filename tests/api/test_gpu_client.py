@@ -102,7 +102,7 @@ async def test_row_error_finish_fails_the_request(codec):
     from ringserve.api.generation import Generation
     from ringserve.api.sse import EventEncoder
 
-    gen = Generation(codec, n=1, stop=(), prompt_tokens=1, arrival=0.0,
+    gen = Generation(codec, n=1, stop=(), prompts=[[1]], arrival=0.0,
                      encoder=EventEncoder("r1", "m", 0))
     out = gen.consume([Token(1, 0, 5, -1.0), Finish(1, 0, "error", 1, 1, 0.0, 0.0)])
     assert gen.finished and gen.error is not None and gen.error.code == "gpu_error"

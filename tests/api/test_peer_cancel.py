@@ -70,7 +70,7 @@ async def test_same_client_id_from_another_tenant_does_not_hide_a_request(aiohtt
     deleted = await clients[1].delete("/v1/requests/dup", headers={"authorization": "Bearer key-a"})
     assert deleted.status == 200
     events = sse_events(await a.read())
-    assert events[-3]["choices"][0]["finish_reason"] == "cancelled"
+    assert events[-2]["choices"][0]["finish_reason"] == "cancelled"
     assert len(fakes[1].cancels) == 0 and fakes[1].running == 1  # B's requests run on
     assert fakes[0].running == 1
     assert (await clients[0].delete("/v1/requests/dup", headers={"authorization": "Bearer key-c"})).status == 404

@@ -20,12 +20,13 @@ async def _stream(served, **body):
 
 
 async def test_stream_event_sequence_and_fields(serve, codec):
-    """One event per token with every field, then a finish event, a usage event and [DONE]."""
+    """One event per token with every field, then a finish event (with the choice's usage and the
+    request's timing), then [DONE]: no `"choices": []` event unless the client asks for usage."""
     served = await serve()
     ids = codec.encode("Hello world")
     resp, events = await _stream(served, prompt="Hello world", max_tokens=len(ids))
     request_id = resp.headers["x-request-id"]
-    tokens, finish, usage, done = events[:-3], events[-3], events[-2], events[-1]
+    tokens, finish, done = events[:-2], events[-2], events[-1]
     assert len(tokens) == len(ids)
     for ev, tid in zip(tokens, ids):
         assert set(ev) == {"id", "object", "created", "model", "choices", "request_id", "index",
@@ -36,11 +37,42 @@ async def test_stream_event_sequence_and_fields(serve, codec):
         assert ev["choices"] == [{"index": 0, "text": ev["text"], "logprobs": None, "finish_reason": None}]
     assert "".join(ev["text"] for ev in tokens) == "Hello world"
     assert finish["choices"][0]["finish_reason"] == "length" and finish["request_id"] == request_id
+    assert finish["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ids),
+                               "total_tokens": 2 * len(ids)}
+    assert set(finish["timing"]) == {"queue_ms", "ttft_ms"} and finish["timing"]["ttft_ms"] >= 0
+    assert done == "[DONE]"
+
+
+async def test_usage_event_only_with_include_usage(serve, codec):
+    """stream_options.include_usage adds the `"choices": []` event with usage and timing."""
+    served = await serve()
+    ids = codec.encode("Hello world")
+    _, events = await _stream(served, prompt="Hello world", max_tokens=len(ids),
+                              stream_options={"include_usage": True})
+    usage = events[-2]
     assert usage["choices"] == []
     assert usage["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ids),
                               "total_tokens": 2 * len(ids)}
-    assert set(usage["timing"]) == {"queue_ms", "ttft_ms"} and usage["timing"]["ttft_ms"] >= 0
-    assert done == "[DONE]"
+    assert set(usage["timing"]) == {"queue_ms", "ttft_ms"}
+    assert all(e["choices"] for e in events[:-2])
+
+
+async def test_continuous_usage_stats_put_usage_on_every_event(serve, codec):
+    """continuous_usage_stats (with include_usage) puts the choice's usage so far on every event."""
+    served = await serve()
+    ids = codec.encode("Hello world")
+    _, events = await _stream(served, prompt="Hello world", max_tokens=len(ids),
+                              stream_options={"include_usage": True, "continuous_usage_stats": True})
+    tokens = events[:-3]
+    assert [e["usage"]["completion_tokens"] for e in tokens] == list(range(1, len(ids) + 1))
+    assert all(e["usage"]["prompt_tokens"] == len(ids) for e in tokens)
+
+
+async def test_stream_options_without_stream_is_400(serve):
+    """vLLM refuses stream_options on a request that does not stream."""
+    served = await serve()
+    resp = await served.client.post("/v1/completions", json={"prompt": "x", "stream_options": {"include_usage": True}})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "stream_options"
 
 
 async def test_first_event_is_a_token(serve, codec):
@@ -69,7 +101,8 @@ async def test_prompt_token_ids_and_n_samples(serve, codec):
     """prompt_token_ids is accepted; n=2 streams both samples, each with its own finish."""
     served = await serve()
     ids = codec.encode("two samples")
-    _, events = await _stream(served, prompt_token_ids=ids, max_tokens=len(ids), n=2)
+    _, events = await _stream(served, prompt_token_ids=ids, max_tokens=len(ids), n=2,
+                              stream_options={"include_usage": True})
     for index in (0, 1):
         mine = [e for e in events[:-2] if e["choices"] and e["choices"][0]["index"] == index]
         assert "".join(e["choices"][0]["text"] for e in mine) == "two samples"
@@ -114,7 +147,7 @@ async def test_multibyte_text_split_across_tokens_never_breaks(serve, codec, tex
     assert any(codec.byte_table[i] and not _utf8_complete(codec.byte_table[i]) for i in ids)
     served = await serve()
     _, events = await _stream(served, prompt=text, max_tokens=len(ids))
-    texts = [e["text"] for e in events[:-3]]
+    texts = [e["text"] for e in events[:-2]]
     assert all("\ufffd" not in t for t in texts)
     assert "".join(texts) == text
     assert "" in texts[1:]  # some token completed no character and was held back
@@ -135,10 +168,10 @@ async def test_stop_string_spanning_tokens(serve, codec):
     _, events = await _stream(served, prompt=prompt, max_tokens=200, stop=["o wo", "zzz"])
     tokens = [e for e in events if "token_id" in e]
     assert "".join(e["text"] for e in tokens) == "Hell"
-    finish = events[-3]
+    finish = events[-2]
     assert finish["choices"][0]["finish_reason"] == "stop" and finish["text"] == ""
     assert [c.reason for c in served.fake.cancels] == ["stop"]
-    assert events[-2]["usage"]["completion_tokens"] == len(tokens)
+    assert finish["usage"]["completion_tokens"] == len(tokens)
 
 
 async def test_stop_string_prefix_is_held_then_released(serve, codec):
@@ -148,7 +181,7 @@ async def test_stop_string_prefix_is_held_then_released(serve, codec):
     _, events = await _stream(served, prompt="Hello world", max_tokens=len(ids), stop="worm")
     texts = [e["text"] for e in events if "token_id" in e]
     assert not any(t.endswith("w") for t in texts)  # "w" might have started "worm"
-    finish = events[-3]
+    finish = events[-2]
     assert "".join(texts) + finish["text"] == "Hello world"
     assert finish["choices"][0]["finish_reason"] == "length"
 

@@ -25,8 +25,9 @@ def test_over_context_limit_is_400():
 
 
 def test_other_400s():
-    """max_tokens over its limit, n over the row cap and a pool too small are 400."""
-    ac = AdmissionController(max_rows=4)
+    """max_tokens over its limit (when one is set), n over the row cap and a pool too small are 400."""
+    assert AdmissionController(max_rows=4).decide(10, 5000, 1, 0).accepted  # no limit but the context
+    ac = AdmissionController(max_rows=4, max_tokens_limit=1000)
     assert ac.decide(10, 1001, 1, 0).code == "max_tokens_too_large"
     assert ac.decide(10, 10, 5, 0).code == "n_too_large"
     assert ac.decide(10, 10, 1, 0, pool_fits=False).code == "too_large_for_kv_pool"

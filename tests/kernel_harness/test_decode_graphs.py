@@ -111,3 +111,19 @@ def test_every_replay_checks_the_block_tables(tiny_model_dir):
     runner.execute(StepBatch([SeqStep(0, [5], 3, [2], g)]))
     with pytest.raises(ValueError, match="block id 99, outside the pool of 16 blocks"):
         runner.execute(StepBatch([SeqStep(0, [5], 3, [99], g)]))
+
+
+def test_a_step_that_scores_a_prompt_is_not_replayed(tiny_model_dir):
+    """A one-token-per-row step in which a row scores a prompt token runs eagerly (a graph has no
+    rows for scored positions' logits): sampling rows first, then the scored position."""
+    from ringserve.gpu_proc.step import PromptScoring
+
+    runner = _runner(tiny_model_dir, kernels=False)
+    runner.graphs = DecodeGraphs(runner, max_rows=4, context_limit=64, capture=_capture)
+    runner.graphs.capture_all()
+    batch = StepBatch([SeqStep(1, [5], 0, [3], RowSampling(temperature=0.0)),
+                       SeqStep(2, [7], 0, [4], None, PromptScoring(0, [9], 1))], scores_prompts=True)
+    logits = runner.execute(batch)
+    assert logits.shape[0] == 2 and runner.graphs.replays == 0
+    alone = runner.execute(StepBatch([SeqStep(3, [7], 0, [5], RowSampling(temperature=0.0))]))
+    torch.testing.assert_close(logits[1], alone[0])
