@@ -290,7 +290,6 @@ class Llama(nn.Module):
         (`cpu_ops.block`). The residual stream is carried beside the block output so each add is
         fused into the next norm. The first block's inputs are checked; the others have the same
         shapes, dtypes and strides."""
-        t = input_ids.shape[0]
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
         for i, weights in enumerate(self.block_weights):
@@ -298,7 +297,8 @@ class Llama(nn.Module):
             x, residual = cpu_ops.block(x, residual, weights, step, check=i == 0)
         if residual is None:
             raise RuntimeError("a model without layers has no residual stream")
-        if logits_indices.shape[0] != t:  # a prefill chunk samples only its last token
-            x, residual = x[logits_indices], residual[logits_indices]
+        # NOTE: always gathered, even when there are as many indices as tokens: scored prompt
+        # positions follow the sampling rows, so the order can differ from the tokens'.
+        x, residual = x[logits_indices], residual[logits_indices]
         h = cpu_ops.add_rms_norm_(x, residual, self.model.norm.weight, self.args.rms_norm_eps)  # [R, hidden]
         return head(h).float()  # [R, vocab]
