@@ -13,8 +13,8 @@ stops with the app.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import msgspec
 from aiohttp import web
@@ -36,7 +36,6 @@ from ringserve.api.tokenize import handle_detokenize, handle_tokenize
 from ringserve.api.tokenizer import TextCodec
 from ringserve.api.worker_stats import WorkerStats
 from ringserve.config import Config
-
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 

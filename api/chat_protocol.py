@@ -13,15 +13,21 @@ and named (`body.py`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import msgspec
 
 from ringserve.api.body import decode_body
 from ringserve.api.errors import bad_request
-from ringserve.api.protocol import (MAX_LOGPROBS, SamplingBody, SamplingFields, check_max_tokens,
-                                    check_neutral, parse_sampling)
+from ringserve.api.protocol import (
+    MAX_LOGPROBS,
+    SamplingBody,
+    SamplingFields,
+    check_max_tokens,
+    check_neutral,
+    parse_sampling,
+)
 
 ROLES = ("system", "user", "assistant")
 MAX_MESSAGES = 4096

@@ -116,7 +116,7 @@ class ChatTemplate:
     end_of_turn_ids: tuple[int, ...]
 
     @classmethod
-    def load(cls, model_dir: str | Path, codec: TextCodec) -> "ChatTemplate | None":
+    def load(cls, model_dir: str | Path, codec: TextCodec) -> ChatTemplate | None:
         """The model's chat template, or None when it has none. A template that does not compile
         raises `ChatTemplateError` (a broken model directory, found at start-up)."""
         source, special = read_template(Path(model_dir))

@@ -9,15 +9,22 @@ prompt without generating), `logprobs`, `echo`, `add_special_tokens`; `suffix`, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import msgspec
 
 from ringserve.api.body import decode_body
 from ringserve.api.errors import bad_request
-from ringserve.api.protocol import (MAX_LOGPROBS, SamplingBody, SamplingFields, check_max_tokens, check_neutral,
-                                    parse_sampling, token_ids)
+from ringserve.api.protocol import (
+    MAX_LOGPROBS,
+    SamplingBody,
+    SamplingFields,
+    check_max_tokens,
+    check_neutral,
+    parse_sampling,
+    token_ids,
+)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's, when max_tokens is absent
 MAX_PROMPTS = 1024  # vLLM's VLLM_MAX_COMPLETION_PROMPTS default

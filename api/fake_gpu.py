@@ -24,12 +24,24 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 from ringserve.rules import finish_reason
-from ringserve.shm.messages import (Accepted, Cancel, Error, Finish, Message, PromptLogprobs, Rejected,
-                                    StepOutput, Submit, Token, decode, encode)
+from ringserve.shm.messages import (
+    Accepted,
+    Cancel,
+    Error,
+    Finish,
+    Message,
+    PromptLogprobs,
+    Rejected,
+    StepOutput,
+    Submit,
+    Token,
+    decode,
+    encode,
+)
 from ringserve.shm.stats_schema import GPU_STAT_NAMES
 
 

@@ -26,15 +26,25 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Callable, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 
 from ringserve.api.errors import ApiError, error_type
-from dataclasses import dataclass
-
-from ringserve.shm.messages import (Accepted, Cancel, Error, Finish, Message, PromptLogprobs, Rejected,
-                                    StepOutput, Submit, Token)
+from ringserve.shm.messages import (
+    Accepted,
+    Cancel,
+    Error,
+    Finish,
+    Message,
+    PromptLogprobs,
+    Rejected,
+    StepOutput,
+    Submit,
+    Token,
+)
 from ringserve.shm.ring import RecordTooLarge
 
 log = logging.getLogger("ringserve.api.gpu_client")

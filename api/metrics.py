@@ -13,12 +13,11 @@ bucket) are rendered as `ringserve_<base>_by_prompt_len_seconds{prompt_len="<lab
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
-                                    Metric)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from ringserve.shm import layout as L
 from ringserve.shm.messages import FINISH_REASONS

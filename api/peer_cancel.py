@@ -12,7 +12,6 @@ import os
 import re
 import socket
 import struct
-
 from urllib.parse import quote
 
 from aiohttp import web

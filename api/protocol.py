@@ -23,8 +23,15 @@ from dataclasses import dataclass
 import msgspec
 
 from ringserve.api.errors import ApiError, bad_request
-from ringserve.shm.messages import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS,
-                                    MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, SamplingParams)
+from ringserve.shm.messages import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
+    MAX_CACHE_SALT_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+)
 
 MAX_N = 16
 MAX_LOGPROBS = MAX_TOP_LOGPROBS

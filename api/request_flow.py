@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import msgspec
 from aiohttp import web

@@ -13,13 +13,12 @@ tokens and resubmits the others once the restarted GPU process is READY.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from ringserve.api.gpu_client import RESTART_CODE
 from ringserve.shm.doorbell import Doorbell
 from ringserve.shm.messages import Cancel, Error, Message, Submit, decode, encode
 from ringserve.shm.ring import Ring
-
 
 GENERATION_CHECK_S = 0.25
 MAX_RECORDS_PER_WAKE = 16  # StepOutputs handled per event-loop callback (one per GPU step)
@@ -40,7 +39,7 @@ class RingTransport:
         self._timer: asyncio.TimerHandle | None = None
 
     @classmethod
-    def for_slot(cls, instance, slot: int) -> "RingTransport":
+    def for_slot(cls, instance, slot: int) -> RingTransport:
         """From an attached `shm.instance.ShmInstance` (with its doorbells) and a worker slot."""
         if instance.input_bell is None or instance.output_bells is None:
             raise ValueError("the shm instance was attached without its doorbells")

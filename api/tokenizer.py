@@ -38,7 +38,7 @@ def _byte_level_inverse() -> dict[str, int]:
 class TextCodec:
     """Encode text to ids and map ids back to bytes; shared read-only by every request."""
 
-    def __init__(self, tokenizer: "tokenizers.Tokenizer | object") -> None:
+    def __init__(self, tokenizer: tokenizers.Tokenizer | object) -> None:
         backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         if not isinstance(backend, tokenizers.Tokenizer):
             raise TypeError(f"expected a tokenizers.Tokenizer or a fast tokenizer, got {type(tokenizer)!r}")
@@ -62,7 +62,7 @@ class TextCodec:
         return self._with_specials
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "TextCodec":
+    def from_dir(cls, path: str | Path) -> TextCodec:
         return cls(tokenizers.Tokenizer.from_file(str(Path(path) / "tokenizer.json")))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

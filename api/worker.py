@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import uvloop
 from aiohttp import web

@@ -163,7 +163,7 @@ class AdmissionController:
         self.answers = AnswerLengths(initial_answer_tokens)
 
     @classmethod
-    def from_config(cls, config) -> "AdmissionController":
+    def from_config(cls, config) -> AdmissionController:
         """Build from a `ringserve.config.Config` (duck-typed: any object with its field names)."""
         return cls(context_limit=config.context_limit, max_tokens_limit=config.max_tokens_limit,
                    max_rows=config.max_rows, queue_limit_s=config.queue_limit_s,

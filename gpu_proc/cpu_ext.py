@@ -30,8 +30,8 @@ import os
 import shutil
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 

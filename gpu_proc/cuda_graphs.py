@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -52,7 +53,7 @@ class Replay(Protocol):
 
 @dataclass
 class CudaReplay:
-    graph: "torch.cuda.CUDAGraph"
+    graph: torch.cuda.CUDAGraph
     output: torch.Tensor
 
     def replay(self) -> None:

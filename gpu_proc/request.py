@@ -104,7 +104,7 @@ class Request:
             raise ValueError(f"sample index {self.index} is outside 0..{self.n - 1}")
 
     @classmethod
-    def from_submit(cls, worker: int, msg) -> "Request":
+    def from_submit(cls, worker: int, msg) -> Request:
         """Build from a worker's `shm.messages.Submit` (duck-typed: this core imports no shm)."""
         sp = msg.sampling
         controls = LogitsControls(
@@ -120,7 +120,7 @@ class Request:
                    arrival_ts=msg.arrival_ts, deadline_ts=msg.deadline_ts, n=msg.n, logprobs=msg.logprobs,
                    cache_salt=msg.cache_salt, prompt_logprobs=msg.prompt_logprobs)
 
-    def sibling(self, index: int) -> "Request":
+    def sibling(self, index: int) -> Request:
         """Sample `index` of the same Submit: the same prompt and settings, none of the state. Only
         sample 0 scores the prompt (the prompt and its logprobs are the same for all)."""
         return Request(key=self.key, request_id=self.request_id, tenant=self.tenant, prompt_ids=self.prompt_ids,

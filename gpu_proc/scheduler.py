@@ -57,8 +57,7 @@ from ringserve.gpu_proc.admission import AdmissionController, Decision
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.fairness import FairQueue
 from ringserve.gpu_proc.kv_manager import KVCacheManager
-from ringserve.gpu_proc.request import (FinishEvent, PromptLogprobsEvent, Request, RequestState, TokenEvent,
-                                        WorkerRid)
+from ringserve.gpu_proc.request import FinishEvent, PromptLogprobsEvent, Request, RequestState, TokenEvent, WorkerRid
 from ringserve.gpu_proc.scheduler_checks import SchedulerIntegrityError, SchedulerSnapshot, check_scheduler
 from ringserve.gpu_proc.siblings import Siblings
 from ringserve.gpu_proc.step import PROMPT_LOGPROB_TOKENS_PER_STEP, PromptScoring, SeqStep, StepBatch

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 
 class ConfigError(ValueError):
@@ -110,7 +110,7 @@ class Config:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
 
-    def replace(self, **changes) -> "Config":
+    def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> str:
@@ -118,11 +118,11 @@ class Config:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "Config":
+    def from_json(cls, text: str) -> Config:
         return cls(**json.loads(text))
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> "Config":
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> Config:
         """Defaults, then `RINGSERVE_<FIELD>` variables, then explicit overrides (CLI flags)."""
         environ = os.environ if environ is None else environ
         values: dict[str, object] = {}

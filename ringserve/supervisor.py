@@ -40,12 +40,12 @@ from pathlib import Path
 
 from ringserve import models
 from ringserve.config import Config, ConfigError, parse_bool
+from ringserve.gpu_proc.step import PROMPT_LOGPROB_TOKENS_PER_STEP
 from ringserve.port_claim import PortInUse, claim_port
 from ringserve.restart_policy import RestartPolicy
 from ringserve.sdnotify import Notifier, watchdog_interval_s
 from ringserve.shm import layout as L
 from ringserve.shm.instance import ShmInstance
-from ringserve.gpu_proc.step import PROMPT_LOGPROB_TOKENS_PER_STEP
 from ringserve.shm.messages import max_step_output_bytes, max_submit_bytes
 from ringserve.shm.ring import Ring, max_record_bytes
 from ringserve.shm.segment import cleanup_stale

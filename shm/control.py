@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import struct
 import time
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import msgspec
 

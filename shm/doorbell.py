@@ -38,14 +38,14 @@ class Doorbell:
         self._poll.register(fd, select.POLLIN)
 
     @classmethod
-    def create(cls) -> "Doorbell":
+    def create(cls) -> Doorbell:
         """A fresh inheritable eventfd."""
         fd = os.eventfd(0, 0)
         os.set_inheritable(fd, True)
         return cls(fd)
 
     @classmethod
-    def from_fd(cls, fd: int) -> "Doorbell":
+    def from_fd(cls, fd: int) -> Doorbell:
         """Wrap an inherited eventfd."""
         return cls(fd)
 

@@ -15,8 +15,8 @@ per worker.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ringserve.shm import layout as L
 from ringserve.shm.control import Control
@@ -67,7 +67,7 @@ class ShmInstance:
     @classmethod
     def create(cls, *, ring_bytes: int, n_workers: int, directory: str = L.DEFAULT_DIRECTORY,
                instance: str | None = None,
-               fallocate: Callable[[int, int, int], None] = os.posix_fallocate) -> "ShmInstance":
+               fallocate: Callable[[int, int, int], None] = os.posix_fallocate) -> ShmInstance:
         """Create and format every segment and doorbell; all or nothing.
 
         Raises ShmSpaceError (naming the bytes needed) when `directory` is too small.
@@ -105,7 +105,7 @@ class ShmInstance:
 
     @classmethod
     def attach(cls, instance: str, *, directory: str = L.DEFAULT_DIRECTORY,
-               bell_fds: list[int] | None = None) -> "ShmInstance":
+               bell_fds: list[int] | None = None) -> ShmInstance:
         """Map an existing instance; `bell_fds` as returned by `bell_fds()` in the creator."""
         control = Segment.attach(segment_name(instance, "control"), directory)
         n = Control(control.buf).n_workers
@@ -167,7 +167,7 @@ class ShmInstance:
         for seg in self.segments():
             seg.unlink()
 
-    def __enter__(self) -> "ShmInstance":
+    def __enter__(self) -> ShmInstance:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,8 +12,6 @@ GPU process drops exactly the dead worker's requests (`rid_generation`).
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 _RID_GENERATION_SHIFT = 32
@@ -151,7 +149,7 @@ class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
     rid: int | None = None
 
 
-Message = Union[Submit, Cancel, Accepted, Rejected, StepOutput, Error]
+Message = Submit | Cancel | Accepted | Rejected | StepOutput | Error
 MESSAGE_TYPES = (SamplingParams, Submit, Cancel, Accepted, Rejected, Token, Finish, PromptLogprobs,
                  StepOutput, Error)
 

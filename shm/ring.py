@@ -117,7 +117,7 @@ class Ring:
 
     # -- attaching ------------------------------------------------------------------------------
     @classmethod
-    def producer(cls, buf) -> "Ring":
+    def producer(cls, buf) -> Ring:
         """Attach as the producer, resuming after the last committed record."""
         ring = cls(buf)
         ring._resume_producer()
@@ -126,7 +126,7 @@ class Ring:
         return ring
 
     @classmethod
-    def consumer(cls, buf) -> "Ring":
+    def consumer(cls, buf) -> Ring:
         """Attach as the consumer at the published tail."""
         ring = cls(buf)
         _pack(buf, L.RING_CONSUMER_PID_OFF, os.getpid())

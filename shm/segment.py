@@ -15,11 +15,10 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ringserve.shm.layout import DEFAULT_DIRECTORY, SEGMENT_PREFIX
-
 
 # MAP_POPULATE maps every page at attach time, so the hot path never takes a page fault.
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -129,7 +128,7 @@ class Segment:
 
     @classmethod
     def create(cls, name: str, size: int, directory: str = DEFAULT_DIRECTORY,
-               fallocate: Callable[[int, int, int], None] = os.posix_fallocate) -> "Segment":
+               fallocate: Callable[[int, int, int], None] = os.posix_fallocate) -> Segment:
         """Create `name` exclusively, reserve `size` bytes and map it (zero-filled).
 
         Raises FileExistsError if it exists and ShmSpaceError if the space cannot be reserved.
@@ -159,7 +158,7 @@ class Segment:
         return cls(name, directory, size, buf)
 
     @classmethod
-    def attach(cls, name: str, directory: str = DEFAULT_DIRECTORY, writable: bool = True) -> "Segment":
+    def attach(cls, name: str, directory: str = DEFAULT_DIRECTORY, writable: bool = True) -> Segment:
         """Map an existing segment (read-only unless `writable`); FileNotFoundError if none."""
         fd = os.open(os.path.join(directory, name), os.O_RDWR if writable else os.O_RDONLY)
         try:

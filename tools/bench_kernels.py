@@ -16,8 +16,6 @@ warm-up. Needs a CUDA device and CuPy (`pip install -e .[cuda]`).
 
 from __future__ import annotations
 
-from typing import Any
-
 import argparse
 import json
 import math
@@ -25,6 +23,7 @@ import random
 import statistics
 import sys
 from dataclasses import asdict, dataclass
+from typing import Any
 
 # name fragment -> (HBM GB/s, dense fp16 tensor TFLOP/s), from the vendors' data sheets
 DEVICE_PEAKS = {
@@ -228,9 +227,9 @@ def _model_benches(args_ns, peaks: Peaks) -> tuple[list[dict], dict]:
         batch_steps = StepBatch([SeqStep(b, [1], ctx - 1, list(range(b * per, (b + 1) * per)), greedy)
                                  for b in range(batch)])
         inputs = runner.prepare(batch_steps)
-        ms = _time_ms(lambda: runner.forward(inputs), args_ns.iters)
-        total_ms = _time_ms(lambda: runner.execute(batch_steps), args_ns.iters)
-        graph_ms = _time_graph_ms(lambda: runner.forward(inputs), args_ns.iters)
+        ms = _time_ms(lambda inputs=inputs: runner.forward(inputs), args_ns.iters)
+        total_ms = _time_ms(lambda steps=batch_steps: runner.execute(steps), args_ns.iters)
+        graph_ms = _time_graph_ms(lambda inputs=inputs: runner.forward(inputs), args_ns.iters)
         moved = dense_weight_bytes(shape) + kv_bytes(batch, ctx, margs.num_layers, margs.num_kv_heads, margs.head_dim)
         bound_ms = moved / (peaks.gbps * 1e9) * 1e3 if peaks.gbps else None
         steps_out.append(dict(batch=batch, ctx=ctx, layers=margs.num_layers, forward_ms=ms, step_ms=total_ms,

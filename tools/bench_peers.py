@@ -39,8 +39,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .peer_servers import (SERVED_NAME, RunningServer, ServerSpec, model_vocab, probe_vllm, ringserve_spec,
-                           vllm_spec)
+from .peer_servers import SERVED_NAME, RunningServer, ServerSpec, model_vocab, probe_vllm, ringserve_spec, vllm_spec
 from .sched_sim import percentile
 
 GOAL_TOK_S_RATIO = 1.2  # at concurrency >= GOAL_MIN_CONCURRENCY
@@ -105,7 +104,7 @@ async def _request(session, url: str, body: dict, timeout_s: float) -> Answer:
                 line = raw.strip()
                 if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
                     _take_event(json.loads(line[5:]), ans, time.perf_counter() - t0)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         ans.error = f"{type(exc).__name__}: {exc}"[:200]
     return ans
 

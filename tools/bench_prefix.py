@@ -15,8 +15,6 @@ The real engine (tiny model unless `--model`) under the real Scheduler, no rings
 
 from __future__ import annotations
 
-from typing import Any
-
 import argparse
 import json
 import random
@@ -24,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 
 def _request(key: int, prompt: list[int], max_tokens: int, seed: int):
@@ -114,7 +113,7 @@ def measure_trace(bench: _Bench, requests: int, share: float, system: int, max_t
     vocab = bench.engine.vocab_size
     sys_prompt = _tokens(rng, vocab, system)
     prompts = []
-    for k in range(requests):
+    for _ in range(requests):
         tail = _tokens(rng, vocab, rng.randint(32, 128))
         prompts.append((sys_prompt if rng.random() < share else _tokens(rng, vocab, system)) + tail)
     shared_count = sum(p[:system] == sys_prompt for p in prompts)

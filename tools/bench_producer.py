@@ -15,8 +15,7 @@ import sys
 import time
 
 from ringserve.shm.instance import ShmInstance
-from ringserve.shm.messages import (Accepted, Cancel, Finish, StepOutput, Submit, Token, decode,
-                                    encode)
+from ringserve.shm.messages import Accepted, Cancel, Finish, StepOutput, Submit, Token, decode, encode
 
 
 class _Row:

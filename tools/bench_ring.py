@@ -235,7 +235,7 @@ def _run_pair(transport: str, env: dict, targets, args) -> tuple:
         p.start()
     try:
         results = []
-        for (parent, _), p in zip(pipes, procs):
+        for parent, _ in pipes:
             if not parent.poll(300):
                 raise RuntimeError(f"{transport} benchmark process did not finish")
             results.append(parent.recv())

@@ -26,14 +26,13 @@ the replay including the copy of the step into the graph's static buffers, and "
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
-
 import argparse
 import json
 import statistics
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING, cast
 
 GOALS_MS = {32: 0.3, 256: 1.0}  # host overhead goals from the engine issue
 

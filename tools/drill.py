@@ -31,8 +31,7 @@ import aiohttp
 from ringserve.shm import layout as L
 from ringserve.shm.control import Control
 from ringserve.shm.segment import Segment, list_segments, owner_alive, pid_alive, segment_name
-from ringserve.tools.drill_client import (StreamResult, http_status, probe_drain, stream_completion,
-                                          wait_ready)
+from ringserve.tools.drill_client import StreamResult, http_status, probe_drain, stream_completion, wait_ready
 
 FAULTS = ("kill-gpu", "hang-gpu", "kill-worker", "term")
 

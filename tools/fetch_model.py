@@ -24,8 +24,16 @@ import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from ringserve.models import (KNOWN_MODELS, ModelError, WheelSource, cache_root, gguf_cache_dir,
-                              gguf_source_key, is_converted, known_model_dir)
+from ringserve.models import (
+    KNOWN_MODELS,
+    ModelError,
+    WheelSource,
+    cache_root,
+    gguf_cache_dir,
+    gguf_source_key,
+    is_converted,
+    known_model_dir,
+)
 
 
 def downloads_dir() -> Path:

@@ -19,8 +19,6 @@ says so and exits 2; a failed section makes it exit 1.
 
 from __future__ import annotations
 
-from typing import Any
-
 import argparse
 import json
 import os
@@ -32,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = "llama-3-8b"

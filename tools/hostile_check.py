@@ -144,7 +144,8 @@ def case_prompt():
         gen0 = ctl.worker_slot(0)["generation"]
         text = ("The quick brown fox jumps over the lazy dog. " * 90000)[:3_900_000]
         stop, lat = threading.Event(), []
-        th = threading.Thread(target=health_probe, args=(srv.port, stop, lat)); th.start()
+        th = threading.Thread(target=health_probe, args=(srv.port, stop, lat))
+        th.start()
         statuses = []
         t0 = time.monotonic()
 
@@ -156,10 +157,11 @@ def case_prompt():
             [t.join() for t in ts]
         took = time.monotonic() - t0
         time.sleep(1)
-        stop.set(); th.join()
+        stop.set()
+        th.join()
         out("1 prompt", "8 x 3.9 MB prompts (4 at a time): statuses", sorted(map(str, statuses)))
         out("1 prompt", "  time for all 8", f"{took:.1f} s")
-        out("1 prompt", "  /health max latency while in flight", f"{max(l for l, _ in lat):.2f} s ({len(lat)} probes)")
+        out("1 prompt", "  /health max latency while in flight", f"{max(latency for latency, _ in lat):.2f} s ({len(lat)} probes)")
         out("1 prompt", "  worker restarts (slot generation change)", ctl.worker_slot(0)["generation"] - gen0)
     finally:
         srv.stop()
@@ -182,7 +184,7 @@ def case_http():
             resp += chunk
         s.close()
         head = resp.split(b"\r\n\r\n", 1)[0].decode(errors="replace").splitlines()
-        ctype = next((l for l in head if l.lower().startswith("content-type")), "")
+        ctype = next((line for line in head if line.lower().startswith("content-type")), "")
         out("9 http", "non-ASCII bytes in Authorization", f"{head[0]} {ctype}")
         s = socket.create_connection(("127.0.0.1", srv.port))
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n")
@@ -196,7 +198,7 @@ def case_http():
         s.close()
         head, _, rest = resp.partition(b"\r\n\r\n")
         lines = head.decode(errors="replace").splitlines()
-        ctype = next((l for l in lines if l.lower().startswith("content-type")), "")
+        ctype = next((line for line in lines if line.lower().startswith("content-type")), "")
         out("9 http", "malformed header line (aiohttp's own 400)", f"{lines[0] if lines else resp!r} {ctype} {rest[:60]!r}")
     finally:
         srv.stop()
@@ -227,7 +229,8 @@ def case_stops():
         def hog():
             res["hog"] = request(srv.port, {"prompt": "hi", "max_tokens": 400, "n": 16, "ignore_eos": True,
                                             "stop_token_ids": list(range(3000, 203_000))}, timeout=300)[0]
-        th = threading.Thread(target=hog); th.start()
+        th = threading.Thread(target=hog)
+        th.start()
         time.sleep(1.5)
         loaded = tpot_probe(srv.port)
         th.join()
@@ -266,7 +269,8 @@ def case_ids():
             statuses.append(request(srv.port, None, method="DELETE", path="/v1/requests/shared-id",
                                     headers={"authorization": "Bearer tenant-a"})[0])
         out("6 ids", "A's DELETE x12 while B holds the same id elsewhere", statuses)
-        a[0].close(); b[0].close()
+        a[0].close()
+        b[0].close()
     finally:
         srv.stop()
 
@@ -356,7 +360,8 @@ def case_fdlimit():
         out("3 fdlimit", "RLIMIT_NOFILE 256, 400 idle conns: 5 /health probes", probes)
         log = srv.log.read_text(errors="replace")
         out("3 fdlimit", "  log lines about refused/closed connections",
-            sum(1 for l in log.splitlines() if "connection" in l.lower() and ("refus" in l.lower() or "clos" in l.lower())))
+            sum(1 for line in log.splitlines()
+                if "connection" in line.lower() and ("refus" in line.lower() or "clos" in line.lower())))
         for s in socks:
             s.close()
     finally:

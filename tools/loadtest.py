@@ -100,7 +100,7 @@ async def _one(session, url: str, body: dict, key: str, rec: RequestRecord, time
                 timing = ev.get("timing")
                 if timing and timing.get("queue_ms") is not None:
                     rec.queue_ms = float(timing["queue_ms"])
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:200]
     except asyncio.CancelledError:
         rec.error = "run ended before the answer did"
@@ -113,7 +113,7 @@ async def _scrape(session, url: str) -> dict[str, float]:
     try:
         async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=2)) as resp:
             return parse_metrics(await resp.text()) if resp.status == 200 else {}
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+    except (TimeoutError, aiohttp.ClientError, ValueError):
         return {}
 
 

@@ -110,10 +110,10 @@ def make_weights(spec: TinyModelSpec, vocab_size: int) -> dict:
     gen = torch.Generator().manual_seed(spec.seed)
     h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
 
-    def normal(*shape: int, std: float) -> "torch.Tensor":
+    def normal(*shape: int, std: float) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * std).contiguous()
 
-    def norm_weight() -> "torch.Tensor":
+    def norm_weight() -> torch.Tensor:
         # Not all ones: a loader that drops norm weights must change the outputs.
         return (1.0 + 0.1 * torch.randn(h, generator=gen)).contiguous()
 

@@ -90,7 +90,7 @@ class RunningServer:
         self.proc: subprocess.Popen | None = None
         self.start_s = 0.0
 
-    def __enter__(self) -> "RunningServer":
+    def __enter__(self) -> RunningServer:
         t0 = time.monotonic()
         self._log = open(self.log_path, "wb")
         env = {**os.environ, **self.spec.env}

@@ -38,7 +38,7 @@ class StepCost:
         return self.a_ms + self.b_ms * rows + self.c_ms * prefill_tokens
 
     @classmethod
-    def fit(cls, samples: list[tuple[int, int, float]]) -> "StepCost":
+    def fit(cls, samples: list[tuple[int, int, float]]) -> StepCost:
         """Least squares over `(rows, prefill_tokens, ms)` samples (needs 3 that are not collinear)."""
         import numpy as np
 

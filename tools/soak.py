@@ -32,7 +32,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-
 from pathlib import Path
 
 from .loadtest import parse_metrics
@@ -131,7 +130,7 @@ async def _client(session, url: str, body: dict, key: str, hang_up_after: int | 
                         counts["hung_up"] = counts.get("hung_up", 0) + 1
                         resp.close()  # NOTE: a client going away mid-stream
                         return
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         counts[type(exc).__name__] = counts.get(type(exc).__name__, 0) + 1
 
 

@@ -9,8 +9,8 @@ device, progress)`, which the engine calls during its load so no step compiles (
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy
 import torch

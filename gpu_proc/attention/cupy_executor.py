@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -128,7 +129,7 @@ def _external_stream(stream_ptr: int, device_index: int):
     return cupy.cuda.ExternalStream(stream_ptr, device_index)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_properties(device_index: int):
     return torch.cuda.get_device_properties(device_index)
 

@@ -134,7 +134,7 @@ def build_step_inputs(batch: StepBatch, block_size: int, device: torch.device) -
         if nb < width:
             tables += zeros[nb:]
 
-    t, r = len(ids), len(logits_indices)
+    t = len(ids)
     # int32 fields get their own buffer so nothing is converted on the device afterwards.
     flat = host_tensor("q", ids + positions + slots + token_seq + logits_indices)
     flat32 = host_tensor("i", qsl + seq_lens + tables)

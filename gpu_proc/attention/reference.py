@@ -112,7 +112,7 @@ def _prefill_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    group: int, scale: float) -> torch.Tensor:
     """The chunk's queries `[n, num_heads, head_dim]` over its sequence's first `seq_len` keys."""
     n, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[1]
     seq_len = chunk.seq_len
     # [nb, kvh, bs, d] -> [kvh, nb * bs, d] -> the first seq_len keys: every one of them is written,
     # so no garbage slot is ever read here.

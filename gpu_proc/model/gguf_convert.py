@@ -30,9 +30,10 @@ import shutil
 import struct
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 from ringserve.models import CONVERSION_FORMAT, MARKER
 

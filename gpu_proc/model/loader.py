@@ -9,10 +9,10 @@ Everything that can be wrong with a checkpoint raises `CheckpointError` naming t
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn

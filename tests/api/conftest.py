@@ -3,8 +3,8 @@ helpers to read SSE streams."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 
@@ -17,7 +17,6 @@ from ringserve.api.metrics import StatsSnapshot
 from ringserve.api.state import STATE, ApiState
 from ringserve.api.tokenizer import TextCodec
 from ringserve.config import Config
-
 from tests.helpers.fake_api import MODEL
 
 

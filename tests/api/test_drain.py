@@ -38,7 +38,7 @@ async def test_drain_finishes_short_streams_and_ends_long_ones_with_the_error_ev
     config = Config(drain_timeout_s=0.5)
     app = init_app(config, GpuClient(fake), codec, model_name=MODEL, ready=lambda: True)
     sock = listen_socket("127.0.0.1", 0)
-    url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     stop = asyncio.Event()
     server = asyncio.create_task(serve(config, app, sock, stop))
     try:

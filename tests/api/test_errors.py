@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ringserve.shm.messages import MAX_STOP_TOKEN_IDS
-
 from ringserve.api.fake_gpu import FakeGpu
-from ringserve.shm.messages import Rejected
+from ringserve.shm.messages import MAX_STOP_TOKEN_IDS, Rejected
 
 pytestmark = pytest.mark.asyncio
 

@@ -9,8 +9,7 @@ import pytest
 
 from ringserve.api.errors import ApiError
 from ringserve.api.gpu_client import GpuClient
-from ringserve.shm.messages import (Accepted, Cancel, Error, Finish, Rejected, SamplingParams,
-                                    StepOutput, Submit, Token)
+from ringserve.shm.messages import Accepted, Cancel, Error, Finish, Rejected, SamplingParams, StepOutput, Submit, Token
 from ringserve.shm.ring import RecordTooLarge
 
 pytestmark = pytest.mark.asyncio

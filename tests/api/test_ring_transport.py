@@ -10,8 +10,7 @@ import pytest
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.ring_transport import RingTransport
 from ringserve.shm.instance import ShmInstance
-from ringserve.shm.messages import (Accepted, Error, Finish, SamplingParams, StepOutput, Submit,
-                                    Token, decode, encode)
+from ringserve.shm.messages import Accepted, Error, Finish, SamplingParams, StepOutput, Submit, Token, decode, encode
 
 pytestmark = pytest.mark.asyncio
 

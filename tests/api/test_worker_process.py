@@ -24,7 +24,6 @@ from ringserve.shm.messages import Accepted, Finish, StepOutput, Submit, Token, 
 from tests.helpers.net import free_port
 from tests.helpers.sse import sse_events
 
-
 HOLD_TOKENS = 500
 
 
@@ -108,7 +107,7 @@ def _wait_serving(procs, logs, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
-            raise AssertionError(f"a worker exited during start-up: {[l.read_text() for l in logs]}")
+            raise AssertionError(f"a worker exited during start-up: {[log.read_text() for log in logs]}")
         if all("serving" in log.read_text() for log in logs):
             return
         time.sleep(0.05)

@@ -15,7 +15,6 @@ from ringserve.gpu_proc.step import SeqStep, StepBatch
 from tests.helpers.attention_cases import BS, run_case
 
 
-
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (4, 1)])
 @pytest.mark.parametrize("trial", range(3))
 def test_paged_equals_dense_for_random_block_tables(num_heads, num_kv_heads, trial):

@@ -60,7 +60,7 @@ def _run(tenants: list[Tenant], passes: int, **config) -> tuple[Harness, float, 
         batch = h.step()
         s = h.sched
         ms += 24.5 + 0.48 * s.last_decode_rows + 0.1 * s.last_prefill_tokens
-        for (key, _), toks in h.tokens.items():
+        for key, _ in h.tokens:
             if key not in first:
                 by_key[key].ttft.append(p + 1 - by_key[key].arrivals[key])
         for t in tenants:

@@ -100,7 +100,7 @@ def test_batched_requests_match_solo(gpu_process):
     solo = []
     for i, p in enumerate(prompts):
         w.send(_submit(100 + i, p))
-        w.pump(lambda: w.finishes(100 + i))
+        w.pump(lambda rid=100 + i: w.finishes(rid))
         solo.append(w.tokens(100 + i))
     for i, p in enumerate(prompts):
         w.send(_submit(200 + i, p))

@@ -36,7 +36,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.log_path = Path(self.shm_dir) / "server.log"
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         os.makedirs(self.shm_dir, exist_ok=True)
         self._log = open(self.log_path, "wb")
         limit = self.rlimit_nofile

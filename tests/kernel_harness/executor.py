@@ -20,8 +20,8 @@ from __future__ import annotations
 import ctypes
 import random
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy
 import torch

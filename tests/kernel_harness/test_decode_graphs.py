@@ -4,8 +4,8 @@ forward over the same static buffers (everything but the CUDA graph object itsel
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -9,9 +9,17 @@ import os
 import pytest
 
 from ringserve.shm.instance import ShmInstance, ShmSizes
-from ringserve.shm.segment import (Segment, ShmSpaceError, cleanup_stale, instance_id,
-                                   list_segments, owner_alive, parse_segment_name,
-                                   process_start_time, segment_name)
+from ringserve.shm.segment import (
+    Segment,
+    ShmSpaceError,
+    cleanup_stale,
+    instance_id,
+    list_segments,
+    owner_alive,
+    parse_segment_name,
+    process_start_time,
+    segment_name,
+)
 
 
 def _dead_pid() -> int:

@@ -34,7 +34,7 @@ def fake_server(tiny_model_dir):
                 break
             except OSError:
                 if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("the fake API worker did not start")
+                    raise RuntimeError("the fake API worker did not start") from None
                 time.sleep(0.1)
         yield url
     finally:
