@@ -40,17 +40,25 @@ from ringserve.config import Config
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
-def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name: str,
-             ready: Callable[[], bool], stats_source: Callable[[ApiState], StatsSnapshot] | None = None,
-             auth: Authenticator | None = None, worker: int = 0,
-             peers: PeerCancel | None = None,
-             publish: Callable[[WorkerStats], None] | None = None,
-             publish_every_s: float = 0.25,
-             reload_s: Callable[[], float | None] | None = None,
-             restart_status: Callable[[], dict | None] | None = None,
-             chat_template: ChatTemplate | None = None,
-             model_aliases: frozenset[str] = frozenset(),
-             eos_token_ids: Callable[[], frozenset[int]] | None = None) -> web.Application:
+def init_app(
+    config: Config,
+    client: GpuClient,
+    codec: TextCodec,
+    *,
+    model_name: str,
+    ready: Callable[[], bool],
+    stats_source: Callable[[ApiState], StatsSnapshot] | None = None,
+    auth: Authenticator | None = None,
+    worker: int = 0,
+    peers: PeerCancel | None = None,
+    publish: Callable[[WorkerStats], None] | None = None,
+    publish_every_s: float = 0.25,
+    reload_s: Callable[[], float | None] | None = None,
+    restart_status: Callable[[], dict | None] | None = None,
+    chat_template: ChatTemplate | None = None,
+    model_aliases: frozenset[str] = frozenset(),
+    eos_token_ids: Callable[[], frozenset[int]] | None = None,
+) -> web.Application:
     """Build a worker's app. `ready()` says whether the GPU process is ready (control block);
     `stats_source(state)` returns the server-wide stats snapshot for /metrics (default: this
     worker's own counters only); `publish(stats)`, if given, runs every `publish_every_s` and at
@@ -62,14 +70,25 @@ def init_app(config: Config, client: GpuClient, codec: TextCodec, *, model_name:
     `model_aliases` are other names a request may give the model (the path it was served from);
     `eos_token_ids()` the model's EOS ids (the GPU process's published facts)."""
     guard = ConnectionGuard(config)
-    app = web.Application(client_max_size=config.max_body_bytes,
-                          middlewares=[_error_middleware, guard.middleware, _auth_middleware])
+    app = web.Application(
+        client_max_size=config.max_body_bytes, middlewares=[_error_middleware, guard.middleware, _auth_middleware]
+    )
     source = stats_source or (lambda st: StatsSnapshot(workers=[st.stats.as_dict()]))
-    state = ApiState(config=config, client=client, codec=codec, model_name=model_name, ready=ready,
-                     stats_source=lambda: source(state), auth=auth or Authenticator(),
-                     registry=Registry(worker), connections=guard, publish=publish,
-                     remote_cancel=peers.cancel if peers is not None else None,
-                     chat_template=chat_template, model_aliases=frozenset(model_aliases) - {model_name})
+    state = ApiState(
+        config=config,
+        client=client,
+        codec=codec,
+        model_name=model_name,
+        ready=ready,
+        stats_source=lambda: source(state),
+        auth=auth or Authenticator(),
+        registry=Registry(worker),
+        connections=guard,
+        publish=publish,
+        remote_cancel=peers.cancel if peers is not None else None,
+        chat_template=chat_template,
+        model_aliases=frozenset(model_aliases) - {model_name},
+    )
     if reload_s is not None:
         state.reload_s = lambda: _reload_or_default(reload_s)
     if restart_status is not None:
@@ -144,13 +163,20 @@ async def _handle_delete(request: web.Request) -> web.Response:
     remote = st.remote_cancel is not None and await st.remote_cancel(request_id, tenant)
     if entry is not None or remote:
         return _json({"id": request_id, "object": "request.cancelled", "cancelled": True})
-    raise ApiError(404, f"No open request {request_id!r} for this API key.", param="request_id",
-                   code="request_not_found")
+    raise ApiError(
+        404, f"No open request {request_id!r} for this API key.", param="request_id", code="request_not_found"
+    )
 
 
 def _model_card(st: ApiState) -> dict:
-    return {"id": st.model_name, "object": "model", "created": 0, "owned_by": "ringserve",
-            "root": next(iter(sorted(st.model_aliases)), st.model_name), "max_model_len": st.config.context_limit}
+    return {
+        "id": st.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "ringserve",
+        "root": next(iter(sorted(st.model_aliases)), st.model_name),
+        "max_model_len": st.config.context_limit,
+    }
 
 
 async def _handle_models(request: web.Request) -> web.Response:
@@ -163,8 +189,12 @@ async def _handle_model(request: web.Request) -> web.Response:
     model_id = request.match_info["model_id"]
     # NOTE: an absolute path as the id arrives as /v1/models//abs/path, or with one slash.
     if model_id != st.model_name and model_id not in st.model_aliases and "/" + model_id not in st.model_aliases:
-        raise ApiError(404, f"The model {model_id!r} does not exist; this server serves {st.model_name!r}.",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"The model {model_id!r} does not exist; this server serves {st.model_name!r}.",
+            param="model",
+            code="model_not_found",
+        )
     return _json(_model_card(st))
 
 

@@ -56,8 +56,7 @@ class Authenticator:
         if not self.enabled:
             return tenant_of(token) if token else SHARED_TENANT
         if token is None:
-            raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.",
-                           code="missing_api_key")
+            raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="missing_api_key")
         digest = hashlib.sha256(_token_bytes(token)).digest()
         found = False
         for d in self._digests:  # no early exit: the time does not depend on which key matched

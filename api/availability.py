@@ -30,9 +30,10 @@ def gpu_not_ready(st: ApiState) -> ApiError:
     last = (status or {}).get("last_error")
     if last and (status or {}).get("state") != "ready":
         failures = status.get("failures") or 1
-        message = (f"The GPU process is restarting after a failure: it {last} ({failures} failure"
-                   f"{'s' if failures != 1 else ''} recently); retry after the Retry-After seconds.")
+        message = (
+            f"The GPU process is restarting after a failure: it {last} ({failures} failure"
+            f"{'s' if failures != 1 else ''} recently); retry after the Retry-After seconds."
+        )
     else:
-        message = ("The GPU process is not ready (starting or restarting); retry after the "
-                   "Retry-After seconds.")
+        message = "The GPU process is not ready (starting or restarting); retry after the Retry-After seconds."
     return ApiError(503, message, code="gpu_not_ready", retry_after_s=retry_after_s(st, status))

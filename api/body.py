@@ -47,8 +47,12 @@ def _strip(obj, info, path: str, ignored: list[str]) -> None:
     """Remove from `obj` (plain JSON) every object key the type `info` does not declare."""
     if isinstance(info, msgspec.inspect.UnionType):
         for t in info.types:
-            if isinstance(t, msgspec.inspect.StructType) and isinstance(obj, dict) \
-                    or isinstance(t, msgspec.inspect.ListType) and isinstance(obj, list):
+            if (
+                isinstance(t, msgspec.inspect.StructType)
+                and isinstance(obj, dict)
+                or isinstance(t, msgspec.inspect.ListType)
+                and isinstance(obj, list)
+            ):
                 _strip(obj, t, path, ignored)
                 return
     elif isinstance(info, msgspec.inspect.StructType) and isinstance(obj, dict):
@@ -72,9 +76,15 @@ def _invalid(exc: msgspec.ValidationError):
 
 def _malformed(exc: Exception):
     if isinstance(exc, RecursionError):  # msgspec's error for arrays or objects nested ~1,000 deep
-        return bad_request("Request body is nested too deeply; no field of a completion request "
-                           "nests more than two levels.", None, code="invalid_json")
+        return bad_request(
+            "Request body is nested too deeply; no field of a completion request nests more than two levels.",
+            None,
+            code="invalid_json",
+        )
     if isinstance(exc, UnicodeDecodeError):  # msgspec's error for invalid UTF-8 inside a string
-        return bad_request(f"Request body is not valid UTF-8 ({exc.reason} at byte {exc.start}); "
-                           "JSON text must be UTF-8.", None, code="invalid_json")
+        return bad_request(
+            f"Request body is not valid UTF-8 ({exc.reason} at byte {exc.start}); JSON text must be UTF-8.",
+            None,
+            code="invalid_json",
+        )
     return bad_request(f"Request body is not valid JSON: {exc}", None, code="invalid_json")

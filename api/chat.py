@@ -25,15 +25,20 @@ from ringserve.api.request_flow import Job, Output, check_available, run
 from ringserve.api.sampling_tokens import finish_sampling
 from ringserve.api.state import STATE, ApiState, note_ignored
 
-OUTPUTS = {as_ids: Output(encoder=ChatEventEncoder, body=chat_body, logprob_format=ChatLogprobs(as_ids))
-           for as_ids in (False, True)}
+OUTPUTS = {
+    as_ids: Output(encoder=ChatEventEncoder, body=chat_body, logprob_format=ChatLogprobs(as_ids))
+    for as_ids in (False, True)
+}
 
 
 async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     st.stats.add("requests_total")
-    req = parse_chat_body(await request.read(), max_tokens_limit=st.config.max_tokens_limit,
-                          on_ignored=lambda names: note_ignored(request, names))
+    req = parse_chat_body(
+        await request.read(),
+        max_tokens_limit=st.config.max_tokens_limit,
+        on_ignored=lambda names: note_ignored(request, names),
+    )
     check_model(req.model, st.model_name, st.model_aliases)
     template = _template(st)
     common = req.common
@@ -44,27 +49,42 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
     except asyncio.CancelledError:
         st.stats.add("disconnects")  # the client left while its prompt was tokenized
         raise
-    max_tokens = resolve_max_tokens(len(prompt_ids), req.max_tokens, st.config.context_limit,
-                                    st.config.max_tokens_limit)
+    max_tokens = resolve_max_tokens(
+        len(prompt_ids), req.max_tokens, st.config.context_limit, st.config.max_tokens_limit
+    )
     check_fits(len(prompt_ids), max_tokens, st.config.context_limit, param="messages")
     check_min_tokens(common, max_tokens)
     if not sampling.ignore_eos:
         stops = tuple(dict.fromkeys(sampling.stop_token_ids + template.end_of_turn_ids))
         sampling = msgspec.structs.replace(sampling, stop_token_ids=stops)
-    job = Job(prompts=[prompt_ids], max_tokens=[max_tokens], sampling=sampling, stop=common.stop,
-              n=common.n, logprobs=req.logprobs, stream=common.stream, cache_salt=common.cache_salt,
-              prompt_logprobs=common.prompt_logprobs, show_prompt_logprobs=common.prompt_logprobs,
-              options=common.output, include_usage=common.include_usage,
-              continuous_usage=common.continuous_usage, request_id=common.request_id)
+    job = Job(
+        prompts=[prompt_ids],
+        max_tokens=[max_tokens],
+        sampling=sampling,
+        stop=common.stop,
+        n=common.n,
+        logprobs=req.logprobs,
+        stream=common.stream,
+        cache_salt=common.cache_salt,
+        prompt_logprobs=common.prompt_logprobs,
+        show_prompt_logprobs=common.prompt_logprobs,
+        options=common.output,
+        include_usage=common.include_usage,
+        continuous_usage=common.continuous_usage,
+        request_id=common.request_id,
+    )
     return await run(request, st, job, OUTPUTS[common.output.tokens_as_ids])
 
 
 def _template(st: ApiState) -> ChatTemplate:
     if st.chat_template is None:
-        raise bad_request(f"The model {st.model_name!r} has no chat template (none in its "
-                          "tokenizer_config.json or chat_template.jinja), so it cannot format chat "
-                          "messages; use /v1/completions with a prompt, or serve a chat model.",
-                          "messages", code="no_chat_template")
+        raise bad_request(
+            f"The model {st.model_name!r} has no chat template (none in its "
+            "tokenizer_config.json or chat_template.jinja), so it cannot format chat "
+            "messages; use /v1/completions with a prompt, or serve a chat model.",
+            "messages",
+            code="no_chat_template",
+        )
     return st.chat_template
 
 
@@ -72,16 +92,28 @@ async def _prompt_ids(st: ApiState, template: ChatTemplate, req: ChatRequest) ->
     """Render, then tokenize as a prompt is (refused by its byte length before tokenizing when it
     cannot fit; a long one off the event loop)."""
     try:
-        text = template.render(req.messages, req.add_generation_prompt, extra=req.template_kwargs,
-                               continue_final_message=req.continue_final_message)
+        text = template.render(
+            req.messages,
+            req.add_generation_prompt,
+            extra=req.template_kwargs,
+            continue_final_message=req.continue_final_message,
+        )
     except ChatTemplateError as exc:
-        raise bad_request(f"The model's chat template refused the messages: {exc}", "messages",
-                          code="chat_template_error") from None
+        raise bad_request(
+            f"The model's chat template refused the messages: {exc}", "messages", code="chat_template_error"
+        ) from None
     # The rendered text holds the template's special tokens (BOS, turn markers) already.
-    ids = await encode_prompt(st.codec, text, max_tokens=req.max_tokens,
-                              context_limit=st.config.context_limit, executor=st.executor,
-                              inline_chars=st.tokenize_inline_chars, add_special_tokens=req.add_special_tokens,
-                              param="messages", truncate=req.common.truncate)
+    ids = await encode_prompt(
+        st.codec,
+        text,
+        max_tokens=req.max_tokens,
+        context_limit=st.config.context_limit,
+        executor=st.executor,
+        inline_chars=st.tokenize_inline_chars,
+        add_special_tokens=req.add_special_tokens,
+        param="messages",
+        truncate=req.common.truncate,
+    )
     if not ids:
         raise bad_request("The chat template rendered these messages as an empty prompt.", "messages")
     return ids

@@ -29,8 +29,15 @@ class ChatLogprobs:
     def __init__(self, tokens_as_ids: bool = False) -> None:
         self.tokens_as_ids = tokens_as_ids
 
-    def entry(self, codec: TextCodec, token_id: int, logprob: float | None,
-              top: list[tuple[int, float]] | None, want: int, offset: int) -> tuple[dict, int]:
+    def entry(
+        self,
+        codec: TextCodec,
+        token_id: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+        want: int,
+        offset: int,
+    ) -> tuple[dict, int]:
         alternatives = [self._token(codec, tid, lp) for tid, lp in (top or ())[:want]]
         return {**self._token(codec, token_id, logprob), "top_logprobs": alternatives}, 0
 
@@ -43,8 +50,11 @@ class ChatLogprobs:
         table = codec.byte_table
         raw = table[token_id] if table is not None and 0 <= token_id < len(table) else None
         text = token_text(codec, token_id, self.tokens_as_ids)
-        return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR) if logprob is not None else None,
-                "bytes": list(raw if raw is not None else codec.decode([token_id]).encode())}
+        return {
+            "token": text,
+            "logprob": max(logprob, LOGPROB_FLOOR) if logprob is not None else None,
+            "bytes": list(raw if raw is not None else codec.decode([token_id]).encode()),
+        }
 
 
 CHAT_LOGPROBS = ChatLogprobs()
@@ -60,39 +70,72 @@ class ChatEventEncoder:
         self.model = model
         self.created = created
         self.include_usage = include_usage
-        self._head = (b'data: {"id":' + _enc(request_id) + b',"object":"chat.completion.chunk",'
-                      b'"created":' + _enc(created) + b',"model":' + _enc(model)
-                      + b',"choices":[{"index":')
+        self._head = (
+            b'data: {"id":' + _enc(request_id) + b',"object":"chat.completion.chunk",'
+            b'"created":' + _enc(created) + b',"model":' + _enc(model) + b',"choices":[{"index":'
+        )
         self._tail_head = b',"request_id":' + _enc(request_id) + b',"index":'
 
     def start(self, n: int) -> bytes:
         """The first chunk of every choice: the assistant role, no text yet."""
-        return b"".join(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
-                        for i in range(n))
+        return b"".join(
+            self._chunk(
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            )
+            for i in range(n)
+        )
 
-    def token(self, index: int, text: str, token_id: int, logprob: float,
-              logprobs: dict | None = None, usage: dict | None = None) -> bytes:
+    def token(
+        self,
+        index: int,
+        text: str,
+        token_id: int,
+        logprob: float,
+        logprobs: dict | None = None,
+        usage: dict | None = None,
+    ) -> bytes:
         t = _enc(text)
         idx = str(index).encode()
-        return b"".join((self._head, idx, b',"delta":{"content":', t, b'},"logprobs":',
-                         b"null" if logprobs is None else _enc(logprobs),
-                         b',"finish_reason":null}]', self._tail_head, idx, b',"text":', t,
-                         b',"token_id":', str(token_id).encode(), b',"logprob":', _enc(logprob),
-                         b"}\n\n" if usage is None else b',"usage":' + _enc(usage) + b"}\n\n"))
+        return b"".join(
+            (
+                self._head,
+                idx,
+                b',"delta":{"content":',
+                t,
+                b'},"logprobs":',
+                b"null" if logprobs is None else _enc(logprobs),
+                b',"finish_reason":null}]',
+                self._tail_head,
+                idx,
+                b',"text":',
+                t,
+                b',"token_id":',
+                str(token_id).encode(),
+                b',"logprob":',
+                _enc(logprob),
+                b"}\n\n" if usage is None else b',"usage":' + _enc(usage) + b"}\n\n",
+            )
+        )
 
     def text(self, index: int, text: str, logprobs: dict | None) -> bytes:
         """Content that is not a generated token."""
-        return self._chunk([{"index": index, "delta": {"content": text}, "logprobs": logprobs,
-                             "finish_reason": None}], index=index, text=text)
+        return self._chunk(
+            [{"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}],
+            index=index,
+            text=text,
+        )
 
     def finish(self, index: int, text: str, reason: str, usage: dict, timing: dict) -> bytes:
         """A choice's last chunk: any text still held back, its finish_reason, and (our own
         fields) its usage and the request's timing."""
         delta = {"content": text} if text else {}
-        return self._chunk([{"index": index, "delta": delta, "logprobs": None,
-                             "finish_reason": reason}],
-                           index=index, finish_reason=reason, usage=usage, timing=timing)
+        return self._chunk(
+            [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}],
+            index=index,
+            finish_reason=reason,
+            usage=usage,
+            timing=timing,
+        )
 
     def usage(self, usage: dict, timing: dict) -> bytes:
         """The usage chunk, only when the client asked for it (`stream_options.include_usage`)."""
@@ -105,19 +148,44 @@ class ChatEventEncoder:
         return b"data: " + _enc({**body, "request_id": self.request_id}) + b"\n\n"
 
     def _chunk(self, choices: list, **extra) -> bytes:
-        return b"data: " + _enc({"id": self.request_id, "object": "chat.completion.chunk",
-                                 "created": self.created, "model": self.model, "choices": choices,
-                                 "request_id": self.request_id, **extra}) + b"\n\n"
+        return (
+            b"data: "
+            + _enc(
+                {
+                    "id": self.request_id,
+                    "object": "chat.completion.chunk",
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": choices,
+                    "request_id": self.request_id,
+                    **extra,
+                }
+            )
+            + b"\n\n"
+        )
 
 
 def chat_body(request_id: str, model: str, gen: Generation) -> dict:
     """The `chat.completion` body of a non-streamed request."""
-    choices = [{"index": i, "message": {"role": "assistant", "content": "".join(s.parts)},
-                "logprobs": gen.sample_logprobs(s), "finish_reason": s.reason}
-               for i, s in enumerate(gen.samples)]
-    body = {"id": request_id, "object": "chat.completion", "created": int(gen.arrival),
-            "model": model, "choices": choices, "usage": gen.usage(), "timing": gen.timing(),
-            "request_id": request_id}
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": "".join(s.parts)},
+            "logprobs": gen.sample_logprobs(s),
+            "finish_reason": s.reason,
+        }
+        for i, s in enumerate(gen.samples)
+    ]
+    body = {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(gen.arrival),
+        "model": model,
+        "choices": choices,
+        "usage": gen.usage(),
+        "timing": gen.timing(),
+        "request_id": request_id,
+    }
     if gen.show_prompt_logprobs is not None:  # vLLM's field, on the response
         body["prompt_logprobs"] = gen.prompt_logprobs(0, gen.show_prompt_logprobs)
     return body

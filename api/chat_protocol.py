@@ -104,8 +104,9 @@ class ChatRequest:
 _decoder = msgspec.json.Decoder(_ChatBody)
 
 
-def parse_chat_body(raw: bytes, *, max_tokens_limit: int,
-                    on_ignored: Callable[[tuple[str, ...]], None] = lambda names: None) -> ChatRequest:
+def parse_chat_body(
+    raw: bytes, *, max_tokens_limit: int, on_ignored: Callable[[tuple[str, ...]], None] = lambda names: None
+) -> ChatRequest:
     """Decode and validate a chat request body, raising `ApiError(400)` naming the field;
     `on_ignored(names)` hears of unknown fields first."""
     body, ignored = decode_body(_decoder, raw)
@@ -117,52 +118,70 @@ def parse_chat_body(raw: bytes, *, max_tokens_limit: int,
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true.", "top_logprobs")
         if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got "
-                              f"{body.top_logprobs}.", "top_logprobs")
+            raise bad_request(
+                f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {body.top_logprobs}.", "top_logprobs"
+            )
     if body.continue_final_message and body.add_generation_prompt:
-        raise bad_request("continue_final_message and add_generation_prompt cannot both be true "
-                          "(set add_generation_prompt to false).", "continue_final_message")
+        raise bad_request(
+            "continue_final_message and add_generation_prompt cannot both be true "
+            "(set add_generation_prompt to false).",
+            "continue_final_message",
+        )
     kwargs = body.chat_template_kwargs or None
-    if kwargs is not None and not all(isinstance(k, str) and k.isidentifier() and not k.startswith("_")
-                                      for k in kwargs):
-        raise bad_request("chat_template_kwargs keys must be identifiers not starting with '_'.",
-                          "chat_template_kwargs")
-    return ChatRequest(messages=messages, model=body.model, max_tokens=max_tokens,
-                       common=parse_sampling(body),
-                       logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                       add_special_tokens=bool(body.add_special_tokens),
-                       add_generation_prompt=body.add_generation_prompt is not False,
-                       continue_final_message=bool(body.continue_final_message), template_kwargs=kwargs)
+    if kwargs is not None and not all(
+        isinstance(k, str) and k.isidentifier() and not k.startswith("_") for k in kwargs
+    ):
+        raise bad_request(
+            "chat_template_kwargs keys must be identifiers not starting with '_'.", "chat_template_kwargs"
+        )
+    return ChatRequest(
+        messages=messages,
+        model=body.model,
+        max_tokens=max_tokens,
+        common=parse_sampling(body),
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        add_special_tokens=bool(body.add_special_tokens),
+        add_generation_prompt=body.add_generation_prompt is not False,
+        continue_final_message=bool(body.continue_final_message),
+        template_kwargs=kwargs,
+    )
 
 
 def _check_unsupported(body: _ChatBody) -> None:
     """No tool calling, structured output, audio or stored completions: only their neutral values."""
-    check_neutral({
-        "tools": not body.tools,
-        "tool_choice": body.tool_choice in (None, "none"),
-        "functions": not body.functions,
-        "function_call": body.function_call in (None, "none"),
-        "response_format": body.response_format is None or body.response_format == {"type": "text"},
-        "modalities": body.modalities in (None, ["text"]),
-        "audio": body.audio is None,
-        "prediction": body.prediction is None,
-        "reasoning_effort": body.reasoning_effort is None,
-        "store": not body.store,
-        "metadata": not body.metadata,
-        "service_tier": body.service_tier in (None, "auto", "default"),
-        "web_search_options": body.web_search_options is None,
-        "echo": not body.echo,
-        "chat_template": body.chat_template is None,
-        "documents": not body.documents,
-    })
+    check_neutral(
+        {
+            "tools": not body.tools,
+            "tool_choice": body.tool_choice in (None, "none"),
+            "functions": not body.functions,
+            "function_call": body.function_call in (None, "none"),
+            "response_format": body.response_format is None or body.response_format == {"type": "text"},
+            "modalities": body.modalities in (None, ["text"]),
+            "audio": body.audio is None,
+            "prediction": body.prediction is None,
+            "reasoning_effort": body.reasoning_effort is None,
+            "store": not body.store,
+            "metadata": not body.metadata,
+            "service_tier": body.service_tier in (None, "auto", "default"),
+            "web_search_options": body.web_search_options is None,
+            "echo": not body.echo,
+            "chat_template": body.chat_template is None,
+            "documents": not body.documents,
+        }
+    )
 
 
 def _max_tokens(body: _ChatBody, limit: int) -> int | None:
-    given = [(name, v) for name, v in (("max_completion_tokens", body.max_completion_tokens),
-                                       ("max_tokens", body.max_tokens)) if v is not None]
+    given = [
+        (name, v)
+        for name, v in (("max_completion_tokens", body.max_completion_tokens), ("max_tokens", body.max_tokens))
+        if v is not None
+    ]
     if len(given) == 2 and given[0][1] != given[1][1]:
-        raise bad_request("max_tokens and max_completion_tokens differ; send one of them "
-                          "(max_tokens is the older name).", "max_tokens")
+        raise bad_request(
+            "max_tokens and max_completion_tokens differ; send one of them (max_tokens is the older name).",
+            "max_tokens",
+        )
     if not given:
         return None
     return check_max_tokens(given[0][1], limit, given[0][0])
@@ -171,11 +190,13 @@ def _max_tokens(body: _ChatBody, limit: int) -> int | None:
 def parse_messages(messages: list[Message] | None) -> tuple[dict, ...]:
     """Template-ready messages (`role`, `content`, and `name` when given), or a 400."""
     if not messages:
-        raise bad_request("messages must be a non-empty list of {role, content} objects.",
-                          "messages", code="missing_messages" if messages is None else "invalid_value")
+        raise bad_request(
+            "messages must be a non-empty list of {role, content} objects.",
+            "messages",
+            code="missing_messages" if messages is None else "invalid_value",
+        )
     if len(messages) > MAX_MESSAGES:
-        raise bad_request(f"messages holds at most {MAX_MESSAGES} messages, got {len(messages)}.",
-                          "messages")
+        raise bad_request(f"messages holds at most {MAX_MESSAGES} messages, got {len(messages)}.", "messages")
     return tuple(_message(m, i) for i, m in enumerate(messages))
 
 
@@ -183,14 +204,21 @@ def _message(m: Message, i: int) -> dict:
     where = f"messages[{i}]"
     if m.role not in ROLES:
         hint = " (use system for developer instructions)" if m.role == "developer" else ""
-        raise bad_request(f"{where}.role {m.role!r} is not supported; use one of "
-                          f"{', '.join(ROLES)}{hint}. Tool and function messages need tool "
-                          "calling, which ringserve does not support.", f"{where}.role")
-    check_neutral({f"{where}.tool_calls": not m.tool_calls,
-                   f"{where}.function_call": m.function_call is None,
-                   f"{where}.refusal": not m.refusal,
-                   f"{where}.audio": m.audio is None,
-                   f"{where}.annotations": not m.annotations})
+        raise bad_request(
+            f"{where}.role {m.role!r} is not supported; use one of "
+            f"{', '.join(ROLES)}{hint}. Tool and function messages need tool "
+            "calling, which ringserve does not support.",
+            f"{where}.role",
+        )
+    check_neutral(
+        {
+            f"{where}.tool_calls": not m.tool_calls,
+            f"{where}.function_call": m.function_call is None,
+            f"{where}.refusal": not m.refusal,
+            f"{where}.audio": m.audio is None,
+            f"{where}.annotations": not m.annotations,
+        }
+    )
     out = {"role": m.role, "content": _content(m.content, where)}
     if m.name is not None:
         out["name"] = m.name
@@ -201,15 +229,18 @@ def _content(content: str | list[_Part] | None, where: str) -> str:
     if isinstance(content, str):
         return content
     if content is None:
-        raise bad_request(f"{where}.content must be a string or a list of text parts.",
-                          f"{where}.content")
+        raise bad_request(f"{where}.content must be a string or a list of text parts.", f"{where}.content")
     texts = []
     for j, part in enumerate(content):
         if part.type != "text":
-            raise bad_request(f"{where}.content[{j}].type {part.type!r} is not supported: ringserve "
-                              "serves text-only models; send text parts.", f"{where}.content[{j}].type")
+            raise bad_request(
+                f"{where}.content[{j}].type {part.type!r} is not supported: ringserve "
+                "serves text-only models; send text parts.",
+                f"{where}.content[{j}].type",
+            )
         if part.text is None:
-            raise bad_request(f"{where}.content[{j}] must be {{\"type\": \"text\", \"text\": "
-                              "string}.", f"{where}.content[{j}]")
+            raise bad_request(
+                f'{where}.content[{j}] must be {{"type": "text", "text": string}}.', f"{where}.content[{j}]"
+            )
         texts.append(part.text)
     return "\n".join(texts)

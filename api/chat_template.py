@@ -32,8 +32,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ringserve.api.tokenizer import TextCodec
 
-NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                        "cls_token", "mask_token")
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _PROBE = "\u2063ringserve-end-of-turn-probe\u2063"
 
 
@@ -91,8 +90,7 @@ def _raise_exception(message):
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt):
@@ -100,11 +98,11 @@ def _strftime_now(fmt):
 
 
 def compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_Dict(),
-                       namespace=_Namespace)
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_Dict(), namespace=_Namespace)
     return env.from_string(source)
 
 
@@ -129,16 +127,29 @@ class ChatTemplate:
         probe = cls(source, special, template, ())
         return cls(source, special, template, probe._find_end_of_turn(codec))
 
-    def render(self, messages: list[dict] | tuple[dict, ...], add_generation_prompt: bool = True, *,
-               extra: dict | None = None, continue_final_message: bool = False) -> str:
+    def render(
+        self,
+        messages: list[dict] | tuple[dict, ...],
+        add_generation_prompt: bool = True,
+        *,
+        extra: dict | None = None,
+        continue_final_message: bool = False,
+    ) -> str:
         """The prompt text for `messages`; `ChatTemplateError` if the template refuses them.
         `extra`: more template variables (vLLM's `chat_template_kwargs`; ours win on a clash);
         `continue_final_message`: end the text right after the last message's content, so the
         model continues it (as transformers does)."""
         try:
-            text = self.template.render({**(extra or {}), "messages": list(messages), "tools": None,
-                                         "documents": None, "add_generation_prompt": add_generation_prompt,
-                                         **self.special_tokens})
+            text = self.template.render(
+                {
+                    **(extra or {}),
+                    "messages": list(messages),
+                    "tools": None,
+                    "documents": None,
+                    "add_generation_prompt": add_generation_prompt,
+                    **self.special_tokens,
+                }
+            )
         except jinja2.exceptions.TemplateError as exc:  # raise_exception, undefined, sandbox
             raise ChatTemplateError(str(exc)) from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
@@ -147,9 +158,11 @@ class ChatTemplate:
             final = messages[-1]["content"] if messages else ""
             at = text.rfind(final) if final else -1
             if at == -1:
-                raise ChatTemplateError("continue_final_message: the template does not write the last "
-                                        "message's content as it is, so it cannot be continued")
-            text = text[:at + len(final)]
+                raise ChatTemplateError(
+                    "continue_final_message: the template does not write the last "
+                    "message's content as it is, so it cannot be continued"
+                )
+            text = text[: at + len(final)]
         return text
 
     def _find_end_of_turn(self, codec: TextCodec) -> tuple[int, ...]:
@@ -157,9 +170,14 @@ class ChatTemplate:
         eos = self.special_tokens.get("eos_token")
         if eos is not None and codec.token_id(eos) is not None:
             ids.add(codec.token_id(eos))
-        for messages in ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}],
-                         [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"},
-                          {"role": "assistant", "content": _PROBE}]):
+        for messages in (
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}],
+            [
+                {"role": "system", "content": "S"},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": _PROBE},
+            ],
+        ):
             try:
                 text = self.render(messages, add_generation_prompt=False)
             except ChatTemplateError:
@@ -167,7 +185,7 @@ class ChatTemplate:
             at = text.find(_PROBE)
             if at == -1:
                 continue
-            after = codec.encode(text[at + len(_PROBE):], add_special_tokens=False)
+            after = codec.encode(text[at + len(_PROBE) :], add_special_tokens=False)
             if after and after[0] in codec.special_ids:
                 ids.add(after[0])
             break
@@ -191,6 +209,5 @@ def read_template(model_dir: Path) -> tuple[str | None, dict[str, str]]:
         return jinja_file.read_text(encoding="utf-8"), special
     source = config.get("chat_template")
     if isinstance(source, list):  # named templates; without tools transformers uses "default"
-        source = next((t.get("template") for t in source
-                       if isinstance(t, dict) and t.get("name") == "default"), None)
+        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
     return (source if isinstance(source, str) else None), special

@@ -68,19 +68,22 @@ class CompletionRequest:
 _decoder = msgspec.json.Decoder(_Body)
 
 
-def parse_body(raw: bytes, *, max_tokens_limit: int,
-               on_ignored: Callable[[tuple[str, ...]], None] = lambda names: None) -> CompletionRequest:
+def parse_body(
+    raw: bytes, *, max_tokens_limit: int, on_ignored: Callable[[tuple[str, ...]], None] = lambda names: None
+) -> CompletionRequest:
     """Decode and validate a request body, raising `ApiError(400)` naming the offending field;
     `on_ignored(names)` hears of unknown fields first, so even that 400 can name them."""
     body, ignored = decode_body(_decoder, raw)
     on_ignored(ignored)
     echo = bool(body.echo)
     n = body.n or 1
-    check_neutral({
-        "suffix": body.suffix in (None, ""),
-        "best_of": body.best_of in (None, n),
-        "prompt_embeds": not body.prompt_embeds,
-    })
+    check_neutral(
+        {
+            "suffix": body.suffix in (None, ""),
+            "best_of": body.best_of in (None, n),
+            "prompt_embeds": not body.prompt_embeds,
+        }
+    )
     prompts = _prompts(body)
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is msgspec.UNSET else body.max_tokens
     score_only = max_tokens == 0 and echo
@@ -92,16 +95,27 @@ def parse_body(raw: bytes, *, max_tokens_limit: int,
     scored = common.prompt_logprobs
     if scored is None and echo and body.logprobs is not None:
         scored = body.logprobs  # the echoed prompt's logprobs (vLLM: prompt_logprobs = logprobs)
-    return CompletionRequest(prompts=prompts, model=body.model, max_tokens=1 if score_only else max_tokens,
-                             score_only=score_only, logprobs=body.logprobs, echo=echo, prompt_logprobs=scored,
-                             add_special_tokens=body.add_special_tokens is not False, common=common)
+    return CompletionRequest(
+        prompts=prompts,
+        model=body.model,
+        max_tokens=1 if score_only else max_tokens,
+        score_only=score_only,
+        logprobs=body.logprobs,
+        echo=echo,
+        prompt_logprobs=scored,
+        add_special_tokens=body.add_special_tokens is not False,
+        common=common,
+    )
 
 
 def _prompts(body: _Body) -> tuple[Prompt, ...]:
     given = [name for name in ("prompt", "prompt_token_ids") if getattr(body, name) is not None]
     if len(given) != 1:
-        raise bad_request("Send exactly one of 'prompt' and 'prompt_token_ids'.", "prompt",
-                          code="missing_prompt" if not given else "invalid_value")
+        raise bad_request(
+            "Send exactly one of 'prompt' and 'prompt_token_ids'.",
+            "prompt",
+            code="missing_prompt" if not given else "invalid_value",
+        )
     if body.prompt_token_ids is not None:
         return (token_ids(body.prompt_token_ids, "prompt_token_ids"),)
     prompt = body.prompt
@@ -113,8 +127,10 @@ def _prompts(body: _Body) -> tuple[Prompt, ...]:
         return (token_ids(prompt, "prompt"),)
     # A batch (OpenAI's shapes): strings, or token-id lists; each becomes its own choices.
     if not prompt or len(prompt) > MAX_PROMPTS:
-        raise bad_request(f"prompt must be a non-empty string, a list of token ids, or a list of 1 to "
-                          f"{MAX_PROMPTS} of either.", "prompt")
+        raise bad_request(
+            f"prompt must be a non-empty string, a list of token ids, or a list of 1 to {MAX_PROMPTS} of either.",
+            "prompt",
+        )
     out: list[Prompt] = []
     for i, p in enumerate(prompt):
         if isinstance(p, str) and p:
@@ -122,6 +138,7 @@ def _prompts(body: _Body) -> tuple[Prompt, ...]:
         elif isinstance(p, list) and p and all(type(x) is int for x in p):
             out.append(token_ids(p, f"prompt[{i}]"))
         else:
-            raise bad_request(f"prompt[{i}] must be a non-empty string or a non-empty list of token ids.",
-                              f"prompt[{i}]")
+            raise bad_request(
+                f"prompt[{i}] must be a non-empty string or a non-empty list of token ids.", f"prompt[{i}]"
+            )
     return tuple(out)

@@ -21,9 +21,16 @@ from ringserve.rules import vocabulary_error
 
 
 def _body(request_id: str, model: str, gen: Generation) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": int(gen.arrival),
-            "model": model, "choices": gen.choices(), "usage": gen.usage(),
-            "timing": gen.timing(), "request_id": request_id}
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(gen.arrival),
+        "model": model,
+        "choices": gen.choices(),
+        "usage": gen.usage(),
+        "timing": gen.timing(),
+        "request_id": request_id,
+    }
 
 
 def _output(tokens_as_ids: bool) -> Output:
@@ -37,8 +44,11 @@ OUTPUT_TOKEN_IDS = _output(True)
 async def handle_completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     st.stats.add("requests_total")
-    req = parse_body(await request.read(), max_tokens_limit=st.config.max_tokens_limit,
-                     on_ignored=lambda names: note_ignored(request, names))
+    req = parse_body(
+        await request.read(),
+        max_tokens_limit=st.config.max_tokens_limit,
+        on_ignored=lambda names: note_ignored(request, names),
+    )
     check_model(req.model, st.model_name, st.model_aliases)
     common = req.common
     sampling = finish_sampling(common, st.codec)
@@ -54,13 +64,28 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     echo = None
     if req.echo:
         skip = common.output.skip_special_tokens
-        echo = [p if isinstance(p, str) and common.truncate is None else st.codec.decode(ids, skip)
-                for p, ids in zip(req.prompts, prompts)]
-    job = Job(prompts=prompts, max_tokens=max_tokens, sampling=sampling, stop=common.stop, n=common.n,
-              logprobs=req.logprobs, stream=common.stream, cache_salt=common.cache_salt,
-              prompt_logprobs=req.prompt_logprobs, show_prompt_logprobs=common.prompt_logprobs, echo=echo,
-              score_only=req.score_only, options=common.output, include_usage=common.include_usage,
-              continuous_usage=common.continuous_usage, request_id=common.request_id)
+        echo = [
+            p if isinstance(p, str) and common.truncate is None else st.codec.decode(ids, skip)
+            for p, ids in zip(req.prompts, prompts)
+        ]
+    job = Job(
+        prompts=prompts,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=common.stop,
+        n=common.n,
+        logprobs=req.logprobs,
+        stream=common.stream,
+        cache_salt=common.cache_salt,
+        prompt_logprobs=req.prompt_logprobs,
+        show_prompt_logprobs=common.prompt_logprobs,
+        echo=echo,
+        score_only=req.score_only,
+        options=common.output,
+        include_usage=common.include_usage,
+        continuous_usage=common.continuous_usage,
+        request_id=common.request_id,
+    )
     return await run(request, st, job, OUTPUT_TOKEN_IDS if common.output.tokens_as_ids else OUTPUT)
 
 
@@ -69,9 +94,16 @@ async def _tokenize(st: ApiState, req: CompletionRequest, prompt: Prompt) -> lis
     limit = st.config.context_limit
     truncate = req.common.truncate
     if isinstance(prompt, str):
-        return await encode_prompt(st.codec, prompt, max_tokens=req.max_tokens, context_limit=limit,
-                                   executor=st.executor, inline_chars=st.tokenize_inline_chars,
-                                   add_special_tokens=req.add_special_tokens, truncate=truncate)
+        return await encode_prompt(
+            st.codec,
+            prompt,
+            max_tokens=req.max_tokens,
+            context_limit=limit,
+            executor=st.executor,
+            inline_chars=st.tokenize_inline_chars,
+            add_special_tokens=req.add_special_tokens,
+            truncate=truncate,
+        )
     outside = vocabulary_error(prompt, st.codec.vocab_size)
     if outside is not None:
         raise bad_request(outside, "prompt")

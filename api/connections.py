@@ -115,8 +115,9 @@ class ConnectionGuard:
         # busy ones (thousands of streams).
         self._idle: OrderedDict[web.RequestHandler, _Conn] = OrderedDict()
         self._busy: set[web.RequestHandler] = set()
-        self._refused = _RateLog("refused new connections: every connection is handling a request "
-                                 "or delivering an answer")
+        self._refused = _RateLog(
+            "refused new connections: every connection is handling a request or delivering an answer"
+        )
         self._evicted = _RateLog("closed waiting or idle connections to make room for new ones")
         self._timed_out = 0  # connections closed by a time limit, for tests and logs
 
@@ -136,17 +137,25 @@ class ConnectionGuard:
         loop = asyncio.get_running_loop()
         # NOTE: aiohttp's own idle timer would close a connection with unsent bytes gracefully
         # (the kernel keeps them); this guard enforces keep-alive and slow readers itself.
-        kwargs = dict(loop=loop, access_log=None, lingering_time=LINGER_S,
-                      keepalive_timeout=self.config.keepalive_timeout_s + self.config.slow_reader_s + 60)
-        return await loop.create_server(lambda: ApiRequestHandler(server, self, **kwargs), sock=sock,
-                                        backlog=self.config.listen_backlog)
+        kwargs = dict(
+            loop=loop,
+            access_log=None,
+            lingering_time=LINGER_S,
+            keepalive_timeout=self.config.keepalive_timeout_s + self.config.slow_reader_s + 60,
+        )
+        return await loop.create_server(
+            lambda: ApiRequestHandler(server, self, **kwargs), sock=sock, backlog=self.config.listen_backlog
+        )
 
     def opened(self, handler: web.RequestHandler) -> None:
         now = asyncio.get_running_loop().time()
         if self.open_connections >= self.max_connections and not self._make_room(now):
-            self._refused.event(now, f"{self.open_connections} open, the limit is {self.max_connections} "
-                                f"(RLIMIT_NOFILE {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}); "
-                                "raise the open-file limit or add workers")
+            self._refused.event(
+                now,
+                f"{self.open_connections} open, the limit is {self.max_connections} "
+                f"(RLIMIT_NOFILE {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}); "
+                "raise the open-file limit or add workers",
+            )
             if handler.transport is not None:
                 abort_connection(handler.transport)
             return
@@ -192,9 +201,12 @@ class ConnectionGuard:
             async with asyncio.timeout(limit):
                 await request.read()
         except TimeoutError:
-            raise ApiError(408, f"The request body did not arrive within {limit:g} s "
-                                "(body_timeout_s); send it at once.", code="body_timeout",
-                           close_connection=True) from None
+            raise ApiError(
+                408,
+                f"The request body did not arrive within {limit:g} s (body_timeout_s); send it at once.",
+                code="body_timeout",
+                close_connection=True,
+            ) from None
 
     # time limits -----------------------------------------------------------------------------
     async def sweep_forever(self) -> None:
@@ -290,8 +302,9 @@ class ApiRequestHandler(web.RequestHandler):
         self._guard.closed(self)
         super().connection_lost(exc)
 
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         plain = super().handle_error(request, status, exc, message)  # logs; raises if too late
         if status >= 500:
             text, code = "The server failed while handling the request; retry it.", "internal_error"
@@ -299,4 +312,3 @@ class ApiRequestHandler(web.RequestHandler):
             text = (message or plain.reason or "Bad request").splitlines()[0].rstrip(":")
             text, code = f"Malformed HTTP request: {text}.", "invalid_http_request"
         return ApiError(status, text, code=code, close_connection=True).response()
-

@@ -44,19 +44,19 @@ class Detokenizer:
             return self._utf8.decode(b"", final=True)
         if self._read == len(self._ids):
             return ""
-        prefix_text = self._codec.decode(self._ids[self._prefix:self._read], self._skip)
-        text = self._codec.decode(self._ids[self._prefix:], self._skip)
+        prefix_text = self._codec.decode(self._ids[self._prefix : self._read], self._skip)
+        text = self._codec.decode(self._ids[self._prefix :], self._skip)
         self._read = len(self._ids)
-        return text[len(prefix_text):]
+        return text[len(prefix_text) :]
 
     def _push_window(self, token_id: int) -> str:
         ids = self._ids
         ids.append(token_id)
-        prefix_text = self._codec.decode(ids[self._prefix:self._read], self._skip)
-        text = self._codec.decode(ids[self._prefix:], self._skip)
+        prefix_text = self._codec.decode(ids[self._prefix : self._read], self._skip)
+        text = self._codec.decode(ids[self._prefix :], self._skip)
         # A trailing U+FFFD means the last ids end inside a character: wait for more.
         if len(text) > len(prefix_text) and not text.endswith(_REPLACEMENT):
-            new = text[len(prefix_text):]
+            new = text[len(prefix_text) :]
             self._prefix = self._read
             self._read = len(ids)
             return new

@@ -37,8 +37,9 @@ def error_type(code: str | None, default: str = "server_error") -> str:
     return code if code in _OWN_TYPES else default
 
 
-def error_object(message: str, code: str | None, *, type_: str, param: str | None = None,
-                 extra: dict | None = None) -> dict:
+def error_object(
+    message: str, code: str | None, *, type_: str, param: str | None = None, extra: dict | None = None
+) -> dict:
     """`{"error": {...}}` — the one error shape, on responses and in SSE error events."""
     err = {"message": message, "type": type_, "param": param, "code": code}
     if extra:
@@ -49,10 +50,18 @@ def error_object(message: str, code: str | None, *, type_: str, param: str | Non
 class ApiError(Exception):
     """An error answered to the client with `status` and the OpenAI error object."""
 
-    def __init__(self, status: int, message: str, *, code: str | None = None,
-                 param: str | None = None, retry_after_s: float | None = None,
-                 type_: str | None = None, extra: dict | None = None,
-                 close_connection: bool = False) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+        type_: str | None = None,
+        extra: dict | None = None,
+        close_connection: bool = False,
+    ) -> None:
         """`type_` overrides the type derived from `status`; `extra` adds fields to the error
         object (e.g. `tokens_streamed`); `close_connection` ends the connection after the answer
         (the request was not read to its end)."""
@@ -74,8 +83,7 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         """The OpenAI error object."""
-        return error_object(self.message, self.code, type_=self.type, param=self.param,
-                            extra=self.extra)
+        return error_object(self.message, self.code, type_=self.type, param=self.param, extra=self.extra)
 
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:
@@ -87,8 +95,9 @@ class ApiError(Exception):
         headers = self.headers()
         if extra_headers:
             headers.update(extra_headers)
-        resp = web.Response(status=self.status, body=msgspec.json.encode(self.body()),
-                            content_type="application/json", headers=headers)
+        resp = web.Response(
+            status=self.status, body=msgspec.json.encode(self.body()), content_type="application/json", headers=headers
+        )
         if self.close_connection:
             resp.force_close()
         return resp
@@ -101,10 +110,15 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
 def from_http_exception(exc: web.HTTPException) -> ApiError:
     """aiohttp's own errors (413 body too large, 405, 404 route) in the OpenAI shape."""
     if exc.status == 413:
-        return ApiError(413, f"Request body too large: {exc.text or 'over the limit'}. "
-                             "Send a shorter prompt.", code="request_too_large")
+        return ApiError(
+            413,
+            f"Request body too large: {exc.text or 'over the limit'}. Send a shorter prompt.",
+            code="request_too_large",
+        )
     if exc.status == 404:
-        return ApiError(404, "Unknown path; see /v1/completions, /v1/chat/completions and /v1/models.", code="not_found")
+        return ApiError(
+            404, "Unknown path; see /v1/completions, /v1/chat/completions and /v1/models.", code="not_found"
+        )
     if exc.status == 405:
         return ApiError(405, f"Method not allowed: {exc.text}", code="method_not_allowed")
     return ApiError(exc.status, exc.reason or "HTTP error", code="http_error")

@@ -103,9 +103,14 @@ class FakeGpu:
             refusal = self.admit(msg) if self.admit is not None else None
             self._post(refusal or Accepted(rid=msg.rid, est_gpu_ms=1.0))
             if refusal is None:
-                self._rows[msg.rid] = _Row(msg, [self.script(msg, i) for i in range(msg.n)],
-                                           [0] * msg.n, [True] * msg.n, time.time(),
-                                           stop_token_ids=frozenset(msg.sampling.stop_token_ids))
+                self._rows[msg.rid] = _Row(
+                    msg,
+                    [self.script(msg, i) for i in range(msg.n)],
+                    [0] * msg.n,
+                    [True] * msg.n,
+                    time.time(),
+                    stop_token_ids=frozenset(msg.sampling.stop_token_ids),
+                )
         else:
             self.cancels.append(msg)
             row = self._rows.get(msg.rid)
@@ -153,7 +158,10 @@ class FakeGpu:
         `api.metrics` renders it."""
         return {name: 0.0 for name in GPU_STAT_NAMES} | {
             "running_rows": float(len(self._rows)),
-            "kv_blocks_free": 100.0, "kv_blocks_total": 128.0, "steps": float(self._step)}
+            "kv_blocks_free": 100.0,
+            "kv_blocks_total": 128.0,
+            "steps": float(self._step),
+        }
 
     # the step loop ---------------------------------------------------------------------------
     def _post(self, msg: Message) -> None:
@@ -203,10 +211,16 @@ class FakeGpu:
                     row.first_token = now
                 top = [(tid, -0.5)] * row.submit.logprobs if row.submit.logprobs else None
                 tokens.append(Token(rid, i, tid, -0.5, top))
-                reason = finish_reason(tid, row.generated[i], len(row.submit.prompt_ids) + row.generated[i],
-                                       eos_token_ids=self.eos_token_ids, stop_token_ids=row.stop_token_ids,
-                                       ignore_eos=row.submit.sampling.ignore_eos,
-                                       max_tokens=row.submit.max_tokens, context_limit=self.context_limit)
+                reason = finish_reason(
+                    tid,
+                    row.generated[i],
+                    len(row.submit.prompt_ids) + row.generated[i],
+                    eos_token_ids=self.eos_token_ids,
+                    stop_token_ids=row.stop_token_ids,
+                    ignore_eos=row.submit.sampling.ignore_eos,
+                    max_tokens=row.submit.max_tokens,
+                    context_limit=self.context_limit,
+                )
                 if reason is not None:
                     finishes.append(self._finish(row, i, reason, now))
             if not any(row.live):
@@ -219,5 +233,12 @@ class FakeGpu:
         row.live[i] = False
         self.finished[reason] = self.finished.get(reason, 0) + 1
         first = row.first_token if row.first_token is not None else now
-        return Finish(row.submit.rid, i, reason, len(row.submit.prompt_ids), row.generated[i],
-                      0.1, (first - row.submit.arrival_ts) * 1000.0)
+        return Finish(
+            row.submit.rid,
+            i,
+            reason,
+            len(row.submit.prompt_ids),
+            row.generated[i],
+            0.1,
+            (first - row.submit.arrival_ts) * 1000.0,
+        )

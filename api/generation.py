@@ -30,8 +30,7 @@ from ringserve.api.tokenizer import TextCodec
 from ringserve.shm.messages import Error, Finish, Token
 
 # GPU finish reasons as the client sees them (the API promises stop | length | cancelled).
-_CLIENT_REASON = {"stop": "stop", "length": "length", "cancelled": "cancelled",
-                  "deadline": "cancelled"}
+_CLIENT_REASON = {"stop": "stop", "length": "length", "cancelled": "cancelled", "deadline": "cancelled"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +57,24 @@ class Sample:
 class Generation:
     """Output state of one request: `len(prompts) * n` choices."""
 
-    def __init__(self, codec: TextCodec, *, n: int, stop: tuple[str, ...], prompts: list[list[int]],
-                 arrival: float, encoder: Encoder | None, logprobs: int | None = None,
-                 logprob_format: LogprobFormat = COMPLETION_LOGPROBS, options: OutputOptions = OutputOptions(),
-                 stop_ids: frozenset[int] = frozenset(), echo: list[str] | None = None,
-                 score_only: bool = False, scored: bool = False, continuous_usage: bool = False) -> None:
+    def __init__(
+        self,
+        codec: TextCodec,
+        *,
+        n: int,
+        stop: tuple[str, ...],
+        prompts: list[list[int]],
+        arrival: float,
+        encoder: Encoder | None,
+        logprobs: int | None = None,
+        logprob_format: LogprobFormat = COMPLETION_LOGPROBS,
+        options: OutputOptions = OutputOptions(),
+        stop_ids: frozenset[int] = frozenset(),
+        echo: list[str] | None = None,
+        score_only: bool = False,
+        scored: bool = False,
+        continuous_usage: bool = False,
+    ) -> None:
         """`encoder` writes the route's SSE events (None: not streaming); `logprobs` is the
         request's setting (None: no logprobs objects), shown as `logprob_format` says; `stop_ids`
         the request's stop token ids (their text is not shown); `echo` each prompt's text to show
@@ -72,9 +84,15 @@ class Generation:
         self.prompts = prompts
         self.options = options
         skip = options.skip_special_tokens
-        self.samples = [Sample(Detokenizer(codec, skip_special_tokens=skip), StopMatcher(stop, options.include_stop_str)
-                               if stop else None, i // n, logprobs=[] if logprobs is not None else None)
-                        for i in range(n * len(prompts))]
+        self.samples = [
+            Sample(
+                Detokenizer(codec, skip_special_tokens=skip),
+                StopMatcher(stop, options.include_stop_str) if stop else None,
+                i // n,
+                logprobs=[] if logprobs is not None else None,
+            )
+            for i in range(n * len(prompts))
+        ]
         self.logprob_format = logprob_format
         self.prompt_tokens = sum(map(len, prompts))
         self.arrival = arrival
@@ -162,8 +180,12 @@ class Generation:
             return
         reason = _CLIENT_REASON.get(item.reason)
         if reason is None:  # "error": the GPU process failed this request's row
-            self._fail(Error(code="gpu_error", rid=item.rid, message="the GPU process "
-                             "could not finish this request; retry it"), out)
+            self._fail(
+                Error(
+                    code="gpu_error", rid=item.rid, message="the GPU process could not finish this request; retry it"
+                ),
+                out,
+            )
             return
         if self.echo is not None and not s.echoed:
             self._echo(s, item.index, out)
@@ -173,7 +195,7 @@ class Generation:
         if self.prompt_scores is None:
             return
         rec = item.record
-        ids = self.prompts[item.prompt][rec.start:rec.start + len(rec.logprobs)]
+        ids = self.prompts[item.prompt][rec.start : rec.start + len(rec.logprobs)]
         self.prompt_scores[item.prompt] += zip(ids, rec.logprobs, rec.ranks, rec.top or [None] * len(ids))
 
     def _echo(self, s: Sample, index: int, out: list[bytes]) -> None:
@@ -193,8 +215,7 @@ class Generation:
             s.parts.append(text)
 
     def _entry(self, s: Sample, token_id: int, logprob: float | None, top) -> object:
-        entry, width = self.logprob_format.entry(self.codec, token_id, logprob, top, self.want_logprobs,
-                                                 s.offset)
+        entry, width = self.logprob_format.entry(self.codec, token_id, logprob, top, self.want_logprobs, s.offset)
         s.offset += width
         if self.encoder is None:
             s.logprobs.append(entry)
@@ -221,8 +242,7 @@ class Generation:
         """The OpenAI error object for the request's failure, with how many tokens the client
         already has (all samples together), so it knows what a retry repeats."""
         err = self.error
-        return error_object(err.message, err.code, type_=error_type(err.code),
-                            extra={"tokens_streamed": self.tokens})
+        return error_object(err.message, err.code, type_=error_type(err.code), extra={"tokens_streamed": self.tokens})
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -242,8 +262,11 @@ class Generation:
     def usage(self) -> dict:
         """The whole request's usage: every prompt once, every choice's tokens."""
         completion = sum(s.tokens for s in self.samples)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
 
     def sample_usage(self, s: Sample) -> dict:
         """One choice's usage: its prompt and its tokens."""
@@ -267,8 +290,10 @@ class Generation:
 
     def choices(self) -> list[dict]:
         """The /v1/completions choices of a non-streamed request."""
-        choices = [{"index": i, "text": "".join(s.parts), "logprobs": self.sample_logprobs(s),
-                    "finish_reason": s.reason} for i, s in enumerate(self.samples)]
+        choices = [
+            {"index": i, "text": "".join(s.parts), "logprobs": self.sample_logprobs(s), "finish_reason": s.reason}
+            for i, s in enumerate(self.samples)
+        ]
         if self.show_prompt_logprobs is not None:
             for choice, s in zip(choices, self.samples):
                 choice["prompt_logprobs"] = self.prompt_logprobs(s.prompt, self.show_prompt_logprobs)

@@ -108,11 +108,22 @@ class RequestStream:
     records into its inbox. The streams of a batched request (one Submit per prompt) share an
     inbox; stream `prompt` renumbers its samples from `offset` (= prompt * n)."""
 
-    __slots__ = ("rid", "admission", "submit", "streamed", "cancelled", "resubmits", "held_at",
-                 "inbox", "prompt", "offset")
+    __slots__ = (
+        "rid",
+        "admission",
+        "submit",
+        "streamed",
+        "cancelled",
+        "resubmits",
+        "held_at",
+        "inbox",
+        "prompt",
+        "offset",
+    )
 
-    def __init__(self, rid: int, loop: asyncio.AbstractEventLoop, inbox: Inbox | None = None,
-                 prompt: int = 0, offset: int = 0) -> None:
+    def __init__(
+        self, rid: int, loop: asyncio.AbstractEventLoop, inbox: Inbox | None = None, prompt: int = 0, offset: int = 0
+    ) -> None:
         self.rid = rid  # changes when the request is resubmitted after a GPU-process restart
         self.admission: asyncio.Future = loop.create_future()
         self.submit: Submit | None = None  # as last sent, for a resubmission
@@ -144,9 +155,15 @@ class RequestStream:
 class GpuClient:
     """Request bookkeeping for one worker; all methods run on the worker's event loop."""
 
-    def __init__(self, transport: Transport, worker: int = 0,
-                 ready: Callable[[], bool] | None = None, hold_s: float = 30.0,
-                 down_reason: Callable[[], str | None] | None = None, first_rid: int = 1) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        worker: int = 0,
+        ready: Callable[[], bool] | None = None,
+        hold_s: float = 30.0,
+        down_reason: Callable[[], str | None] | None = None,
+        first_rid: int = 1,
+    ) -> None:
         """`ready()` says whether the GPU process is READY (the control block); held requests are
         resubmitted once it is, or failed after `hold_s`. None: always ready (a transport without
         restarts). `down_reason()` says how the last GPU process ended ("was killed by SIGKILL"),
@@ -219,13 +236,10 @@ class GpuClient:
             return answer
         self.release(stream)
         if isinstance(answer, Rejected):
-            raise ApiError(answer.status, answer.message, code=answer.code,
-                           retry_after_s=answer.retry_after_s)
+            raise ApiError(answer.status, answer.message, code=answer.code, retry_after_s=answer.retry_after_s)
         kind = error_type(answer.code)
-        message = answer.message if kind != "server_error" else \
-            f"The GPU process failed: {answer.message}"
-        raise ApiError(503, message, code=answer.code, type_=kind, retry_after_s=1.0,
-                       extra={"tokens_streamed": 0})
+        message = answer.message if kind != "server_error" else f"The GPU process failed: {answer.message}"
+        raise ApiError(503, message, code=answer.code, type_=kind, retry_after_s=1.0, extra={"tokens_streamed": 0})
 
     def cancel(self, rid: int, reason: str = "cancelled", index: int | None = None) -> None:
         """End the request on the GPU, or only its sample `index` (the others keep running)."""
@@ -298,14 +312,26 @@ class GpuClient:
                 continue  # ended for its client already; nothing to resubmit or tell
             if stream.streamed:
                 failed += 1
-                stream.feed(Error(code=RESTART_ERROR, rid=stream.rid, message=(
-                    "The GPU process restarted after this request had streamed tokens; they "
-                    "cannot be continued. Retry the request.")))
+                stream.feed(
+                    Error(
+                        code=RESTART_ERROR,
+                        rid=stream.rid,
+                        message=(
+                            "The GPU process restarted after this request had streamed tokens; they "
+                            "cannot be continued. Retry the request."
+                        ),
+                    )
+                )
             elif stream.submit is not None and stream.resubmits >= MAX_RESUBMITS:
                 failed += 1
-                err = Error(code=RESTART_ERROR, rid=stream.rid, message=(
-                    "The GPU process restarted again while this request was in it; it is not "
-                    "resubmitted a second time, in case it is what makes the process fail."))
+                err = Error(
+                    code=RESTART_ERROR,
+                    rid=stream.rid,
+                    message=(
+                        "The GPU process restarted again while this request was in it; it is not "
+                        "resubmitted a second time, in case it is what makes the process fail."
+                    ),
+                )
                 stream.set_admission(err)
                 stream.feed(err)
             elif stream.submit is not None:
@@ -314,8 +340,12 @@ class GpuClient:
         # and their Cancels name rows the new process never had.
         self._pending.clear()
         self._restarting = True
-        log.warning("worker %d: GPU process restarted; %d streaming requests failed, %d held for "
-                    "resubmission once it is READY", self.worker, failed, len(self._held))
+        log.warning(
+            "worker %d: GPU process restarted; %d streaming requests failed, %d held for resubmission once it is READY",
+            self.worker,
+            failed,
+            len(self._held),
+        )
         self._schedule_poll()
 
     def _hold(self, stream: RequestStream) -> None:
@@ -341,9 +371,14 @@ class GpuClient:
             if now - stream.held_at > self.hold_s or time.time() >= stream.submit.deadline_ts:
                 del self._held[rid]
                 why = self.down_reason()
-                self._fail_held(stream, RESTART_ERROR, (
-                    f"The GPU process failed{f' (it {why})' if why else ''} and was not back within "
-                    f"{self.hold_s:g} s; this request was not run. Retry it."))
+                self._fail_held(
+                    stream,
+                    RESTART_ERROR,
+                    (
+                        f"The GPU process failed{f' (it {why})' if why else ''} and was not back within "
+                        f"{self.hold_s:g} s; this request was not run. Retry it."
+                    ),
+                )
 
     def _resubmit_held(self) -> None:
         self._poll = None
@@ -358,9 +393,14 @@ class GpuClient:
             if self._streams.get(old_rid) is not stream:
                 continue  # released meanwhile
             if now >= stream.submit.deadline_ts:
-                err = Error(code=RESTART_ERROR, rid=old_rid, message=(
-                    "The GPU process restarted and the request's deadline passed before it "
-                    "could be resubmitted. Retry it."))
+                err = Error(
+                    code=RESTART_ERROR,
+                    rid=old_rid,
+                    message=(
+                        "The GPU process restarted and the request's deadline passed before it "
+                        "could be resubmitted. Retry it."
+                    ),
+                )
                 stream.set_admission(err)
                 stream.feed(err)
                 continue
@@ -377,8 +417,7 @@ class GpuClient:
             self._send(Cancel(rid=old_rid, reason="cancelled"))
             self._send(stream.submit)
         if held:
-            log.info("worker %d: resubmitted %d requests to the restarted GPU process",
-                     self.worker, self.resubmitted)
+            log.info("worker %d: resubmitted %d requests to the restarted GPU process", self.worker, self.resubmitted)
 
     # outgoing --------------------------------------------------------------------------------
     def _send(self, msg: Submit | Cancel) -> None:
@@ -395,11 +434,17 @@ class GpuClient:
         except RecordTooLarge as exc:
             stream = self._streams.get(msg.rid) if type(msg) is Submit else None
             if stream is not None:
-                stream.set_admission(Rejected(rid=msg.rid, status=413, code="request_too_large",
-                                              message=f"The request is too large to pass to the GPU "
-                                                      f"process ({exc}); send a shorter one."))
-            log.error("worker %d: dropped a %s the request ring can never take: %s", self.worker,
-                      type(msg).__name__, exc)
+                stream.set_admission(
+                    Rejected(
+                        rid=msg.rid,
+                        status=413,
+                        code="request_too_large",
+                        message=f"The request is too large to pass to the GPU process ({exc}); send a shorter one.",
+                    )
+                )
+            log.error(
+                "worker %d: dropped a %s the request ring can never take: %s", self.worker, type(msg).__name__, exc
+            )
             return True
 
     def _schedule_retry(self) -> None:

@@ -21,8 +21,15 @@ LOGPROB_FLOOR = -9999.0
 class LogprobFormat(Protocol):
     """One entry per token, one object per streamed event, and the object of a whole choice."""
 
-    def entry(self, codec: TextCodec, token_id: int, logprob: float | None,
-              top: list[tuple[int, float]] | None, want: int, offset: int) -> tuple[object, int]:
+    def entry(
+        self,
+        codec: TextCodec,
+        token_id: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+        want: int,
+        offset: int,
+    ) -> tuple[object, int]:
         """A token's entry (`logprob` None: a prompt's first token) with up to `want` alternatives
         from `top`, and the length its text adds to the choice's text offset."""
 
@@ -47,8 +54,15 @@ class CompletionLogprobs:
     def __init__(self, tokens_as_ids: bool = False) -> None:
         self.tokens_as_ids = tokens_as_ids
 
-    def entry(self, codec: TextCodec, token_id: int, logprob: float | None,
-              top: list[tuple[int, float]] | None, want: int, offset: int) -> tuple[tuple, int]:
+    def entry(
+        self,
+        codec: TextCodec,
+        token_id: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+        want: int,
+        offset: int,
+    ) -> tuple[tuple, int]:
         text = token_text(codec, token_id, self.tokens_as_ids)
         if logprob is None:
             return (text, None, None, offset), len(text)
@@ -61,8 +75,12 @@ class CompletionLogprobs:
         return (text, logprob, alternatives, offset), len(text)
 
     def event(self, entries: list) -> dict:
-        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
-                "top_logprobs": [e[2] for e in entries], "text_offset": [e[3] for e in entries]}
+        return {
+            "tokens": [e[0] for e in entries],
+            "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": [e[2] for e in entries],
+            "text_offset": [e[3] for e in entries],
+        }
 
     collect = event
 

@@ -42,14 +42,14 @@ _WORKER_COUNTERS = (
     ("ringserve_prompt_tokens", "Prompt tokens of admitted requests.", "prompt_tokens_total"),
     ("ringserve_completion_tokens", "Tokens sent to clients.", "completion_tokens_total"),
     ("ringserve_disconnects", "Requests cancelled because the client went away.", "disconnects"),
-    ("ringserve_slow_reader_cancels", "Requests cancelled because the client stopped reading.",
-     "slow_reader_cancels"),
+    ("ringserve_slow_reader_cancels", "Requests cancelled because the client stopped reading.", "slow_reader_cancels"),
 )
-_REJECTIONS = (("400", "requests_rejected_400"), ("429", "requests_rejected_429"),
-               ("other", "requests_rejected_other"))
-_HIST_HELP = {"ttft_ms": "Time to first token, seconds (arrival at the worker to first token).",
-              "tpot_ms": "Time per output token after the first, seconds.",
-              "max_gap_ms": "Longest gap between two tokens of a request, seconds."}
+_REJECTIONS = (("400", "requests_rejected_400"), ("429", "requests_rejected_429"), ("other", "requests_rejected_other"))
+_HIST_HELP = {
+    "ttft_ms": "Time to first token, seconds (arrival at the worker to first token).",
+    "tpot_ms": "Time per output token after the first, seconds.",
+    "max_gap_ms": "Longest gap between two tokens of a request, seconds.",
+}
 
 
 class _SnapshotCollector:
@@ -66,13 +66,13 @@ class _SnapshotCollector:
             yield GaugeMetricFamily(name, doc, value=workers.get(key, 0.0))
         for name, doc, key in _WORKER_COUNTERS:
             yield CounterMetricFamily(name, doc, value=workers.get(key, 0.0))
-        rejected = CounterMetricFamily("ringserve_requests_rejected", "Requests refused, by HTTP "
-                                       "status.", labels=["status"])
+        rejected = CounterMetricFamily(
+            "ringserve_requests_rejected", "Requests refused, by HTTP status.", labels=["status"]
+        )
         for label, key in _REJECTIONS:
             rejected.add_metric([label], workers.get(key, 0.0))
         yield rejected
-        finished = CounterMetricFamily("ringserve_requests_finished", "Samples finished, by reason.",
-                                       labels=["reason"])
+        finished = CounterMetricFamily("ringserve_requests_finished", "Samples finished, by reason.", labels=["reason"])
         for reason in FINISH_REASONS:
             finished.add_metric([reason], workers.get(f"finished_{reason}", 0.0))
         yield finished
@@ -83,18 +83,28 @@ class _SnapshotCollector:
         """The Gateway API Inference Extension's model-server names, vLLM-spelled."""
         total = float(gpu.get("kv_blocks_total", 0.0))
         free = float(gpu.get("kv_blocks_free", 0.0))
-        yield GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
-                                value=float(gpu.get("queue_depth", 0.0)))
-        yield GaugeMetricFamily("vllm:num_requests_running", "Requests running on the GPU.",
-                                value=float(gpu.get("running_rows", 0.0)))
-        yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1.",
-                                value=min(1.0, max(0.0, 1.0 - free / total)) if total > 0 else 0.0)
-        yield CounterMetricFamily("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.",
-                                  value=float(gpu.get("prefix_cache_queries", 0.0)))
-        yield CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.",
-                                  value=float(gpu.get("prefix_cache_hits", 0.0)))
-        info = GaugeMetricFamily("vllm:cache_config_info", "KV-cache configuration.",
-                                 labels=["block_size", "num_gpu_blocks"])
+        yield GaugeMetricFamily(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled.", value=float(gpu.get("queue_depth", 0.0))
+        )
+        yield GaugeMetricFamily(
+            "vllm:num_requests_running", "Requests running on the GPU.", value=float(gpu.get("running_rows", 0.0))
+        )
+        yield GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage, 0 to 1.",
+            value=min(1.0, max(0.0, 1.0 - free / total)) if total > 0 else 0.0,
+        )
+        yield CounterMetricFamily(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in tokens.",
+            value=float(gpu.get("prefix_cache_queries", 0.0)),
+        )
+        yield CounterMetricFamily(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", value=float(gpu.get("prefix_cache_hits", 0.0))
+        )
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "KV-cache configuration.", labels=["block_size", "num_gpu_blocks"]
+        )
         info.add_metric([str(int(self.snap.block_size)), str(int(total))], 1.0)
         yield info
 
@@ -117,8 +127,8 @@ def _histograms(stats: Mapping[str, float]) -> Iterator[Metric]:
             fam = split.get(base)
             if fam is None:
                 fam = split[base] = HistogramMetricFamily(
-                    f"ringserve_{seconds}_by_prompt_len_seconds", f"{doc} By prompt length.",
-                    labels=["prompt_len"])
+                    f"ringserve_{seconds}_by_prompt_len_seconds", f"{doc} By prompt length.", labels=["prompt_len"]
+                )
             fam.add_metric([label], *_buckets(stats, hist))
         else:
             fam = HistogramMetricFamily(f"ringserve_{seconds}_seconds", doc)
@@ -143,6 +153,8 @@ def render(snap: StatsSnapshot) -> bytes:
 def from_control(control) -> StatsSnapshot:
     """Read a snapshot from a `shm.control.Control` block (every region, seqlock-consistent)."""
     facts = control.model_facts() or {}
-    return StatsSnapshot(gpu=control.gpu_stats.read(),
-                         workers=[control.worker_stats(i).read() for i in range(control.n_workers)],
-                         block_size=int(facts.get("block_size", 0)))
+    return StatsSnapshot(
+        gpu=control.gpu_stats.read(),
+        workers=[control.worker_stats(i).read() for i in range(control.n_workers)],
+        block_size=int(facts.get("block_size", 0)),
+    )

@@ -89,9 +89,11 @@ class PeerCancel:
             async with asyncio.timeout(_PEER_TIMEOUT_S):
                 await asyncio.get_running_loop().sock_connect(sock, self.address(slot))
                 reader, writer = await asyncio.open_unix_connection(sock=sock)
-                writer.write(f"DELETE /requests/{quote(request_id, safe='')} HTTP/1.1\r\n"
-                             f"Host: worker\r\n{_TENANT_HEADER}: {tenant}\r\n"
-                             "Content-Length: 0\r\nConnection: close\r\n\r\n".encode())
+                writer.write(
+                    f"DELETE /requests/{quote(request_id, safe='')} HTTP/1.1\r\n"
+                    f"Host: worker\r\n{_TENANT_HEADER}: {tenant}\r\n"
+                    "Content-Length: 0\r\nConnection: close\r\n\r\n".encode()
+                )
                 await writer.drain()
                 status_line = await reader.readline()
         except (OSError, TimeoutError):

@@ -34,49 +34,63 @@ def min_prompt_tokens(codec: TextCodec, text: str) -> int:
     return -(-utf8_length(text) // per_token)
 
 
-def check_fits(prompt_tokens: int, max_tokens: int, context_limit: int, *, at_least: bool = False,
-               param: str = "prompt") -> None:
+def check_fits(
+    prompt_tokens: int, max_tokens: int, context_limit: int, *, at_least: bool = False, param: str = "prompt"
+) -> None:
     """400 `context_length_exceeded` when the prompt and max_tokens cannot fit the context."""
     message = context_error(prompt_tokens, max_tokens, context_limit, at_least=at_least)
     if message is not None:
         raise bad_request(message, param, code=CONTEXT_LENGTH_EXCEEDED)
 
 
-async def encode_prompt(codec: TextCodec, text: str, *, max_tokens: int | None, context_limit: int,
-                        executor: Executor | None, inline_chars: int, add_special_tokens: bool = True,
-                        param: str = "prompt", truncate: tuple[int, str] | None = None) -> list[int]:
+async def encode_prompt(
+    codec: TextCodec,
+    text: str,
+    *,
+    max_tokens: int | None,
+    context_limit: int,
+    executor: Executor | None,
+    inline_chars: int,
+    add_special_tokens: bool = True,
+    param: str = "prompt",
+    truncate: tuple[int, str] | None = None,
+) -> list[int]:
     """The prompt's token ids, refusing a prompt too long to fit before tokenizing it (unless it is
     to be truncated). Prompts up to `inline_chars` characters are tokenized inline (a thread hop
     costs more than they do). `add_special_tokens=False` for text that holds them already (a
     rendered chat template). `max_tokens` None: up to the context (at least one token)."""
     if truncate is None:
         check_fits(min_prompt_tokens(codec, text), max_tokens or 1, context_limit, at_least=True, param=param)
-    ids = await tokenize(codec, text, executor=executor, inline_chars=inline_chars,
-                         add_special_tokens=add_special_tokens)
+    ids = await tokenize(
+        codec, text, executor=executor, inline_chars=inline_chars, add_special_tokens=add_special_tokens
+    )
     return fit_ids(ids, max_tokens, context_limit, truncate, param)
 
 
-async def tokenize(codec: TextCodec, text: str, *, executor: Executor | None, inline_chars: int,
-                   add_special_tokens: bool = True) -> list[int]:
+async def tokenize(
+    codec: TextCodec, text: str, *, executor: Executor | None, inline_chars: int, add_special_tokens: bool = True
+) -> list[int]:
     """`text`'s ids: inline when short, else in a worker thread, off the event loop."""
     if len(text) <= inline_chars or executor is None:
         return codec.encode(text, add_special_tokens)
-    return await asyncio.get_running_loop().run_in_executor(executor, codec.encode_unlocked, text,
-                                                            add_special_tokens)
+    return await asyncio.get_running_loop().run_in_executor(executor, codec.encode_unlocked, text, add_special_tokens)
 
 
-def fit_ids(ids: list[int], max_tokens: int | None, context_limit: int, truncate: tuple[int, str] | None,
-            param: str = "prompt") -> list[int]:
+def fit_ids(
+    ids: list[int], max_tokens: int | None, context_limit: int, truncate: tuple[int, str] | None, param: str = "prompt"
+) -> list[int]:
     """Truncate a tokenized prompt as asked (vLLM's `truncate_prompt_tokens`: keep that many tokens,
     -1: as many as the context allows, from the `left` or `right` end) and check it fits."""
     if truncate is not None:
         keep, side = truncate
         if keep > context_limit:
-            raise bad_request(f"truncate_prompt_tokens ({keep}) is over the context limit of "
-                              f"{context_limit} tokens.", "truncate_prompt_tokens")
+            raise bad_request(
+                f"truncate_prompt_tokens ({keep}) is over the context limit of {context_limit} tokens.",
+                "truncate_prompt_tokens",
+            )
         keep = context_limit - 1 if keep == -1 else keep
         if len(ids) > keep:
-            ids = ids[len(ids) - keep:] if side == "left" else ids[:keep]
+            ids = ids[len(ids) - keep :] if side == "left" else ids[:keep]
         if not ids:
             raise bad_request("truncate_prompt_tokens leaves an empty prompt.", "truncate_prompt_tokens")
     check_fits(len(ids), max_tokens or 1, context_limit, param=param)

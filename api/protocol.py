@@ -127,15 +127,17 @@ def parse_sampling(body: SamplingBody) -> SamplingFields:
     n = 1 if body.n is None else body.n
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}.", "n")
-    check_neutral({
-        "use_beam_search": not body.use_beam_search,
-        "watermarking": not body.watermarking,
-        "priority": body.priority in (None, 0),
-        "structured_outputs": body.structured_outputs is None,
-        "response_format": body.response_format is None or body.response_format == {"type": "text"},
-        "logprob_token_ids": not body.logprob_token_ids,
-        "repetition_detection": body.repetition_detection is None,
-    })
+    check_neutral(
+        {
+            "use_beam_search": not body.use_beam_search,
+            "watermarking": not body.watermarking,
+            "priority": body.priority in (None, 0),
+            "structured_outputs": body.structured_outputs is None,
+            "response_format": body.response_format is None or body.response_format == {"type": "text"},
+            "logprob_token_ids": not body.logprob_token_ids,
+            "repetition_detection": body.repetition_detection is None,
+        }
+    )
     stream = bool(body.stream)
     options = body.stream_options
     if options is not None and not stream:
@@ -145,13 +147,24 @@ def parse_sampling(body: SamplingBody) -> SamplingFields:
     if body.request_id is not None and not 1 <= len(body.request_id) <= 128:
         raise bad_request("request_id must be 1 to 128 characters.", "request_id")
     return SamplingFields(
-        sampling=_sampling(body), stop=_stops(body.stop), n=n, stream=stream, include_usage=include_usage,
-        continuous_usage=include_usage and bool(options.continuous_usage_stats), cache_salt=_salt(body),
-        request_id=body.request_id, output=OutputOptions(
+        sampling=_sampling(body),
+        stop=_stops(body.stop),
+        n=n,
+        stream=stream,
+        include_usage=include_usage,
+        continuous_usage=include_usage and bool(options.continuous_usage_stats),
+        cache_salt=_salt(body),
+        request_id=body.request_id,
+        output=OutputOptions(
             include_stop_str=bool(body.include_stop_str_in_output),
             skip_special_tokens=body.skip_special_tokens is not False,
-            tokens_as_ids=bool(body.return_tokens_as_token_ids), min_tokens=body.min_tokens or 0),
-        bad_words=_bad_words(body.bad_words), truncate=_truncate(body), prompt_logprobs=prompt_logprobs)
+            tokens_as_ids=bool(body.return_tokens_as_token_ids),
+            min_tokens=body.min_tokens or 0,
+        ),
+        bad_words=_bad_words(body.bad_words),
+        truncate=_truncate(body),
+        prompt_logprobs=prompt_logprobs,
+    )
 
 
 def check_max_tokens(value: int, limit: int, param: str, minimum: int = 1) -> int:
@@ -164,8 +177,9 @@ def check_max_tokens(value: int, limit: int, param: str, minimum: int = 1) -> in
 
 def check_min_tokens(fields: SamplingFields, max_tokens: int) -> None:
     if fields.sampling.min_tokens > max_tokens:
-        raise bad_request(f"min_tokens ({fields.sampling.min_tokens}) must not exceed max_tokens "
-                          f"({max_tokens}).", "min_tokens")
+        raise bad_request(
+            f"min_tokens ({fields.sampling.min_tokens}) must not exceed max_tokens ({max_tokens}).", "min_tokens"
+        )
 
 
 def check_token_ids(fields: SamplingFields, vocab_size: int) -> None:
@@ -173,24 +187,32 @@ def check_token_ids(fields: SamplingFields, vocab_size: int) -> None:
     sp = fields.sampling
     for param, ids in (("logit_bias", [t for t, _ in sp.logit_bias]), ("allowed_token_ids", sp.allowed_token_ids)):
         if ids and max(ids) >= vocab_size:
-            raise bad_request(f"{param} holds token id {max(ids)}, outside the vocabulary (0..{vocab_size - 1}).",
-                              param)
+            raise bad_request(
+                f"{param} holds token id {max(ids)}, outside the vocabulary (0..{vocab_size - 1}).", param
+            )
 
 
 def check_neutral(neutral: dict[str, bool]) -> None:
     """`neutral` maps a field to whether its value leaves the result unchanged; any other is 400."""
     for name, ok in neutral.items():
         if not ok:
-            raise bad_request(f"{name} is not supported by ringserve; leave it unset or at its "
-                              "default.", name, code="unsupported_value")
+            raise bad_request(
+                f"{name} is not supported by ringserve; leave it unset or at its default.",
+                name,
+                code="unsupported_value",
+            )
 
 
 def check_model(requested: str | None, served: str, aliases: frozenset[str] = frozenset()) -> None:
     """A request naming another model is refused, as OpenAI does (404 model_not_found). The model
     may be named by its id or by the path it was served from (vLLM's default id)."""
     if requested is not None and requested != served and requested not in aliases:
-        raise ApiError(404, f"The model {requested!r} does not exist; this server serves {served!r}.",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"The model {requested!r} does not exist; this server serves {served!r}.",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def token_ids(ids: list[int], param: str) -> tuple[int, ...]:
@@ -216,26 +238,40 @@ def _sampling(body: SamplingBody) -> SamplingParams:
     stop_ids = ()
     if body.stop_token_ids:
         if len(body.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise bad_request(f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids, got "
-                              f"{len(body.stop_token_ids)}.", "stop_token_ids")
+            raise bad_request(
+                f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids, got {len(body.stop_token_ids)}.",
+                "stop_token_ids",
+            )
         stop_ids = tuple(sorted(set(token_ids(body.stop_token_ids, "stop_token_ids"))))
-    penalties = {name: _in_range(getattr(body, name), default, lo, hi, name)
-                 for name, default, lo, hi in (("presence_penalty", 0.0, -2.0, 2.0),
-                                               ("frequency_penalty", 0.0, -2.0, 2.0),
-                                               ("min_p", 0.0, 0.0, 1.0))}
+    penalties = {
+        name: _in_range(getattr(body, name), default, lo, hi, name)
+        for name, default, lo, hi in (
+            ("presence_penalty", 0.0, -2.0, 2.0),
+            ("frequency_penalty", 0.0, -2.0, 2.0),
+            ("min_p", 0.0, 0.0, 1.0),
+        )
+    }
     repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
     if not (repetition > 0 and math.isfinite(repetition)):
-        raise bad_request(f"repetition_penalty must be a number > 0 (1: off), got {repetition}.",
-                          "repetition_penalty")
+        raise bad_request(f"repetition_penalty must be a number > 0 (1: off), got {repetition}.", "repetition_penalty")
     min_tokens = body.min_tokens or 0
     if min_tokens < 0:
         raise bad_request(f"min_tokens must be >= 0, got {min_tokens}.", "min_tokens")
     if temperature < 1e-5:
         penalties["min_p"] = 0.0  # greedy: min_p cannot change the choice (vLLM drops it too)
-    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=body.seed,
-                          stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, repetition_penalty=repetition,
-                          min_tokens=min_tokens, logit_bias=_logit_bias(body.logit_bias),
-                          allowed_token_ids=_allowed(body.allowed_token_ids), **penalties)
+    return SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=body.seed,
+        stop_token_ids=stop_ids,
+        ignore_eos=body.ignore_eos,
+        repetition_penalty=repetition,
+        min_tokens=min_tokens,
+        logit_bias=_logit_bias(body.logit_bias),
+        allowed_token_ids=_allowed(body.allowed_token_ids),
+        **penalties,
+    )
 
 
 def _in_range(value: float | None, default: float, lo: float, hi: float, name: str) -> float:
@@ -258,8 +294,9 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}.", "logit_bias") from None
         if not 0 <= token <= MAX_ID or not math.isfinite(value):
-            raise bad_request(f"logit_bias maps token ids (0 and up) to finite numbers; got {key!r}: {value}.",
-                              "logit_bias")
+            raise bad_request(
+                f"logit_bias maps token ids (0 and up) to finite numbers; got {key!r}: {value}.", "logit_bias"
+            )
         out[token] = min(100.0, max(-100.0, value))
     return tuple(sorted(out.items()))
 
@@ -268,8 +305,9 @@ def _allowed(ids: list[int] | None) -> tuple[int, ...]:
     if ids is None:
         return ()
     if len(ids) > MAX_ALLOWED_TOKEN_IDS:
-        raise bad_request(f"allowed_token_ids holds at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(ids)}.",
-                          "allowed_token_ids")
+        raise bad_request(
+            f"allowed_token_ids holds at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(ids)}.", "allowed_token_ids"
+        )
     return tuple(sorted(set(token_ids(ids, "allowed_token_ids"))))
 
 
@@ -278,8 +316,9 @@ def _bad_words(words: list[str] | None) -> tuple[str, ...]:
     if len(words) > MAX_BAD_WORDS:
         raise bad_request(f"bad_words holds at most {MAX_BAD_WORDS} words, got {len(words)}.", "bad_words")
     if any(not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in words):
-        raise bad_request(f"each of bad_words must be 1 to {MAX_BAD_WORD_CHARS} characters, not only spaces.",
-                          "bad_words")
+        raise bad_request(
+            f"each of bad_words must be 1 to {MAX_BAD_WORD_CHARS} characters, not only spaces.", "bad_words"
+        )
     return words
 
 
@@ -291,8 +330,9 @@ def _truncate(body: SamplingBody) -> tuple[int, str] | None:
     if keep is None:
         return None
     if keep < -1:
-        raise bad_request(f"truncate_prompt_tokens must be -1 (the context) or >= 0, got {keep}.",
-                          "truncate_prompt_tokens")
+        raise bad_request(
+            f"truncate_prompt_tokens must be -1 (the context) or >= 0, got {keep}.", "truncate_prompt_tokens"
+        )
     return keep, side or "left"  # vLLM's side for generation: keep the last tokens
 
 
@@ -300,11 +340,13 @@ def _prompt_logprobs(value: int | None, stream: bool) -> int | None:
     if value is None:
         return None
     if not 0 <= value <= MAX_LOGPROBS:
-        raise bad_request(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {value}.",
-                          "prompt_logprobs")
+        raise bad_request(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {value}.", "prompt_logprobs")
     if stream and value > 0:
-        raise bad_request("prompt_logprobs are not available when stream is true (as in vLLM); use "
-                          "echo with logprobs, or a non-streamed request.", "prompt_logprobs")
+        raise bad_request(
+            "prompt_logprobs are not available when stream is true (as in vLLM); use "
+            "echo with logprobs, or a non-streamed request.",
+            "prompt_logprobs",
+        )
     return value
 
 
@@ -320,6 +362,7 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
 
 def _salt(body: SamplingBody) -> str | None:
     if body.cache_salt is not None and not 1 <= len(body.cache_salt) <= MAX_CACHE_SALT_CHARS:
-        raise bad_request(f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters, got "
-                          f"{len(body.cache_salt)}.", "cache_salt")
+        raise bad_request(
+            f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(body.cache_salt)}.", "cache_salt"
+        )
     return body.cache_salt

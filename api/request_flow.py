@@ -34,8 +34,7 @@ from ringserve.shm.messages import SamplingParams, Submit
 # slow-reader clock; 128 KiB still carries thousands of events per second over a 100 ms RTT.
 STREAM_SNDBUF = 128 * 1024
 
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no"}
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,17 +85,43 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
     st.stats.add("open_streams")
     gen: Generation | None = None
     try:
-        await _submit(client, streams, [Submit(
-            rid=stream.rid, request_id=request_id, tenant=request[TENANT], prompt_ids=prompt,
-            max_tokens=max_tokens, sampling=job.sampling, arrival_ts=arrival,
-            deadline_ts=arrival + st.config.request_timeout_s, n=job.n, logprobs=job.logprobs,
-            cache_salt=job.cache_salt, prompt_logprobs=job.prompt_logprobs)
-            for stream, prompt, max_tokens in zip(streams, job.prompts, job.max_tokens)])
-        gen = Generation(st.codec, n=job.n, stop=job.stop, prompts=job.prompts, arrival=arrival,
-                         encoder=None, logprobs=job.logprobs, logprob_format=output.logprob_format,
-                         options=job.options, stop_ids=_stop_ids(st, job.sampling),
-                         echo=job.echo, score_only=job.score_only, scored=job.prompt_logprobs is not None,
-                         continuous_usage=job.continuous_usage)
+        await _submit(
+            client,
+            streams,
+            [
+                Submit(
+                    rid=stream.rid,
+                    request_id=request_id,
+                    tenant=request[TENANT],
+                    prompt_ids=prompt,
+                    max_tokens=max_tokens,
+                    sampling=job.sampling,
+                    arrival_ts=arrival,
+                    deadline_ts=arrival + st.config.request_timeout_s,
+                    n=job.n,
+                    logprobs=job.logprobs,
+                    cache_salt=job.cache_salt,
+                    prompt_logprobs=job.prompt_logprobs,
+                )
+                for stream, prompt, max_tokens in zip(streams, job.prompts, job.max_tokens)
+            ],
+        )
+        gen = Generation(
+            st.codec,
+            n=job.n,
+            stop=job.stop,
+            prompts=job.prompts,
+            arrival=arrival,
+            encoder=None,
+            logprobs=job.logprobs,
+            logprob_format=output.logprob_format,
+            options=job.options,
+            stop_ids=_stop_ids(st, job.sampling),
+            echo=job.echo,
+            score_only=job.score_only,
+            scored=job.prompt_logprobs is not None,
+            continuous_usage=job.continuous_usage,
+        )
         gen.show_prompt_logprobs = job.show_prompt_logprobs
         flow = _Flow(request, st, entry, streams, gen, job.n)
         if job.stream:
@@ -128,8 +153,7 @@ async def _submit(client: GpuClient, streams: list[RequestStream], submits: list
     if len(streams) == 1:
         await client.submit(streams[0], submits[0])
         return
-    answers = await asyncio.gather(*(client.submit(s, m) for s, m in zip(streams, submits)),
-                                   return_exceptions=True)
+    answers = await asyncio.gather(*(client.submit(s, m) for s, m in zip(streams, submits)), return_exceptions=True)
     refused = [a for a in answers if isinstance(a, BaseException)]
     if refused:
         for stream, answer in zip(streams, answers):
@@ -155,8 +179,7 @@ class _Flow:
     def running(self) -> list[RequestStream]:
         """The streams with a sample the GPU has not finished."""
         n, samples = self.n, self.gen.samples
-        return [s for p, s in enumerate(self.streams)
-                if not all(x.gpu_done for x in samples[p * n:(p + 1) * n])]
+        return [s for p, s in enumerate(self.streams) if not all(x.gpu_done for x in samples[p * n : (p + 1) * n])]
 
     def cancel_running(self, reason: str) -> None:
         for stream in self.running():
@@ -236,12 +259,12 @@ async def _complete(flow: _Flow, output: Output) -> web.Response:
     if gen.error is not None:
         err = gen.error_body()["error"]
         extra = {k: v for k, v in err.items() if k not in ("message", "type", "param", "code")}
-        raise ApiError(503, err["message"], code=err["code"], type_=err["type"], extra=extra,
-                       retry_after_s=st.reload_s())
+        raise ApiError(
+            503, err["message"], code=err["code"], type_=err["type"], extra=extra, retry_after_s=st.reload_s()
+        )
     await _settle(flow)
     body = output.body(entry.request_id, st.model_name, gen)
-    return web.Response(body=msgspec.json.encode(body), content_type="application/json",
-                        headers=flow.headers())
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json", headers=flow.headers())
 
 
 async def _settle(flow: _Flow) -> None:
@@ -287,7 +310,11 @@ def _cancel_reason(entry: OpenRequest, gen: Generation) -> str:
 def check_available(st: ApiState) -> None:
     """503 while draining or while the GPU process is not ready (before any work on the request)."""
     if st.draining:
-        raise ApiError(503, "The server is draining for shutdown; retry on another instance.",
-                       code="server_draining", retry_after_s=5.0)
+        raise ApiError(
+            503,
+            "The server is draining for shutdown; retry on another instance.",
+            code="server_draining",
+            retry_after_s=5.0,
+        )
     if not st.ready():
         raise gpu_not_ready(st)

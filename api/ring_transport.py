@@ -27,8 +27,7 @@ MAX_RECORDS_PER_WAKE = 16  # StepOutputs handled per event-loop callback (one pe
 class RingTransport:
     """Transport for worker slot `i` of a shared-memory instance."""
 
-    def __init__(self, requests: Ring, outputs: Ring, input_bell: Doorbell,
-                 output_bell: Doorbell) -> None:
+    def __init__(self, requests: Ring, outputs: Ring, input_bell: Doorbell, output_bell: Doorbell) -> None:
         self.requests = requests  # this worker -> GPU process (we produce)
         self.outputs = outputs  # GPU process -> this worker (we consume)
         self.input_bell = input_bell

@@ -34,8 +34,7 @@ def bad_word_ids(codec: TextCodec, words: tuple[str, ...]) -> tuple[tuple[int, .
             if not spaced or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
                 out.append(ids)
     if len(out) > MAX_BAD_WORDS:
-        raise bad_request(f"bad_words encode to {len(out)} token sequences; at most {MAX_BAD_WORDS}.",
-                          "bad_words")
+        raise bad_request(f"bad_words encode to {len(out)} token sequences; at most {MAX_BAD_WORDS}.", "bad_words")
     if max(map(len, out)) > MAX_BAD_WORD_TOKENS:
         raise bad_request(f"each of bad_words may encode to at most {MAX_BAD_WORD_TOKENS} tokens.", "bad_words")
     return tuple(map(tuple, out))

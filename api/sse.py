@@ -28,8 +28,15 @@ class Encoder(Protocol):
     def start(self, n: int) -> bytes:
         """Bytes before the first token (may be empty)."""
 
-    def token(self, index: int, text: str, token_id: int, logprob: float,
-              logprobs: dict | None = None, usage: dict | None = None) -> bytes: ...
+    def token(
+        self,
+        index: int,
+        text: str,
+        token_id: int,
+        logprob: float,
+        logprobs: dict | None = None,
+        usage: dict | None = None,
+    ) -> bytes: ...
 
     def text(self, index: int, text: str, logprobs: dict | None) -> bytes:
         """A choice's text that is not a generated token (the echoed prompt)."""
@@ -52,53 +59,106 @@ class EventEncoder:
         self.model = model
         self.created = created
         self.include_usage = include_usage
-        self._head = (b'data: {"id":' + _enc(request_id) + b',"object":"text_completion","created":'
-                      + _enc(created) + b',"model":' + _enc(model) + b',"choices":[{"index":')
+        self._head = (
+            b'data: {"id":'
+            + _enc(request_id)
+            + b',"object":"text_completion","created":'
+            + _enc(created)
+            + b',"model":'
+            + _enc(model)
+            + b',"choices":[{"index":'
+        )
         self._tail_head = b',"request_id":' + _enc(request_id) + b',"index":'
 
     def start(self, n: int) -> bytes:
         """No preamble: the first event already carries the first token."""
         return b""
 
-    def token(self, index: int, text: str, token_id: int, logprob: float,
-              logprobs: dict | None = None, usage: dict | None = None) -> bytes:
+    def token(
+        self,
+        index: int,
+        text: str,
+        token_id: int,
+        logprob: float,
+        logprobs: dict | None = None,
+        usage: dict | None = None,
+    ) -> bytes:
         """`{"id","object","created","model","choices":[{"index","text","logprobs","finish_reason":null}],
         "request_id","index","text","token_id","logprob"[,"usage"]}`"""
         t = _enc(text)
         idx = _INDEX[index] if index < 64 else str(index).encode()
-        return b"".join((self._head, idx, b',"text":', t, b',"logprobs":',
-                         b"null" if logprobs is None else _enc(logprobs),
-                         b',"finish_reason":null}]', self._tail_head, idx, b',"text":', t,
-                         b',"token_id":', _INDEX[0] if token_id == 0 else str(token_id).encode(),
-                         b',"logprob":', _enc(logprob),
-                         b"}\n\n" if usage is None else b',"usage":' + _enc(usage) + b"}\n\n"))
+        return b"".join(
+            (
+                self._head,
+                idx,
+                b',"text":',
+                t,
+                b',"logprobs":',
+                b"null" if logprobs is None else _enc(logprobs),
+                b',"finish_reason":null}]',
+                self._tail_head,
+                idx,
+                b',"text":',
+                t,
+                b',"token_id":',
+                _INDEX[0] if token_id == 0 else str(token_id).encode(),
+                b',"logprob":',
+                _enc(logprob),
+                b"}\n\n" if usage is None else b',"usage":' + _enc(usage) + b"}\n\n",
+            )
+        )
 
     def text(self, index: int, text: str, logprobs: dict | None) -> bytes:
         """A choices event with text that is not a generated token (the echoed prompt)."""
-        return self._event({"id": self.request_id, "object": "text_completion",
-                            "created": self.created, "model": self.model,
-                            "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                         "finish_reason": None}],
-                            "request_id": self.request_id, "index": index, "text": text})
+        return self._event(
+            {
+                "id": self.request_id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}],
+                "request_id": self.request_id,
+                "index": index,
+                "text": text,
+            }
+        )
 
     def finish(self, index: int, text: str, reason: str, usage: dict, timing: dict) -> bytes:
         """A sample's last choices event: any text still held back, its finish_reason, and (our
         own fields, which OpenAI clients ignore) its usage and the request's timing."""
-        return self._event({"id": self.request_id, "object": "text_completion",
-                            "created": self.created, "model": self.model,
-                            "choices": [{"index": index, "text": text, "logprobs": None,
-                                         "finish_reason": reason}],
-                            "request_id": self.request_id, "index": index, "text": text,
-                            "finish_reason": reason, "usage": usage, "timing": timing})
+        return self._event(
+            {
+                "id": self.request_id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}],
+                "request_id": self.request_id,
+                "index": index,
+                "text": text,
+                "finish_reason": reason,
+                "usage": usage,
+                "timing": timing,
+            }
+        )
 
     def usage(self, usage: dict, timing: dict) -> bytes:
         """With `include_usage`, the event after every sample finished: `"choices":[]`, usage
         and timing; otherwise nothing."""
         if not self.include_usage:
             return b""
-        return self._event({"id": self.request_id, "object": "text_completion",
-                            "created": self.created, "model": self.model, "choices": [],
-                            "request_id": self.request_id, "usage": usage, "timing": timing})
+        return self._event(
+            {
+                "id": self.request_id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "request_id": self.request_id,
+                "usage": usage,
+                "timing": timing,
+            }
+        )
 
     def error(self, body: dict) -> bytes:
         """An error in the middle of a stream (e.g. the GPU process restarted): OpenAI's error object."""

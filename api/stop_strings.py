@@ -38,7 +38,7 @@ class StopMatcher:
                 cut, end = i, i + len(s)
         if cut != -1:
             self._held = ""
-            return buf[:end if self._include else cut], True
+            return buf[: end if self._include else cut], True
         hold = self._hold_length(buf)
         if hold:
             self._held = buf[-hold:]

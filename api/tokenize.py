@@ -57,8 +57,9 @@ async def handle_tokenize(request: web.Request) -> web.Response:
         text, special = body.prompt, body.add_special_tokens is not False
     else:
         text, special = _render(st, body), bool(body.add_special_tokens)
-    ids = await tokenize(st.codec, text, executor=st.executor, inline_chars=st.tokenize_inline_chars,
-                         add_special_tokens=special)
+    ids = await tokenize(
+        st.codec, text, executor=st.executor, inline_chars=st.tokenize_inline_chars, add_special_tokens=special
+    )
     out = {"count": len(ids), "max_model_len": st.config.context_limit, "tokens": ids}
     if body.return_token_strs:
         out["token_strs"] = [st.codec.tokenizer.id_to_token(i) for i in ids]
@@ -74,28 +75,34 @@ async def handle_detokenize(request: web.Request) -> web.Response:
         raise bad_request("tokens is required: a list of token ids.", "tokens", code="missing_tokens")
     ids = token_ids(body.tokens, "tokens") if body.tokens else ()
     if ids and max(ids) >= st.codec.vocab_size:
-        raise bad_request(f"tokens holds a token id outside the vocabulary (size {st.codec.vocab_size}).",
-                          "tokens")
+        raise bad_request(f"tokens holds a token id outside the vocabulary (size {st.codec.vocab_size}).", "tokens")
     return _json(request, {"prompt": st.codec.decode(list(ids), skip_special_tokens=False)})
 
 
 def _render(st, body: _TokenizeBody) -> str:
     if st.chat_template is None:
-        raise bad_request(f"The model {st.model_name!r} has no chat template, so it cannot format "
-                          "messages; send a prompt.", "messages", code="no_chat_template")
+        raise bad_request(
+            f"The model {st.model_name!r} has no chat template, so it cannot format messages; send a prompt.",
+            "messages",
+            code="no_chat_template",
+        )
     add_generation = body.add_generation_prompt is not False
     if body.continue_final_message and add_generation:
-        raise bad_request("continue_final_message and add_generation_prompt cannot both be true.",
-                          "continue_final_message")
+        raise bad_request(
+            "continue_final_message and add_generation_prompt cannot both be true.", "continue_final_message"
+        )
     try:
-        return st.chat_template.render(parse_messages(body.messages), add_generation,
-                                       extra=body.chat_template_kwargs or None,
-                                       continue_final_message=bool(body.continue_final_message))
+        return st.chat_template.render(
+            parse_messages(body.messages),
+            add_generation,
+            extra=body.chat_template_kwargs or None,
+            continue_final_message=bool(body.continue_final_message),
+        )
     except ChatTemplateError as exc:
-        raise bad_request(f"The model's chat template refused the messages: {exc}", "messages",
-                          code="chat_template_error") from None
+        raise bad_request(
+            f"The model's chat template refused the messages: {exc}", "messages", code="chat_template_error"
+        ) from None
 
 
 def _json(request: web.Request, obj: dict) -> web.Response:
-    return web.Response(body=msgspec.json.encode(obj), content_type="application/json",
-                        headers=ignored_header(request))
+    return web.Response(body=msgspec.json.encode(obj), content_type="application/json", headers=ignored_header(request))

@@ -23,8 +23,7 @@ import tokenizers
 @lru_cache(maxsize=1)
 def _byte_level_inverse() -> dict[str, int]:
     """GPT-2's bytes_to_unicode, inverted: printable stand-in character -> byte value."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -44,8 +43,7 @@ class TextCodec:
             raise TypeError(f"expected a tokenizers.Tokenizer or a fast tokenizer, got {type(tokenizer)!r}")
         self.tokenizer = backend
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        self.special_ids = frozenset(
-            i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+        self.special_ids = frozenset(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
         spec = json.loads(backend.to_str())
         self.byte_table = _build_byte_table(backend, spec, self.special_ids)
         self.max_token_bytes = _max_token_bytes(backend, spec, self.byte_table)
@@ -83,11 +81,13 @@ class TextCodec:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def _build_byte_table(tok: tokenizers.Tokenizer, spec: dict,
-                      special_ids: frozenset[int]) -> list[bytes] | None:
+def _build_byte_table(tok: tokenizers.Tokenizer, spec: dict, special_ids: frozenset[int]) -> list[bytes] | None:
     decoder = spec.get("decoder") or {}
-    kinds = [d.get("type") for d in decoder.get("decoders", [])] if decoder.get("type") == "Sequence" \
+    kinds = (
+        [d.get("type") for d in decoder.get("decoders", [])]
+        if decoder.get("type") == "Sequence"
         else [decoder.get("type")]
+    )
     vocab = tok.get_vocab(with_added_tokens=True)
     added = tok.get_added_tokens_decoder()
     table: list[bytes] = [b""] * (max(vocab.values()) + 1 if vocab else 0)
@@ -118,9 +118,12 @@ def _build_byte_table(tok: tokenizers.Tokenizer, spec: dict,
 
 
 def _is_sentencepiece_byte_fallback(decoder: dict, kinds: list) -> bool:
-    return decoder.get("type") == "Sequence" and "ByteFallback" in kinds and "Fuse" in kinds \
+    return (
+        decoder.get("type") == "Sequence"
+        and "ByteFallback" in kinds
+        and "Fuse" in kinds
         and set(kinds) <= {"Replace", "ByteFallback", "Fuse", "Strip"}
-
+    )
 
 
 # Pipeline steps that never drop or shorten text: with only these, the bytes of a prompt's tokens
@@ -147,13 +150,13 @@ def _keeps_text(spec: dict) -> bool:
                 return False
     pre = _steps(spec.get("pre_tokenizer"), "pretokenizers")
     for step in pre:
-        if step.get("type") not in _KEEPING_PRE_TOKENIZERS or step.get("behavior") == "Removed" \
-                or step.get("invert"):
+        if step.get("type") not in _KEEPING_PRE_TOKENIZERS or step.get("behavior") == "Removed" or step.get("invert"):
             return False  # Whitespace, BertPreTokenizer, ... drop characters
     model = spec.get("model") or {}
     # Every character must become tokens of its own bytes, never an <unk> for a run of them.
     return model.get("type") == "BPE" and bool(
-        model.get("byte_fallback") or any(step["type"] == "ByteLevel" for step in pre))
+        model.get("byte_fallback") or any(step["type"] == "ByteLevel" for step in pre)
+    )
 
 
 def _max_token_bytes(tok: tokenizers.Tokenizer, spec: dict, table: list[bytes] | None) -> int | None:

@@ -52,8 +52,7 @@ def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
     return sock
 
 
-async def serve(config: Config, app: web.Application, sock: socket.socket,
-                stop: asyncio.Event) -> None:
+async def serve(config: Config, app: web.Application, sock: socket.socket, stop: asyncio.Event) -> None:
     """Serve `app` on `sock` until `stop` is set, then drain: refuse new requests (503), let open
     streams finish for up to `drain_timeout_s`, and shut down. Connections are accepted and timed
     by the app's `ConnectionGuard` (api/connections.py)."""
@@ -63,16 +62,25 @@ async def serve(config: Config, app: web.Application, sock: socket.socket,
     state = app[STATE]
     listener = await state.connections.listen(runner.server, sock)
     host, port = sock.getsockname()[:2]
-    log.info("api worker %d serving %s on http://%s:%d (backlog %d, up to %d connections)",
-             state.registry.worker, state.model_name, host, port, config.listen_backlog,
-             state.connections.max_connections)
+    log.info(
+        "api worker %d serving %s on http://%s:%d (backlog %d, up to %d connections)",
+        state.registry.worker,
+        state.model_name,
+        host,
+        port,
+        config.listen_backlog,
+        state.connections.max_connections,
+    )
     try:
         await stop.wait()
         state.draining = True
         # No GPU process will be started for a draining worker: requests held for one answer now.
-        state.client.stop_holding("server_shutdown", "The server is shutting down and this request "
-                                  "had not started (the GPU process was restarting). Retry it on "
-                                  "another instance.")
+        state.client.stop_holding(
+            "server_shutdown",
+            "The server is shutting down and this request "
+            "had not started (the GPU process was restarting). Retry it on "
+            "another instance.",
+        )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + config.drain_timeout_s
         while len(state.registry) and loop.time() < deadline:
@@ -91,24 +99,35 @@ async def _end_unfinished(state: ApiState, loop: asyncio.AbstractEventLoop) -> N
     """The drain deadline passed: give every open request the `server_shutdown` error (an SSE
     error event and [DONE], or a 503) instead of dropping its connection, and let the handlers
     write it before the runner closes the connections."""
-    log.warning("drain timeout: ending %d unfinished requests with the server_shutdown error",
-                len(state.registry))
-    state.client.fail_all("server_shutdown", "The server is shutting down and the request did not "
-                          "finish within the drain timeout. Retry it on another instance.")
+    log.warning("drain timeout: ending %d unfinished requests with the server_shutdown error", len(state.registry))
+    state.client.fail_all(
+        "server_shutdown",
+        "The server is shutting down and the request did not "
+        "finish within the drain timeout. Retry it on another instance.",
+    )
     deadline = loop.time() + SHUTDOWN_WRITE_S
     while len(state.registry) and loop.time() < deadline:
         await asyncio.sleep(0.02)
 
 
-def run_worker(config: Config, *, index: int, transport: Callable[[], Transport],
-               tokenizer_dir: str, model_name: str, ready: Callable[[], bool],
-               stats_source: Callable[[ApiState], StatsSnapshot] | None = None,
-               publish: Callable[[WorkerStats], None] | None = None,
-               peers: PeerCancel | None = None, sock: socket.socket | None = None,
-               reload_s: Callable[[], float | None] | None = None,
-               restart_status: Callable[[], dict | None] = lambda: None, first_rid: int = 1,
-               model_aliases: frozenset[str] = frozenset(),
-               eos_token_ids: Callable[[], frozenset[int]] | None = None) -> int:
+def run_worker(
+    config: Config,
+    *,
+    index: int,
+    transport: Callable[[], Transport],
+    tokenizer_dir: str,
+    model_name: str,
+    ready: Callable[[], bool],
+    stats_source: Callable[[ApiState], StatsSnapshot] | None = None,
+    publish: Callable[[WorkerStats], None] | None = None,
+    peers: PeerCancel | None = None,
+    sock: socket.socket | None = None,
+    reload_s: Callable[[], float | None] | None = None,
+    restart_status: Callable[[], dict | None] = lambda: None,
+    first_rid: int = 1,
+    model_aliases: frozenset[str] = frozenset(),
+    eos_token_ids: Callable[[], frozenset[int]] | None = None,
+) -> int:
     """The worker process's main: runs until SIGTERM (drain) or SIGINT."""
     # A SIGTERM while still starting (nothing to drain yet) is a clean exit; the event loop's own
     # handler, installed below, takes over once serving.
@@ -126,13 +145,31 @@ def run_worker(config: Config, *, index: int, transport: Callable[[], Transport]
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        client = GpuClient(transport(), worker=index, ready=ready, hold_s=config.restart_hold_s,
-                           down_reason=lambda: (restart_status() or {}).get("last_error"),
-                           first_rid=first_rid)
-        app = init_app(config, client, codec, model_name=model_name, ready=ready,
-                       stats_source=stats_source, auth=auth, worker=index, publish=publish,
-                       peers=peers, reload_s=reload_s, restart_status=restart_status,
-                       chat_template=chat_template, model_aliases=model_aliases, eos_token_ids=eos_token_ids)
+        client = GpuClient(
+            transport(),
+            worker=index,
+            ready=ready,
+            hold_s=config.restart_hold_s,
+            down_reason=lambda: (restart_status() or {}).get("last_error"),
+            first_rid=first_rid,
+        )
+        app = init_app(
+            config,
+            client,
+            codec,
+            model_name=model_name,
+            ready=ready,
+            stats_source=stats_source,
+            auth=auth,
+            worker=index,
+            publish=publish,
+            peers=peers,
+            reload_s=reload_s,
+            restart_status=restart_status,
+            chat_template=chat_template,
+            model_aliases=model_aliases,
+            eos_token_ids=eos_token_ids,
+        )
         await serve(config, app, sock, stop)
 
     uvloop.run(main())
@@ -149,9 +186,18 @@ def _load_chat_template(model_dir: str, codec: TextCodec) -> ChatTemplate | None
         return None
 
 
-def run_attached(config: Config, *, slot: int, instance: str, bell_fds: list[int],
-                 tokenizer_dir: str, model_name: str, directory: str | None = None,
-                 sock: socket.socket | None = None, model_aliases: frozenset[str] = frozenset()) -> int:
+def run_attached(
+    config: Config,
+    *,
+    slot: int,
+    instance: str,
+    bell_fds: list[int],
+    tokenizer_dir: str,
+    model_name: str,
+    directory: str | None = None,
+    sock: socket.socket | None = None,
+    model_aliases: frozenset[str] = frozenset(),
+) -> int:
     """A worker of a supervised server: attach to the shm instance, talk to the GPU process over
     ring pair `slot`, read readiness and /metrics from the control block, publish this worker's
     stats and heartbeat into its slot."""
@@ -160,8 +206,7 @@ def run_attached(config: Config, *, slot: int, instance: str, bell_fds: list[int
     from ringserve.shm import layout as L
     from ringserve.shm.instance import ShmInstance
 
-    shm = ShmInstance.attach(instance, bell_fds=bell_fds,
-                             **({"directory": directory} if directory else {}))
+    shm = ShmInstance.attach(instance, bell_fds=bell_fds, **({"directory": directory} if directory else {}))
     control = shm.control
     region = control.worker_stats(slot)
     generation = _slot_generation(control, slot)
@@ -171,14 +216,23 @@ def run_attached(config: Config, *, slot: int, instance: str, bell_fds: list[int
         control.worker_heartbeat(slot)
 
     try:
-        return run_worker(config, index=slot, transport=lambda: RingTransport.for_slot(shm, slot),
-                          tokenizer_dir=tokenizer_dir, model_name=model_name,
-                          ready=lambda: control.gpu_state == L.GpuState.READY,
-                          stats_source=lambda st: from_control(control), publish=publish,
-                          peers=PeerCancel(instance, slot, control.n_workers), sock=sock,
-                          reload_s=lambda: (control.model_facts() or {}).get("load_s"),
-                          restart_status=control.restart_status, first_rid=first_rid(generation),
-                          model_aliases=model_aliases, eos_token_ids=_published_eos(control))
+        return run_worker(
+            config,
+            index=slot,
+            transport=lambda: RingTransport.for_slot(shm, slot),
+            tokenizer_dir=tokenizer_dir,
+            model_name=model_name,
+            ready=lambda: control.gpu_state == L.GpuState.READY,
+            stats_source=lambda st: from_control(control),
+            publish=publish,
+            peers=PeerCancel(instance, slot, control.n_workers),
+            sock=sock,
+            reload_s=lambda: (control.model_facts() or {}).get("load_s"),
+            restart_status=control.restart_status,
+            first_rid=first_rid(generation),
+            model_aliases=model_aliases,
+            eos_token_ids=_published_eos(control),
+        )
     finally:
         shm.close()
 
@@ -192,10 +246,14 @@ def _slot_generation(control, slot: int) -> int:
     deadline = time.monotonic() + SLOT_WAIT_S
     while (info := control.worker_slot(slot))["pid"] != os.getpid():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"worker slot {slot} was not assigned to pid {os.getpid()} within "
-                               f"{SLOT_WAIT_S:.0f} s (slot pid {info['pid']})")
+            raise RuntimeError(
+                f"worker slot {slot} was not assigned to pid {os.getpid()} within "
+                f"{SLOT_WAIT_S:.0f} s (slot pid {info['pid']})"
+            )
         time.sleep(0.005)
     return info["generation"]
+
+
 def _published_eos(control) -> Callable[[], frozenset[int]]:
     """The EOS ids the GPU process published with its model facts, read once they are there."""
     known: list[frozenset[int]] = []
@@ -230,16 +288,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ringserve-api-worker", description=__doc__.splitlines()[0])
     p.add_argument("--tokenizer", required=True, help="directory holding tokenizer.json")
     mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--fake", action="store_true",
-                      help="answer with the in-process fake GPU (echoes the prompt)")
+    mode.add_argument("--fake", action="store_true", help="answer with the in-process fake GPU (echoes the prompt)")
     mode.add_argument("--attach", metavar="INSTANCE", help="shm instance id to attach to")
     p.add_argument("--slot", type=int, default=0, help="worker slot (ring pair) with --attach")
-    p.add_argument("--bell-fds", default="", help="inherited doorbell fds, comma-separated: input, "
-                   "then one per worker slot (ShmInstance.bell_fds())")
+    p.add_argument(
+        "--bell-fds",
+        default="",
+        help="inherited doorbell fds, comma-separated: input, then one per worker slot (ShmInstance.bell_fds())",
+    )
     p.add_argument("--shm-dir", default=None, help="shared-memory directory (default /dev/shm)")
     p.add_argument("--model-name", default="fake", help="the model id the API reports")
-    p.add_argument("--model-alias", action="append", default=[],
-                   help="another name requests may give the model (the path it was served from); repeatable")
+    p.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        help="another name requests may give the model (the path it was served from); repeatable",
+    )
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--step-ms", type=float, default=20.0, help="fake GPU step time")
@@ -251,16 +315,29 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.attach:
         fds = [int(x) for x in args.bell_fds.split(",") if x]
-        return run_attached(config, slot=args.slot, instance=args.attach, bell_fds=fds,
-                            tokenizer_dir=args.tokenizer, model_name=args.model_name,
-                            directory=args.shm_dir, model_aliases=frozenset(args.model_alias))
+        return run_attached(
+            config,
+            slot=args.slot,
+            instance=args.attach,
+            bell_fds=fds,
+            tokenizer_dir=args.tokenizer,
+            model_name=args.model_name,
+            directory=args.shm_dir,
+            model_aliases=frozenset(args.model_alias),
+        )
     from ringserve.api.fake_gpu import FakeGpu
 
     fake = FakeGpu(step_interval_s=args.step_ms / 1000.0)
-    return run_worker(config, index=0, transport=lambda: fake, tokenizer_dir=args.tokenizer,
-                      model_name=args.model_name, ready=lambda: True, model_aliases=frozenset(args.model_alias),
-                      stats_source=lambda st: StatsSnapshot(gpu=fake.stats(), workers=[st.stats.as_dict()],
-                                                            block_size=16))
+    return run_worker(
+        config,
+        index=0,
+        transport=lambda: fake,
+        tokenizer_dir=args.tokenizer,
+        model_name=args.model_name,
+        ready=lambda: True,
+        model_aliases=frozenset(args.model_alias),
+        stats_source=lambda st: StatsSnapshot(gpu=fake.stats(), workers=[st.stats.as_dict()], block_size=16),
+    )
 
 
 if __name__ == "__main__":

@@ -50,11 +50,28 @@ class CostModel:
     times their start values.
     """
 
-    __slots__ = ("c_prefill_ms", "c_decode_ms", "max_rows", "alpha", "forget", "_theta", "_p", "_p0_trace",
-                 "_bounds_p", "_bounds_d")
+    __slots__ = (
+        "c_prefill_ms",
+        "c_decode_ms",
+        "max_rows",
+        "alpha",
+        "forget",
+        "_theta",
+        "_p",
+        "_p0_trace",
+        "_bounds_p",
+        "_bounds_d",
+    )
 
-    def __init__(self, c_prefill_ms: float = 0.1, c_decode_ms: float = 1.25, *, max_rows: int = 32,
-                 alpha: float = 0.05, forget: float = 0.99) -> None:
+    def __init__(
+        self,
+        c_prefill_ms: float = 0.1,
+        c_decode_ms: float = 1.25,
+        *,
+        max_rows: int = 32,
+        alpha: float = 0.05,
+        forget: float = 0.99,
+    ) -> None:
         if c_prefill_ms <= 0 or c_decode_ms <= 0:
             raise ValueError("cost constants must be > 0")
         if max_rows <= 0:
@@ -86,8 +103,9 @@ class CostModel:
             rest = step_ms - (self.decode_step_ms(decode_rows) if decode_rows > 0 else 0.0)
             if rest > 0:  # else decode explains the whole step; nothing to learn about prefill
                 sample = rest / prefill_tokens
-                self.c_prefill_ms = _clamp(self.c_prefill_ms + self.alpha * (sample - self.c_prefill_ms),
-                                           self._bounds_p)
+                self.c_prefill_ms = _clamp(
+                    self.c_prefill_ms + self.alpha * (sample - self.c_prefill_ms), self._bounds_p
+                )
             return
         self._fit_decode(step_ms, decode_rows)
         full = self.decode_step_ms(self.max_rows)
@@ -165,17 +183,29 @@ class AdmissionController:
     @classmethod
     def from_config(cls, config) -> AdmissionController:
         """Build from a `ringserve.config.Config` (duck-typed: any object with its field names)."""
-        return cls(context_limit=config.context_limit, max_tokens_limit=config.max_tokens_limit,
-                   max_rows=config.max_rows, queue_limit_s=config.queue_limit_s,
-                   c_prefill_ms=config.c_prefill_ms, c_decode_ms=config.c_decode_ms)
+        return cls(
+            context_limit=config.context_limit,
+            max_tokens_limit=config.max_tokens_limit,
+            max_rows=config.max_rows,
+            queue_limit_s=config.queue_limit_s,
+            c_prefill_ms=config.c_prefill_ms,
+            c_decode_ms=config.c_decode_ms,
+        )
 
     def estimate_ms(self, prompt_tokens: int, max_tokens: int, n: int = 1, generated: int = 0) -> float:
         """GPU ms still owed to a request that has `generated` tokens per row so far."""
         expected = max(min(max_tokens, self.answers.mean) - generated, 0.0)
         return (prompt_tokens + generated) * self.costs.c_prefill_ms + n * expected * self.costs.c_decode_ms
 
-    def decide(self, prompt_tokens: int, max_tokens: int, n: int, queued_ms: float,
-               pool_fits: bool = True, row_wait_ms: Callable[[], float] | None = None) -> Decision:
+    def decide(
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        n: int,
+        queued_ms: float,
+        pool_fits: bool = True,
+        row_wait_ms: Callable[[], float] | None = None,
+    ) -> Decision:
         """400 when the request can never run, 429 when the waiting work is over its limit, else 200.
 
         `queued_ms` is the estimated GPU work waiting: work that cannot start now (the scheduler
@@ -191,22 +221,34 @@ class AdmissionController:
         if too_long is not None:
             return Decision(400, code=CONTEXT_LENGTH_EXCEEDED, message=too_long)
         if self.max_tokens_limit and max_tokens > self.max_tokens_limit:
-            return Decision(400, code="max_tokens_too_large",
-                            message=f"max_tokens {max_tokens} is over the limit of {self.max_tokens_limit}")
+            return Decision(
+                400,
+                code="max_tokens_too_large",
+                message=f"max_tokens {max_tokens} is over the limit of {self.max_tokens_limit}",
+            )
         if n > self.max_rows:
-            return Decision(400, code="n_too_large",
-                            message=f"n={n} samples is over this server's {self.max_rows} rows; lower n")
+            return Decision(
+                400, code="n_too_large", message=f"n={n} samples is over this server's {self.max_rows} rows; lower n"
+            )
         if not pool_fits:
-            return Decision(400, code="too_large_for_kv_pool",
-                            message=f"{n} sample(s) of {total} tokens do not fit this server's KV cache; "
-                                    f"lower n, max_tokens or the prompt length")
+            return Decision(
+                400,
+                code="too_large_for_kv_pool",
+                message=f"{n} sample(s) of {total} tokens do not fit this server's KV cache; "
+                f"lower n, max_tokens or the prompt length",
+            )
         est = self.estimate_ms(prompt_tokens, max_tokens, n)
         if queued_ms > 0 and queued_ms + est > self.queue_limit_ms:
             drain_ms = queued_ms + (row_wait_ms() if row_wait_ms is not None else 0.0)
             retry = max(1, math.ceil(drain_ms / 1000.0))
-            return Decision(429, est_gpu_ms=est, code="overloaded", retry_after_s=float(retry),
-                            message=f"{queued_ms / 1000:.2f} s of GPU work is waiting for a row (limit "
-                                    f"{self.queue_limit_ms / 1000:.2f} s); retry after {retry} s")
+            return Decision(
+                429,
+                est_gpu_ms=est,
+                code="overloaded",
+                retry_after_s=float(retry),
+                message=f"{queued_ms / 1000:.2f} s of GPU work is waiting for a row (limit "
+                f"{self.queue_limit_ms / 1000:.2f} s); retry after {retry} s",
+            )
         return Decision(200, est_gpu_ms=est)
 
     def observe_step(self, step_ms: float, prefill_tokens: int, decode_rows: int) -> None:

@@ -56,8 +56,10 @@ class BlockManager:
         if self.num_used:
             raise BlockError(f"attach the prefix cache before allocating ({self.num_used} blocks in use)")
         if (cache.num_blocks, cache.block_size) != (self.num_blocks, self.block_size):
-            raise ValueError(f"cache is for {cache.num_blocks} x {cache.block_size}-token blocks, "
-                             f"pool has {self.num_blocks} x {self.block_size}")
+            raise ValueError(
+                f"cache is for {cache.num_blocks} x {cache.block_size}-token blocks, "
+                f"pool has {self.num_blocks} x {self.block_size}"
+            )
         self.cache = cache
 
     # -- queries ---------------------------------------------------------------------------------

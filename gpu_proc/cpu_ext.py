@@ -102,8 +102,13 @@ def _build() -> None:
     if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")):
         raise CpuOpsUnavailable("no C++ compiler found (install g++, or set CXX)")
     _ensure_ninja_on_path()
-    load(name=extension_name(), sources=[str(CSRC / s) for s in SOURCES], extra_cflags=list(CFLAGS),
-         is_python_module=False, verbose=False)
+    load(
+        name=extension_name(),
+        sources=[str(CSRC / s) for s in SOURCES],
+        extra_cflags=list(CFLAGS),
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 def load_cpu_ops(progress: Callable[[], None] | None = None) -> None:

@@ -74,15 +74,15 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return x
 
 
-def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(normalised rows, new residual) without touching the inputs."""
     res = residual + x
     return rms_norm_reference(res, weight, eps), res
 
 
-def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-          sin: torch.Tensor) -> None:
+def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """q `[T, H, D]`, k `[T, KVH, D]` rotated in place; cos/sin float32 `[max_pos, D]`; positions int64 `[T]`."""
     _check_rope(q, k, positions, cos, sin)
     torch.ops.ringserve_cpu.rope.default(q, k, positions, cos, sin)
@@ -96,8 +96,9 @@ def _check_rope(q, k, positions, cos, sin) -> None:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} need equal tokens and an even, equal head_dim")
     for name, table in (("cos", cos), ("sin", sin)):
         if table.dtype != torch.float32 or table.dim() != 2 or table.shape[1] != d or not table.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous float32 [max_pos, {d}] table, got "
-                             f"{table.dtype} {tuple(table.shape)}")
+            raise ValueError(
+                f"{name}: expected a contiguous float32 [max_pos, {d}] table, got {table.dtype} {tuple(table.shape)}"
+            )
     if positions.dtype != torch.int64 or positions.shape != (t,) or positions.stride(0) != 1:
         raise ValueError(f"positions: expected contiguous int64 [{t}], got {positions.dtype} {tuple(positions.shape)}")
 
@@ -130,8 +131,10 @@ class PackedLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         if weight.device.type != "cpu" or weight.dtype not in DTYPES or weight.dim() != 2:
-            raise ValueError(f"weight: expected a 2-d float32 or bfloat16 CPU tensor, got {weight.dtype} "
-                             f"{tuple(weight.shape)} on {weight.device}")
+            raise ValueError(
+                f"weight: expected a 2-d float32 or bfloat16 CPU tensor, got {weight.dtype} "
+                f"{tuple(weight.shape)} on {weight.device}"
+            )
         self.weight, self.bias = weight, bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
@@ -147,8 +150,10 @@ def kernels_loaded() -> bool:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """int64 `[R]`: each row's first maximum (a NaN counts as the maximum), as `torch.argmax`."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits: expected float32 [rows, vocab] CPU rows, got {logits.dtype} "
-                         f"{tuple(logits.shape)} on {logits.device}")
+        raise ValueError(
+            f"logits: expected float32 [rows, vocab] CPU rows, got {logits.dtype} "
+            f"{tuple(logits.shape)} on {logits.device}"
+        )
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     torch.ops.ringserve_cpu.argmax_rows.default(logits, out)
     return out
@@ -173,20 +178,38 @@ class BlockWeights:
     def __post_init__(self) -> None:
         hidden = self.input_norm.shape[0]
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        shapes = {"qkv": (self.qkv.weight.shape, (q + 2 * kv, hidden)), "o": (self.o.weight.shape, (hidden, q)),
-                  "down": (self.down.weight.shape, (hidden, self.gate_up.weight.shape[0] // 2))}
+        shapes = {
+            "qkv": (self.qkv.weight.shape, (q + 2 * kv, hidden)),
+            "o": (self.o.weight.shape, (hidden, q)),
+            "down": (self.down.weight.shape, (hidden, self.gate_up.weight.shape[0] // 2)),
+        }
         for name, (got, want) in shapes.items():
             if tuple(got) != want:
                 raise ValueError(f"{name} weight {tuple(got)} does not fit the block (expected {want})")
 
     def args(self) -> tuple:
-        return (self.input_norm, self.post_norm, self.eps, self.qkv.packed, self.qkv.bias, self.o.packed,
-                self.o.bias, self.gate_up.packed, self.gate_up.bias, self.down.packed, self.down.bias,
-                self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+        return (
+            self.input_norm,
+            self.post_norm,
+            self.eps,
+            self.qkv.packed,
+            self.qkv.bias,
+            self.o.packed,
+            self.o.bias,
+            self.gate_up.packed,
+            self.gate_up.bias,
+            self.down.packed,
+            self.down.bias,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.scale,
+        )
 
 
-def block(x: torch.Tensor, residual: torch.Tensor | None, weights: tuple, step: tuple, check: bool = True
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def block(
+    x: torch.Tensor, residual: torch.Tensor | None, weights: tuple, step: tuple, check: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One transformer block: returns (the block's output, the residual stream). `weights` is
     `BlockWeights.args()`; `step` is (positions, cos, sin, slot_mapping, k_cache, v_cache, meta).
     x (and residual) are overwritten. With `check`, every shape the kernels rely on is checked
@@ -195,8 +218,19 @@ def block(x: torch.Tensor, residual: torch.Tensor | None, weights: tuple, step: 
     if check:
         _check_block(x, residual, weights, step)
     return torch.ops.ringserve_cpu.block.default(
-        x, residual, *weights, positions, cos, sin, slot_mapping, k_cache, v_cache,
-        meta.query_start_loc, meta.seq_lens, meta.block_tables)
+        x,
+        residual,
+        *weights,
+        positions,
+        cos,
+        sin,
+        slot_mapping,
+        k_cache,
+        v_cache,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+    )
 
 
 def _check_block(x, residual, weights: tuple, step: tuple) -> None:
@@ -208,8 +242,12 @@ def _check_block(x, residual, weights: tuple, step: tuple) -> None:
     _check_weight(input_norm, x)
     if not x.is_contiguous():
         raise ValueError(f"x: must be contiguous, got strides {x.stride()}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):
-        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} does not match x {x.dtype} {tuple(x.shape)}")
+    if residual is not None and (
+        residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()
+    ):
+        raise ValueError(
+            f"residual {residual.dtype} {tuple(residual.shape)} does not match x {x.dtype} {tuple(x.shape)}"
+        )
     # The kernels' own launchers check views of these shapes; the block makes them the same way.
     t = x.shape[0]
     q = torch.empty((t, num_heads, head_dim), dtype=x.dtype)

@@ -92,10 +92,16 @@ class StaticStep:
 
     def inputs(self, size: int) -> StepInputs:
         meta = AttentionMetadata(
-            slot_mapping=self.slots[:size], query_start_loc=self.query_start_loc[:size + 1],
-            seq_lens=self.seq_lens[:size], block_tables=self.tables[:size], positions=self.positions[:size],
-            token_seq=self.token_seq[:size], max_query_len=1, max_seq_len=self.max_blocks * self.block_size,
-            block_size=self.block_size)
+            slot_mapping=self.slots[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.tables[:size],
+            positions=self.positions[:size],
+            token_seq=self.token_seq[:size],
+            max_query_len=1,
+            max_seq_len=self.max_blocks * self.block_size,
+            block_size=self.block_size,
+        )
         return StepInputs(self.ids[:size], self.logits_indices[:size], meta)
 
     def fill(self, batch: StepBatch, size: int) -> None:
@@ -118,8 +124,8 @@ class StaticStep:
         dev = self.ids.device
         flat, flat32 = flat.to(dev, non_blocking=True), flat32.to(dev, non_blocking=True)
         self.ids[:size].copy_(flat[:size])
-        self.positions[:size].copy_(flat[size:2 * size])
-        self.slots[:size].copy_(flat[2 * size:])
+        self.positions[:size].copy_(flat[size : 2 * size])
+        self.slots[:size].copy_(flat[2 * size :])
         self.seq_lens[:size].copy_(flat32[:size])
         # NOTE: columns past `width` keep older block ids; no row reads past its own context.
         self.tables[:size, :width].copy_(flat32[size:].view(size, width))
@@ -128,8 +134,13 @@ class StaticStep:
 class DecodeGraphs:
     """Captured decode forwards of `runner` for each size of the ladder up to `max_rows`."""
 
-    def __init__(self, runner, max_rows: int, context_limit: int,
-                 capture: Callable[[Callable[[], torch.Tensor], object], Replay] = cuda_capture) -> None:
+    def __init__(
+        self,
+        runner,
+        max_rows: int,
+        context_limit: int,
+        capture: Callable[[Callable[[], torch.Tensor], object], Replay] = cuda_capture,
+    ) -> None:
         bs = runner.block_size
         self.runner = runner
         self.sizes = ladder(max_rows)
@@ -175,4 +186,4 @@ class DecodeGraphs:
         graph = self.graphs[size]
         graph.replay()
         self.replays += 1
-        return graph.output[:len(batch.seqs)]
+        return graph.output[: len(batch.seqs)]

@@ -53,10 +53,10 @@ class Engine:
         scoring rows (None when no row samples or scores)."""
         logits = self.runner.execute(batch)
         rows = batch.sampling_seqs
-        out = self.controls.sample(logits[:len(rows)], rows) if rows else None
+        out = self.controls.sample(logits[: len(rows)], rows) if rows else None
         if batch.scores_prompts:
             out = out or SampleOutput([], [], [])
-            out.prompt_logprobs = score(logits[len(rows):], batch)
+            out.prompt_logprobs = score(logits[len(rows) :], batch)
         return out
 
 
@@ -82,14 +82,24 @@ def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype)
         return config.cpu_kv_blocks
     args = model.args
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    block_bytes = kv_block_bytes(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
-                                 head_dim=args.head_dim, block_size=config.block_size, dtype_bytes=dtype_bytes)
+    block_bytes = kv_block_bytes(
+        num_layers=args.num_layers,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        block_size=config.block_size,
+        dtype_bytes=dtype_bytes,
+    )
     reserve = estimate_activation_bytes(
-        max_step_tokens=config.max_rows + config.prefill_budget * 8, max_rows=config.max_rows,
-        hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-        vocab_size=args.vocab_size, dtype_bytes=dtype_bytes)
-    plan = plan_kv_blocks_on_device(device, utilization=config.gpu_memory_utilization,
-                                    block_bytes=block_bytes, activation_reserve_bytes=reserve)
+        max_step_tokens=config.max_rows + config.prefill_budget * 8,
+        max_rows=config.max_rows,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        vocab_size=args.vocab_size,
+        dtype_bytes=dtype_bytes,
+    )
+    plan = plan_kv_blocks_on_device(
+        device, utilization=config.gpu_memory_utilization, block_bytes=block_bytes, activation_reserve_bytes=reserve
+    )
     log.info("KV pool: %s", plan.describe())
     return plan.num_blocks
 
@@ -108,15 +118,13 @@ def build_engine(config: Config, model_dir: str | Path, progress: Callable[[], N
         # API workers share these cores: torch's default of one thread per core starves them.
         tune_cpu_process(config.cpu_threads, pin=config.cpu_pin)
         cpu_kernels = config.cpu_kernels and _load_cpu_kernels(progress)
-    model = load_model(model_dir, device, config.dtype, config.load_format, progress=progress,
-                       cpu_kernels=cpu_kernels)
+    model = load_model(model_dir, device, config.dtype, config.load_format, progress=progress, cpu_kernels=cpu_kernels)
     dtype = next(model.parameters()).dtype
     special = read_special_tokens(model_dir)
     args = model.args
     num_blocks = _num_blocks(config, model, device, dtype)
     progress()
-    pool = KVPool(args.num_layers, num_blocks, args.num_kv_heads, args.head_dim,
-                  config.block_size, dtype, device)
+    pool = KVPool(args.num_layers, num_blocks, args.num_kv_heads, args.head_dim, config.block_size, dtype, device)
     progress()
     runner = ModelRunner(model, pool)
     report = warm_up(runner, progress)

@@ -50,8 +50,7 @@ class TenantUsage:
 class FairQueue:
     """Waiting requests of every tenant, and the accounts that order them."""
 
-    def __init__(self, tenant_row_cap: int = 8, output_token_weight: float = 12.0,
-                 max_rows: int | None = None) -> None:
+    def __init__(self, tenant_row_cap: int = 8, output_token_weight: float = 12.0, max_rows: int | None = None) -> None:
         """`max_rows` (the batch's rows) enables fair shares; None orders by cap and tokens only."""
         if tenant_row_cap <= 0:
             raise ValueError(f"tenant_row_cap must be > 0, got {tenant_row_cap}")
@@ -145,8 +144,9 @@ class FairQueue:
         share = self.share
         if u is None or u.running_rows >= share:
             return None
-        victim = max((v for v in self._tenants.values() if v.tenant != tenant),
-                     key=lambda v: v.running_rows, default=None)
+        victim = max(
+            (v for v in self._tenants.values() if v.tenant != tenant), key=lambda v: v.running_rows, default=None
+        )
         if victim is None or victim.running_rows <= share or victim.running_rows < u.running_rows + 2:
             return None
         return victim.tenant

@@ -32,8 +32,9 @@ class KVCacheManager:
         """Attaches a `PrefixCache` to the fresh `block_manager` unless it has one (tests attach
         their own, e.g. with a colliding hash); `caching` is the config's `prefix_caching`."""
         if block_manager.cache is None:
-            block_manager.attach_cache(PrefixCache(block_manager.num_blocks, block_manager.block_size,
-                                                   namespace=namespace))
+            block_manager.attach_cache(
+                PrefixCache(block_manager.num_blocks, block_manager.block_size, namespace=namespace)
+            )
         self.bm = block_manager
         self.cache: PrefixCache = block_manager.cache  # type: ignore[assignment]
         self.block_size = block_manager.block_size
@@ -54,8 +55,9 @@ class KVCacheManager:
         is owed prompt logprobs: a cached block has no logits)."""
         return cached_prefix(self.cache, req) if self.uses_cache(req) and not req.scores_prompt else []
 
-    def allocate_slots(self, req: Request, n_tokens: int, hits: list[int] | tuple = (),
-                       reserve: int = 0) -> list[int] | None:
+    def allocate_slots(
+        self, req: Request, n_tokens: int, hits: list[int] | tuple = (), reserve: int = 0
+    ) -> list[int] | None:
         """Grow `req.block_ids` to cover `n_tokens` token slots and return it, or return None and
         change nothing when fewer than the blocks it takes plus `reserve` are free. `hits` (from
         `lookup`, for an empty table only) start the table by reference; `num_computed` then

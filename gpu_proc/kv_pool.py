@@ -23,12 +23,23 @@ import torch
 class KVPool:
     """Preallocated K and V memory for `num_blocks` blocks of `block_size` tokens in every layer."""
 
-    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, head_dim: int,
-                 block_size: int = 16, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
-        for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                            ("block_size", block_size)):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_blocks", num_blocks),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("block_size", block_size),
+        ):
             if value <= 0:
                 raise ValueError(f"KVPool: {name} must be > 0, got {value}")
         self.num_layers = num_layers

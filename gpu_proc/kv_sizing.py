@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GIB = 1024 ** 3
+GIB = 1024**3
 # cuBLAS workspaces, CUDA-graph pools, allocator fragmentation and the split-KV scratch: not
 # proportional to the step size, so a fixed floor on top of the per-token estimate.
 FIXED_ACTIVATION_OVERHEAD = 1 * GIB
@@ -40,24 +40,31 @@ class KVPlan:
         return self.num_blocks * self.block_bytes
 
     def describe(self) -> str:
-        return (f"KV pool: {self.num_blocks} blocks x {self.block_bytes / 2**20:.2f} MiB = "
-                f"{self.pool_bytes / GIB:.2f} GiB (GPU {self.total_bytes / GIB:.1f} GiB x "
-                f"{self.utilization:g}, in use {self.used_bytes / GIB:.2f} GiB, activation reserve "
-                f"{self.activation_reserve_bytes / GIB:.2f} GiB)")
+        return (
+            f"KV pool: {self.num_blocks} blocks x {self.block_bytes / 2**20:.2f} MiB = "
+            f"{self.pool_bytes / GIB:.2f} GiB (GPU {self.total_bytes / GIB:.1f} GiB x "
+            f"{self.utilization:g}, in use {self.used_bytes / GIB:.2f} GiB, activation reserve "
+            f"{self.activation_reserve_bytes / GIB:.2f} GiB)"
+        )
 
 
-def kv_block_bytes(*, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                   dtype_bytes: int) -> int:
+def kv_block_bytes(*, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int) -> int:
     """Bytes of one block across all layers, K and V: 8.39 MB for a 7B model in fp16."""
-    for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim), ("block_size", block_size), ("dtype_bytes", dtype_bytes)):
+    for name, value in (
+        ("num_layers", num_layers),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("block_size", block_size),
+        ("dtype_bytes", dtype_bytes),
+    ):
         if value <= 0:
             raise KVSizingError(f"{name} must be > 0, got {value}")
     return 2 * num_layers * num_kv_heads * block_size * head_dim * dtype_bytes
 
 
-def estimate_activation_bytes(*, max_step_tokens: int, max_rows: int, hidden_size: int,
-                              intermediate_size: int, vocab_size: int, dtype_bytes: int) -> int:
+def estimate_activation_bytes(
+    *, max_step_tokens: int, max_rows: int, hidden_size: int, intermediate_size: int, vocab_size: int, dtype_bytes: int
+) -> int:
     """Peak transient memory of one step, plus the fixed overhead.
 
     Per token, the widest point of a Llama layer holds the residual, the normed input, q/k/v, the
@@ -71,26 +78,35 @@ def estimate_activation_bytes(*, max_step_tokens: int, max_rows: int, hidden_siz
     return max_step_tokens * per_token + logits + FIXED_ACTIVATION_OVERHEAD
 
 
-def plan_kv_blocks(*, total_bytes: int, free_bytes: int, utilization: float, block_bytes: int,
-                   activation_reserve_bytes: int) -> KVPlan:
+def plan_kv_blocks(
+    *, total_bytes: int, free_bytes: int, utilization: float, block_bytes: int, activation_reserve_bytes: int
+) -> KVPlan:
     """Blocks the pool gets. Call after the weights are on the device, before the pool exists."""
     if not 0.0 < utilization <= 1.0:
         raise KVSizingError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     if total_bytes <= 0 or not 0 <= free_bytes <= total_bytes:
         raise KVSizingError(f"device reports free={free_bytes} of total={total_bytes} bytes")
     if block_bytes <= 0 or activation_reserve_bytes < 0:
-        raise KVSizingError(f"block_bytes must be > 0 and the reserve >= 0, got {block_bytes}, "
-                            f"{activation_reserve_bytes}")
+        raise KVSizingError(
+            f"block_bytes must be > 0 and the reserve >= 0, got {block_bytes}, {activation_reserve_bytes}"
+        )
     used = total_bytes - free_bytes
     budget = int(total_bytes * utilization) - used - activation_reserve_bytes
     num_blocks = max(0, budget // block_bytes)
-    plan = KVPlan(num_blocks=num_blocks, block_bytes=block_bytes, total_bytes=total_bytes, used_bytes=used,
-                  activation_reserve_bytes=activation_reserve_bytes, utilization=utilization)
+    plan = KVPlan(
+        num_blocks=num_blocks,
+        block_bytes=block_bytes,
+        total_bytes=total_bytes,
+        used_bytes=used,
+        activation_reserve_bytes=activation_reserve_bytes,
+        utilization=utilization,
+    )
     if num_blocks == 0:
         raise KVSizingError(
             f"no GPU memory left for the KV cache: {plan.describe()}. Raise --gpu-memory-utilization, "
             f"lower --prefill-budget or --max-rows (smaller activation reserve), free the GPU of other "
-            f"processes, or serve a smaller model.")
+            f"processes, or serve a smaller model."
+        )
     return plan
 
 
@@ -102,13 +118,17 @@ def gpu_memory_info(device) -> tuple[int, int]:
     return int(free), int(total)
 
 
-def plan_kv_blocks_on_device(device, *, utilization: float, block_bytes: int,
-                             activation_reserve_bytes: int) -> KVPlan:
+def plan_kv_blocks_on_device(device, *, utilization: float, block_bytes: int, activation_reserve_bytes: int) -> KVPlan:
     """`plan_kv_blocks` with the device's current free/total memory (empties torch's cache first,
     so memory torch holds but does not use counts as free)."""
     import torch
 
     torch.cuda.empty_cache()
     free, total = gpu_memory_info(device)
-    return plan_kv_blocks(total_bytes=total, free_bytes=free, utilization=utilization,
-                          block_bytes=block_bytes, activation_reserve_bytes=activation_reserve_bytes)
+    return plan_kv_blocks(
+        total_bytes=total,
+        free_bytes=free,
+        utilization=utilization,
+        block_bytes=block_bytes,
+        activation_reserve_bytes=activation_reserve_bytes,
+    )

@@ -118,20 +118,30 @@ class ControlsState:
                 minp_shift.append(temperature * math.log(st.min_p))
         if new_tokens:
             pairs = host_tensor("q", new_tokens).to(self.device).view(-1, 2)
-            self.counts.index_put_((pairs[:, 0], pairs[:, 1]), torch.ones(len(pairs), device=self.device),
-                                   accumulate=True)
+            self.counts.index_put_(
+                (pairs[:, 0], pairs[:, 1]), torch.ones(len(pairs), device=self.device), accumulate=True
+            )
         if self._step % EVICT_AFTER_STEPS == 0:
             self._evict()
         dev = self.device
         flat = lambda code, xs: host_tensor(code, xs).to(dev, non_blocking=True) if xs else None  # noqa: E731
         return ControlsPlan(
-            rows=host_tensor("q", picked).to(dev, non_blocking=True), num_rows=len(picked), vocab=vocab,
-            keep_rows=flat("q", keep_rows), keep=flat("q", keep), ban=flat("q", ban),
-            bias_at=flat("q", bias_at), bias=flat("f", bias),
+            rows=host_tensor("q", picked).to(dev, non_blocking=True),
+            num_rows=len(picked),
+            vocab=vocab,
+            keep_rows=flat("q", keep_rows),
+            keep=flat("q", keep),
+            ban=flat("q", ban),
+            bias_at=flat("q", bias_at),
+            bias=flat("f", bias),
             pen_rows=flat("q", pen_rows) if len(pen_rows) < len(picked) else None,
-            pen_slots=flat("q", pen_slots), pen=flat("f", pen), counts=self.counts, in_prompt=self.in_prompt,
+            pen_slots=flat("q", pen_slots),
+            pen=flat("f", pen),
+            counts=self.counts,
+            in_prompt=self.in_prompt,
             minp_rows=flat("q", minp_rows) if len(minp_rows) < len(picked) else None,
-            minp_shift=flat("f", minp_shift))
+            minp_shift=flat("f", minp_shift),
+        )
 
     def _sync(self, seq_id: int, c: RowControls, new_tokens: list[int]) -> int:
         """The slot of `seq_id`'s counts, brought up to its output so far (the token sampled since
@@ -161,8 +171,9 @@ class ControlsState:
             old = self.counts.shape[0]
             size = max(8, 2 * old)
             self.counts = torch.cat((self.counts, torch.zeros(size - old, self.vocab_size, device=self.device)))
-            self.in_prompt = torch.cat((self.in_prompt, torch.zeros(size - old, self.vocab_size, dtype=torch.bool,
-                                                                   device=self.device)))
+            self.in_prompt = torch.cat(
+                (self.in_prompt, torch.zeros(size - old, self.vocab_size, dtype=torch.bool, device=self.device))
+            )
             self._free = list(range(size - 1, old - 1, -1))
         return self._free.pop()
 
@@ -281,4 +292,4 @@ class ControlsPlan:
         for j, i in enumerate(rows):
             out.logprobs[i] = lp[j]
             if top_n[j]:
-                out.top_logprobs[i] = list(zip(tops[0][j][:top_n[j]], tops[1][j][:top_n[j]]))
+                out.top_logprobs[i] = list(zip(tops[0][j][: top_n[j]], tops[1][j][: top_n[j]]))

@@ -116,8 +116,13 @@ class GpuLoop:
             reply = M.Accepted(rid=msg.rid, est_gpu_ms=decision.est_gpu_ms)
         else:
             self.rejected_429 += decision.status == 429
-            reply = M.Rejected(rid=msg.rid, status=decision.status, code=decision.code,
-                               message=decision.message, retry_after_s=decision.retry_after_s)
+            reply = M.Rejected(
+                rid=msg.rid,
+                status=decision.status,
+                code=decision.code,
+                message=decision.message,
+                retry_after_s=decision.retry_after_s,
+            )
         self.outboxes[slot].send(reply)
 
     def check_worker_slots(self) -> None:
@@ -131,8 +136,11 @@ class GpuLoop:
     def _drop_worker(self, slot: int, why: str, keep: int | None = None) -> None:
         """Cancel the slot's requests (all, or those numbered by another worker than generation
         `keep`: the successor's own requests may already be here) and drop its pending output."""
-        dropped = [key for key in self.scheduler.live_keys()
-                   if key[0] == slot and (keep is None or M.rid_generation(key[1]) != keep)]
+        dropped = [
+            key
+            for key in self.scheduler.live_keys()
+            if key[0] == slot and (keep is None or M.rid_generation(key[1]) != keep)
+        ]
         for key in dropped:
             self.scheduler.cancel(key, "cancelled")
         box = self.outboxes[slot]
@@ -167,14 +175,18 @@ class GpuLoop:
             if isinstance(ev, TokenEvent):
                 boxes[slot].tokens.append(M.Token(rid, ev.index, ev.token_id, ev.logprob, ev.top_logprobs))
             elif isinstance(ev, FinishEvent):
-                boxes[slot].finishes.append(M.Finish(rid, ev.index, ev.reason, ev.prompt_tokens,
-                                                     ev.completion_tokens, ev.queue_ms, ev.ttft_ms))
+                boxes[slot].finishes.append(
+                    M.Finish(rid, ev.index, ev.reason, ev.prompt_tokens, ev.completion_tokens, ev.queue_ms, ev.ttft_ms)
+                )
             else:
                 boxes[slot].prompts.append(M.PromptLogprobs(rid, ev.start, ev.logprobs, ev.ranks, ev.top))
         for slot, box in enumerate(boxes):
             if box.tokens or box.finishes or box.prompts:
-                box.send(M.StepOutput(step=self.step_no, tokens=box.tokens, finishes=box.finishes,
-                                      prompt_logprobs=box.prompts))
+                box.send(
+                    M.StepOutput(
+                        step=self.step_no, tokens=box.tokens, finishes=box.finishes, prompt_logprobs=box.prompts
+                    )
+                )
                 box.tokens, box.finishes, box.prompts = [], [], []
             if not box.flush() and len(box.backlog) > BACKLOG_LIMIT:
                 self._drop_worker(slot, f"worker slot {slot} stopped reading its output ring")
@@ -215,18 +227,24 @@ def _check_limits(msg: M.Submit, vocab_size: int) -> None:
     """The per-request limits of `shm/messages.py` and the vocabulary, which the worker checked
     too: a Submit over them is refused (an id outside the vocabulary would index past the logits)."""
     sp = msg.sampling
-    for name, value, limit in (("stop_token_ids", len(sp.stop_token_ids), M.MAX_STOP_TOKEN_IDS),
-                               ("logit_bias", len(sp.logit_bias), M.MAX_LOGIT_BIAS),
-                               ("allowed_token_ids", len(sp.allowed_token_ids), M.MAX_ALLOWED_TOKEN_IDS),
-                               ("bad_words", len(sp.bad_words), M.MAX_BAD_WORDS),
-                               ("bad_words tokens", max(map(len, sp.bad_words), default=0), M.MAX_BAD_WORD_TOKENS),
-                               ("logprobs", msg.logprobs or 0, M.MAX_TOP_LOGPROBS),
-                               ("prompt_logprobs", msg.prompt_logprobs or 0, M.MAX_TOP_LOGPROBS)):
+    for name, value, limit in (
+        ("stop_token_ids", len(sp.stop_token_ids), M.MAX_STOP_TOKEN_IDS),
+        ("logit_bias", len(sp.logit_bias), M.MAX_LOGIT_BIAS),
+        ("allowed_token_ids", len(sp.allowed_token_ids), M.MAX_ALLOWED_TOKEN_IDS),
+        ("bad_words", len(sp.bad_words), M.MAX_BAD_WORDS),
+        ("bad_words tokens", max(map(len, sp.bad_words), default=0), M.MAX_BAD_WORD_TOKENS),
+        ("logprobs", msg.logprobs or 0, M.MAX_TOP_LOGPROBS),
+        ("prompt_logprobs", msg.prompt_logprobs or 0, M.MAX_TOP_LOGPROBS),
+    ):
         if value > limit:
             raise ValueError(f"{name} holds {value}; at most {limit}")
     # NOTE: stop ids outside the vocabulary are harmless (never sampled) and stay allowed.
-    ids = (msg.prompt_ids, [t for t, _ in sp.logit_bias], sp.allowed_token_ids,
-           [t for words in sp.bad_words for t in words])
+    ids = (
+        msg.prompt_ids,
+        [t for t, _ in sp.logit_bias],
+        sp.allowed_token_ids,
+        [t for words in sp.bad_words for t in words],
+    )
     for name, group in zip(("prompt", "logit_bias", "allowed_token_ids", "bad_words"), ids):
         outside = vocabulary_error(group, vocab_size, name)
         if outside is not None:
@@ -264,20 +282,30 @@ def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
     # NOTE: the heartbeat between load phases (and between kernel compiles) keeps the supervisor's
     # watchdog satisfied through a long load; every kernel is compiled before READY.
     engine = build_engine(config, model_dir, progress=control.gpu_heartbeat)
-    sched = Scheduler(config, BlockManager(engine.num_blocks, config.block_size),
-                      eos_token_ids=engine.eos_token_ids)
+    sched = Scheduler(config, BlockManager(engine.num_blocks, config.block_size), eos_token_ids=engine.eos_token_ids)
     loop = GpuLoop(config, shm, engine, sched)
-    control.set_model_facts({
-        "model": config.model_name or os.path.basename(os.path.normpath(model_dir)),
-        "vocab_size": engine.vocab_size, "block_size": config.block_size,
-        "num_blocks": engine.num_blocks, "context_limit": config.context_limit,
-        "eos_token_ids": sorted(engine.eos_token_ids), "device": str(engine.device),
-        "dtype": str(engine.dtype).removeprefix("torch."), "load_s": round(time.monotonic() - t0, 3),
-    })
+    control.set_model_facts(
+        {
+            "model": config.model_name or os.path.basename(os.path.normpath(model_dir)),
+            "vocab_size": engine.vocab_size,
+            "block_size": config.block_size,
+            "num_blocks": engine.num_blocks,
+            "context_limit": config.context_limit,
+            "eos_token_ids": sorted(engine.eos_token_ids),
+            "device": str(engine.device),
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "load_s": round(time.monotonic() - t0, 3),
+        }
+    )
     loop.publish(0.0)
     control.set_gpu_state(L.GpuState.READY, pid=os.getpid())
-    log.info("GPU process ready: %s on %s, %d KV blocks, loaded in %.1f s", model_dir, engine.device,
-             engine.num_blocks, time.monotonic() - t0)
+    log.info(
+        "GPU process ready: %s on %s, %d KV blocks, loaded in %.1f s",
+        model_dir,
+        engine.device,
+        engine.num_blocks,
+        time.monotonic() - t0,
+    )
     # SIGTERM (the supervisor's stop, sent once the workers have drained) ends the loop between
     # passes, so the process exits 0 rather than dying mid-step.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: setattr(loop, "stopping", True))
@@ -285,7 +313,9 @@ def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="ringserve-gpu", description="the ringserve GPU process (started by the supervisor)")
+    p = argparse.ArgumentParser(
+        prog="ringserve-gpu", description="the ringserve GPU process (started by the supervisor)"
+    )
     p.add_argument("--instance", required=True)
     p.add_argument("--shm-dir", default=L.DEFAULT_DIRECTORY)
     p.add_argument("--bell-fds", required=True, help="comma-separated doorbell fds: input, then one per worker")
@@ -293,8 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     config = Config.from_json(os.environ["RINGSERVE_CONFIG_JSON"])
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s gpu %(levelname)s %(message)s")
-    shm = ShmInstance.attach(args.instance, directory=args.shm_dir,
-                             bell_fds=[int(fd) for fd in args.bell_fds.split(",")])
+    shm = ShmInstance.attach(
+        args.instance, directory=args.shm_dir, bell_fds=[int(fd) for fd in args.bell_fds.split(",")]
+    )
     try:
         serve(config, shm, args.model_dir)
     except BaseException as exc:

@@ -31,11 +31,15 @@ class ModelRunner:
         args = getattr(model, "args", None)
         if args is not None:
             if (args.num_layers, args.num_kv_heads, args.head_dim) != (
-                    kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim):
+                kv_pool.num_layers,
+                kv_pool.num_kv_heads,
+                kv_pool.head_dim,
+            ):
                 raise ValueError(
                     f"KV pool (layers {kv_pool.num_layers}, kv heads {kv_pool.num_kv_heads}, head_dim "
                     f"{kv_pool.head_dim}) does not match the model ({args.num_layers}, {args.num_kv_heads}, "
-                    f"{args.head_dim})")
+                    f"{args.head_dim})"
+                )
             self.max_position = args.max_position_embeddings
         else:
             self.max_position = None
@@ -52,8 +56,10 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Device work of a step: float32 logits `[R, vocab]` for the sampling rows."""
         if self.max_position is not None and inputs.meta.max_seq_len > self.max_position:
-            raise ValueError(f"context of {inputs.meta.max_seq_len} tokens exceeds the model's "
-                             f"max_position_embeddings {self.max_position}")
+            raise ValueError(
+                f"context of {inputs.meta.max_seq_len} tokens exceeds the model's "
+                f"max_position_embeddings {self.max_position}"
+            )
         return self.model(inputs.input_ids, inputs.meta, self.kv_pool, inputs.logits_indices)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:

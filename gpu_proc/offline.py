@@ -69,9 +69,17 @@ class StepRecord:
     num_decode_rows: int
 
 
-def generate(runner: ModelRunner, requests: list[OfflineRequest], *, eos_token_ids: frozenset[int],
-             context_limit: int = 8192, prefill_budget: int = 256, max_rows: int = 32,
-             block_seed: int | None = None, log: list[StepRecord] | None = None) -> list[OfflineResult]:
+def generate(
+    runner: ModelRunner,
+    requests: list[OfflineRequest],
+    *,
+    eos_token_ids: frozenset[int],
+    context_limit: int = 8192,
+    prefill_budget: int = 256,
+    max_rows: int = 32,
+    block_seed: int | None = None,
+    log: list[StepRecord] | None = None,
+) -> list[OfflineResult]:
     """Run `requests` to completion and return their results in order.
 
     `prefill_budget` caps the prompt tokens per step (a prompt longer than that is chunked);
@@ -106,9 +114,18 @@ def generate(runner: ModelRunner, requests: list[OfflineRequest], *, eos_token_i
                 raise RuntimeError(f"KV pool exhausted: {runner.kv_pool.num_blocks} blocks are too few")
             row.blocks += [free.pop() for _ in range(need)]
             samples = end >= len(ids)
-            sampling = RowSampling(temperature=row.req.temperature, top_k=row.req.top_k, top_p=row.req.top_p,
-                                   seed=row.req.seed, logprobs=row.req.logprobs) if samples else None
-            steps.append((row, SeqStep(row.index, ids[row.computed:end], row.computed, row.blocks, sampling)))
+            sampling = (
+                RowSampling(
+                    temperature=row.req.temperature,
+                    top_k=row.req.top_k,
+                    top_p=row.req.top_p,
+                    seed=row.req.seed,
+                    logprobs=row.req.logprobs,
+                )
+                if samples
+                else None
+            )
+            steps.append((row, SeqStep(row.index, ids[row.computed : end], row.computed, row.blocks, sampling)))
         batch = StepBatch([s for _, s in steps])
         logits = runner.execute(batch)
         samplers = [(row, s, s.sampling) for row, s in steps if s.sampling is not None]
@@ -124,9 +141,15 @@ def generate(runner: ModelRunner, requests: list[OfflineRequest], *, eos_token_i
             res.logprobs.append(out.logprobs[j])
             res.top_logprobs.append(out.top_logprobs[j])
             res.finish_reason = finish_reason(
-                out.token_ids[j], len(res.token_ids), s.context_len + 1, eos_token_ids=eos_token_ids,
-                stop_token_ids=frozenset(row.req.stop_token_ids), ignore_eos=row.req.ignore_eos,
-                max_tokens=row.req.max_tokens, context_limit=context_limit)
+                out.token_ids[j],
+                len(res.token_ids),
+                s.context_len + 1,
+                eos_token_ids=eos_token_ids,
+                stop_token_ids=frozenset(row.req.stop_token_ids),
+                ignore_eos=row.req.ignore_eos,
+                max_tokens=row.req.max_tokens,
+                context_limit=context_limit,
+            )
         still = []
         for row in running:
             if row.result.finish_reason is None:

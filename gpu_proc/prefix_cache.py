@@ -54,11 +54,20 @@ class CachedBlock:
 class PrefixCache:
     """Hash chain index over full KV blocks plus the LRU of parked (cached, unreferenced) blocks."""
 
-    __slots__ = ("num_blocks", "block_size", "namespace", "_hash_fn", "_by_hash", "_entries", "_lru",
-                 "_next_serial", "queries", "hits")
+    __slots__ = (
+        "num_blocks",
+        "block_size",
+        "namespace",
+        "_hash_fn",
+        "_by_hash",
+        "_entries",
+        "_lru",
+        "_next_serial",
+        "queries",
+        "hits",
+    )
 
-    def __init__(self, num_blocks: int, block_size: int, *, namespace: str = "",
-                 hash_fn: HashFn = chain_hash) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, namespace: str = "", hash_fn: HashFn = chain_hash) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -81,8 +90,9 @@ class PrefixCache:
         """The chain hash of a block holding `tokens` after the block hashed `parent`."""
         return self._hash_fn(parent, tokens)
 
-    def extend_hashes(self, hashes: list[int], tokens: Callable[[int, int], Sequence[int]], num_blocks: int,
-                      salt: str | None) -> list[int]:
+    def extend_hashes(
+        self, hashes: list[int], tokens: Callable[[int, int], Sequence[int]], num_blocks: int, salt: str | None
+    ) -> list[int]:
         """Grow `hashes` (a sequence's chain hashes, one per full block) to `num_blocks` entries;
         `tokens(start, end)` returns the sequence's token ids in that range. Returns `hashes`."""
         bs, fn = self.block_size, self._hash_fn
@@ -110,8 +120,9 @@ class PrefixCache:
             parent = e.serial
         return out
 
-    def register(self, block: int, block_hash: int, tokens: Sequence[int], parent_block: int | None,
-                 salt: str | None) -> bool:
+    def register(
+        self, block: int, block_hash: int, tokens: Sequence[int], parent_block: int | None, salt: str | None
+    ) -> bool:
         """Name the just-filled `block` (its parent is the previous block of the same table, or
         None for a chain's first block). False, and nothing registered, when the hash is already
         taken (the same prefix computed twice, or a collision), the block is already registered,
@@ -128,8 +139,9 @@ class PrefixCache:
                 return False
             parent = pe.serial
         self._next_serial += 1
-        self._entries[block] = CachedBlock(block_hash, self._next_serial, parent,
-                                           tokens if type(tokens) is tuple else tuple(tokens))
+        self._entries[block] = CachedBlock(
+            block_hash, self._next_serial, parent, tokens if type(tokens) is tuple else tuple(tokens)
+        )
         self._by_hash[block_hash] = block
         return True
 

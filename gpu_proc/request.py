@@ -108,25 +108,56 @@ class Request:
         """Build from a worker's `shm.messages.Submit` (duck-typed: this core imports no shm)."""
         sp = msg.sampling
         controls = LogitsControls(
-            presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
-            repetition_penalty=sp.repetition_penalty, min_p=sp.min_p, min_tokens=sp.min_tokens,
-            stop_token_ids=tuple(sp.stop_token_ids) if sp.min_tokens else (), logit_bias=tuple(map(tuple, sp.logit_bias)),
-            allowed_token_ids=tuple(sp.allowed_token_ids), bad_words=tuple(map(tuple, sp.bad_words)))
-        return cls(key=(worker, msg.rid), request_id=msg.request_id, tenant=msg.tenant,
-                   prompt_ids=list(msg.prompt_ids), max_tokens=msg.max_tokens,
-                   sampling=SamplingSpec(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
-                                         stop_token_ids=frozenset(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
-                                         controls=None if controls.neutral else controls),
-                   arrival_ts=msg.arrival_ts, deadline_ts=msg.deadline_ts, n=msg.n, logprobs=msg.logprobs,
-                   cache_salt=msg.cache_salt, prompt_logprobs=msg.prompt_logprobs)
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            min_p=sp.min_p,
+            min_tokens=sp.min_tokens,
+            stop_token_ids=tuple(sp.stop_token_ids) if sp.min_tokens else (),
+            logit_bias=tuple(map(tuple, sp.logit_bias)),
+            allowed_token_ids=tuple(sp.allowed_token_ids),
+            bad_words=tuple(map(tuple, sp.bad_words)),
+        )
+        return cls(
+            key=(worker, msg.rid),
+            request_id=msg.request_id,
+            tenant=msg.tenant,
+            prompt_ids=list(msg.prompt_ids),
+            max_tokens=msg.max_tokens,
+            sampling=SamplingSpec(
+                temperature=sp.temperature,
+                top_k=sp.top_k,
+                top_p=sp.top_p,
+                seed=sp.seed,
+                stop_token_ids=frozenset(sp.stop_token_ids),
+                ignore_eos=sp.ignore_eos,
+                controls=None if controls.neutral else controls,
+            ),
+            arrival_ts=msg.arrival_ts,
+            deadline_ts=msg.deadline_ts,
+            n=msg.n,
+            logprobs=msg.logprobs,
+            cache_salt=msg.cache_salt,
+            prompt_logprobs=msg.prompt_logprobs,
+        )
 
     def sibling(self, index: int) -> Request:
         """Sample `index` of the same Submit: the same prompt and settings, none of the state. Only
         sample 0 scores the prompt (the prompt and its logprobs are the same for all)."""
-        return Request(key=self.key, request_id=self.request_id, tenant=self.tenant, prompt_ids=self.prompt_ids,
-                       max_tokens=self.max_tokens, sampling=self.sampling, arrival_ts=self.arrival_ts,
-                       deadline_ts=self.deadline_ts, n=self.n, index=index, logprobs=self.logprobs,
-                       cache_salt=self.cache_salt)
+        return Request(
+            key=self.key,
+            request_id=self.request_id,
+            tenant=self.tenant,
+            prompt_ids=self.prompt_ids,
+            max_tokens=self.max_tokens,
+            sampling=self.sampling,
+            arrival_ts=self.arrival_ts,
+            deadline_ts=self.deadline_ts,
+            n=self.n,
+            index=index,
+            logprobs=self.logprobs,
+            cache_salt=self.cache_salt,
+        )
 
     # -- derived -------------------------------------------------------------------------------
 
@@ -162,8 +193,8 @@ class Request:
         if end <= plen:
             return prompt[start:end]
         if start >= plen:
-            return self.generated[start - plen:end - plen]
-        return prompt[start:] + self.generated[:end - plen]
+            return self.generated[start - plen : end - plen]
+        return prompt[start:] + self.generated[: end - plen]
 
 
 @dataclass(slots=True)

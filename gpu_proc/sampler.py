@@ -130,13 +130,23 @@ def plan_sampling(rows: list[RowSampling], positions: list[int], device: torch.d
     filt = [j for j, f in enumerate(filters) if f]
     unf = [j for j, f in enumerate(filters) if not f]
     top_k = [r.top_k for r in sel]
-    ints = host_tensor("q", rand + top_k + seeds + [r.sample_index for r in sel] + pos + filt + unf
-                       ).to(device, non_blocking=True)
+    ints = host_tensor("q", rand + top_k + seeds + [r.sample_index for r in sel] + pos + filt + unf).to(
+        device, non_blocking=True
+    )
     n, nf = len(rand), len(filt)
-    return SamplingPlan(len(rows), ints[:n], floats[:n], ints[2 * n:5 * n].view(3, n),
-                        ints[n:2 * n].clamp(min=0), floats[n:].clamp(max=1.0),
-                        ints[5 * n:5 * n + nf] if filt else None, ints[5 * n + nf:] if unf else None,
-                        top_n, max_top_n, max(top_k))
+    return SamplingPlan(
+        len(rows),
+        ints[:n],
+        floats[:n],
+        ints[2 * n : 5 * n].view(3, n),
+        ints[n : 2 * n].clamp(min=0),
+        floats[n:].clamp(max=1.0),
+        ints[5 * n : 5 * n + nf] if filt else None,
+        ints[5 * n + nf :] if unf else None,
+        top_n,
+        max_top_n,
+        max(top_k),
+    )
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -148,8 +158,9 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=weights.shape[-1] - 1)
 
 
-def _filtered_pick(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor,
-                   num_candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _filtered_pick(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, num_candidates: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k then top-p over the `num_candidates` most probable tokens of each row.
 
     Returns (token ids `[n]`, covered `[n]` bool): a row is not covered when it has no top-k and
@@ -199,8 +210,9 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def sample_tensors(logits: torch.Tensor, plan: SamplingPlan
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def sample_tensors(
+    logits: torch.Tensor, plan: SamplingPlan
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Device half: (`[2, R]` float64 of token ids and their logprobs — `[1, R]`, ids only, when no
     row wants logprobs — top-N ids `[R, N]`, top-N logprobs `[R, N]`). float64 holds every token id
     exactly, so ids and logprobs leave the device as one tensor."""
@@ -256,8 +268,9 @@ def sample_tensors(logits: torch.Tensor, plan: SamplingPlan
     return torch.stack((tokens.double(), logprobs.double())), top_ids, top_lp
 
 
-def to_output(plan: SamplingPlan, packed: torch.Tensor, top_ids: torch.Tensor | None,
-              top_lp: torch.Tensor | None) -> SampleOutput:
+def to_output(
+    plan: SamplingPlan, packed: torch.Tensor, top_ids: torch.Tensor | None, top_lp: torch.Tensor | None
+) -> SampleOutput:
     """Host half: one device-to-host transfer, then plain Python lists."""
     packed_l = packed.tolist()
     token_ids = list(map(int, packed_l[0]))

@@ -103,15 +103,24 @@ _STAT_FIELDS = tuple(f.name for f in fields(SchedulerStats))
 class Scheduler:
     """Continuous batching over a paged KV cache: owns the queues and every request's blocks."""
 
-    def __init__(self, config: Config, block_manager: BlockManager, *, eos_token_ids=frozenset(),
-                 clock: Callable[[], float] = time.time, rng: random.Random | None = None,
-                 admission: AdmissionController | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        block_manager: BlockManager,
+        *,
+        eos_token_ids=frozenset(),
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+        admission: AdmissionController | None = None,
+    ) -> None:
         """`config` is a `ringserve.config.Config` (or any object with its scheduler fields)."""
         if block_manager.block_size != config.block_size:
-            raise ValueError(f"block manager has {block_manager.block_size}-token blocks, "
-                             f"config says {config.block_size}")
-        self.kv = KVCacheManager(block_manager, caching=config.prefix_caching,
-                                 namespace=config.model_name or config.model or "")
+            raise ValueError(
+                f"block manager has {block_manager.block_size}-token blocks, config says {config.block_size}"
+            )
+        self.kv = KVCacheManager(
+            block_manager, caching=config.prefix_caching, namespace=config.model_name or config.model or ""
+        )
         self.bm = block_manager
         self.block_size = block_manager.block_size
         self.max_rows = config.max_rows
@@ -160,8 +169,14 @@ class Scheduler:
         # sample's own tail up to the context it may reach.
         worst = full + req.n * (kv.blocks_for(req.prompt_len + req.max_tokens) - full)
         starts = self._starts_now(req.n, req.prompt_len)
-        decision = self.admission.decide(req.prompt_len, req.max_tokens, req.n, 0.0 if starts else self._queued_ms,
-                                         pool_fits=worst <= self.bm.num_blocks, row_wait_ms=self._row_wait_ms)
+        decision = self.admission.decide(
+            req.prompt_len,
+            req.max_tokens,
+            req.n,
+            0.0 if starts else self._queued_ms,
+            pool_fits=worst <= self.bm.num_blocks,
+            row_wait_ms=self._row_wait_ms,
+        )
         if decision.accepted:
             seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(63)
             self._queue_samples(self.siblings.fan_out(req, seed, self._seq_ids), decision.est_gpu_ms, starts)
@@ -172,7 +187,7 @@ class Scheduler:
         boundary; False if none is live and not already ending."""
         samples = self._live.get(key, [])
         if index is not None:
-            samples = samples[index:index + 1] if index >= 0 else []
+            samples = samples[index : index + 1] if index >= 0 else []
         flagged = False
         for req in samples:
             if not req.is_finished and req.cancel_reason is None:
@@ -183,8 +198,11 @@ class Scheduler:
 
     def observe_step_time(self, ms: float, prefill_tokens: int | None = None, decode_rows: int | None = None) -> None:
         """Feed one measured step (default: the counts of the last built batch) to the cost model."""
-        self.admission.observe_step(ms, self.last_prefill_tokens if prefill_tokens is None else prefill_tokens,
-                                    self.last_decode_rows if decode_rows is None else decode_rows)
+        self.admission.observe_step(
+            ms,
+            self.last_prefill_tokens if prefill_tokens is None else prefill_tokens,
+            self.last_decode_rows if decode_rows is None else decode_rows,
+        )
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -410,8 +428,9 @@ class Scheduler:
                 filled.append((s, req))
             req.num_computed = p + 1
         self.last_decode_rows = len(seqs)
-        self.last_prefill_tokens = self._prefill_chunks(prefilling, self.prefill_budget_for(len(seqs)),
-                                                        seqs, sampling, filled)
+        self.last_prefill_tokens = self._prefill_chunks(
+            prefilling, self.prefill_budget_for(len(seqs)), seqs, sampling, filled
+        )
         if filled:
             self.kv.register_filled(filled)
         # NOTE: `sampling` was appended in lockstep with `seqs`, so it is in batch.sampling_seqs
@@ -441,8 +460,14 @@ class Scheduler:
             i += 1
         return decoding, prefilling
 
-    def _prefill_chunks(self, prefilling: list[Request], budget: int, seqs: list[SeqStep],
-                        sampling: list[Request], filled: list[tuple[SeqStep, Request]]) -> int:
+    def _prefill_chunks(
+        self,
+        prefilling: list[Request],
+        budget: int,
+        seqs: list[SeqStep],
+        sampling: list[Request],
+        filled: list[tuple[SeqStep, Request]],
+    ) -> int:
         """Prompt (or recompute) chunks, oldest request first, up to `budget` tokens; the tokens used."""
         bs, charge, used = self.block_size, self.queue.charge, 0
         scoring_left = PROMPT_LOGPROB_TOKENS_PER_STEP
@@ -459,8 +484,9 @@ class Scheduler:
                 if scoring is not None:
                     scoring_left -= len(scoring.targets)
             samples = end == total
-            s = SeqStep(req.seq_id, req.tokens(start, end), start, req.block_ids,
-                        req.row_sampling if samples else None, scoring)
+            s = SeqStep(
+                req.seq_id, req.tokens(start, end), start, req.block_ids, req.row_sampling if samples else None, scoring
+            )
             seqs.append(s)
             if end // bs > start // bs:
                 filled.append((s, req))
@@ -483,7 +509,7 @@ class Scheduler:
             return end, None
         req.prompt_scored = hi + 1
         self._scoring.append((req, lo))
-        return end, PromptScoring(lo - 1 - start, req.prompt_ids[lo:hi + 1], req.prompt_logprobs)
+        return end, PromptScoring(lo - 1 - start, req.prompt_ids[lo : hi + 1], req.prompt_logprobs)
 
     def prefill_budget_for(self, decode_rows: int) -> int:
         """Prompt tokens allowed in a step with `decode_rows` decoding rows (see module doc)."""
@@ -511,8 +537,10 @@ class Scheduler:
     def _apply_prompt_logprobs(self, scored) -> None:
         rows, self._scoring = self._scoring, []
         if scored is None or len(scored) != len(rows):
-            raise ValueError(f"the last batch scored {len(rows)} prompt chunks but "
-                             f"{0 if scored is None else len(scored)} results were given")
+            raise ValueError(
+                f"the last batch scored {len(rows)} prompt chunks but "
+                f"{0 if scored is None else len(scored)} results were given"
+            )
         for (req, start), (logprobs, ranks, top) in zip(rows, scored):
             self._events.append(PromptLogprobsEvent(req.key, start, logprobs, ranks, top))
 
@@ -529,13 +557,21 @@ class Scheduler:
                 req.state = RequestState.DECODE
                 if req.first_token_ts is None:
                     req.first_token_ts = now  # TTFT ends here; a recompute does not restart it
-            events.append(TokenEvent(req.key, req.index, tok, float(logprobs[k]),
-                                     tops[k] if req.logprobs is not None else None))
+            events.append(
+                TokenEvent(req.key, req.index, tok, float(logprobs[k]), tops[k] if req.logprobs is not None else None)
+            )
             charge(req.tenant, 0, 1)
             sp = req.sampling
-            reason = finish_reason(tok, len(gen), req.prompt_len + len(gen), eos_token_ids=eos,
-                                 stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
-                                 max_tokens=req.max_tokens, context_limit=limit)
+            reason = finish_reason(
+                tok,
+                len(gen),
+                req.prompt_len + len(gen),
+                eos_token_ids=eos,
+                stop_token_ids=sp.stop_token_ids,
+                ignore_eos=sp.ignore_eos,
+                max_tokens=req.max_tokens,
+                context_limit=limit,
+            )
             self.generation_tokens_total += 1
             if reason is not None:
                 self._row_done(req, reason, now)
@@ -553,8 +589,17 @@ class Scheduler:
         req.state = RequestState.CANCELLED if reason in _WASTED else RequestState.DONE
         joined = req.first_join_ts if req.first_join_ts is not None else now
         ttft = (req.first_token_ts - req.arrival_ts) * 1000.0 if req.first_token_ts is not None else 0.0
-        self._events.append(FinishEvent(req.key, req.index, reason, req.prompt_len, len(req.generated),
-                                        max(0.0, (joined - req.arrival_ts) * 1000.0), max(0.0, ttft)))
+        self._events.append(
+            FinishEvent(
+                req.key,
+                req.index,
+                reason,
+                req.prompt_len,
+                len(req.generated),
+                max(0.0, (joined - req.arrival_ts) * 1000.0),
+                max(0.0, ttft),
+            )
+        )
         if req.starts_now:
             self._starting.remove(req)
             self._reserved_blocks -= self.kv.blocks_for(req.prompt_len)
@@ -577,23 +622,38 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         cache = self.kv.cache
         return SchedulerStats(
-            queue_depth=len(self.queue) + len(self.siblings), queued_gpu_seconds=max(self._queued_ms, 0.0) / 1000.0,
-            running_rows=len(self._running), kv_blocks_free=self.bm.num_free, kv_blocks_total=self.bm.num_blocks,
-            kv_blocks_cached=self.bm.num_cached, preemptions=self.preemptions,
-            fair_preemptions=self.fair_preemptions, cancelled_tokens=self.cancelled_tokens,
-            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
-            c_prefill_ms=self.admission.costs.c_prefill_ms, c_decode_ms=self.admission.costs.c_decode_ms,
-            prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits)
+            queue_depth=len(self.queue) + len(self.siblings),
+            queued_gpu_seconds=max(self._queued_ms, 0.0) / 1000.0,
+            running_rows=len(self._running),
+            kv_blocks_free=self.bm.num_free,
+            kv_blocks_total=self.bm.num_blocks,
+            kv_blocks_cached=self.bm.num_cached,
+            preemptions=self.preemptions,
+            fair_preemptions=self.fair_preemptions,
+            cancelled_tokens=self.cancelled_tokens,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            c_prefill_ms=self.admission.costs.c_prefill_ms,
+            c_decode_ms=self.admission.costs.c_decode_ms,
+            prefix_cache_queries=cache.queries,
+            prefix_cache_hits=cache.hits,
+        )
 
     def snapshot(self) -> SchedulerSnapshot:
         """Every book the scheduler keeps, as read-only views (for `check_integrity` and tests)."""
         return SchedulerSnapshot(
-            running=tuple(self._running), queued=tuple(self.queue.waiting()),
+            running=tuple(self._running),
+            queued=tuple(self.queue.waiting()),
             held=tuple(self.siblings),
-            live={k: tuple(v) for k, v in self._live.items()}, starting=tuple(self._starting),
-            reserved_blocks=self._reserved_blocks, queued_ms=self._queued_ms, charged=self._charged,
+            live={k: tuple(v) for k, v in self._live.items()},
+            starting=tuple(self._starting),
+            reserved_blocks=self._reserved_blocks,
+            queued_ms=self._queued_ms,
+            charged=self._charged,
             max_rows=self.max_rows,
-            kv=self.kv, queue=self.queue)
+            kv=self.kv,
+            queue=self.queue,
+        )
 
     def check_integrity(self) -> None:
         """Raise SchedulerIntegrityError unless every block table, row count, queue, cached block

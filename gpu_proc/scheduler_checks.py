@@ -46,14 +46,16 @@ def check_scheduler(snap: SchedulerSnapshot) -> None:
         _require(req.is_running, f"{name} is in the running list in state {req.state.name}")
         _require(k == 0 or snap.running[k - 1].admit_seq < req.admit_seq, "running list out of admission order")
         _require(req in snap.live.get(req.key, ()), f"running {name} is not live")
-        _require(len(req.block_ids) * bs >= req.num_computed,
-                 f"{name}: {req.num_computed} tokens computed in {len(req.block_ids)} blocks")
+        _require(
+            len(req.block_ids) * bs >= req.num_computed,
+            f"{name}: {req.num_computed} tokens computed in {len(req.block_ids)} blocks",
+        )
         for b in req.block_ids:
             expected[b] = expected.get(b, 0) + 1
         rows_by_tenant[req.tenant] = rows_by_tenant.get(req.tenant, 0) + 1
     bm.check_integrity(expected)
     for req in snap.running:  # a block a request will write into must be its alone
-        for b in req.block_ids[req.num_computed // bs:]:
+        for b in req.block_ids[req.num_computed // bs :]:
             _require(bm.ref_count(b) == 1, f"{req.key}#{req.index} would write shared block {b}")
     _require(len(snap.running) <= snap.max_rows, f"{len(snap.running)} rows running over the cap of {snap.max_rows}")
     try:
@@ -71,14 +73,18 @@ def _check_waiting(snap: SchedulerSnapshot) -> None:
     for req in waiting:
         _require(not req.block_ids, f"waiting {req.key}#{req.index} holds blocks")
     unfinished = [r for samples in snap.live.values() for r in samples if not r.is_finished]
-    _require(len(waiting) + len(snap.running) == len(unfinished) == len({id(r) for r in unfinished}),
-             "live requests are neither queued, held nor running (or in two places)")
+    _require(
+        len(waiting) + len(snap.running) == len(unfinished) == len({id(r) for r in unfinished}),
+        "live requests are neither queued, held nor running (or in two places)",
+    )
     queued = sum(r.queued_est_ms for r in waiting)
     _require(abs(queued - snap.queued_ms) <= 1e-6 * max(1.0, queued), "queued_gpu_ms drifted from its requests")
     _require(snap.charged == sum(1 for r in waiting if r.queued_est_ms), "count of waiting requests with a cost is off")
     for req in snap.starting:
-        _require(req.starts_now and req.is_waiting and req.queued_est_ms == 0.0,
-                 f"{req.key}#{req.index} is reserved to start but is not a waiting request at no cost")
+        _require(
+            req.starts_now and req.is_waiting and req.queued_est_ms == 0.0,
+            f"{req.key}#{req.index} is reserved to start but is not a waiting request at no cost",
+        )
     want = sum(snap.kv.blocks_for(r.prompt_len) for r in snap.starting)
     _require(snap.reserved_blocks == want, f"{snap.reserved_blocks} blocks reserved, starting requests need {want}")
 
@@ -88,10 +94,12 @@ def _check_cached_tables(snap: SchedulerSnapshot) -> None:
     cache, bs = snap.kv.cache, snap.kv.block_size
     for req in snap.running:
         known = req.tokens(0, req.num_computed)
-        for j, b in enumerate(req.block_ids[:len(known) // bs]):
+        for j, b in enumerate(req.block_ids[: len(known) // bs]):
             e = cache.entry(b)
-            _require(e is None or list(e.tokens) == known[j * bs:(j + 1) * bs],
-                     f"{req.key}#{req.index}: cached block {b} at index {j} holds other tokens")
+            _require(
+                e is None or list(e.tokens) == known[j * bs : (j + 1) * bs],
+                f"{req.key}#{req.index}: cached block {b} at index {j} holds other tokens",
+            )
 
 
 class SchedulerIntegrityError(RuntimeError):

@@ -53,8 +53,14 @@ class LogitsControls:
 
     @property
     def neutral(self) -> bool:
-        return not (self.penalized or self.min_p or self.min_tokens or self.logit_bias
-                    or self.allowed_token_ids or self.bad_words)
+        return not (
+            self.penalized
+            or self.min_p
+            or self.min_tokens
+            or self.logit_bias
+            or self.allowed_token_ids
+            or self.bad_words
+        )
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -49,10 +49,18 @@ def warmup_steps(vocab_size: int, block_size: int) -> tuple[StepBatch, StepBatch
     tok = min(1, vocab_size - 1)
     n = warmup_blocks(block_size) - 1
     chunk_table, row_table = list(range(n)), [n]
-    mixed = StepBatch([SeqStep(0, [tok] * PREFILL_TOKENS, 0, chunk_table, greedy),
-                       SeqStep(1, [tok], DECODE_POSITION, row_table, greedy)])
-    decode = StepBatch([SeqStep(0, [tok], PREFILL_TOKENS, chunk_table, greedy),
-                        SeqStep(1, [tok], DECODE_POSITION + 1, row_table, greedy)])
+    mixed = StepBatch(
+        [
+            SeqStep(0, [tok] * PREFILL_TOKENS, 0, chunk_table, greedy),
+            SeqStep(1, [tok], DECODE_POSITION, row_table, greedy),
+        ]
+    )
+    decode = StepBatch(
+        [
+            SeqStep(0, [tok], PREFILL_TOKENS, chunk_table, greedy),
+            SeqStep(1, [tok], DECODE_POSITION + 1, row_table, greedy),
+        ]
+    )
     return mixed, decode
 
 
@@ -67,15 +75,18 @@ def warm_up(runner: ModelRunner, progress: Callable[[], None] | None = None) -> 
     model, pool = cast("Llama", runner.model), runner.kv_pool
     used = warmup_blocks(pool.block_size)
     if pool.num_blocks < used or DECODE_POSITION + 2 > pool.block_size:
-        raise ValueError(f"warm-up needs a pool of at least {used} blocks of >= {DECODE_POSITION + 2} tokens, "
-                         f"got {pool.num_blocks} x {pool.block_size}")
+        raise ValueError(
+            f"warm-up needs a pool of at least {used} blocks of >= {DECODE_POSITION + 2} tokens, "
+            f"got {pool.num_blocks} x {pool.block_size}"
+        )
     t0 = time.perf_counter()
     compiled: tuple[str, ...] = ()
     backend = model.backend
     if backend is not None and backend.compile is not None:
         args = model.args
-        compiled = tuple(backend.compile(model.dtype, args.head_dim, args.num_heads, args.num_kv_heads,
-                                         runner.device, beat))
+        compiled = tuple(
+            backend.compile(model.dtype, args.head_dim, args.num_heads, args.num_kv_heads, runner.device, beat)
+        )
     t1 = time.perf_counter()
     beat()
     for batch in warmup_steps(model.args.vocab_size, pool.block_size):

@@ -16,12 +16,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "shm": ("ringserve.tools.shm_inspect", "list ringserve shared-memory segments and ring state"),
     "fetch-model": ("ringserve.tools.fetch_model", "download and convert a model (or convert a .gguf) once"),
     "make-tiny-model": ("ringserve.tools.make_tiny_model", "build the small test Llama checkpoint"),
-    "make-dummy-model": ("ringserve.tools.make_dummy_model", "a weightless Llama-3-8B / Llama-2-7B shape for --load-format dummy"),
+    "make-dummy-model": (
+        "ringserve.tools.make_dummy_model",
+        "a weightless Llama-3-8B / Llama-2-7B shape for --load-format dummy",
+    ),
     "drill": ("ringserve.tools.drill", "crash-and-restart drills against a running server"),
     "loadtest": ("ringserve.tools.loadtest", "open-loop load test of a /v1/completions endpoint"),
     "soak": ("ringserve.tools.soak", "serve under load, then check blocks, fds, shm and RSS for leaks"),
     "gpu-check": ("ringserve.tools.gpu_check", "the GPU suite, kernel and step benchmarks, load test and HF baseline"),
-    "kernel-resources": ("ringserve.tools.kernel_resources", "registers, spills, occupancy, HMMA of each kernel (nvcc)"),
+    "kernel-resources": (
+        "ringserve.tools.kernel_resources",
+        "registers, spills, occupancy, HMMA of each kernel (nvcc)",
+    ),
 }
 
 # `ringserve bench NAME` -> module
@@ -35,7 +41,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "hf": ("ringserve.tools.hf_baseline", "the same trace through transformers generate (static batches)"),
     "prefix": ("ringserve.tools.bench_prefix", "TTFT and throughput with and without prefix caching"),
     "peers": ("ringserve.tools.bench_peers", "ringserve beside vLLM CPU: same checkpoint, client and run"),
-    "controls": ("ringserve.tools.bench_controls", "the sampler with and without vLLM's logits controls; prompt scoring"),
+    "controls": (
+        "ringserve.tools.bench_controls",
+        "the sampler with and without vLLM's logits controls; prompt scoring",
+    ),
 }
 
 

@@ -86,15 +86,37 @@ class Config:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "max_rows", "prefill_budget", "context_limit",
-                    "key_row_cap", "ring_bytes", "max_body_bytes", "cpu_kv_blocks",
-                    "cpu_threads", "watchdog_timeout_s", "drain_timeout_s", "restart_window_s",
-                    "slow_reader_s", "request_timeout_s", "queue_limit_s", "header_timeout_s",
-                    "body_timeout_s", "keepalive_timeout_s", "listen_backlog", "restart_hold_s")
+        positive = (
+            "block_size",
+            "max_rows",
+            "prefill_budget",
+            "context_limit",
+            "key_row_cap",
+            "ring_bytes",
+            "max_body_bytes",
+            "cpu_kv_blocks",
+            "cpu_threads",
+            "watchdog_timeout_s",
+            "drain_timeout_s",
+            "restart_window_s",
+            "slow_reader_s",
+            "request_timeout_s",
+            "queue_limit_s",
+            "header_timeout_s",
+            "body_timeout_s",
+            "keepalive_timeout_s",
+            "listen_backlog",
+            "restart_hold_s",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("fair_preempt_steps", "restart_limit", "max_connections", "max_tokens_limit"):  # 0 has a meaning: see the fields
+        for name in (
+            "fair_preempt_steps",
+            "restart_limit",
+            "max_connections",
+            "max_tokens_limit",
+        ):  # 0 has a meaning: see the fields
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.admission_margin < 1.0:

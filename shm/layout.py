@@ -76,13 +76,22 @@ RING_CONSUMER_HB_OFF = 4 * CACHE_LINE
 RING_DATA_OFF = PAGE  # the data area starts page-aligned
 RING_MIN_CAPACITY = 256
 
-RING_FIELDS = tuple(Field(n, o) for n, o in (
-    ("magic", RING_MAGIC_OFF), ("version", RING_VERSION_OFF), ("capacity", RING_CAPACITY_OFF),
-    ("generation", RING_GENERATION_OFF), ("created_ns", RING_CREATED_NS_OFF),
-    ("producer_pid", RING_PRODUCER_PID_OFF), ("consumer_pid", RING_CONSUMER_PID_OFF),
-    ("head", RING_HEAD_OFF), ("tail", RING_TAIL_OFF),
-    ("producer_heartbeat_ns", RING_PRODUCER_HB_OFF), ("consumer_heartbeat_ns", RING_CONSUMER_HB_OFF),
-))
+RING_FIELDS = tuple(
+    Field(n, o)
+    for n, o in (
+        ("magic", RING_MAGIC_OFF),
+        ("version", RING_VERSION_OFF),
+        ("capacity", RING_CAPACITY_OFF),
+        ("generation", RING_GENERATION_OFF),
+        ("created_ns", RING_CREATED_NS_OFF),
+        ("producer_pid", RING_PRODUCER_PID_OFF),
+        ("consumer_pid", RING_CONSUMER_PID_OFF),
+        ("head", RING_HEAD_OFF),
+        ("tail", RING_TAIL_OFF),
+        ("producer_heartbeat_ns", RING_PRODUCER_HB_OFF),
+        ("consumer_heartbeat_ns", RING_CONSUMER_HB_OFF),
+    )
+)
 
 # --- ring records ---------------------------------------------------------------------------
 # A record is an 8-byte header word, then the payload, padded to 8 bytes. The header word is
@@ -171,17 +180,25 @@ HISTOGRAMS: tuple[Histogram, ...] = (
     Histogram("ttft_ms", TTFT_MS_BOUNDS),
     Histogram("tpot_ms", TPOT_MS_BOUNDS),
     Histogram("max_gap_ms", (25, 50, 100, 250, 500, 1000, 2500, 5000)),
-) + tuple(Histogram(f"{base}_plen_{label}", bounds) for base, bounds in
-          (("ttft_ms", TTFT_MS_BOUNDS), ("tpot_ms", TPOT_MS_BOUNDS)) for label in PROMPT_LEN_LABELS)
+) + tuple(
+    Histogram(f"{base}_plen_{label}", bounds)
+    for base, bounds in (("ttft_ms", TTFT_MS_BOUNDS), ("tpot_ms", TPOT_MS_BOUNDS))
+    for label in PROMPT_LEN_LABELS
+)
 
 WORKER_COUNTER_NAMES: tuple[str, ...] = (
-    "requests_total", "requests_rejected_400", "requests_rejected_429", "requests_rejected_other",
-    "prompt_tokens_total", "completion_tokens_total", "open_streams", "slow_reader_cancels",
+    "requests_total",
+    "requests_rejected_400",
+    "requests_rejected_429",
+    "requests_rejected_other",
+    "prompt_tokens_total",
+    "completion_tokens_total",
+    "open_streams",
+    "slow_reader_cancels",
     "disconnects",
 ) + tuple(f"finished_{reason}" for reason in FINISH_REASONS)
 
-WORKER_STAT_NAMES: tuple[str, ...] = WORKER_COUNTER_NAMES + tuple(
-    name for h in HISTOGRAMS for name in h.field_names)
+WORKER_STAT_NAMES: tuple[str, ...] = WORKER_COUNTER_NAMES + tuple(name for h in HISTOGRAMS for name in h.field_names)
 
 
 def _align(n: int, to: int = CACHE_LINE) -> int:
@@ -221,13 +238,21 @@ SLOT_STATS_OFF = CACHE_LINE
 WORKER_BLOCK_BYTES = CACHE_LINE + stats_region_size(len(WORKER_STAT_NAMES))
 MAX_WORKERS = 1024
 
-CONTROL_FIELDS = tuple(Field(n, o) for n, o in (
-    ("magic", CTRL_MAGIC_OFF), ("version", CTRL_VERSION_OFF), ("schema", CTRL_SCHEMA_OFF),
-    ("n_workers", CTRL_N_WORKERS_OFF), ("created_ns", CTRL_CREATED_NS_OFF),
-    ("owner_pid", CTRL_OWNER_PID_OFF), ("gpu_generation", CTRL_GPU_GENERATION_OFF),
-    ("gpu_state", CTRL_GPU_STATE_OFF), ("gpu_pid", CTRL_GPU_PID_OFF),
-    ("gpu_heartbeat_ns", CTRL_GPU_HB_OFF),
-))
+CONTROL_FIELDS = tuple(
+    Field(n, o)
+    for n, o in (
+        ("magic", CTRL_MAGIC_OFF),
+        ("version", CTRL_VERSION_OFF),
+        ("schema", CTRL_SCHEMA_OFF),
+        ("n_workers", CTRL_N_WORKERS_OFF),
+        ("created_ns", CTRL_CREATED_NS_OFF),
+        ("owner_pid", CTRL_OWNER_PID_OFF),
+        ("gpu_generation", CTRL_GPU_GENERATION_OFF),
+        ("gpu_state", CTRL_GPU_STATE_OFF),
+        ("gpu_pid", CTRL_GPU_PID_OFF),
+        ("gpu_heartbeat_ns", CTRL_GPU_HB_OFF),
+    )
+)
 
 
 def worker_block_offset(slot: int) -> int:
@@ -241,5 +266,7 @@ def control_segment_size(n_workers: int) -> int:
 # Identifies the exact field lists, of the stats regions and of the messages on the rings:
 # attach refuses a segment whose schema differs.
 _MESSAGE_FIELDS = tuple(f"{cls.__name__}({','.join(cls.__struct_fields__)})" for cls in messages.MESSAGE_TYPES)
-SCHEMA_ID = zlib.crc32("|".join((str(LAYOUT_VERSION),) + GPU_STAT_NAMES + WORKER_STAT_NAMES + _MESSAGE_FIELDS).encode()
-                       + repr([h.bounds for h in HISTOGRAMS]).encode())
+SCHEMA_ID = zlib.crc32(
+    "|".join((str(LAYOUT_VERSION),) + GPU_STAT_NAMES + WORKER_STAT_NAMES + _MESSAGE_FIELDS).encode()
+    + repr([h.bounds for h in HISTOGRAMS]).encode()
+)

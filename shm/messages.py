@@ -150,8 +150,7 @@ class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
 
 
 Message = Submit | Cancel | Accepted | Rejected | StepOutput | Error
-MESSAGE_TYPES = (SamplingParams, Submit, Cancel, Accepted, Rejected, Token, Finish, PromptLogprobs,
-                 StepOutput, Error)
+MESSAGE_TYPES = (SamplingParams, Submit, Cancel, Accepted, Rejected, Token, Finish, PromptLogprobs, StepOutput, Error)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -60,12 +60,18 @@ class RingCorrupt(RingError):
 def format_ring(buf, capacity: int, generation: int = 0) -> None:
     """Write a fresh, empty ring header into `buf` (a segment of `ring_segment_size(capacity)`)."""
     if capacity < L.RING_MIN_CAPACITY or capacity % 8:
-        raise ValueError(f"ring capacity must be a multiple of 8 and >= {L.RING_MIN_CAPACITY}, "
-                         f"got {capacity}")
+        raise ValueError(f"ring capacity must be a multiple of 8 and >= {L.RING_MIN_CAPACITY}, got {capacity}")
     if len(buf) < L.ring_segment_size(capacity):
         raise ValueError(f"buffer of {len(buf)} bytes cannot hold a ring of capacity {capacity}")
-    for off in (L.RING_HEAD_OFF, L.RING_TAIL_OFF, L.RING_PRODUCER_HB_OFF, L.RING_CONSUMER_HB_OFF,
-                L.RING_PRODUCER_PID_OFF, L.RING_CONSUMER_PID_OFF, L.RING_DATA_OFF):
+    for off in (
+        L.RING_HEAD_OFF,
+        L.RING_TAIL_OFF,
+        L.RING_PRODUCER_HB_OFF,
+        L.RING_CONSUMER_HB_OFF,
+        L.RING_PRODUCER_PID_OFF,
+        L.RING_CONSUMER_PID_OFF,
+        L.RING_DATA_OFF,
+    ):
         _pack(buf, off, 0)
     _pack(buf, L.RING_CAPACITY_OFF, capacity)
     _pack(buf, L.RING_GENERATION_OFF, generation)
@@ -90,8 +96,7 @@ class Ring:
     side, or `Ring(buf)` to observe. Methods of the other side must not be called.
     """
 
-    __slots__ = ("_buf", "_view", "_cap", "_limit", "_head", "_tail", "_tail_seen", "_pending",
-                 "_pre_commit")
+    __slots__ = ("_buf", "_view", "_cap", "_limit", "_head", "_tail", "_tail_seen", "_pending", "_pre_commit")
 
     def __init__(self, buf):
         if len(buf) < L.RING_DATA_OFF + L.RING_MIN_CAPACITY:
@@ -220,7 +225,7 @@ class Ring:
                 return False  # a pad, if one was written, stays; the record goes next time
         buf = self._buf
         d = _DATA + off
-        buf[d + 8:d + 8 + n] = data
+        buf[d + 8 : d + 8 + n] = data
         nxt = head + size
         _pack(buf, _DATA + nxt % cap, 0)
         _pack(buf, _HEAD, nxt)
@@ -231,8 +236,10 @@ class Ring:
         return True
 
     def _too_large(self, n: int) -> RecordTooLarge:
-        return RecordTooLarge(f"record of {n:,} bytes exceeds what a ring of capacity "
-                              f"{self._cap:,} takes (max {self.max_record:,}); raise ring_bytes")
+        return RecordTooLarge(
+            f"record of {n:,} bytes exceeds what a ring of capacity "
+            f"{self._cap:,} takes (max {self.max_record:,}); raise ring_bytes"
+        )
 
     def _push_pad(self, head: int, off: int) -> bool:
         """Commit a PAD record from `off` to the end of the data area."""
@@ -296,7 +303,7 @@ class Ring:
             n = word & _LEN_MASK
             if off + n + 8 > cap:
                 self._check_word(word, tail, off)  # raises: the length is impossible
-            append(buf[d + 8:d + 8 + n])
+            append(buf[d + 8 : d + 8 + n])
             tail += (n + 15) & -8
             count += 1
         if tail != start:
@@ -329,7 +336,7 @@ class Ring:
                 tail += cap - off
                 continue
             n = word & L.REC_LEN_MASK
-            out.append(view[d + 8:d + 8 + n])
+            out.append(view[d + 8 : d + 8 + n])
             tail += (n + 15) & ~7
         if tail != self._tail:
             self._pending = tail

@@ -39,7 +39,7 @@ def process_start_time(pid: int) -> int | None:
     except (FileNotFoundError, ProcessLookupError):
         return None
     # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rindex(b")") + 2:].split()
+    fields = stat[stat.rindex(b")") + 2 :].split()
     return int(fields[19])  # field 22 of the whole line
 
 
@@ -101,7 +101,7 @@ def parse_segment_name(name: str) -> tuple[str, str] | None:
     """(instance, part) of a ringserve segment name, or None for any other file."""
     if not name.startswith(SEGMENT_PREFIX):
         return None
-    instance, sep, part = name[len(SEGMENT_PREFIX):].partition(".")
+    instance, sep, part = name[len(SEGMENT_PREFIX) :].partition(".")
     if not sep or not part:
         return None
     try:
@@ -127,8 +127,13 @@ class Segment:
         return os.path.join(self.directory, self.name)
 
     @classmethod
-    def create(cls, name: str, size: int, directory: str = DEFAULT_DIRECTORY,
-               fallocate: Callable[[int, int, int], None] = os.posix_fallocate) -> Segment:
+    def create(
+        cls,
+        name: str,
+        size: int,
+        directory: str = DEFAULT_DIRECTORY,
+        fallocate: Callable[[int, int, int], None] = os.posix_fallocate,
+    ) -> Segment:
         """Create `name` exclusively, reserve `size` bytes and map it (zero-filled).
 
         Raises FileExistsError if it exists and ShmSpaceError if the space cannot be reserved.
@@ -144,10 +149,12 @@ class Segment:
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                     raise ShmSpaceError(
-                        e.errno, f"cannot reserve {size:,} bytes for shared-memory segment {name} in "
+                        e.errno,
+                        f"cannot reserve {size:,} bytes for shared-memory segment {name} in "
                         f"{directory} ({_free_text(directory)}); enlarge it (e.g. "
                         f"`mount -o remount,size=... {directory}` or docker --shm-size) or lower "
-                        f"ring_bytes / workers") from None
+                        f"ring_bytes / workers",
+                    ) from None
                 raise
             buf = mmap.mmap(fd, size, _MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -207,9 +214,11 @@ def check_space(directory: str, needed: int) -> None:
     free = free_bytes(directory)
     if free < needed:
         raise ShmSpaceError(
-            errno.ENOSPC, f"shared memory needs {needed:,} bytes in {directory} but only {free:,} "
+            errno.ENOSPC,
+            f"shared memory needs {needed:,} bytes in {directory} but only {free:,} "
             f"are free; enlarge it (e.g. `mount -o remount,size=... {directory}` or docker "
-            f"--shm-size) or lower ring_bytes / workers")
+            f"--shm-size) or lower ring_bytes / workers",
+        )
 
 
 @dataclass(frozen=True)
@@ -240,8 +249,7 @@ def list_segments(directory: str = DEFAULT_DIRECTORY) -> list[SegmentInfo]:
             size = os.stat(os.path.join(directory, name)).st_size
         except FileNotFoundError:
             continue  # removed while we looked
-        found.append(SegmentInfo(name, instance, part, size, parse_instance(instance)[0],
-                                 owner_alive(instance)))
+        found.append(SegmentInfo(name, instance, part, size, parse_instance(instance)[0], owner_alive(instance)))
     return found
 
 

@@ -30,33 +30,58 @@ class GpuStat:
 
 GPU_STATS: tuple[GpuStat, ...] = (
     GpuStat("queue_depth", "gauge", "ringserve_queue_depth", "Requests waiting for a row."),
-    GpuStat("queued_gpu_seconds", "gauge", "ringserve_queued_gpu_seconds",
-            "Estimated GPU seconds of work that cannot start now (429 above the limit)."),
+    GpuStat(
+        "queued_gpu_seconds",
+        "gauge",
+        "ringserve_queued_gpu_seconds",
+        "Estimated GPU seconds of work that cannot start now (429 above the limit).",
+    ),
     GpuStat("running_rows", "gauge", "ringserve_running_rows", "Rows in the running batch."),
     GpuStat("kv_blocks_free", "gauge", "ringserve_kv_blocks_free", "Free KV-cache blocks."),
     GpuStat("kv_blocks_total", "gauge", "ringserve_kv_blocks_total", "KV-cache blocks in the pool."),
-    GpuStat("kv_blocks_cached", "gauge", "ringserve_kv_blocks_cached",
-            "Free KV-cache blocks still holding a cached prefix (part of the free ones)."),
-    GpuStat("preemptions", "counter", "ringserve_preemptions",
-            "Requests preempted (KV pool exhausted, or for a tenant below its fair share); they "
-            "are recomputed later."),
-    GpuStat("fair_preemptions", "counter", "ringserve_fair_preemptions",
-            "Of those, preempted so a tenant below its fair share of rows could start."),
-    GpuStat("cancelled_tokens", "counter", "ringserve_cancelled_tokens",
-            "Tokens generated for requests later cancelled."),
+    GpuStat(
+        "kv_blocks_cached",
+        "gauge",
+        "ringserve_kv_blocks_cached",
+        "Free KV-cache blocks still holding a cached prefix (part of the free ones).",
+    ),
+    GpuStat(
+        "preemptions",
+        "counter",
+        "ringserve_preemptions",
+        "Requests preempted (KV pool exhausted, or for a tenant below its fair share); they are recomputed later.",
+    ),
+    GpuStat(
+        "fair_preemptions",
+        "counter",
+        "ringserve_fair_preemptions",
+        "Of those, preempted so a tenant below its fair share of rows could start.",
+    ),
+    GpuStat(
+        "cancelled_tokens", "counter", "ringserve_cancelled_tokens", "Tokens generated for requests later cancelled."
+    ),
     GpuStat("prompt_tokens_total", "counter", "ringserve_gpu_prompt_tokens", "Prompt tokens prefilled."),
     GpuStat("generation_tokens_total", "counter", "ringserve_gpu_generation_tokens", "Tokens generated."),
     GpuStat("c_prefill_ms", "gauge", "ringserve_cost_prefill_ms", "Cost model: GPU ms per prompt token."),
     GpuStat("c_decode_ms", "gauge", "ringserve_cost_decode_ms", "Cost model: GPU ms per output token."),
-    GpuStat("prefix_cache_queries", "counter", "ringserve_prefix_cache_queries",
-            "Tokens looked up in the prefix cache when requests join."),
-    GpuStat("prefix_cache_hits", "counter", "ringserve_prefix_cache_hits",
-            "Of those, tokens served from cached KV blocks."),
+    GpuStat(
+        "prefix_cache_queries",
+        "counter",
+        "ringserve_prefix_cache_queries",
+        "Tokens looked up in the prefix cache when requests join.",
+    ),
+    GpuStat(
+        "prefix_cache_hits", "counter", "ringserve_prefix_cache_hits", "Of those, tokens served from cached KV blocks."
+    ),
     # the GPU loop's own counters (LOOP_STATS)
     GpuStat("step_ms", "gauge", "ringserve_step_ms", "Duration of the last GPU step, ms."),
     GpuStat("steps", "counter", "ringserve_steps", "Steps the GPU loop has run."),
-    GpuStat("rejected_429", "counter", "ringserve_rejected_429",
-            "Requests refused with 429 (waiting GPU work over the limit)."),
+    GpuStat(
+        "rejected_429",
+        "counter",
+        "ringserve_rejected_429",
+        "Requests refused with 429 (waiting GPU work over the limit).",
+    ),
 )
 
 LOOP_STATS: tuple[str, ...] = ("step_ms", "steps", "rejected_429")  # counted by the GPU loop, not the scheduler

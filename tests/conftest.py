@@ -106,8 +106,9 @@ def smollm2_server(smollm2_dir, tmp_path_factory):
 
     # queue_limit_s: 200 requests at once are far above 2 s of estimated CPU work; admission
     # would rightly answer 429, which is not what these tests are about.
-    with ServerProcess(models.DEFAULT_MODEL, tmp_path_factory.mktemp("smollm2-shm"), workers=2,
-                       queue_limit_s=600, ready_timeout_s=300) as srv:
+    with ServerProcess(
+        models.DEFAULT_MODEL, tmp_path_factory.mktemp("smollm2-shm"), workers=2, queue_limit_s=600, ready_timeout_s=300
+    ) as srv:
         yield srv
 
 

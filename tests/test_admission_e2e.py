@@ -41,15 +41,15 @@ def _wait_idle(srv: ServerProcess) -> None:
     srv.wait_metric("ringserve_queue_depth", lambda v: v == 0)
 
 
-async def _open_all(url: str, bodies: list[dict], *, read: bool,
-                    while_open: Callable[[], object] | None = None) -> list[tuple[int, str | None]]:
+async def _open_all(
+    url: str, bodies: list[dict], *, read: bool, while_open: Callable[[], object] | None = None
+) -> list[tuple[int, str | None]]:
     """Send every body at once (streaming); (status, Retry-After) of each. With `read`, each stream
     is read to its end; otherwise every connection is closed once all statuses are known (and
     `while_open()`, if given, has run while they are still open)."""
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as s:
-        resps = await asyncio.gather(*(s.post(url + "/v1/completions", json=b | {"stream": True})
-                                       for b in bodies))
+        resps = await asyncio.gather(*(s.post(url + "/v1/completions", json=b | {"stream": True}) for b in bodies))
         try:
             if read:
                 await asyncio.gather(*(r.read() for r in resps if r.status == 200))
@@ -83,8 +83,9 @@ def test_burst_far_above_capacity_still_gets_429(tiny_server):
     _wait_idle(tiny_server)
     body = {"prompt": "Tell me a long story about a river.", "max_tokens": 1000, "ignore_eos": True}
     seen: dict[str, float] = {}
-    results = asyncio.run(_open_all(tiny_server.url, [body] * 300, read=False,
-                                    while_open=lambda: seen.update(tiny_server.metrics())))
+    results = asyncio.run(
+        _open_all(tiny_server.url, [body] * 300, read=False, while_open=lambda: seen.update(tiny_server.metrics()))
+    )
     counts = _statuses(results)
     assert set(counts) == {200, 429}, counts
     waiting = counts[200] - 32
@@ -121,8 +122,11 @@ def test_closed_loop_32_streams_are_never_refused(mid_server):
 
     async def stream(s: aiohttp.ClientSession, i: int, statuses: list[int]) -> None:
         for k in range(3):
-            body = {"prompt": f"Stream {i} request {k}: say something.", "max_tokens": 48 + (7 * i + k) % 48,
-                    "ignore_eos": True}
+            body = {
+                "prompt": f"Stream {i} request {k}: say something.",
+                "max_tokens": 48 + (7 * i + k) % 48,
+                "ignore_eos": True,
+            }
             async with s.post(mid_server.url + "/v1/completions", json=body) as resp:
                 await resp.read()
                 statuses.append(resp.status)

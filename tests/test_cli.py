@@ -8,7 +8,9 @@ def test_help_lists_every_command():
     """`ringserve --help` names each subcommand and bench."""
     from ringserve.cli import BENCHES, COMMANDS
 
-    out = subprocess.run([sys.executable, "-m", "ringserve", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "ringserve", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for name in COMMANDS:
         assert name in out
     for name in BENCHES:

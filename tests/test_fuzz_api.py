@@ -25,9 +25,16 @@ pytestmark = pytest.mark.timeout(300)
 
 SPEC = yaml.safe_load((Path(__file__).resolve().parents[1] / "docs" / "openapi.yaml").read_text())
 # Keep generated work small on a CPU: the spec's ranges, clamped for these fields only.
-CLAMP = {"max_tokens": (0, 4), "max_completion_tokens": (1, 4), "n": (1, 2), "logprobs": (0, 3),
-         "min_tokens": (0, 2), "prompt_logprobs": (0, 3), "truncate_prompt_tokens": (-1, 8),
-         "top_logprobs": (0, 3)}
+CLAMP = {
+    "max_tokens": (0, 4),
+    "max_completion_tokens": (1, 4),
+    "n": (1, 2),
+    "logprobs": (0, 3),
+    "min_tokens": (0, 2),
+    "prompt_logprobs": (0, 3),
+    "truncate_prompt_tokens": (-1, 8),
+    "top_logprobs": (0, 3),
+}
 MAX_TEXT = 40
 MAX_ITEMS = 6
 
@@ -56,44 +63,65 @@ def from_schema(schema: dict, name: str | None = None) -> st.SearchStrategy:
         return st.integers(lo, hi)
     if kind == "number":
         lo = schema.get("minimum", schema.get("exclusiveMinimum"))
-        return st.floats(lo, schema.get("maximum"), exclude_min="exclusiveMinimum" in schema,
-                         allow_nan=False)
+        return st.floats(lo, schema.get("maximum"), exclude_min="exclusiveMinimum" in schema, allow_nan=False)
     if kind == "boolean":
         return st.booleans()
     if kind == "string":
         return st.text(min_size=schema.get("minLength", 0), max_size=min(schema.get("maxLength", MAX_TEXT), MAX_TEXT))
     if kind == "array":
-        return st.lists(from_schema(schema["items"], name), min_size=schema.get("minItems", 0),
-                        max_size=min(schema.get("maxItems", MAX_ITEMS), MAX_ITEMS))
+        return st.lists(
+            from_schema(schema["items"], name),
+            min_size=schema.get("minItems", 0),
+            max_size=min(schema.get("maxItems", MAX_ITEMS), MAX_ITEMS),
+        )
     if kind == "object":
         props = schema.get("properties", {})
         required = set(schema.get("required", ()))
-        return st.fixed_dictionaries({k: from_schema(v, k) for k, v in props.items() if k in required},
-                                     optional={k: from_schema(v, k) for k, v in props.items()
-                                               if k not in required})
+        return st.fixed_dictionaries(
+            {k: from_schema(v, k) for k, v in props.items() if k in required},
+            optional={k: from_schema(v, k) for k, v in props.items() if k not in required},
+        )
     raise ValueError(f"schema construct not supported by the fuzz strategies: {schema}")
 
 
 REQUEST = SPEC["components"]["schemas"]["CompletionRequest"]
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
-                           | st.text(max_size=10), lambda inner: st.lists(inner, max_size=3)
-                           | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=8)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
 # Valid bodies (always with a prompt), and bodies where one field holds any JSON value at all.
-valid_bodies = from_schema(REQUEST).map(lambda b: b if ("prompt" in b) != ("prompt_token_ids" in b)
-                                        else {**{k: v for k, v in b.items() if k != "prompt_token_ids"},
-                                              "prompt": "fuzz"})
-confused_bodies = st.builds(lambda b, k, v: {**b, k: v}, valid_bodies,
-                            st.sampled_from(sorted(REQUEST["properties"]) + ["unknown_field"]), json_values)
+valid_bodies = from_schema(REQUEST).map(
+    lambda b: (
+        b
+        if ("prompt" in b) != ("prompt_token_ids" in b)
+        else {**{k: v for k, v in b.items() if k != "prompt_token_ids"}, "prompt": "fuzz"}
+    )
+)
+confused_bodies = st.builds(
+    lambda b, k, v: {**b, k: v},
+    valid_bodies,
+    st.sampled_from(sorted(REQUEST["properties"]) + ["unknown_field"]),
+    json_values,
+)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     # max_tokens_limit: a confused body's `max_tokens: null` asks for the whole context; 64 keeps it short.
-    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("shm"), workers=2, queue_limit_s=600,
-                       max_body_bytes=1 << 20, max_tokens_limit=64) as srv:
+    with ServerProcess(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("shm"),
+        workers=2,
+        queue_limit_s=600,
+        max_body_bytes=1 << 20,
+        max_tokens_limit=64,
+    ) as srv:
         seg, control = attach_control(srv.shm_dir, find_instance(srv.shm_dir))
-        srv.generations = lambda: (control.gpu_generation,
-                                   tuple(control.worker_slot(i)["generation"] for i in range(2)))
+        srv.generations = lambda: (
+            control.gpu_generation,
+            tuple(control.worker_slot(i)["generation"] for i in range(2)),
+        )
         srv.blocks = lambda: (control.gpu_stats.read()["kv_blocks_free"], control.gpu_stats.read()["kv_blocks_total"])
         before = srv.generations()
         yield srv
@@ -117,8 +145,9 @@ OUTCOMES = {"completion": 0, "4xx": 0}  # so the last test can tell the fuzz exe
 
 
 def _post(srv, body, path: str = "/v1/completions") -> None:
-    req = urllib.request.Request(srv.url + path, data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        srv.url + path, data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             status, kind, raw = resp.status, resp.headers.get("content-type", ""), resp.read()
@@ -142,10 +171,14 @@ def test_generated_requests_get_a_completion_or_a_4xx(server, body):
 CHAT_REQUEST = SPEC["components"]["schemas"]["ChatCompletionRequest"]
 # Valid chat bodies always cap the answer (unset, it may run to the context limit).
 valid_chat_bodies = from_schema(CHAT_REQUEST).map(
-    lambda b: b if "max_tokens" in b or "max_completion_tokens" in b else {**b, "max_tokens": 3})
-confused_chat_bodies = st.builds(lambda b, k, v: {**b, k: v}, valid_chat_bodies,
-                                 st.sampled_from(sorted(CHAT_REQUEST["properties"]) + ["tools"]),
-                                 json_values)
+    lambda b: b if "max_tokens" in b or "max_completion_tokens" in b else {**b, "max_tokens": 3}
+)
+confused_chat_bodies = st.builds(
+    lambda b, k, v: {**b, k: v},
+    valid_chat_bodies,
+    st.sampled_from(sorted(CHAT_REQUEST["properties"]) + ["tools"]),
+    json_values,
+)
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), database=None)
@@ -170,23 +203,28 @@ def _raw(srv, payload: bytes, read: bool = True, timeout: float = 20.0) -> bytes
 
 
 def _http(body: bytes, extra: str = "") -> bytes:
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n").encode() + body
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n"
+    ).encode() + body
 
 
-@pytest.mark.parametrize("raw", [
-    b'{"prompt": "\xff\xfe\xfd", "max_tokens": 2}',  # invalid UTF-8
-    b'{"prompt": "x", "max_tokens": 1e400}',  # a float that overflows
-    b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",  # a 5000-digit integer
-    b'{"prompt": "x", "temperature": NaN}',
-    b'{"prompt": "x", "temperature": Infinity}',
-    b"[" * 100_000 + b"]" * 100_000,  # deeply nested
-    b'{"prompt": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}",
-    b"",
-    b"null",
-    b'{"prompt": "x", "prompt": [1, 2]}',
-    b'{"prompt": "\\ud800", "max_tokens": 2}',  # a lone surrogate
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "\xff\xfe\xfd", "max_tokens": 2}',  # invalid UTF-8
+        b'{"prompt": "x", "max_tokens": 1e400}',  # a float that overflows
+        b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",  # a 5000-digit integer
+        b'{"prompt": "x", "temperature": NaN}',
+        b'{"prompt": "x", "temperature": Infinity}',
+        b"[" * 100_000 + b"]" * 100_000,  # deeply nested
+        b'{"prompt": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}",
+        b"",
+        b"null",
+        b'{"prompt": "x", "prompt": [1, 2]}',
+        b'{"prompt": "\\ud800", "max_tokens": 2}',  # a lone surrogate
+    ],
+)
 def test_nasty_bodies_get_4xx(server, raw):
     """Malformed, huge-number, NaN, deeply nested bodies: a 4xx (or a completion), never a 5xx."""
     reply = _raw(server, _http(raw))

@@ -21,8 +21,7 @@ from tests.helpers.server import ServerProcess
 from tests.helpers.sse import iter_sse
 
 LONG = {"prompt": "long", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-SEEDED = {"prompt": "seeded", "max_tokens": 12, "ignore_eos": True, "stream": True,
-          "temperature": 1.0, "seed": 1234}
+SEEDED = {"prompt": "seeded", "max_tokens": 12, "ignore_eos": True, "stream": True, "temperature": 1.0, "seed": 1234}
 
 
 class _Reader:
@@ -48,8 +47,7 @@ class _Reader:
                     self.tokens += 1
 
     def token_ids(self) -> list[int]:
-        return [e["token_id"] for e in self.events
-                if isinstance(e, dict) and "token_id" in e]
+        return [e["token_id"] for e in self.events if isinstance(e, dict) and "token_id" in e]
 
 
 async def _until(cond, timeout_s: float) -> None:
@@ -76,8 +74,11 @@ async def _scenario(url: str, control) -> None:
             # Not ready at once; Retry-After: the restart backoff still to wait (the first crash's
             # BACKOFF_BASE_S at most) plus the measured load time, in whole seconds, >= 1.
             assert ready.status == 503
-            assert max(1, math.ceil(load_s)) <= int(ready.headers["Retry-After"]) \
+            assert (
+                max(1, math.ceil(load_s))
+                <= int(ready.headers["Retry-After"])
                 <= max(1, math.ceil(load_s + BACKOFF_BASE_S))
+            )
         async with asyncio.timeout(90):
             await asyncio.gather(*tasks)
         for r in longs:
@@ -98,8 +99,7 @@ async def _scenario(url: str, control) -> None:
 @pytest.mark.timeout(150)
 def test_gpu_kill_errors_streaming_requests_and_resubmits_queued_one(tiny_model_dir, tmp_path):
     """Running streams get the restart error event; a queued seeded one completes, same tokens."""
-    with ServerProcess(tiny_model_dir, tmp_path / "shm", workers=1, queue_limit_s=600,
-                       max_rows=2) as srv:
+    with ServerProcess(tiny_model_dir, tmp_path / "shm", workers=1, queue_limit_s=600, max_rows=2) as srv:
         seg, control = attach_control(srv.shm_dir, find_instance(srv.shm_dir))
         try:
             asyncio.run(_scenario(srv.url, control))

@@ -28,8 +28,9 @@ pytestmark = pytest.mark.timeout(240)
 def _post(url: str, body: dict, timeout: float = 60.0) -> tuple[object, dict | str, dict]:
     """(status, JSON body or SSE text, headers), or ("dropped", repr, {}) if the connection broke
     without an answer."""
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read().decode()
@@ -65,11 +66,9 @@ def _kill_next_gpu(control, old_pid: int, sig=signal.SIGKILL, timeout_s: float =
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("shm"), workers=2,
-                       watchdog_timeout_s=3) as srv:
+    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("shm"), workers=2, watchdog_timeout_s=3) as srv:
         seg, control = attach_control(srv.shm_dir, find_instance(srv.shm_dir))
-        _wait(lambda: all(control.worker_slot(i)["heartbeat_age_s"] is not None for i in range(2)),
-              30, "both workers")
+        _wait(lambda: all(control.worker_slot(i)["heartbeat_age_s"] is not None for i in range(2)), 30, "both workers")
         yield srv, control
         seg.close()
 
@@ -107,9 +106,25 @@ def test_second_instance_on_the_port_refuses_to_start(server, tiny_model_dir, tm
     """A second `ringserve serve` on a port in use exits 1 at once with a clear message instead
     of sharing the port through SO_REUSEPORT."""
     srv, _ = server
-    done = subprocess.run([sys.executable, "-m", "ringserve", "serve", "--model", str(tiny_model_dir),
-                           "--port", str(srv.port), "--shm-dir", str(tmp_path), "--workers", "1"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ringserve",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(srv.port),
+            "--shm-dir",
+            str(tmp_path),
+            "--workers",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1
     assert f"port {srv.port} is already served by another ringserve" in done.stderr
     assert not os.listdir(tmp_path)  # it stopped before creating any shared memory
@@ -122,9 +137,23 @@ def test_port_held_by_another_program_refuses_too(tiny_model_dir, tmp_path):
     other.listen()
     port = other.getsockname()[1]
     try:
-        done = subprocess.run([sys.executable, "-m", "ringserve", "serve", "--model",
-                               str(tiny_model_dir), "--port", str(port), "--shm-dir", str(tmp_path)],
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ringserve",
+                "serve",
+                "--model",
+                str(tiny_model_dir),
+                "--port",
+                str(port),
+                "--shm-dir",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         other.close()
     assert done.returncode == 1 and "already in use by another process" in done.stderr
@@ -133,9 +162,25 @@ def test_port_held_by_another_program_refuses_too(tiny_model_dir, tmp_path):
 def test_ring_too_small_for_the_context_refuses_to_start(tiny_model_dir, tmp_path):
     """A ring that cannot take the largest legal request is a start-up error naming the size
     needed, not a 500 for that request later."""
-    done = subprocess.run([sys.executable, "-m", "ringserve", "serve", "--model", str(tiny_model_dir),
-                           "--port", str(free_port()), "--shm-dir", str(tmp_path),
-                           "--ring-bytes", "65536"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ringserve",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(free_port()),
+            "--shm-dir",
+            str(tmp_path),
+            "--ring-bytes",
+            "65536",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1 and "raise --ring-bytes to at least" in done.stderr
 
 
@@ -143,8 +188,9 @@ def test_full_open_file_table_still_serves_and_says_so(tiny_model_dir, tmp_path)
     """With the worker's open-file limit at 256, 300 idle connections do not lock clients out:
     the oldest idle ones make room for new ones, and the worker logs it (before: every probe was
     reset and nothing was logged)."""
-    with ServerProcess(tiny_model_dir, tmp_path / "shm", workers=1, header_timeout_s=60,
-                       rlimit_nofile=(256, 256)) as srv:
+    with ServerProcess(
+        tiny_model_dir, tmp_path / "shm", workers=1, header_timeout_s=60, rlimit_nofile=(256, 256)
+    ) as srv:
         idle = []
         for _ in range(300):
             idle.append(socket.create_connection(("127.0.0.1", srv.port), timeout=5))
@@ -189,8 +235,7 @@ def test_crash_loop_keeps_the_api_up_with_the_last_error(tiny_model_dir, tmp_pat
 def test_giving_up_answers_every_held_request(tiny_model_dir, tmp_path):
     """With --restart-limit the supervisor gives up and exits 1, but every request it had
     accepted gets an explicit error first (before: 18 held requests saw the connection drop)."""
-    with ServerProcess(tiny_model_dir, tmp_path / "shm", workers=1, restart_limit=2,
-                       restart_window_s=120) as srv:
+    with ServerProcess(tiny_model_dir, tmp_path / "shm", workers=1, restart_limit=2, restart_window_s=120) as srv:
         seg, control = attach_control(srv.shm_dir, find_instance(srv.shm_dir))
         pid = control.gpu_pid
         os.kill(pid, signal.SIGSTOP)

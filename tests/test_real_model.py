@@ -22,7 +22,7 @@ MODEL = "smollm2-135m-instruct"
 NEW_TOKENS = 24
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 TEXT_PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the first n Fibonacci numbers.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the first n Fibonacci numbers."""\n',
     "The secret code is QX7TRM4B. Remember it: QX7TRM4B. I repeat, the secret code is",
     "The history of the lighthouse begins in antiquity. " * 12 + "In the nineteenth century,",
 ]
@@ -58,9 +58,10 @@ def reference(smollm2_hf, prompts) -> list[list[int]]:
     with torch.no_grad():
         for ids in prompts:
             x = torch.tensor([ids])
-            gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
-                              do_sample=False, pad_token_id=eos)[0, len(ids):].tolist()
-            out.append(gen[:gen.index(eos) + 1] if eos in gen else gen)
+            gen = hf.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=eos
+            )[0, len(ids) :].tolist()
+            out.append(gen[: gen.index(eos) + 1] if eos in gen else gen)
     return out
 
 
@@ -88,6 +89,7 @@ def _filler(rng: random.Random, codec: TextCodec) -> dict:
 
 def test_greedy_tokens_match_transformers_alone(server, prompts, reference):
     """Each prompt alone: the server's greedy tokens are transformers' tokens."""
+
     async def main():
         async with aiohttp.ClientSession() as s:
             return [await _greedy_ids(s, server.url, ids) for ids in prompts]
@@ -102,13 +104,15 @@ def test_greedy_tokens_match_transformers_among_32_concurrent(server, prompts, r
 
     async def main():
         async with aiohttp.ClientSession() as s:
+
             async def filler(body):
                 async with s.post(server.url + "/v1/completions", json=body) as resp:
                     assert resp.status == 200, await resp.text()
 
-            results = await asyncio.gather(*[_greedy_ids(s, server.url, ids) for ids in prompts],
-                                           *[filler(b) for b in fillers])
-            return results[:len(prompts)]
+            results = await asyncio.gather(
+                *[_greedy_ids(s, server.url, ids) for ids in prompts], *[filler(b) for b in fillers]
+            )
+            return results[: len(prompts)]
 
     assert asyncio.run(main()) == reference
 
@@ -128,8 +132,9 @@ def test_openai_client_chat(server):
     choice = full.choices[0]
     assert choice.message.role == "assistant" and choice.finish_reason == "stop"
     assert "Paris" in choice.message.content
-    stream = client.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=32, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, max_tokens=32, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -143,8 +148,7 @@ def test_openai_client_completions(server):
     from openai import OpenAI
 
     client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
-                                    temperature=0)
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert "Paris" in out.choices[0].text
 
 
@@ -154,8 +158,11 @@ def marker_violations(codes: list[str], answers: list[str]) -> list[str]:
     for i, (code, answer) in enumerate(zip(codes, answers)):
         if code not in answer:
             problems.append(f"request {i}: its code {code} is missing from {answer!r}")
-        problems += [f"request {i}: holds {other}, another request's code" for other in codes
-                     if other != code and other in answer]
+        problems += [
+            f"request {i}: holds {other}, another request's code"
+            for other in codes
+            if other != code and other in answer
+        ]
     return problems
 
 

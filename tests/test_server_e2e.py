@@ -19,8 +19,15 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     # A long queue limit: these tests submit hundreds of requests at once and want none refused.
-    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("shm"), workers=2, queue_limit_s=600,
-                       max_rows=32, slow_reader_s=3, model_name="tiny-llama") as srv:
+    with ServerProcess(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("shm"),
+        workers=2,
+        queue_limit_s=600,
+        max_rows=32,
+        slow_reader_s=3,
+        model_name="tiny-llama",
+    ) as srv:
         yield srv
         assert srv.stop() == 0, srv.log()
 
@@ -66,8 +73,9 @@ def test_openai_client_streaming_and_not(server):
     full = client.completions.create(model="tiny-llama", prompt="The river runs", max_tokens=12, temperature=0)
     assert full.choices[0].finish_reason == "length"
     assert full.usage.completion_tokens == 12
-    chunks = client.completions.create(model="tiny-llama", prompt="The river runs", max_tokens=12,
-                                       temperature=0, stream=True)
+    chunks = client.completions.create(
+        model="tiny-llama", prompt="The river runs", max_tokens=12, temperature=0, stream=True
+    )
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert streamed == full.choices[0].text
     assert streamed
@@ -75,8 +83,9 @@ def test_openai_client_streaming_and_not(server):
 
 def test_sse_event_sequence(server):
     """Token events, then one finish event per sample, then usage/timing (asked for), then [DONE]."""
-    (res,) = _run(_many(server.url, [_body("Once upon a time", max_tokens=5, n=2,
-                                           stream_options={"include_usage": True})]))
+    (res,) = _run(
+        _many(server.url, [_body("Once upon a time", max_tokens=5, n=2, stream_options={"include_usage": True})])
+    )
     events = res["events"]
     assert events[-1] == "[DONE]"
     final = events[-2]
@@ -150,8 +159,9 @@ def test_error_statuses(server):
     """Bad JSON, bad fields and an over-long request are 400 with the offending field named."""
     import urllib.request
 
-    req = urllib.request.Request(server.url + "/v1/completions", data=b"{not json",
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        server.url + "/v1/completions", data=b"{not json", headers={"content-type": "application/json"}
+    )
     try:
         urllib.request.urlopen(req, timeout=10)
         raise AssertionError("bad JSON was accepted")
@@ -161,8 +171,7 @@ def test_error_statuses(server):
     assert status == 400 and body["error"]["param"] == "temperature"
     status, body, _ = http_json(server.url + "/v1/completions", _body("hi", max_tokens=0))
     assert status == 400 and body["error"]["param"] == "max_tokens"
-    status, body, _ = http_json(server.url + "/v1/completions",
-                                {"prompt_token_ids": [5] * 7500, "max_tokens": 1000})
+    status, body, _ = http_json(server.url + "/v1/completions", {"prompt_token_ids": [5] * 7500, "max_tokens": 1000})
     assert status == 400 and "8192" in body["error"]["message"].replace(",", "")
 
 
@@ -173,10 +182,10 @@ def test_stop_string_spanning_tokens(server):
     events = [e for e in base["events"][:-1] if e["choices"][0]["finish_reason"] is None]
     # Two characters around the boundary between the 3rd and 4th token's text.
     cut = len("".join(e["text"] for e in events[:3]))
-    stop = text[cut - 1:cut + 1]
+    stop = text[cut - 1 : cut + 1]
     assert len(stop) == 2
     (res,) = _run(_many(server.url, [_body("Far away", max_tokens=12, stop=[stop])]))
-    assert res["text"] == text[:text.index(stop)]
+    assert res["text"] == text[: text.index(stop)]
     finishes = [e for e in res["events"][:-1] if e["choices"][0]["finish_reason"] is not None]
     assert finishes[0]["choices"][0]["finish_reason"] == "stop"
 
@@ -184,8 +193,14 @@ def test_stop_string_spanning_tokens(server):
 def test_metrics_and_probes(server):
     """/metrics parses with prometheus_client and carries the gateway names; probes answer."""
     m = server.metrics()
-    for name in ("ringserve_queue_depth", "ringserve_running_rows", "ringserve_kv_blocks_free",
-                 "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+    for name in (
+        "ringserve_queue_depth",
+        "ringserve_running_rows",
+        "ringserve_kv_blocks_free",
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+    ):
         assert name in m
     assert any(k.startswith("vllm:cache_config_info{") for k in m)
     assert m["ringserve_requests_total"] > 0

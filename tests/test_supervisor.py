@@ -84,8 +84,7 @@ def test_ready_and_watchdog_reach_notify_socket(tiny_model_dir, tmp_path, monkey
     reader.start()
     with ServerProcess(tiny_model_dir, tmp_path / "shm", workers=1):
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not (
-                any("READY=1" in m for m in messages) and "WATCHDOG=1" in messages):
+        while time.monotonic() < deadline and not (any("READY=1" in m for m in messages) and "WATCHDOG=1" in messages):
             time.sleep(0.05)
     done.set()
     reader.join(5)
@@ -101,10 +100,28 @@ def test_crash_loop_gives_up_with_nonzero_exit(tmp_path):
     restart_limit, then the supervisor exits 1 with a clear log line."""
     (tmp_path / "shm").mkdir()
     done = subprocess.run(
-        [sys.executable, "-m", "ringserve", "serve", "--model", str(tmp_path / "no-model"),
-         "--port", str(free_port()), "--shm-dir", str(tmp_path / "shm"), "--workers", "1",
-         "--restart-limit", "2", "--restart-window-s", "120"],
-        capture_output=True, text=True, timeout=150)
+        [
+            sys.executable,
+            "-m",
+            "ringserve",
+            "serve",
+            "--model",
+            str(tmp_path / "no-model"),
+            "--port",
+            str(free_port()),
+            "--shm-dir",
+            str(tmp_path / "shm"),
+            "--workers",
+            "1",
+            "--restart-limit",
+            "2",
+            "--restart-window-s",
+            "120",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert done.returncode == 1, done.stderr[-3000:]
     assert "restarting it in" in done.stderr
     assert "failed 2 times within 120 s" in done.stderr and "giving up" in done.stderr

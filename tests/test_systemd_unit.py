@@ -33,6 +33,7 @@ def test_unit_declares_notify_restart_and_drain_settings():
     assert int(s["WatchdogSec"][0]) > 0
     assert int(s["LimitNOFILE"][0]) >= 65536
     from ringserve.config import Config
+
     assert int(s["TimeoutStopSec"][0]) > Config().drain_timeout_s
     # The supervisor gives up on a crash loop (exit 1) only when asked; the unit asks, so systemd
     # restarts the whole service.

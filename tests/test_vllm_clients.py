@@ -28,8 +28,9 @@ def test_openai_naive_streaming_loops(smollm2_server):
     """`for chunk in stream: chunk.choices[0].text` (and the chat equivalent) as the OpenAI and
     vLLM docs write it: no chunk without a choice unless usage was asked for."""
     client = _client(smollm2_server)
-    stream = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
-                                       temperature=0, stream=True)
+    stream = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+    )
     text = ""
     for chunk in stream:
         text += chunk.choices[0].text
@@ -44,8 +45,16 @@ def test_openai_naive_streaming_loops(smollm2_server):
 async def _bench_request(session: aiohttp.ClientSession, url: str, prompt: str, output_len: int) -> dict:
     """One request as vLLM's benchmark client (vllm/benchmarks/lib/endpoint_request_func.py,
     async_request_openai_completions, with --ignore-eos) builds and reads it."""
-    payload = {"model": MODEL, "prompt": prompt, "repetition_penalty": 1.0, "max_tokens": output_len,
-               "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    payload = {
+        "model": MODEL,
+        "prompt": prompt,
+        "repetition_penalty": 1.0,
+        "max_tokens": output_len,
+        "logprobs": None,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     out = {"text": "", "chunks": 0, "output_tokens": None, "prompt_len": None}
     async with session.post(url + "/v1/completions", json=payload) as resp:
         assert resp.status == 200, await resp.text()
@@ -53,7 +62,7 @@ async def _bench_request(session: aiohttp.ClientSession, url: str, prompt: str, 
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            data = json.loads(line[len("data: "):])
+            data = json.loads(line[len("data: ") :])
             if choices := data.get("choices"):
                 out["text"] += choices[0].get("text") or ""
                 out["chunks"] += 1
@@ -70,8 +79,9 @@ def test_vllm_bench_serve_payload(smollm2_server):
 
     async def main():
         async with aiohttp.ClientSession() as s:
-            async with s.post(url + "/tokenize", json={"model": MODEL, "prompt": prompts[3],
-                                                       "add_special_tokens": False}) as r:
+            async with s.post(
+                url + "/tokenize", json={"model": MODEL, "prompt": prompts[3], "add_special_tokens": False}
+            ) as r:
                 tokens = (await r.json())["tokens"]
             async with s.post(url + "/detokenize", json={"model": MODEL, "tokens": tokens[:5]}) as r:
                 head = (await r.json())["prompt"]
@@ -98,11 +108,22 @@ def test_lm_eval_loglikelihood_payload(smollm2_server, smollm2_hf, smollm2_dir, 
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
-    pairs = [("The capital of France is", " Paris"), ("The capital of France is", " a banana"),
-             ("One, two, three,", " four, five"), ("Water boils at one hundred degrees", " Celsius.")]
+    pairs = [
+        ("The capital of France is", " Paris"),
+        ("The capital of France is", " a banana"),
+        ("One, two, three,", " four, five"),
+        ("Water boils at one hundred degrees", " Celsius."),
+    ]
     requests = [(tok.encode(c).ids, tok.encode(x).ids) for c, x in pairs]
-    payload = {"model": MODEL, "prompt": [c + x for c, x in requests], "temperature": 0, "max_tokens": max_tokens,
-               "logprobs": 1, "seed": 1234, "echo": True}
+    payload = {
+        "model": MODEL,
+        "prompt": [c + x for c, x in requests],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
     resp = _client(smollm2_server).completions.with_raw_response.create(**payload)
     out = json.loads(resp.text)
     choices = sorted(out["choices"], key=itemgetter("index"))
@@ -112,16 +133,20 @@ def test_lm_eval_loglikelihood_payload(smollm2_server, smollm2_hf, smollm2_dir, 
         ids = ctx + cont
         assert len(lp["token_logprobs"]) == len(ids) + max_tokens and lp["token_logprobs"][0] is None
         ref = _reference_logprobs(smollm2_hf, ids)
-        torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:len(ids)]), torch.tensor(ref),
-                                   atol=2e-3, rtol=1e-3)
+        torch.testing.assert_close(
+            torch.tensor(lp["token_logprobs"][1 : len(ids)]), torch.tensor(ref), atol=2e-3, rtol=1e-3
+        )
         end = None if max_tokens == 0 else -1  # lm-eval drops the generated token: [ctxlen:-1]
-        scored = lp["token_logprobs"][len(ctx):end]
-        assert sum(scored) == pytest.approx(sum(ref[len(ctx) - 1:]), abs=5e-3)
-        greedy = all(t == max(top.values()) for t, top in zip(scored, lp["top_logprobs"][len(ctx):end]))
+        scored = lp["token_logprobs"][len(ctx) : end]
+        assert sum(scored) == pytest.approx(sum(ref[len(ctx) - 1 :]), abs=5e-3)
+        greedy = all(t == max(top.values()) for t, top in zip(scored, lp["top_logprobs"][len(ctx) : end]))
         with torch.no_grad():
             logits = smollm2_hf(torch.tensor([ids])).logits[0]
         assert greedy == all(logits[p - 1].argmax().item() == ids[p] for p in range(len(ctx), len(ids)))
-    assert choices[0]["logprobs"]["token_logprobs"][-1 - max_tokens] > choices[1]["logprobs"]["token_logprobs"][-1 - max_tokens]
+    assert (
+        choices[0]["logprobs"]["token_logprobs"][-1 - max_tokens]
+        > choices[1]["logprobs"]["token_logprobs"][-1 - max_tokens]
+    )
 
 
 def test_batched_prompts_with_n_2_equal_each_prompt_alone(smollm2_server):
@@ -133,7 +158,7 @@ def test_batched_prompts_with_n_2_equal_each_prompt_alone(smollm2_server):
     assert [c.index for c in batch.choices] == list(range(6))
     for p, prompt in enumerate(prompts):
         alone = client.completions.create(model=MODEL, prompt=prompt, n=2, max_tokens=10, temperature=0.8, seed=42)
-        assert [c.text for c in batch.choices[2 * p:2 * p + 2]] == [c.text for c in alone.choices]
+        assert [c.text for c in batch.choices[2 * p : 2 * p + 2]] == [c.text for c in alone.choices]
     assert batch.choices[0].text != batch.choices[1].text
     assert batch.usage.completion_tokens == 60
 
@@ -145,15 +170,29 @@ def test_penalties_through_the_openai_client(smollm2_server):
     prompt = "List the days of the week: Monday, Tuesday,"
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0).choices[0].text
     assert "Wednesday" in plain
-    banned = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0,
-                                       extra_body={"bad_words": ["Wednesday"]}).choices[0].text
+    banned = (
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=30, temperature=0, extra_body={"bad_words": ["Wednesday"]}
+        )
+        .choices[0]
+        .text
+    )
     assert "Wednesday" not in banned
-    penalized = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0,
-                                          extra_body={"repetition_penalty": 1.8, "presence_penalty": 1.0,
-                                                      "min_tokens": 5}).choices[0].text
+    penalized = (
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=30,
+            temperature=0,
+            extra_body={"repetition_penalty": 1.8, "presence_penalty": 1.0, "min_tokens": 5},
+        )
+        .choices[0]
+        .text
+    )
     assert penalized != plain
     assert max(penalized.count(w) for w in penalized.split() if len(w) > 3) <= max(
-        plain.count(w) for w in plain.split() if len(w) > 3)
+        plain.count(w) for w in plain.split() if len(w) > 3
+    )
 
 
 def test_the_model_by_the_path_it_was_served_from(smollm2_server, smollm2_dir):

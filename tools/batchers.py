@@ -34,15 +34,30 @@ NEVER_S = 1e9  # deadline / queue limit that never binds in a benchmark
 class ContinuousPolicy:
     """Continuous batching through the product's scheduler; `prefill_budget=None` means no chunking."""
 
-    def __init__(self, *, max_rows: int, prefill_budget: int | None, num_blocks: int, block_size: int = 16,
-                 context_limit: int = 8192, admission_margin: float = 0.05) -> None:
+    def __init__(
+        self,
+        *,
+        max_rows: int,
+        prefill_budget: int | None,
+        num_blocks: int,
+        block_size: int = 16,
+        context_limit: int = 8192,
+        admission_margin: float = 0.05,
+    ) -> None:
         from ringserve.config import Config
 
         self.name = "continuous" if prefill_budget is None else "chunked"
         budget = context_limit if prefill_budget is None else prefill_budget
-        config = Config(max_rows=max_rows, prefill_budget=budget, context_limit=context_limit,
-                        max_tokens_limit=context_limit - 1, queue_limit_s=NEVER_S, block_size=block_size,
-                        admission_margin=admission_margin, key_row_cap=max_rows)
+        config = Config(
+            max_rows=max_rows,
+            prefill_budget=budget,
+            context_limit=context_limit,
+            max_tokens_limit=context_limit - 1,
+            queue_limit_s=NEVER_S,
+            block_size=block_size,
+            admission_margin=admission_margin,
+            key_row_cap=max_rows,
+        )
         self._now = 0.0
         self.sched = Scheduler(config, BlockManager(num_blocks, block_size), clock=lambda: self._now)
 
@@ -59,9 +74,16 @@ class ContinuousPolicy:
         return self.sched.preemptions
 
     def add(self, rid: int, prompt_ids: list[int], output_tokens: int, key: str, now: float) -> None:
-        req = Request(key=(0, rid), request_id=f"r{rid}", tenant=key, prompt_ids=prompt_ids,
-                      max_tokens=output_tokens, sampling=SamplingSpec(temperature=0.0, seed=0, ignore_eos=True),
-                      arrival_ts=now, deadline_ts=now + NEVER_S)
+        req = Request(
+            key=(0, rid),
+            request_id=f"r{rid}",
+            tenant=key,
+            prompt_ids=prompt_ids,
+            max_tokens=output_tokens,
+            sampling=SamplingSpec(temperature=0.0, seed=0, ignore_eos=True),
+            arrival_ts=now,
+            deadline_ts=now + NEVER_S,
+        )
         decision = self.sched.admit(req)
         if not decision.accepted:
             raise RuntimeError(f"request {rid} refused ({decision.status}): {decision.message}")
@@ -131,11 +153,14 @@ class RunToCompletionPolicy:
 
     def _fire(self, now: float) -> None:
         q = self.queue
-        ready = len(q) >= self.max_rows or self.flushing or (
-            self.window_s is not None and q and now >= q[0].arrival + self.window_s)
+        ready = (
+            len(q) >= self.max_rows
+            or self.flushing
+            or (self.window_s is not None and q and now >= q[0].arrival + self.window_s)
+        )
         if not q or not ready:
             return
-        rows = list(q)[:self.max_rows]
+        rows = list(q)[: self.max_rows]
         # Every row holds its prompt plus the batch's longest answer: finished rows keep decoding.
         while rows:
             longest = max(r.want for r in rows)
@@ -159,7 +184,7 @@ class RunToCompletionPolicy:
         greedy = RowSampling(temperature=0.0)
         for r in self.batch:
             ids = r.prompt_ids + r.generated
-            new = ids[r.computed:]
+            new = ids[r.computed :]
             if r.computed < len(r.prompt_ids):
                 prefill += len(new)
             else:

@@ -63,8 +63,7 @@ def _worker_main(tokenizer_json: str, conn, stop_strings: bool) -> None:
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         config = Config(context_limit=16384, max_tokens_limit=1000)
-        app = init_app(config, GpuClient(FakeGpu(step_interval_s=0.0)), codec, model_name="bench",
-                       ready=lambda: True)
+        app = init_app(config, GpuClient(FakeGpu(step_interval_s=0.0)), codec, model_name="bench", ready=lambda: True)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -85,17 +84,30 @@ def _worker_main(tokenizer_json: str, conn, stop_strings: bool) -> None:
                 if mark == "start":
                     max_stall = 0.0
         st = app[STATE]
-        conn.send({"loop_max_stall_ms": max_stall * 1000.0, "tokenize_8k_ms": tokenize_ms,
-                   "cpu_s": cpu.get("end", 0.0) - cpu.get("start", 0.0),
-                   "completion_tokens_total": st.stats.get("completion_tokens_total")})
+        conn.send(
+            {
+                "loop_max_stall_ms": max_stall * 1000.0,
+                "tokenize_8k_ms": tokenize_ms,
+                "cpu_s": cpu.get("end", 0.0) - cpu.get("start", 0.0),
+                "completion_tokens_total": st.stats.get("completion_tokens_total"),
+            }
+        )
         await runner.cleanup()
 
     uvloop.run(main())
 
 
 # the client -------------------------------------------------------------------------------------
-async def _client(port: int, clients: int, warmup_s: float, seconds: float, long_text: str,
-                  long_every_s: float, stop: list[str] | None, mark) -> dict:
+async def _client(
+    port: int,
+    clients: int,
+    warmup_s: float,
+    seconds: float,
+    long_text: str,
+    long_every_s: float,
+    stop: list[str] | None,
+    mark,
+) -> dict:
     import aiohttp
 
     url = f"http://127.0.0.1:{port}/v1/completions"
@@ -148,8 +160,13 @@ async def _client(port: int, clients: int, warmup_s: float, seconds: float, long
     return {"events": events, "elapsed_s": elapsed, "long_prompts_sent": long_sent}
 
 
-def run_inproc(clients: int = 64, seconds: float = 5.0, warmup_s: float = 1.0,
-               long_every_s: float = 1.0, stop: list[str] | None = None) -> dict:
+def run_inproc(
+    clients: int = 64,
+    seconds: float = 5.0,
+    warmup_s: float = 1.0,
+    long_every_s: float = 1.0,
+    stop: list[str] | None = None,
+) -> dict:
     """The worker and the fake GPU in one process (no shared memory)."""
     from ringserve.api.tokenizer import TextCodec
     from ringserve.tools.make_tiny_model import train_tokenizer
@@ -165,8 +182,10 @@ def run_inproc(clients: int = 64, seconds: float = 5.0, warmup_s: float = 1.0,
             raise RuntimeError("the bench worker did not start within 60 s")
         info = parent.recv()
         import uvloop
-        result = uvloop.run(_client(info["port"], clients, warmup_s, seconds, _long_prompt(codec),
-                                    long_every_s, stop, parent.send))
+
+        result = uvloop.run(
+            _client(info["port"], clients, warmup_s, seconds, _long_prompt(codec), long_every_s, stop, parent.send)
+        )
         proc.terminate()
         if not parent.poll(30):
             raise RuntimeError("the bench worker did not report")
@@ -175,12 +194,25 @@ def run_inproc(clients: int = 64, seconds: float = 5.0, warmup_s: float = 1.0,
         proc.join(timeout=10)
         if proc.is_alive():
             proc.kill()
-    return _report("inproc", clients, stop, result, worker["cpu_s"], info["long_prompt_tokens"],
-                   worker["tokenize_8k_ms"], worker["loop_max_stall_ms"])
+    return _report(
+        "inproc",
+        clients,
+        stop,
+        result,
+        worker["cpu_s"],
+        info["long_prompt_tokens"],
+        worker["tokenize_8k_ms"],
+        worker["loop_max_stall_ms"],
+    )
 
 
-def run(clients: int = 64, seconds: float = 5.0, warmup_s: float = 1.0, long_every_s: float = 1.0,
-        stop: list[str] | None = None) -> dict:
+def run(
+    clients: int = 64,
+    seconds: float = 5.0,
+    warmup_s: float = 1.0,
+    long_every_s: float = 1.0,
+    stop: list[str] | None = None,
+) -> dict:
     """The real worker process (`ringserve.api.worker --attach`) on a shared-memory ring pair,
     fed by `bench_producer` in its own process: the worker's CPU is only the worker's work."""
     import shutil
@@ -217,11 +249,31 @@ def run(clients: int = 64, seconds: float = 5.0, warmup_s: float = 1.0, long_eve
     common = ["--bell-fds", ",".join(map(str, fds)), "--shm-dir", shm_dir]
     env = {**os.environ, "RINGSERVE_CONFIG_JSON": Config(port=port, workers=1).to_json()}
     log = open(os.path.join(tmp, "worker.log"), "w")
-    procs = [subprocess.Popen([sys.executable, "-m", "ringserve.tools.bench_producer",
-                               "--instance", shm.instance, *common], pass_fds=fds),
-             subprocess.Popen([sys.executable, "-m", "ringserve.api.worker", "--attach", shm.instance,
-                               "--slot", "0", "--tokenizer", tmp, "--model-name", "bench", *common],
-                              pass_fds=fds, env=env, stdout=log, stderr=subprocess.STDOUT)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ringserve.tools.bench_producer", "--instance", shm.instance, *common], pass_fds=fds
+        ),
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ringserve.api.worker",
+                "--attach",
+                shm.instance,
+                "--slot",
+                "0",
+                "--tokenizer",
+                tmp,
+                "--model-name",
+                "bench",
+                *common,
+            ],
+            pass_fds=fds,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        ),
+    ]
     shm.control.start_worker_slot(0, procs[1].pid)  # as the supervisor does
     try:
         _wait_healthy(port, procs, urllib.request)
@@ -232,8 +284,7 @@ def run(clients: int = 64, seconds: float = 5.0, warmup_s: float = 1.0, long_eve
             times = worker.cpu_times()
             cpu[name] = times.user + times.system
 
-        result = uvloop.run(_client(port, clients, warmup_s, seconds, long_text, long_every_s,
-                                    stop, mark))
+        result = uvloop.run(_client(port, clients, warmup_s, seconds, long_text, long_every_s, stop, mark))
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
@@ -246,8 +297,7 @@ def run(clients: int = 64, seconds: float = 5.0, warmup_s: float = 1.0, long_eve
         shm.close()
         shm.unlink()
         shutil.rmtree(tmp, ignore_errors=True)
-    return _report("ring", clients, stop, result, cpu["end"] - cpu["start"], long_tokens,
-                   tokenize_ms, None)
+    return _report("ring", clients, stop, result, cpu["end"] - cpu["start"], long_tokens, tokenize_ms, None)
 
 
 def _wait_healthy(port: int, procs, urllib_request, timeout_s: float = 60.0) -> None:
@@ -265,21 +315,37 @@ def _wait_healthy(port: int, procs, urllib_request, timeout_s: float = 60.0) -> 
     raise RuntimeError(f"the bench worker was not ready within {timeout_s:.0f} s")
 
 
-def _report(mode: str, clients: int, stop: list[str] | None, result: dict, cpu_s: float,
-            long_tokens: int, tokenize_ms: float, stall_ms: float | None) -> dict:
+def _report(
+    mode: str,
+    clients: int,
+    stop: list[str] | None,
+    result: dict,
+    cpu_s: float,
+    long_tokens: int,
+    tokenize_ms: float,
+    stall_ms: float | None,
+) -> dict:
     tps = result["events"] / result["elapsed_s"]
     # The machine may be shared (and the client runs on it too): tokens per CPU-second of the
     # worker says what one worker does with a core of its own.
     per_cpu = result["events"] / cpu_s if cpu_s > 0 else 0.0
-    return {"tokens_per_s_per_worker": round(tps, 1), "goal_tokens_per_s": GOAL_TOKENS_PER_S,
-            "meets_goal": tps >= GOAL_TOKENS_PER_S, "mode": mode, "clients": clients,
-            "tokens_per_worker_cpu_s": round(per_cpu, 1),
-            "worker_cpu_share": round(cpu_s / result["elapsed_s"], 3),
-            "window_s": round(result["elapsed_s"], 3), "token_events": result["events"],
-            "stop_strings": stop or [], "long_prompt_tokens": long_tokens,
-            "long_prompts_sent": result["long_prompts_sent"], "tokenize_8k_ms": round(tokenize_ms, 2),
-            "loop_max_stall_ms": None if stall_ms is None else round(stall_ms, 2),
-            "cpu_count": os.cpu_count()}
+    return {
+        "tokens_per_s_per_worker": round(tps, 1),
+        "goal_tokens_per_s": GOAL_TOKENS_PER_S,
+        "meets_goal": tps >= GOAL_TOKENS_PER_S,
+        "mode": mode,
+        "clients": clients,
+        "tokens_per_worker_cpu_s": round(per_cpu, 1),
+        "worker_cpu_share": round(cpu_s / result["elapsed_s"], 3),
+        "window_s": round(result["elapsed_s"], 3),
+        "token_events": result["events"],
+        "stop_strings": stop or [],
+        "long_prompt_tokens": long_tokens,
+        "long_prompts_sent": result["long_prompts_sent"],
+        "tokenize_8k_ms": round(tokenize_ms, 2),
+        "loop_max_stall_ms": None if stall_ms is None else round(stall_ms, 2),
+        "cpu_count": os.cpu_count(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,26 +353,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=64, help="concurrent streams (default 64)")
     p.add_argument("--seconds", type=float, default=5.0, help="measured window (default 5)")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds before measuring (default 1)")
-    p.add_argument("--long-every", type=float, default=1.0,
-                   help="send an ~8,000-token prompt this often, seconds; 0: never (default 1)")
-    p.add_argument("--stop", action="append", default=None,
-                   help="a stop string every stream carries (repeatable; it should not occur)")
-    p.add_argument("--inproc", action="store_true",
-                   help="run the fake GPU inside the worker process instead of a producer process "
-                        "on a shared-memory ring (also reports the event loop's longest stall)")
+    p.add_argument(
+        "--long-every",
+        type=float,
+        default=1.0,
+        help="send an ~8,000-token prompt this often, seconds; 0: never (default 1)",
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        help="a stop string every stream carries (repeatable; it should not occur)",
+    )
+    p.add_argument(
+        "--inproc",
+        action="store_true",
+        help="run the fake GPU inside the worker process instead of a producer process "
+        "on a shared-memory ring (also reports the event loop's longest stall)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if args.clients < 1 or args.seconds <= 0:
         p.error("--clients must be >= 1 and --seconds > 0")
-    res = (run_inproc if args.inproc else run)(args.clients, args.seconds, args.warmup,
-                                                args.long_every, args.stop)
+    res = (run_inproc if args.inproc else run)(args.clients, args.seconds, args.warmup, args.long_every, args.stop)
     if args.json:
         print(json.dumps(res))
     else:
-        print(f"api worker: {res['tokens_per_s_per_worker']:,.0f} tokens/s to {res['clients']} "
-              f"streams (goal {GOAL_TOKENS_PER_S:,}: {'met' if res['meets_goal'] else 'NOT met'}), "
-              f"{res['tokens_per_worker_cpu_s']:,.0f} per worker CPU-second; "
-              f"an ~8k-token prompt tokenizes in {res['tokenize_8k_ms']:.1f} ms (in a thread)")
+        print(
+            f"api worker: {res['tokens_per_s_per_worker']:,.0f} tokens/s to {res['clients']} "
+            f"streams (goal {GOAL_TOKENS_PER_S:,}: {'met' if res['meets_goal'] else 'NOT met'}), "
+            f"{res['tokens_per_worker_cpu_s']:,.0f} per worker CPU-second; "
+            f"an ~8k-token prompt tokenizes in {res['tokenize_8k_ms']:.1f} ms (in a thread)"
+        )
     return 0
 
 

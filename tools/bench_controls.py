@@ -48,16 +48,30 @@ def bench_sampler(rows: int, vocab: int, iters: int) -> dict[str, float]:
     base = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
     prompt = [t % vocab for t in range(100, 600)]
     penalties = LogitsControls(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3)
-    everything = LogitsControls(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3, min_p=0.05,
-                                logit_bias=((5, 2.0), (9, -3.0)), bad_words=((10, 11), (12,)), min_tokens=1)
+    everything = LogitsControls(
+        repetition_penalty=1.2,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        min_p=0.05,
+        logit_bias=((5, 2.0), (9, -3.0)),
+        bad_words=((10, 11), (12,)),
+        min_tokens=1,
+    )
 
     def step_rows(controlled: int, settings) -> list[SeqStep]:
         out = []
         for i in range(rows):
             output = [(i * 7 + k * 13) % vocab for k in range(200)]
             controls = RowControls(settings, prompt, output) if i < controlled else None
-            out.append(SeqStep(i, [output[-1]], len(prompt) + len(output) - 1, [0],
-                               RowSampling(temperature=0.8, seed=i, controls=controls)))
+            out.append(
+                SeqStep(
+                    i,
+                    [output[-1]],
+                    len(prompt) + len(output) - 1,
+                    [0],
+                    RowSampling(temperature=0.8, seed=i, controls=controls),
+                )
+            )
         return out
 
     state = ControlsState(vocab, {0}, torch.device("cpu"))
@@ -69,21 +83,27 @@ def bench_sampler(rows: int, vocab: int, iters: int) -> dict[str, float]:
                 if seq is not None:
                     seq.counted -= 1
             state.sample(base.clone(), batch)
+
         return step
 
     plain = step_rows(0, None)
     alone = lambda: sample(base.clone(), [s.sampling for s in plain], [s.context_len for s in plain])  # noqa: E731
-    cases = {"through the controls, none asked for": through_controls(plain),
-             f"1 of {rows} rows penalized": through_controls(step_rows(1, penalties)),
-             f"{rows} of {rows} rows penalized": through_controls(step_rows(rows, penalties)),
-             f"{rows} of {rows} rows, every control": through_controls(step_rows(rows, everything))}
+    cases = {
+        "through the controls, none asked for": through_controls(plain),
+        f"1 of {rows} rows penalized": through_controls(step_rows(1, penalties)),
+        f"{rows} of {rows} rows penalized": through_controls(step_rows(rows, penalties)),
+        f"{rows} of {rows} rows, every control": through_controls(step_rows(rows, everything)),
+    }
     # Each case against the sampler alone, the two in turn: the heavy cases' memory traffic would
     # otherwise blur the light ones.
     out = {}
     for name, case in cases.items():
         base_ms, case_ms = _median_ms(alone, case, iters=iters)
-        out[name] = {"median_ms": round(case_ms, 3), "sampler_alone_ms": round(base_ms, 3),
-                     "ratio": round(case_ms / base_ms, 3)}
+        out[name] = {
+            "median_ms": round(case_ms, 3),
+            "sampler_alone_ms": round(base_ms, 3),
+            "ratio": round(case_ms / base_ms, 3),
+        }
     return out
 
 

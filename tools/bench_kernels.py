@@ -40,8 +40,16 @@ DEVICE_PEAKS = {
     "A10": (600.0, 125.0),
     "RTX 4090": (1008.0, 165.0),
 }
-SEVEN_B: dict[str, Any] = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
-               num_kv_heads=32, head_dim=128, max_position_embeddings=4096)
+SEVEN_B: dict[str, Any] = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=32,
+    head_dim=128,
+    max_position_embeddings=4096,
+)
 BLOCK = 16
 
 
@@ -113,8 +121,7 @@ def _time_graph_ms(fn, iters: int) -> float | None:
             fn()
         return _time_ms(graph.replay, iters)
     except Exception as e:  # a capture failure is a finding to report, not a crash of the bench
-        print(f"bench kernels: CUDA graph capture failed ({type(e).__name__}: {e}); eager timing only",
-              file=sys.stderr)
+        print(f"bench kernels: CUDA graph capture failed ({type(e).__name__}: {e}); eager timing only", file=sys.stderr)
         return None
 
 
@@ -130,8 +137,9 @@ def _measure_peaks(args) -> Peaks:
     return Peaks(name, args.peak_gbps or gbps, args.peak_tflops or tflops, copy_gbps)
 
 
-def _decode_case(batch: int, ctx: int, heads: int, head_dim: int, peaks: Peaks, iters: int,
-                 kv_heads: int | None = None) -> dict:
+def _decode_case(
+    batch: int, ctx: int, heads: int, head_dim: int, peaks: Peaks, iters: int, kv_heads: int | None = None
+) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -145,10 +153,10 @@ def _decode_case(batch: int, ctx: int, heads: int, head_dim: int, peaks: Peaks, 
     random.Random(0).shuffle(ids)  # scattered blocks, as a long-running pool has
     kc = torch.randn(batch * nblocks, kv_heads, BLOCK, head_dim, dtype=torch.float16, device="cuda")
     vc = torch.randn_like(kc)
-    steps = [SeqStep(b, [0], ctx - 1, ids[b * nblocks:(b + 1) * nblocks]) for b in range(batch)]
+    steps = [SeqStep(b, [0], ctx - 1, ids[b * nblocks : (b + 1) * nblocks]) for b in range(batch)]
     meta = build_step_inputs(StepBatch(steps), BLOCK, torch.device("cuda")).meta
     q = torch.randn(batch, heads, head_dim, dtype=torch.float16, device="cuda")
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     call = lambda: cupy_backend.paged_attention(q, kc, vc, meta, scale)  # noqa: E731
     eager_ms = _time_ms(call, iters)
     graph_ms = _time_graph_ms(call, iters)
@@ -162,9 +170,19 @@ def _decode_case(batch: int, ctx: int, heads: int, head_dim: int, peaks: Peaks, 
     v = v.repeat_interleave(heads // kv_heads, dim=1)
     qd = q.view(batch, heads, 1, head_dim)
     sdpa_ms = _time_ms(lambda: F.scaled_dot_product_attention(qd, k, v, scale=scale), iters)
-    row = dict(batch=batch, ctx=ctx, heads=heads, kv_heads=kv_heads, ms=ms, eager_ms=eager_ms, graph_ms=graph_ms, gbps=gbps, sdpa_ms=sdpa_ms,
-               sdpa_gbps=bytes_read / (sdpa_ms * 1e-3) / 1e9,
-               pct_peak=100 * gbps / peaks.gbps if peaks.gbps else None)
+    row = dict(
+        batch=batch,
+        ctx=ctx,
+        heads=heads,
+        kv_heads=kv_heads,
+        ms=ms,
+        eager_ms=eager_ms,
+        graph_ms=graph_ms,
+        gbps=gbps,
+        sdpa_ms=sdpa_ms,
+        sdpa_gbps=bytes_read / (sdpa_ms * 1e-3) / 1e9,
+        pct_peak=100 * gbps / peaks.gbps if peaks.gbps else None,
+    )
     return row
 
 
@@ -184,12 +202,18 @@ def _prefill_case(tokens: int, heads: int, kv_heads: int, head_dim: int, peaks: 
     vc = torch.randn_like(kc)
     meta = build_step_inputs(StepBatch([SeqStep(0, [0] * tokens, 0, ids)]), BLOCK, torch.device("cuda")).meta
     q = torch.randn(tokens, heads, head_dim, dtype=torch.float16, device="cuda")
-    call = lambda: cupy_backend.paged_prefill(q, kc, vc, meta, head_dim ** -0.5)  # noqa: E731
+    call = lambda: cupy_backend.paged_prefill(q, kc, vc, meta, head_dim**-0.5)  # noqa: E731
     ms = _time_graph_ms(call, iters) or _time_ms(call, iters)
     flops = 4.0 * heads * head_dim * tokens * tokens / 2
     tflops = flops / (ms * 1e-3) / 1e12
-    return dict(tokens=tokens, heads=heads, kv_heads=kv_heads, ms=ms, tflops=tflops,
-                pct_peak=100 * tflops / peaks.tflops if peaks.tflops else None)
+    return dict(
+        tokens=tokens,
+        heads=heads,
+        kv_heads=kv_heads,
+        ms=ms,
+        tflops=tflops,
+        pct_peak=100 * tflops / peaks.tflops if peaks.tflops else None,
+    )
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -217,32 +241,54 @@ def _model_benches(args_ns, peaks: Peaks) -> tuple[list[dict], dict]:
     shape = {**SEVEN_B, "num_layers": args_ns.layers}
     ctx, prompt = 1024, args_ns.prompt
     rows = max(args_ns.step_batches)
-    pool = KVPool(margs.num_layers, rows * ctx // BLOCK + prompt // BLOCK + 1, margs.num_kv_heads,
-                  margs.head_dim, dtype=torch.float16, device="cuda")
+    pool = KVPool(
+        margs.num_layers,
+        rows * ctx // BLOCK + prompt // BLOCK + 1,
+        margs.num_kv_heads,
+        margs.head_dim,
+        dtype=torch.float16,
+        device="cuda",
+    )
     runner = ModelRunner(model, pool)
     greedy = RowSampling(temperature=0.0)
     steps_out = []
     for batch in args_ns.step_batches:
         per = ctx // BLOCK
-        batch_steps = StepBatch([SeqStep(b, [1], ctx - 1, list(range(b * per, (b + 1) * per)), greedy)
-                                 for b in range(batch)])
+        batch_steps = StepBatch(
+            [SeqStep(b, [1], ctx - 1, list(range(b * per, (b + 1) * per)), greedy) for b in range(batch)]
+        )
         inputs = runner.prepare(batch_steps)
         ms = _time_ms(lambda inputs=inputs: runner.forward(inputs), args_ns.iters)
         total_ms = _time_ms(lambda steps=batch_steps: runner.execute(steps), args_ns.iters)
         graph_ms = _time_graph_ms(lambda inputs=inputs: runner.forward(inputs), args_ns.iters)
         moved = dense_weight_bytes(shape) + kv_bytes(batch, ctx, margs.num_layers, margs.num_kv_heads, margs.head_dim)
         bound_ms = moved / (peaks.gbps * 1e9) * 1e3 if peaks.gbps else None
-        steps_out.append(dict(batch=batch, ctx=ctx, layers=margs.num_layers, forward_ms=ms, step_ms=total_ms,
-                              graph_ms=graph_ms,
-                              bound_ms=bound_ms, ratio=ms / bound_ms if bound_ms else None))
+        steps_out.append(
+            dict(
+                batch=batch,
+                ctx=ctx,
+                layers=margs.num_layers,
+                forward_ms=ms,
+                step_ms=total_ms,
+                graph_ms=graph_ms,
+                bound_ms=bound_ms,
+                ratio=ms / bound_ms if bound_ms else None,
+            )
+        )
     base = rows * ctx // BLOCK
     prefill = StepBatch([SeqStep(0, [1] * prompt, 0, list(range(base, base + math.ceil(prompt / BLOCK))), greedy)])
     inputs = runner.prepare(prefill)
     ms = _time_ms(lambda: runner.forward(inputs), max(3, args_ns.iters // 4))
     flops = prefill_flops(shape, prompt)
     bound_tps = prompt / (flops / (peaks.tflops * 1e12)) if peaks.tflops else None
-    prefill_out = dict(tokens=prompt, layers=margs.num_layers, ms=ms, tokens_per_s=prompt / (ms * 1e-3),
-                       tflops=flops / (ms * 1e-3) / 1e12, bound_tokens_per_s=bound_tps)
+    prefill_out = dict(
+        tokens=prompt,
+        layers=margs.num_layers,
+        ms=ms,
+        tokens_per_s=prompt / (ms * 1e-3),
+        tflops=flops / (ms * 1e-3) / 1e12,
+        bound_tokens_per_s=bound_tps,
+    )
     return steps_out, prefill_out
 
 
@@ -287,35 +333,59 @@ def main(argv: list[str] | None = None) -> int:
         for c in ctxs:
             decode.append(_decode_case(b, c, SEVEN_B["num_heads"], SEVEN_B["head_dim"], peaks, args.iters, kv_heads))
             torch.cuda.empty_cache()  # the 256 x 4k case holds tens of GB; give it back before the next
-    prefill_attention = [_prefill_case(n, SEVEN_B["num_heads"], kv_heads, SEVEN_B["head_dim"], peaks, args.iters)
-                         for n in args.prefill_tokens]
+    prefill_attention = [
+        _prefill_case(n, SEVEN_B["num_heads"], kv_heads, SEVEN_B["head_dim"], peaks, args.iters)
+        for n in args.prefill_tokens
+    ]
     steps, prefill = ([], None) if args.skip_model else _model_benches(args, peaks)
-    out = dict(peaks=asdict(peaks), decode_attention=decode, prefill_attention=prefill_attention,
-               decode_step=steps, prefill=prefill,
-               conditions=dict(dtype="float16", torch=torch.__version__, cupy=cupy.__version__,
-                               cuda=torch.version.cuda, iters=args.iters, quick=args.quick))
+    out = dict(
+        peaks=asdict(peaks),
+        decode_attention=decode,
+        prefill_attention=prefill_attention,
+        decode_step=steps,
+        prefill=prefill,
+        conditions=dict(
+            dtype="float16",
+            torch=torch.__version__,
+            cupy=cupy.__version__,
+            cuda=torch.version.cuda,
+            iters=args.iters,
+            quick=args.quick,
+        ),
+    )
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"{peaks.device}: peak {_fmt(peaks.gbps, '.0f')} GB/s, {_fmt(peaks.tflops, '.0f')} TFLOP/s fp16; "
-          f"measured copy {peaks.copy_gbps:.0f} GB/s")
+    print(
+        f"{peaks.device}: peak {_fmt(peaks.gbps, '.0f')} GB/s, {_fmt(peaks.tflops, '.0f')} TFLOP/s fp16; "
+        f"measured copy {peaks.copy_gbps:.0f} GB/s"
+    )
     print("decode attention (1 layer, 32 heads x 128, fp16)")
-    print(f"  {'batch':>5} {'ctx':>5} {'ms':>8} {'eager ms':>8} {'GB/s':>7} {'%peak':>6} {'sdpa ms':>8} "
-          f"{'sdpa GB/s':>9}")
+    print(
+        f"  {'batch':>5} {'ctx':>5} {'ms':>8} {'eager ms':>8} {'GB/s':>7} {'%peak':>6} {'sdpa ms':>8} {'sdpa GB/s':>9}"
+    )
     for r in decode:
-        print(f"  {r['batch']:>5} {r['ctx']:>5} {r['ms']:>8.3f} {r['eager_ms']:>8.3f} {r['gbps']:>7.0f} "
-              f"{_fmt(r['pct_peak']):>6} {r['sdpa_ms']:>8.3f} {r['sdpa_gbps']:>9.0f}")
+        print(
+            f"  {r['batch']:>5} {r['ctx']:>5} {r['ms']:>8.3f} {r['eager_ms']:>8.3f} {r['gbps']:>7.0f} "
+            f"{_fmt(r['pct_peak']):>6} {r['sdpa_ms']:>8.3f} {r['sdpa_gbps']:>9.0f}"
+        )
     for r in prefill_attention:
-        print(f"prefill attention {r['tokens']} tokens (32 heads / {r['kv_heads']} KV heads x 128, fp16): "
-              f"{r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s ({_fmt(r['pct_peak'])} % of peak)")
+        print(
+            f"prefill attention {r['tokens']} tokens (32 heads / {r['kv_heads']} KV heads x 128, fp16): "
+            f"{r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s ({_fmt(r['pct_peak'])} % of peak)"
+        )
     for r in steps:
-        print(f"decode step, {r['layers']} layers, batch {r['batch']} x {r['ctx']}: forward {r['forward_ms']:.2f} ms "
-              f"(with host prep {r['step_ms']:.2f} ms, CUDA graph {_fmt(r['graph_ms'], '.2f')} ms), bound {_fmt(r['bound_ms'], '.2f')} ms, "
-              f"ratio {_fmt(r['ratio'], '.2f')}")
+        print(
+            f"decode step, {r['layers']} layers, batch {r['batch']} x {r['ctx']}: forward {r['forward_ms']:.2f} ms "
+            f"(with host prep {r['step_ms']:.2f} ms, CUDA graph {_fmt(r['graph_ms'], '.2f')} ms), bound {_fmt(r['bound_ms'], '.2f')} ms, "
+            f"ratio {_fmt(r['ratio'], '.2f')}"
+        )
     if prefill:
-        print(f"prefill {prefill['tokens']} tokens, {prefill['layers']} layers: {prefill['ms']:.1f} ms, "
-              f"{prefill['tokens_per_s']:.0f} tokens/s ({prefill['tflops']:.0f} TFLOP/s), "
-              f"FLOP bound {_fmt(prefill['bound_tokens_per_s'], '.0f')} tokens/s")
+        print(
+            f"prefill {prefill['tokens']} tokens, {prefill['layers']} layers: {prefill['ms']:.1f} ms, "
+            f"{prefill['tokens_per_s']:.0f} tokens/s ({prefill['tflops']:.0f} TFLOP/s), "
+            f"FLOP bound {_fmt(prefill['bound_tokens_per_s'], '.0f')} tokens/s"
+        )
     return 0
 
 

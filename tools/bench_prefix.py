@@ -28,22 +28,35 @@ from typing import Any
 def _request(key: int, prompt: list[int], max_tokens: int, seed: int):
     from ringserve.gpu_proc.request import Request, SamplingSpec
 
-    return Request(key=(0, key), request_id=f"bench-{key}", tenant=f"t{key % 4}", prompt_ids=prompt,
-                   max_tokens=max_tokens, arrival_ts=0.0, deadline_ts=1e18,
-                   sampling=SamplingSpec(temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True))
+    return Request(
+        key=(0, key),
+        request_id=f"bench-{key}",
+        tenant=f"t{key % 4}",
+        prompt_ids=prompt,
+        max_tokens=max_tokens,
+        arrival_ts=0.0,
+        deadline_ts=1e18,
+        sampling=SamplingSpec(temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True),
+    )
 
 
 class _Bench:
     """One engine, and a fresh scheduler (and block pool) per measured run."""
 
-    def __init__(self, model_dir: str, num_blocks: int, max_rows: int, prefill_budget: int,
-                 threads: int = 1) -> None:
+    def __init__(self, model_dir: str, num_blocks: int, max_rows: int, prefill_budget: int, threads: int = 1) -> None:
         from ringserve.config import Config
         from ringserve.gpu_proc.engine import build_engine
 
-        self.kwargs: dict[str, Any] = dict(num_blocks=num_blocks, max_rows=max_rows, prefill_budget=prefill_budget,
-                           context_limit=8192, max_tokens_limit=1024, queue_limit_s=1e9, device="cpu",
-                           cpu_threads=threads)
+        self.kwargs: dict[str, Any] = dict(
+            num_blocks=num_blocks,
+            max_rows=max_rows,
+            prefill_budget=prefill_budget,
+            context_limit=8192,
+            max_tokens_limit=1024,
+            queue_limit_s=1e9,
+            device="cpu",
+            cpu_threads=threads,
+        )
         self.engine = build_engine(Config(**self.kwargs), model_dir)
         self.config_cls = Config
 
@@ -52,8 +65,9 @@ class _Bench:
         from ringserve.gpu_proc.scheduler import Scheduler
 
         config = self.config_cls(prefix_caching=caching, **self.kwargs)
-        return Scheduler(config, BlockManager(config.num_blocks, config.block_size),
-                         eos_token_ids=self.engine.eos_token_ids)
+        return Scheduler(
+            config, BlockManager(config.num_blocks, config.block_size), eos_token_ids=self.engine.eos_token_ids
+        )
 
     def drive(self, sched, arrivals: list) -> dict:
         """Admit `arrivals[k]` before step k (then the rest as steps go on) and run to idle.
@@ -96,19 +110,31 @@ def measure_ttft(bench: _Bench, prefix: int, suffix: int, reps: int, seed: int) 
         base = 10 * (k + 1)
         bench.drive(sched, [_request(base, shared + _tokens(rng, vocab, suffix), 1, base)])  # fills the cache
         hits0 = sched.stats().prefix_cache_hits
-        cached.append(bench.drive(sched, [_request(base + 1, shared + _tokens(rng, vocab, suffix), 1, base)])
-                      ["ttft"][(0, base + 1)])
+        cached.append(
+            bench.drive(sched, [_request(base + 1, shared + _tokens(rng, vocab, suffix), 1, base)])["ttft"][
+                (0, base + 1)
+            ]
+        )
         hit_tokens.append(sched.stats().prefix_cache_hits - hits0)
-        cold.append(bench.drive(sched, [_request(base + 2, _tokens(rng, vocab, prefix + suffix), 1, base)])
-                    ["ttft"][(0, base + 2)])
+        cold.append(
+            bench.drive(sched, [_request(base + 2, _tokens(rng, vocab, prefix + suffix), 1, base)])["ttft"][
+                (0, base + 2)
+            ]
+        )
     c_ms, x_ms = statistics.median(cached) * 1e3, statistics.median(cold) * 1e3
-    return {"prompt_tokens": prefix + suffix, "cached_tokens": int(statistics.median(hit_tokens)),
-            "ttft_cached_ms": round(c_ms, 2), "ttft_cold_ms": round(x_ms, 2),
-            "ttft_speedup": round(x_ms / c_ms, 2), "reps": reps}
+    return {
+        "prompt_tokens": prefix + suffix,
+        "cached_tokens": int(statistics.median(hit_tokens)),
+        "ttft_cached_ms": round(c_ms, 2),
+        "ttft_cold_ms": round(x_ms, 2),
+        "ttft_speedup": round(x_ms / c_ms, 2),
+        "reps": reps,
+    }
 
 
-def measure_trace(bench: _Bench, requests: int, share: float, system: int, max_tokens: int, seed: int,
-                  reps: int = 1) -> dict:
+def measure_trace(
+    bench: _Bench, requests: int, share: float, system: int, max_tokens: int, seed: int, reps: int = 1
+) -> dict:
     rng = random.Random(seed)
     vocab = bench.engine.vocab_size
     sys_prompt = _tokens(rng, vocab, system)
@@ -117,8 +143,13 @@ def measure_trace(bench: _Bench, requests: int, share: float, system: int, max_t
         tail = _tokens(rng, vocab, rng.randint(32, 128))
         prompts.append((sys_prompt if rng.random() < share else _tokens(rng, vocab, system)) + tail)
     shared_count = sum(p[:system] == sys_prompt for p in prompts)
-    out: dict[str, Any] = {"requests": requests, "shared_requests": shared_count, "system_tokens": system,
-           "max_tokens": max_tokens, "reps": reps}
+    out: dict[str, Any] = {
+        "requests": requests,
+        "shared_requests": shared_count,
+        "system_tokens": system,
+        "max_tokens": max_tokens,
+        "reps": reps,
+    }
     runs: dict = {True: [], False: []}
     for _ in range(reps):  # alternate on and off, so a change in machine load hits both alike
         for caching in (True, False):
@@ -129,12 +160,16 @@ def measure_trace(bench: _Bench, requests: int, share: float, system: int, max_t
         st = r["stats"]
         gen = st.generation_tokens_total
         out["on" if caching else "off"] = {
-            "wall_s": round(r["wall_s"], 3), "wall_s_all": [round(x["wall_s"], 3) for x in runs[caching]],
-            "gen_tokens_per_s": round(gen / r["wall_s"], 1), "requests_per_s": round(requests / r["wall_s"], 2),
+            "wall_s": round(r["wall_s"], 3),
+            "wall_s_all": [round(x["wall_s"], 3) for x in runs[caching]],
+            "gen_tokens_per_s": round(gen / r["wall_s"], 1),
+            "requests_per_s": round(requests / r["wall_s"], 2),
             "ttft_mean_ms": round(1e3 * statistics.fmean(r["ttft"].values()), 1),
             "ttft_p50_ms": round(1e3 * statistics.median(r["ttft"].values()), 1),
-            "prompt_tokens": st.prompt_tokens_total, "prompt_tokens_cached": st.prefix_cache_hits,
-            "hit_rate": round(st.prefix_cache_hits / st.prefix_cache_queries, 3) if st.prefix_cache_queries else 0.0}
+            "prompt_tokens": st.prompt_tokens_total,
+            "prompt_tokens_cached": st.prefix_cache_hits,
+            "hit_rate": round(st.prefix_cache_hits / st.prefix_cache_queries, 3) if st.prefix_cache_queries else 0.0,
+        }
     out["throughput_speedup"] = round(out["on"]["gen_tokens_per_s"] / out["off"]["gen_tokens_per_s"], 2)
     out["streams_identical"] = all(r["streams"] == runs[False][0]["streams"] for r in runs[True] + runs[False])
     return out
@@ -151,29 +186,41 @@ def run(args) -> dict:
 
             model_dir = str(build_tiny_model(tmp))
         bench = _Bench(model_dir, args.blocks, args.max_rows, args.prefill_budget, args.threads)
-        report = {"setup": {"model": args.model or "tiny (built-in)", "device": "cpu",
-                            "torch_threads": torch.get_num_threads(), "block_size": 16,
-                            "max_rows": args.max_rows, "prefill_budget": args.prefill_budget,
-                            "kv_blocks": args.blocks}}
+        report = {
+            "setup": {
+                "model": args.model or "tiny (built-in)",
+                "device": "cpu",
+                "torch_threads": torch.get_num_threads(),
+                "block_size": 16,
+                "max_rows": args.max_rows,
+                "prefill_budget": args.prefill_budget,
+                "kv_blocks": args.blocks,
+            }
+        }
         report["ttft"] = measure_ttft(bench, args.prefix, args.suffix, args.reps, args.seed)
-        report["trace"] = measure_trace(bench, args.requests, args.share, args.system, args.max_tokens, args.seed,
-                                        args.trace_reps)
+        report["trace"] = measure_trace(
+            bench, args.requests, args.share, args.system, args.max_tokens, args.seed, args.trace_reps
+        )
     return report
 
 
 def _table(r: dict) -> str:
     t, tr, s = r["ttft"], r["trace"], r["setup"]
-    lines = [f"setup: {s['model']} on {s['device']}, {s['torch_threads']} torch threads, "
-             f"max_rows {s['max_rows']}, prefill_budget {s['prefill_budget']}, {s['kv_blocks']} KV blocks",
-             f"TTFT, {t['prompt_tokens']}-token prompt (median of {t['reps']}):",
-             f"  cached prefix ({t['cached_tokens']} tokens hit)  {t['ttft_cached_ms']:>9.2f} ms",
-             f"  cold prefix                     {t['ttft_cold_ms']:>9.2f} ms   ({t['ttft_speedup']}x)",
-             f"trace: {tr['requests']} requests, {tr['shared_requests']} share a {tr['system_tokens']}-token "
-             f"system prompt, {tr['max_tokens']} tokens each (median of {tr['reps']} runs per mode):"]
+    lines = [
+        f"setup: {s['model']} on {s['device']}, {s['torch_threads']} torch threads, "
+        f"max_rows {s['max_rows']}, prefill_budget {s['prefill_budget']}, {s['kv_blocks']} KV blocks",
+        f"TTFT, {t['prompt_tokens']}-token prompt (median of {t['reps']}):",
+        f"  cached prefix ({t['cached_tokens']} tokens hit)  {t['ttft_cached_ms']:>9.2f} ms",
+        f"  cold prefix                     {t['ttft_cold_ms']:>9.2f} ms   ({t['ttft_speedup']}x)",
+        f"trace: {tr['requests']} requests, {tr['shared_requests']} share a {tr['system_tokens']}-token "
+        f"system prompt, {tr['max_tokens']} tokens each (median of {tr['reps']} runs per mode):",
+    ]
     for name in ("on", "off"):
         x = tr[name]
-        lines.append(f"  caching {name:<3}  {x['wall_s']:>7.2f} s  {x['gen_tokens_per_s']:>8.1f} tok/s  "
-                     f"TTFT mean {x['ttft_mean_ms']:>7.1f} ms  hit rate {x['hit_rate']:.3f}")
+        lines.append(
+            f"  caching {name:<3}  {x['wall_s']:>7.2f} s  {x['gen_tokens_per_s']:>8.1f} tok/s  "
+            f"TTFT mean {x['ttft_mean_ms']:>7.1f} ms  hit rate {x['hit_rate']:.3f}"
+        )
     lines.append(f"  throughput {tr['throughput_speedup']}x; streams identical: {tr['streams_identical']}")
     return "\n".join(lines)
 
@@ -189,21 +236,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--share", type=float, default=0.8, help="fraction of trace requests with the system prompt")
     p.add_argument("--system", type=int, default=1000, help="system prompt tokens")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--trace-reps", type=int, default=1,
-                   help="trace runs per mode, on and off alternating; the median run is reported")
+    p.add_argument(
+        "--trace-reps",
+        type=int,
+        default=1,
+        help="trace runs per mode, on and off alternating; the median run is reported",
+    )
     p.add_argument("--max-rows", type=int, default=32)
     p.add_argument("--prefill-budget", type=int, default=256)
     p.add_argument("--blocks", type=int, default=4096, help="KV blocks in the pool")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (1: no oversubscription on a shared machine)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (1: no oversubscription on a shared machine)"
+    )
     args = p.parse_args(argv)
     if not 0.0 <= args.share <= 1.0:
         p.error("--share must be in [0, 1]")
-    if min(args.prefix, args.suffix, args.reps, args.requests, args.system, args.max_tokens, args.threads,
-           args.trace_reps) < 1:
-        p.error("--prefix, --suffix, --reps, --trace-reps, --requests, --system, --max-tokens and --threads "
-                "must be >= 1")
+    if (
+        min(
+            args.prefix,
+            args.suffix,
+            args.reps,
+            args.requests,
+            args.system,
+            args.max_tokens,
+            args.threads,
+            args.trace_reps,
+        )
+        < 1
+    ):
+        p.error(
+            "--prefix, --suffix, --reps, --trace-reps, --requests, --system, --max-tokens and --threads must be >= 1"
+        )
     report = run(args)
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0

@@ -54,9 +54,23 @@ def run(instance: str, bell_fds: list[int], directory: str) -> int:
                 news.append(Accepted(rid=msg.rid, est_gpu_ms=1.0))
             elif isinstance(msg, Cancel) and msg.rid in rows:
                 row = rows.pop(msg.rid)
-                news.append(StepOutput(step=step, finishes=[
-                    Finish(msg.rid, i, "cancelled", len(row.submit.prompt_ids),
-                           row.submit.max_tokens - row.left, 0.0, 0.0) for i in range(row.submit.n)]))
+                news.append(
+                    StepOutput(
+                        step=step,
+                        finishes=[
+                            Finish(
+                                msg.rid,
+                                i,
+                                "cancelled",
+                                len(row.submit.prompt_ids),
+                                row.submit.max_tokens - row.left,
+                                0.0,
+                                0.0,
+                            )
+                            for i in range(row.submit.n)
+                        ],
+                    )
+                )
         if rows:
             step += 1
             tokens, finishes = [], []
@@ -66,8 +80,10 @@ def run(instance: str, bell_fds: list[int], directory: str) -> int:
                     tokens.append(Token(rid, i, next(ids), -0.5))
                 if row.left == 0:
                     del rows[rid]
-                    finishes += [Finish(rid, i, "length", len(row.submit.prompt_ids),
-                                        row.submit.max_tokens, 0.1, 1.0) for i in range(row.submit.n)]
+                    finishes += [
+                        Finish(rid, i, "length", len(row.submit.prompt_ids), row.submit.max_tokens, 0.1, 1.0)
+                        for i in range(row.submit.n)
+                    ]
             news.append(StepOutput(step=step, tokens=tokens, finishes=finishes))
         for msg in news:
             data = encode(msg)

@@ -34,8 +34,12 @@ from ringserve.shm.ring import Ring
 _CTX = multiprocessing.get_context("fork")
 TRANSPORTS = ("ring", "zmq", "mpq")
 # case -> (payload bytes or "msg", records at scale 1)
-CASES: dict[str, tuple[int | str, int]] = {"64B": (64, 100_000), "1KiB": (1024, 50_000), "16KiB": (16384, 10_000),
-         "msg_1KiB": ("msg", 30_000)}
+CASES: dict[str, tuple[int | str, int]] = {
+    "64B": (64, 100_000),
+    "1KiB": (1024, 50_000),
+    "16KiB": (16384, 10_000),
+    "msg_1KiB": ("msg", 30_000),
+}
 LATENCY_ROUNDS = 3_000
 RING_BYTES = 4 * 1024 * 1024  # the server's default ring size
 BATCH = 64  # ring: records per pop, and pushes per doorbell ring
@@ -43,10 +47,16 @@ BATCH = 64  # ring: records per pop, and pushes per doorbell ring
 
 def _message() -> messages.Submit:
     """A Submit whose msgpack encoding is about 1 KiB (300 token ids of 3 bytes)."""
-    return messages.Submit(rid=1, request_id="cmpl-0123456789abcdef", tenant="bench",
-                           prompt_ids=list(range(30_000, 30_300)), max_tokens=256,
-                           sampling=messages.SamplingParams(temperature=0.7, top_p=0.9),
-                           arrival_ts=time.time(), deadline_ts=time.time() + 600)
+    return messages.Submit(
+        rid=1,
+        request_id="cmpl-0123456789abcdef",
+        tenant="bench",
+        prompt_ids=list(range(30_000, 30_300)),
+        max_tokens=256,
+        sampling=messages.SamplingParams(temperature=0.7, top_p=0.9),
+        arrival_ts=time.time(),
+        deadline_ts=time.time() + 600,
+    )
 
 
 # --- endpoints: each returns (send, recv_batch, close) built inside the child process ----------
@@ -229,8 +239,10 @@ def _ponger(transport: str, env: dict, rounds: int, barrier, conn) -> None:
 def _run_pair(transport: str, env: dict, targets, args) -> tuple:
     barrier = _CTX.Barrier(2)
     pipes = [_CTX.Pipe() for _ in targets]
-    procs = [_CTX.Process(target=t, args=(transport, env, *args, barrier, child), daemon=True)
-             for t, (_, child) in zip(targets, pipes)]
+    procs = [
+        _CTX.Process(target=t, args=(transport, env, *args, barrier, child), daemon=True)
+        for t, (_, child) in zip(targets, pipes)
+    ]
     for p in procs:
         p.start()
     try:
@@ -256,8 +268,7 @@ def _environment(directory: str, transport: str):
         shm = ShmInstance.create(ring_bytes=RING_BYTES, n_workers=1, directory=directory)
         from ringserve.shm.doorbell import Doorbell
 
-        env.update(instance=shm.instance, fds=shm.bell_fds(),
-                   space=[Doorbell.create(), Doorbell.create()])
+        env.update(instance=shm.instance, fds=shm.bell_fds(), space=[Doorbell.create(), Doorbell.create()])
     elif transport == "mpq":
         env["queues"] = [_CTX.Queue(), _CTX.Queue()]
     return env, shm
@@ -272,8 +283,12 @@ def _measure_throughput(transport: str, directory: str, case: str, n: int) -> di
             shm.unlink()
             shm.close()
     secs = (t1 - t0) / 1e9
-    return {"records": got, "seconds": round(secs, 4), "records_per_s": round(got / secs),
-            "mb_per_s": round(nbytes / secs / 1e6, 1)}
+    return {
+        "records": got,
+        "seconds": round(secs, 4),
+        "records_per_s": round(got / secs),
+        "mb_per_s": round(nbytes / secs / 1e6, 1),
+    }
 
 
 def _measure_latency(transport: str, directory: str, rounds: int) -> dict:
@@ -285,8 +300,11 @@ def _measure_latency(transport: str, directory: str, rounds: int) -> dict:
             shm.unlink()
             shm.close()
     lat = sorted(lat[100:])  # drop warm-up
-    return {"rounds": len(lat), "p50_us": round(lat[len(lat) // 2] / 1e3, 1),
-            "p99_us": round(lat[int(len(lat) * 0.99)] / 1e3, 1)}
+    return {
+        "rounds": len(lat),
+        "p50_us": round(lat[len(lat) // 2] / 1e3, 1),
+        "p99_us": round(lat[int(len(lat) * 0.99)] / 1e3, 1),
+    }
 
 
 def run(scale: float = 1.0, transports=TRANSPORTS, repeat: int = 3) -> dict:
@@ -298,8 +316,7 @@ def run(scale: float = 1.0, transports=TRANSPORTS, repeat: int = 3) -> dict:
     """
     throughput: dict = {t: {} for t in transports}
     latency: dict = {}
-    directory = tempfile.mkdtemp(prefix="ringserve-bench-",
-                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    directory = tempfile.mkdtemp(prefix="ringserve-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
         for _ in range(repeat):
             for transport in transports:
@@ -313,15 +330,20 @@ def run(scale: float = 1.0, transports=TRANSPORTS, repeat: int = 3) -> dict:
                     latency[transport] = got
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                          "platform": platform.platform()},
-              "scale": scale, "repeat": repeat, "throughput": throughput, "latency": latency}
+    report: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "scale": scale,
+        "repeat": repeat,
+        "throughput": throughput,
+        "latency": latency,
+    }
     if "ring" in transports and "zmq" in transports:
         report.update(_ratios(throughput, latency, with_mpq="mpq" in transports))
         report["goals"] = {
             "p50_latency_at_most_1/5_of_zmq": report["ring_vs_zmq_p50_latency_1k"] <= 0.2,
             "throughput_16k_at_least_3x_zmq": report["ring_vs_zmq_throughput_16k"] >= 3,
-            "msg_throughput_not_below_zmq": report["ring_vs_zmq_throughput_msg_1k"] >= 1}
+            "msg_throughput_not_below_zmq": report["ring_vs_zmq_throughput_msg_1k"] >= 1,
+        }
     return report
 
 
@@ -342,32 +364,36 @@ def _ratios(throughput: dict, latency: dict, with_mpq: bool) -> dict[str, float]
 
 
 def format_report(report: dict) -> str:
-    lines = [f"ring benchmark (scale {report['scale']}, best of {report['repeat']}, "
-             f"{report['machine']['cpus']} CPUs)", "",
-             f"{'throughput':<12}" + "".join(f"{t:>32}" for t in report["throughput"])]
+    lines = [
+        f"ring benchmark (scale {report['scale']}, best of {report['repeat']}, {report['machine']['cpus']} CPUs)",
+        "",
+        f"{'throughput':<12}" + "".join(f"{t:>32}" for t in report["throughput"]),
+    ]
     for case in CASES:
-        cells = "".join(f"{r[case]['records_per_s']:>16,} rec/s {r[case]['mb_per_s']:>6,.0f} MB/s"
-                        for r in report["throughput"].values())
+        cells = "".join(
+            f"{r[case]['records_per_s']:>16,} rec/s {r[case]['mb_per_s']:>6,.0f} MB/s"
+            for r in report["throughput"].values()
+        )
         lines.append(f"{case:<12}{cells}")
     rtts = (f"p50 {v['p50_us']:.1f} us  p99 {v['p99_us']:.1f} us" for v in report["latency"].values())
     lines += ["", f"{'1 KiB RTT':<12}" + "".join(f"{cell:>32}" for cell in rtts)]
     ratios = {k: v for k, v in report.items() if k.startswith("ring_vs_")}
     if ratios:
         lines += ["", "ratios (ours / theirs):"] + [f"  {k:<36}{v}" for k, v in ratios.items()]
-        lines += ["goals:"] + [f"  {k:<36}{'met' if ok else 'NOT met'}"
-                               for k, ok in report["goals"].items()]
+        lines += ["goals:"] + [f"  {k:<36}{'met' if ok else 'NOT met'}" for k, ok in report["goals"].items()]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ringserve bench ring", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--scale", type=float, default=1.0,
-                        help="multiply every record count (default %(default)s; tests use 0.01)")
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="interleaved repetitions; each figure is the best (default %(default)s)")
-    parser.add_argument("--transports", default=",".join(TRANSPORTS),
-                        help="comma-separated subset of %(default)s")
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiply every record count (default %(default)s; tests use 0.01)"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="interleaved repetitions; each figure is the best (default %(default)s)"
+    )
+    parser.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated subset of %(default)s")
     args = parser.parse_args(argv)
     transports = tuple(t for t in args.transports.split(",") if t)
     unknown = set(transports) - set(TRANSPORTS)

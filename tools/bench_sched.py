@@ -38,10 +38,16 @@ class _Samples:
 
 
 def _request(rid: int, rng: random.Random, prompt_len: int) -> Request:
-    return Request(key=(rid % 8, rid), request_id=f"bench-{rid}", tenant=KEYS[rid % len(KEYS)],
-                   prompt_ids=[1 + (rid + k) % 1000 for k in range(prompt_len)],
-                   max_tokens=rng.randint(50, 300), sampling=SamplingSpec(seed=rid),
-                   arrival_ts=0.0, deadline_ts=1e18)
+    return Request(
+        key=(rid % 8, rid),
+        request_id=f"bench-{rid}",
+        tenant=KEYS[rid % len(KEYS)],
+        prompt_ids=[1 + (rid + k) % 1000 for k in range(prompt_len)],
+        max_tokens=rng.randint(50, 300),
+        sampling=SamplingSpec(seed=rid),
+        arrival_ts=0.0,
+        deadline_ts=1e18,
+    )
 
 
 def measure(rows: int, passes: int, queue_depth: int = 2000, seed: int = 0) -> dict[str, float]:
@@ -87,9 +93,15 @@ def measure(rows: int, passes: int, queue_depth: int = 2000, seed: int = 0) -> d
         batch_rows.append(n)
     s = sched.stats()
     times.sort()
-    return {"median_ms": statistics.median(times), "p99_ms": times[int(0.99 * (len(times) - 1))],
-            "mean_batch_rows": statistics.fmean(batch_rows), "queue_depth": s.queue_depth, "kv_blocks_free": s.kv_blocks_free,
-            "preemptions": s.preemptions, "prompt_len": prompt_len}
+    return {
+        "median_ms": statistics.median(times),
+        "p99_ms": times[int(0.99 * (len(times) - 1))],
+        "mean_batch_rows": statistics.fmean(batch_rows),
+        "queue_depth": s.queue_depth,
+        "kv_blocks_free": s.kv_blocks_free,
+        "preemptions": s.preemptions,
+        "prompt_len": prompt_len,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,12 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"scheduler pass (schedule + update, no model), {NUM_BLOCKS}-block pool, {len(KEYS)} keys, "
-              f"{args.passes} passes")
+        print(
+            f"scheduler pass (schedule + update, no model), {NUM_BLOCKS}-block pool, {len(KEYS)} keys, "
+            f"{args.passes} passes"
+        )
         for rows in (32, 256):
-            print(f"  {rows:>3} rows: median {out[f'sched_ms_{rows}']:.4f} ms  p99 {out[f'sched_p99_ms_{rows}']:.4f} ms  "
-                  f"(goal <= {GOALS_MS[rows]} ms: {'met' if out[f'goal_met_{rows}'] else 'MISSED'}; "
-                  f"queue {out[f'queue_depth_{rows}']})")
+            print(
+                f"  {rows:>3} rows: median {out[f'sched_ms_{rows}']:.4f} ms  p99 {out[f'sched_p99_ms_{rows}']:.4f} ms  "
+                f"(goal <= {GOALS_MS[rows]} ms: {'met' if out[f'goal_met_{rows}'] else 'MISSED'}; "
+                f"queue {out[f'queue_depth_{rows}']})"
+            )
     return 0
 
 

@@ -65,8 +65,12 @@ class NullModel:
 def _rows_sampling(n: int):
     from ringserve.gpu_proc.step import RowSampling
 
-    kinds = [RowSampling(temperature=0.0), RowSampling(temperature=0.8, seed=1),
-             RowSampling(temperature=0.7, top_k=40, seed=2), RowSampling(temperature=1.0, top_p=0.9, seed=3)]
+    kinds = [
+        RowSampling(temperature=0.0),
+        RowSampling(temperature=0.8, seed=1),
+        RowSampling(temperature=0.7, top_k=40, seed=2),
+        RowSampling(temperature=1.0, top_p=0.9, seed=3),
+    ]
     return [kinds[i % 4] for i in range(n)]
 
 
@@ -142,8 +146,15 @@ def measure(runner, rows: int, iters: int, warmup: int = 3) -> dict[str, float]:
     return res
 
 
-def _model_runner(model_dir: str, device, max_rows: int, load_format: str = "auto", dtype: str = "auto",
-                  cuda_graphs: bool = False, cpu_kernels: bool = True):
+def _model_runner(
+    model_dir: str,
+    device,
+    max_rows: int,
+    load_format: str = "auto",
+    dtype: str = "auto",
+    cuda_graphs: bool = False,
+    cpu_kernels: bool = True,
+):
     from ringserve.gpu_proc.kv_pool import KVPool
     from ringserve.gpu_proc.model.loader import load_model
     from ringserve.gpu_proc.model_runner import ModelRunner
@@ -151,8 +162,9 @@ def _model_runner(model_dir: str, device, max_rows: int, load_format: str = "aut
 
     model = load_model(model_dir, device, dtype, load_format, cpu_kernels=cpu_kernels)
     a = model.args
-    runner = ModelRunner(model, KVPool(a.num_layers, max_rows * 64, a.num_kv_heads, a.head_dim,
-                                       dtype=model.dtype, device=device))
+    runner = ModelRunner(
+        model, KVPool(a.num_layers, max_rows * 64, a.num_kv_heads, a.head_dim, dtype=model.dtype, device=device)
+    )
     warm_up(runner)  # kernels compiled and first-use costs paid outside the timed steps
     if cuda_graphs and device.type == "cuda":
         from ringserve.gpu_proc.cuda_graphs import DecodeGraphs
@@ -171,9 +183,17 @@ def _null_runner(device, max_rows: int, flat: bool = False):
     return ModelRunner(model, KVPool(1, max_rows * 64, 1, 8, device=device))
 
 
-def run(device_name: str, rows_list: list[int], iters: int, model_dir: str | None, warmup: int = 3,
-        load_format: str = "auto", dtype: str = "auto", cuda_graphs: bool = False,
-        reference: bool = False) -> dict:
+def run(
+    device_name: str,
+    rows_list: list[int],
+    iters: int,
+    model_dir: str | None,
+    warmup: int = 3,
+    load_format: str = "auto",
+    dtype: str = "auto",
+    cuda_graphs: bool = False,
+    reference: bool = False,
+) -> dict:
     import torch
 
     if device_name == "cuda" and not torch.cuda.is_available():
@@ -185,8 +205,15 @@ def run(device_name: str, rows_list: list[int], iters: int, model_dir: str | Non
 
         tune_cpu_process(Config().cpu_threads)  # what the GPU process does on the CPU
     max_rows = max(rows_list)
-    report: dict = {"device": device_name, "iters": iters, "rows": rows_list, "goals_ms": GOALS_MS,
-                    "load_format": load_format, "cuda_graphs": cuda_graphs and device.type == "cuda", "models": {}}
+    report: dict = {
+        "device": device_name,
+        "iters": iters,
+        "rows": rows_list,
+        "goals_ms": GOALS_MS,
+        "load_format": load_format,
+        "cuda_graphs": cuda_graphs and device.type == "cuda",
+        "models": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         if model_dir is None:
             from ringserve.tools.make_tiny_model import build_tiny_model
@@ -194,10 +221,8 @@ def run(device_name: str, rows_list: list[int], iters: int, model_dir: str | Non
             model_dir = str(build_tiny_model(tmp))
         runners = {"tiny": _model_runner(model_dir, device, max_rows, load_format, dtype, cuda_graphs)}
         if reference:  # the same model on the torch reference path (CPU kernels off), in the same run
-            runners["tiny_ref"] = _model_runner(model_dir, device, max_rows, load_format, dtype,
-                                                cpu_kernels=False)
-        runners |= {"null": _null_runner(device, max_rows),
-                   "flat": _null_runner(device, max_rows, flat=True)}
+            runners["tiny_ref"] = _model_runner(model_dir, device, max_rows, load_format, dtype, cpu_kernels=False)
+        runners |= {"null": _null_runner(device, max_rows), "flat": _null_runner(device, max_rows, flat=True)}
         for name, runner in runners.items():
             report["models"][name] = {str(r): measure(runner, r, iters, warmup) for r in rows_list}
     for r in rows_list:
@@ -215,18 +240,23 @@ def run(device_name: str, rows_list: list[int], iters: int, model_dir: str | Non
 
 def _table(report: dict) -> str:
     lines = [f"device {report['device']}, median of {report['iters']} steps, ms per step"]
-    lines.append(f"{'model':<6}{'rows':>6}{'prepare':>10}{'forward':>10}{'sample':>10}{'other':>10}"
-                 f"{'host ovh':>10}{'total':>10}")
+    lines.append(
+        f"{'model':<6}{'rows':>6}{'prepare':>10}{'forward':>10}{'sample':>10}{'other':>10}{'host ovh':>10}{'total':>10}"
+    )
     for name, by_rows in report["models"].items():
         for r, m in by_rows.items():
-            lines.append(f"{name:<6}{r:>6}{m['prepare']:>10.3f}{m['forward']:>10.3f}{m['sample']:>10.3f}"
-                         f"{m['other']:>10.3f}{m['host_overhead']:>10.3f}{m['total']:>10.3f}")
+            lines.append(
+                f"{name:<6}{r:>6}{m['prepare']:>10.3f}{m['forward']:>10.3f}{m['sample']:>10.3f}"
+                f"{m['other']:>10.3f}{m['host_overhead']:>10.3f}{m['total']:>10.3f}"
+            )
     for r, goal in GOALS_MS.items():
         if f"host_overhead_ms_{r}" in report:
             got = report[f"host_overhead_ms_{r}"]
             best = report[f"host_overhead_min_ms_{r}"]
-            lines.append(f"host overhead at {r} rows: median {got:.3f} ms, best {best:.3f} ms (goal <= {goal} ms): "
-                         f"{'ok' if got <= goal else 'OVER'}")
+            lines.append(
+                f"host overhead at {r} rows: median {got:.3f} ms, best {best:.3f} ms (goal <= {goal} ms): "
+                f"{'ok' if got <= goal else 'OVER'}"
+            )
     return "\n".join(lines)
 
 
@@ -238,13 +268,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20, help="measured steps per point")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps before each point")
     p.add_argument("--model", default=None, help="checkpoint directory (default: build the tiny model)")
-    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
-                   help="dummy: random weights of --model's shape (no weight files)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="the model's dtype (auto: the checkpoint's; float32 on CPU for half-precision ones)")
+    p.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        default="auto",
+        help="dummy: random weights of --model's shape (no weight files)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="the model's dtype (auto: the checkpoint's; float32 on CPU for half-precision ones)",
+    )
     p.add_argument("--cuda-graphs", choices=("on", "off"), default="off", help="replay decode steps from CUDA graphs")
-    p.add_argument("--reference", action="store_true",
-                   help="also run the model on the torch reference path (CPU kernels off): 'tiny_ref' rows")
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="also run the model on the torch reference path (CPU kernels off): 'tiny_ref' rows",
+    )
     args = p.parse_args(argv)
     try:
         rows = sorted({int(x) for x in args.rows.split(",") if x.strip()})
@@ -252,8 +293,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rows must be comma-separated integers, got {args.rows!r}")
     if not rows or rows[0] <= 0 or args.iters <= 0 or args.warmup < 0:
         p.error("--rows must be positive integers, --iters > 0 and --warmup >= 0")
-    report = run(args.device, rows, args.iters, args.model, args.warmup, args.load_format, args.dtype,
-                 args.cuda_graphs == "on", args.reference)
+    report = run(
+        args.device,
+        rows,
+        args.iters,
+        args.model,
+        args.warmup,
+        args.load_format,
+        args.dtype,
+        args.cuda_graphs == "on",
+        args.reference,
+    )
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0
 

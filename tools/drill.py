@@ -65,6 +65,7 @@ class DrillReport:
 
 # -- finding the server's processes --------------------------------------------------------------
 
+
 def find_instance(shm_dir: str, instance: str | None = None) -> str:
     """The one live instance under `shm_dir` (or check the named one)."""
     live = sorted({s.instance for s in list_segments(shm_dir) if s.part == "control" and s.owner_alive})
@@ -73,8 +74,9 @@ def find_instance(shm_dir: str, instance: str | None = None) -> str:
             raise DrillError(f"no live instance {instance} under {shm_dir} (live: {live or 'none'})")
         return instance
     if len(live) != 1:
-        raise DrillError(f"found {len(live)} live ringserve instances under {shm_dir} ({live}); "
-                         "name one with --instance")
+        raise DrillError(
+            f"found {len(live)} live ringserve instances under {shm_dir} ({live}); name one with --instance"
+        )
     return live[0]
 
 
@@ -97,6 +99,7 @@ async def _wait_workers(control: Control, timeout_s: float) -> None:
 
 # -- the drill -------------------------------------------------------------------------------------
 
+
 def _inject(fault: str, seg: Segment, control: Control) -> int:
     """Send the fault's signal; the pid it went to."""
     if fault in ("kill-gpu", "hang-gpu"):
@@ -111,16 +114,23 @@ def _inject(fault: str, seg: Segment, control: Control) -> int:
     return pid
 
 
-async def run_drill(fault: str, url: str, shm_dir: str, *, streams: int = 8, max_tokens: int = 200,
-                    instance: str | None = None, ready_timeout_s: float = 120.0,
-                    stream_timeout_s: float = 120.0) -> DrillReport:
+async def run_drill(
+    fault: str,
+    url: str,
+    shm_dir: str,
+    *,
+    streams: int = 8,
+    max_tokens: int = 200,
+    instance: str | None = None,
+    ready_timeout_s: float = 120.0,
+    stream_timeout_s: float = 120.0,
+) -> DrillReport:
     """Run one drill against the server at `url` whose shared memory lives in `shm_dir`."""
     if fault not in FAULTS:
         raise DrillError(f"unknown fault {fault!r}; one of {', '.join(FAULTS)}")
     instance = find_instance(shm_dir, instance)
     seg, control = attach_control(shm_dir, instance)
-    body = {"prompt": "drill", "max_tokens": max_tokens, "stream": True, "temperature": 1.0,
-            "ignore_eos": True}
+    body = {"prompt": "drill", "max_tokens": max_tokens, "stream": True, "temperature": 1.0, "ignore_eos": True}
     target: int | None = None
     conn = aiohttp.TCPConnector(limit=streams + 8, force_close=True)
     try:
@@ -130,8 +140,10 @@ async def run_drill(fault: str, url: str, shm_dir: str, *, streams: int = 8, max
             await _wait_workers(control, ready_timeout_s)
             results = [StreamResult() for _ in range(streams)]
             events = [asyncio.Event() for _ in range(streams)]
-            tasks = [asyncio.create_task(stream_completion(session, url, body, r, e, stream_timeout_s))
-                     for r, e in zip(results, events)]
+            tasks = [
+                asyncio.create_task(stream_completion(session, url, body, r, e, stream_timeout_s))
+                for r, e in zip(results, events)
+            ]
             try:
                 async with asyncio.timeout(30):
                     await asyncio.gather(*(e.wait() for e in events))
@@ -142,8 +154,9 @@ async def run_drill(fault: str, url: str, shm_dir: str, *, streams: int = 8, max
             target = _inject(fault, seg, control)
             recovery = None
             if fault != "term":
-                recovery = asyncio.create_task(_recovered(session, url, control, fault, before,
-                                                          t_fault, ready_timeout_s))
+                recovery = asyncio.create_task(
+                    _recovered(session, url, control, fault, before, t_fault, ready_timeout_s)
+                )
             drain_status = await probe_drain(session, url) if fault == "term" else None
             await asyncio.gather(*tasks)
             ready_s = await recovery if recovery is not None else None
@@ -163,8 +176,15 @@ def _generation(fault: str, control: Control) -> int:
     return control.worker_slot(0)["generation"] if fault == "kill-worker" else control.gpu_generation
 
 
-async def _recovered(session: aiohttp.ClientSession, url: str, control: Control, fault: str,
-                     before: int, t_fault: float, timeout_s: float) -> float | None:
+async def _recovered(
+    session: aiohttp.ClientSession,
+    url: str,
+    control: Control,
+    fault: str,
+    before: int,
+    t_fault: float,
+    timeout_s: float,
+) -> float | None:
     """Seconds from the fault until the replacement process serves and /ready says 200."""
     deadline = t_fault + timeout_s
     while time.monotonic() < deadline:
@@ -202,19 +222,36 @@ async def _leaked_segments(shm_dir: str, instance: str, fault: str, supervisor: 
     return sum(1 for s in list_segments(shm_dir) if not owner_alive(s.instance))
 
 
-def _report(fault: str, results: list[StreamResult], t_fault: float, ready_s: float | None,
-            drain_status: int | None, free: int | None, total: int | None, leaked: int) -> DrillReport:
-    count = {k: sum(r.outcome == k for r in results)
-             for k in ("completed", "error_event", "dropped", "rejected", "lost")}
+def _report(
+    fault: str,
+    results: list[StreamResult],
+    t_fault: float,
+    ready_s: float | None,
+    drain_status: int | None,
+    free: int | None,
+    total: int | None,
+    leaked: int,
+) -> DrillReport:
+    count = {
+        k: sum(r.outcome == k for r in results) for k in ("completed", "error_event", "dropped", "rejected", "lost")
+    }
     lat = sorted(r.error_t - t_fault for r in results if r.error_t is not None)
     rep = DrillReport(
-        fault=fault, streams_open=len(results), completed=count["completed"],
-        error_events=count["error_event"], dropped=count["dropped"], rejected=count["rejected"],
+        fault=fault,
+        streams_open=len(results),
+        completed=count["completed"],
+        error_events=count["error_event"],
+        dropped=count["dropped"],
+        rejected=count["rejected"],
         lost=count["lost"] + sum(r.outcome == "open" for r in results),
         error_latency_p50_s=statistics.median(lat) if lat else None,
-        error_latency_max_s=lat[-1] if lat else None, ready_again_s=ready_s,
-        drain_new_request_status=drain_status, kv_blocks_free=free, kv_blocks_total=total,
-        leaked_segments=leaked)
+        error_latency_max_s=lat[-1] if lat else None,
+        ready_again_s=ready_s,
+        drain_new_request_status=drain_status,
+        kv_blocks_free=free,
+        kv_blocks_total=total,
+        leaked_segments=leaked,
+    )
     v = rep.violations
     if rep.lost:
         v.append(f"{rep.lost} requests lost (neither completed nor got an explicit error)")
@@ -240,14 +277,14 @@ def _report(fault: str, results: list[StreamResult], t_fault: float, ready_s: fl
         told = sum(r.outcome == "error_event" and r.error_code == "server_shutdown" for r in results)
         unfinished = rep.streams_open - rep.completed - rep.rejected - told
         if unfinished:
-            v.append(f"{unfinished} streams neither finished during the drain nor got the "
-                     "server_shutdown error event")
+            v.append(f"{unfinished} streams neither finished during the drain nor got the server_shutdown error event")
         if drain_status != 503:
             v.append(f"a new request during the drain got {drain_status}, not 503")
     return rep
 
 
 # -- output ----------------------------------------------------------------------------------------
+
 
 def _fmt(value: object) -> str:
     if value is None:
@@ -259,7 +296,8 @@ def _fmt(value: object) -> str:
 
 def format_table(rep: DrillReport) -> str:
     rows: list[tuple[str, object]] = [
-        ("streams open", rep.streams_open), ("streams completed", rep.completed),
+        ("streams open", rep.streams_open),
+        ("streams completed", rep.completed),
         ("streams with the error event", rep.error_events),
         ("streams dropped (connection closed)", rep.dropped),
         ("refused at admission, before the fault", rep.rejected),
@@ -269,15 +307,21 @@ def format_table(rep: DrillReport) -> str:
     ]
     if rep.fault == "term":
         rows.append(("new request while draining", rep.drain_new_request_status))
-    rows += [("requests lost (must be 0)", rep.lost),
-             ("KV blocks free / total", None if rep.kv_blocks_total is None
-              else f"{rep.kv_blocks_free} / {rep.kv_blocks_total}"),
-             ("leaked shm segments (must be 0)", rep.leaked_segments)]
+    rows += [
+        ("requests lost (must be 0)", rep.lost),
+        (
+            "KV blocks free / total",
+            None if rep.kv_blocks_total is None else f"{rep.kv_blocks_free} / {rep.kv_blocks_total}",
+        ),
+        ("leaked shm segments (must be 0)", rep.leaked_segments),
+    ]
     width = max(len(name) for name, _ in rows)
     lines = [f"drill {rep.fault}", *(f"  {name:<{width}}  {_fmt(val)}" for name, val in rows)]
     if rep.rejected:
-        lines.append(f"  note: {rep.rejected} streams were refused before the fault (queue full): "
-                     "lower --streams or --max-tokens to put them all under the fault")
+        lines.append(
+            f"  note: {rep.rejected} streams were refused before the fault (queue full): "
+            "lower --streams or --max-tokens to put them all under the fault"
+        )
     lines.append("  PASS" if rep.ok else "  FAIL: " + "; ".join(rep.violations))
     return "\n".join(lines)
 
@@ -296,9 +340,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.streams < 1 or args.max_tokens < 1:
         p.error("--streams and --max-tokens must be >= 1")
     try:
-        rep = asyncio.run(run_drill(args.fault, args.url.rstrip("/"), args.shm_dir,
-                                    streams=args.streams, max_tokens=args.max_tokens,
-                                    instance=args.instance, ready_timeout_s=args.ready_timeout))
+        rep = asyncio.run(
+            run_drill(
+                args.fault,
+                args.url.rstrip("/"),
+                args.shm_dir,
+                streams=args.streams,
+                max_tokens=args.max_tokens,
+                instance=args.instance,
+                ready_timeout_s=args.ready_timeout,
+            )
+        )
     except DrillError as exc:
         print(f"ringserve drill: {exc}", file=sys.stderr)
         return 2

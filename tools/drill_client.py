@@ -30,8 +30,9 @@ class StreamResult:
     end_t: float | None = None  # monotonic time the stream ended, however it ended
 
 
-async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict, res: StreamResult,
-                            started: asyncio.Event, timeout_s: float) -> None:
+async def stream_completion(
+    session: aiohttp.ClientSession, url: str, body: dict, res: StreamResult, started: asyncio.Event, timeout_s: float
+) -> None:
     """POST one streaming completion, recording into `res`; `started` is set at the first token
     (or at a refusal). Never raises for anything the server does."""
     try:
@@ -74,12 +75,12 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
         res.end_t = time.monotonic()
 
 
-async def http_status(session: aiohttp.ClientSession, url: str, path: str,
-                      body: dict | None = None) -> int | None:
+async def http_status(session: aiohttp.ClientSession, url: str, path: str, body: dict | None = None) -> int | None:
     """The status of a GET (or, with `body`, a POST) to `path`; None when no answer came."""
     try:
-        async with session.request("POST" if body else "GET", url + path, json=body,
-                                   timeout=aiohttp.ClientTimeout(total=5)) as resp:
+        async with session.request(
+            "POST" if body else "GET", url + path, json=body, timeout=aiohttp.ClientTimeout(total=5)
+        ) as resp:
             await resp.read()
             return resp.status
     except (aiohttp.ClientError, TimeoutError, ConnectionError):

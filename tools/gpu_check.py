@@ -60,8 +60,12 @@ def _last_json(text: str):
 def environment() -> dict:
     import torch
 
-    env: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-           "cuda_available": torch.cuda.is_available()}
+    env: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+    }
     for mod in ("cupy", "transformers", "msgspec"):
         try:
             env[mod] = __import__(mod).__version__
@@ -69,8 +73,12 @@ def environment() -> dict:
             env[mod] = None
     if env["cuda_available"]:
         p = torch.cuda.get_device_properties(0)
-        env.update(device=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
-                   memory_gib=round(p.total_memory / 2**30, 1))
+        env.update(
+            device=p.name,
+            capability=f"{p.major}.{p.minor}",
+            sms=p.multi_processor_count,
+            memory_gib=round(p.total_memory / 2**30, 1),
+        )
     return env
 
 
@@ -78,14 +86,30 @@ def gpu_tests() -> dict:
     if not (REPO / "tests" / "gpu").is_dir():
         return {"status": "skipped", "why": "tests/gpu not found: run gpu-check from a repository checkout"}
     rc, out, s = _run([sys.executable, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider"], 240)
-    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error)", out.splitlines()[-1] if out else "")}
+    counts = {
+        k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error)", out.splitlines()[-1] if out else "")
+    }
     return {"status": "ok" if rc == 0 else "failed", "seconds": round(s, 1), **counts, "tail": out[-3000:]}
 
 
 def kernels() -> dict:
-    cmd = [sys.executable, "-m", "ringserve.tools.bench_kernels", "--json", "--skip-model", "--iters", "10",
-           "--batches", "1,8,32,128", "--contexts", "512,2048,8192", "--kv-heads", "8",
-           "--prefill-tokens", "512,2048,8192"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringserve.tools.bench_kernels",
+        "--json",
+        "--skip-model",
+        "--iters",
+        "10",
+        "--batches",
+        "1,8,32,128",
+        "--contexts",
+        "512,2048,8192",
+        "--kv-heads",
+        "8",
+        "--prefill-tokens",
+        "512,2048,8192",
+    ]
     rc, out, s = _run(cmd, 150)
     if rc != 0:
         return {"status": "failed", "seconds": round(s, 1), "tail": out[-3000:]}
@@ -95,9 +119,26 @@ def kernels() -> dict:
 def step(model_dir: str) -> dict:
     out: dict = {"status": "ok"}
     for graphs in ("off", "on"):
-        cmd = [sys.executable, "-m", "ringserve.tools.bench_step", "--json", "--device", "cuda", "--model", model_dir,
-               "--load-format", "dummy", "--dtype", DTYPE, "--rows", "1,8,32", "--iters", "10",
-               "--cuda-graphs", graphs]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ringserve.tools.bench_step",
+            "--json",
+            "--device",
+            "cuda",
+            "--model",
+            model_dir,
+            "--load-format",
+            "dummy",
+            "--dtype",
+            DTYPE,
+            "--rows",
+            "1,8,32",
+            "--iters",
+            "10",
+            "--cuda-graphs",
+            graphs,
+        ]
         rc, text, s = _run(cmd, 120)
         if rc != 0:
             out["status"] = "failed"
@@ -117,8 +158,10 @@ def _free_port() -> int:
 
 def _trace_file(tmp: str) -> str:
     path = Path(tmp) / "trace.jsonl"
-    lines = [json.dumps({"prompt_tokens": PROMPT_TOKENS[i % len(PROMPT_TOKENS)], "output_tokens": OUTPUT_TOKENS})
-             for i in range(LOAD_REQUESTS)]
+    lines = [
+        json.dumps({"prompt_tokens": PROMPT_TOKENS[i % len(PROMPT_TOKENS)], "output_tokens": OUTPUT_TOKENS})
+        for i in range(LOAD_REQUESTS)
+    ]
     path.write_text("\n".join(lines) + "\n")
     return str(path)
 
@@ -128,10 +171,32 @@ def load_test(model_dir: str, tmp: str) -> dict:
     import urllib.request
 
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "ringserve.cli", "serve", "--model", model_dir, "--load-format",
-                               "dummy", "--dtype", DTYPE, "--port", str(port), "--workers", "2",
-                               "--queue-limit-s", "600", "--max-rows", "64"], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ringserve.cli",
+            "serve",
+            "--model",
+            model_dir,
+            "--load-format",
+            "dummy",
+            "--dtype",
+            DTYPE,
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+            "--queue-limit-s",
+            "600",
+            "--max-rows",
+            "64",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -143,12 +208,31 @@ def load_test(model_dir: str, tmp: str) -> dict:
             except OSError:
                 pass
             if server.poll() is not None or time.monotonic() > deadline:
-                return {"status": "failed", "why": "server did not become ready",
-                        "tail": _output(server) if server.poll() is not None else ""}
+                return {
+                    "status": "failed",
+                    "why": "server did not become ready",
+                    "tail": _output(server) if server.poll() is not None else "",
+                }
             time.sleep(1)
         vocab = "3:1000"
-        cmd = [sys.executable, "-m", "ringserve.tools.loadtest", "--url", url, "--json", "--trace", _trace_file(tmp),
-               "--rates", "1000", "--requests", str(LOAD_REQUESTS), "--vocab", vocab, "--drain-s", "120"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ringserve.tools.loadtest",
+            "--url",
+            url,
+            "--json",
+            "--trace",
+            _trace_file(tmp),
+            "--rates",
+            "1000",
+            "--requests",
+            str(LOAD_REQUESTS),
+            "--vocab",
+            vocab,
+            "--drain-s",
+            "120",
+        ]
         rc, out, s = _run(cmd, 200)
         if rc != 0:
             return {"status": "failed", "tail": out[-3000:]}
@@ -187,12 +271,15 @@ def _hf_only(model_dir: str) -> dict:
         hf = LlamaForCausalLM(config)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     if [k for k in missing if not k.endswith("inv_freq")] or unexpected:
-        raise RuntimeError(f"weights do not map onto transformers' Llama: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise RuntimeError(
+            f"weights do not map onto transformers' Llama: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     hf.eval()
     del state
     prompts = [prompt_ids_for(i, PROMPT_TOKENS[i % len(PROMPT_TOKENS)], (3, 1000)) for i in range(LOAD_REQUESTS)]
-    gen = GenerationConfig(max_new_tokens=OUTPUT_TOKENS, min_new_tokens=OUTPUT_TOKENS, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
+    gen = GenerationConfig(
+        max_new_tokens=OUTPUT_TOKENS, min_new_tokens=OUTPUT_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     method, tokens, note = None, 0, None
@@ -210,7 +297,7 @@ def _hf_only(model_dir: str) -> dict:
         method = "generate (static batches of 32, left-padded)"
         tokens = 0
         for i in range(0, len(prompts), 32):
-            batch = prompts[i:i + 32]
+            batch = prompts[i : i + 32]
             width = max(len(p) for p in batch)
             ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device="cuda")
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device="cuda")
@@ -219,8 +306,14 @@ def _hf_only(model_dir: str) -> dict:
             tokens += (out.shape[1] - width) * len(batch)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    return {"method": method, "note": note, "requests": len(prompts), "output_tokens": tokens,
-            "wall_s": round(wall, 2), "output_tok_s": round(tokens / wall, 1)}
+    return {
+        "method": method,
+        "note": note,
+        "requests": len(prompts),
+        "output_tokens": tokens,
+        "wall_s": round(wall, 2),
+        "output_tok_s": round(tokens / wall, 1),
+    }
 
 
 def resources() -> dict:
@@ -241,19 +334,27 @@ def _table(report: dict) -> str:
         lines.append(f"  {name:<12} {sec.get('status', '?'):<8} {sec.get('why', '')}")
     k = report["sections"].get("kernels", {})
     for r in k.get("decode_attention", []):
-        lines.append(f"    decode b{r['batch']:<4} ctx {r['ctx']:<5} {r['gbps']:>7.0f} GB/s  {r.get('pct_peak') or 0:>5.1f} % peak")
+        lines.append(
+            f"    decode b{r['batch']:<4} ctx {r['ctx']:<5} {r['gbps']:>7.0f} GB/s  {r.get('pct_peak') or 0:>5.1f} % peak"
+        )
     for r in k.get("prefill_attention", []):
-        lines.append(f"    prefill {r['tokens']:<5} tokens {r['tflops']:>6.0f} TFLOP/s {r.get('pct_peak') or 0:>5.1f} % peak")
+        lines.append(
+            f"    prefill {r['tokens']:<5} tokens {r['tflops']:>6.0f} TFLOP/s {r.get('pct_peak') or 0:>5.1f} % peak"
+        )
     st = report["sections"].get("step", {})
     for rows in ("1", "8", "32"):
         off, on = st.get("graphs_off", {}).get(rows), st.get("graphs_on", {}).get(rows)
         if off and on:
-            lines.append(f"    step {rows:>2} rows: forward {off['forward']:.2f} ms eager, {on['forward']:.2f} ms graphs")
+            lines.append(
+                f"    step {rows:>2} rows: forward {off['forward']:.2f} ms eager, {on['forward']:.2f} ms graphs"
+            )
     lt, hf = report["sections"].get("load", {}), report["sections"].get("hf", {})
     if lt.get("rates") and hf.get("output_tok_s"):
         ours = lt["rates"][0].get("output_tok_s", 0.0)
-        lines.append(f"    throughput: ringserve {ours:.0f} tok/s, transformers {hf['output_tok_s']:.0f} tok/s "
-                     f"({hf['method']}): {ours / hf['output_tok_s']:.2f}x")
+        lines.append(
+            f"    throughput: ringserve {ours:.0f} tok/s, transformers {hf['output_tok_s']:.0f} tok/s "
+            f"({hf['method']}): {ours / hf['output_tok_s']:.2f}x"
+        )
     return "\n".join(lines)
 
 
@@ -290,8 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(report))
     print(f"wrote {out} in {report['seconds']:.0f} s")
     if not report["env"]["cuda_available"]:
-        print("ringserve gpu-check: no CUDA device (torch.cuda.is_available() is False): the GPU sections did not run",
-              file=sys.stderr)
+        print(
+            "ringserve gpu-check: no CUDA device (torch.cuda.is_available() is False): the GPU sections did not run",
+            file=sys.stderr,
+        )
         return 2
     return 0 if all(s.get("status") in ("ok", "skipped") for s in sections.values()) else 1
 

@@ -55,8 +55,15 @@ def load_hf_model(model_dir: str):
     return model
 
 
-def run_hf(model, trace: list[TraceRequest], arrivals: list[float], *, batch: int,
-           vocab: tuple[int, int] = (3, 1000), pad_token_id: int = 0) -> ReplayResult:
+def run_hf(
+    model,
+    trace: list[TraceRequest],
+    arrivals: list[float],
+    *,
+    batch: int,
+    vocab: tuple[int, int] = (3, 1000),
+    pad_token_id: int = 0,
+) -> ReplayResult:
     """Static batches through `model.generate` on a virtual clock (see the module doc)."""
     import torch
 
@@ -68,7 +75,7 @@ def run_hf(model, trace: list[TraceRequest], arrivals: list[float], *, batch: in
     now, k, steps, rows_total, tokens = 0.0, 0, 0, 0, 0
     while k < len(order):
         # Static batching: wait for a full batch, or for the last arrival when fewer remain.
-        members = order[k:k + batch]
+        members = order[k : k + batch]
         now = max(now, arrivals[members[-1]])
         k += len(members)
         prompts = [prompt_ids_for(i, trace[i].prompt_tokens, vocab) for i in members]
@@ -79,12 +86,20 @@ def run_hf(model, trace: list[TraceRequest], arrivals: list[float], *, batch: in
         clock = _StepClock()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                                 do_sample=False, pad_token_id=pad_token_id, streamer=clock)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=pad_token_id,
+                streamer=clock,
+            )
         elapsed = time.perf_counter() - t0
         if out.shape[1] - width != longest or len(clock.times) != longest:
-            raise RuntimeError(f"generate made {out.shape[1] - width} tokens ({len(clock.times)} steps), "
-                               f"asked for {longest}")
+            raise RuntimeError(
+                f"generate made {out.shape[1] - width} tokens ({len(clock.times)} steps), asked for {longest}"
+            )
         stamps = [now + (t - t0) for t in clock.times]  # virtual time of each step's tokens
         for i in members:
             want = trace[i].output_tokens
@@ -98,13 +113,29 @@ def run_hf(model, trace: list[TraceRequest], arrivals: list[float], *, batch: in
         steps += longest
         rows_total += longest * len(members)
     start = min(arrivals) if arrivals else 0.0
-    return ReplayResult(name=f"hf-static-{batch}", ttft_s=ttft, tpot_s=tpot, max_gap_s=gaps, output_tokens=tokens,
-                        makespan_s=max(done_at, default=start) - start, steps=steps, preemptions=0,
-                        rows_per_step=rows_total / max(steps, 1))
+    return ReplayResult(
+        name=f"hf-static-{batch}",
+        ttft_s=ttft,
+        tpot_s=tpot,
+        max_gap_s=gaps,
+        output_tokens=tokens,
+        makespan_s=max(done_at, default=start) - start,
+        steps=steps,
+        preemptions=0,
+        rows_per_step=rows_total / max(steps, 1),
+    )
 
 
-def compare(model_dir: str, trace: list[TraceRequest], arrivals: list[float], *, batch: int, chunk: int,
-            num_blocks: int = 4096, threads: int = 1) -> dict:
+def compare(
+    model_dir: str,
+    trace: list[TraceRequest],
+    arrivals: list[float],
+    *,
+    batch: int,
+    chunk: int,
+    num_blocks: int = 4096,
+    threads: int = 1,
+) -> dict:
     """Both systems on the same trace in this process; returns both summaries and the ratios."""
     import torch
 
@@ -114,28 +145,42 @@ def compare(model_dir: str, trace: list[TraceRequest], arrivals: list[float], *,
     from .batchers import ContinuousPolicy
 
     torch.set_num_threads(threads)  # HF's generate below runs with the same thread count
-    engine = build_engine(Config(device="cpu", dtype="float32", num_blocks=num_blocks, cpu_threads=threads),
-                          model_dir)
+    engine = build_engine(Config(device="cpu", dtype="float32", num_blocks=num_blocks, cpu_threads=threads), model_dir)
     vocab = (3, min(engine.vocab_size, 1000))
-    ours = replay(ContinuousPolicy(max_rows=batch, prefill_budget=chunk, num_blocks=num_blocks), trace, arrivals,
-                  EngineExecutor(engine), vocab=vocab).summary()
+    ours = replay(
+        ContinuousPolicy(max_rows=batch, prefill_budget=chunk, num_blocks=num_blocks),
+        trace,
+        arrivals,
+        EngineExecutor(engine),
+        vocab=vocab,
+    ).summary()
     hf = run_hf(load_hf_model(model_dir), trace, arrivals, batch=batch, vocab=vocab).summary()
     ours["name"] = f"ringserve chunked rows={batch} chunk={chunk}"
     ratio = ours["throughput_tok_s"] / hf["throughput_tok_s"] if hf["throughput_tok_s"] else float("inf")
-    return {"ringserve": ours, "hf": hf, "throughput_ratio": ratio,
-            "goal_met": ratio >= 3.0 and ours["tpot_p95_ms"] <= hf["tpot_p95_ms"]}
+    return {
+        "ringserve": ours,
+        "hf": hf,
+        "throughput_ratio": ratio,
+        "goal_met": ratio >= 3.0 and ours["tpot_p95_ms"] <= hf["tpot_p95_ms"],
+    }
 
 
 def markdown(result: dict) -> str:
-    lines = ["| system | tok/s | p50 TTFT ms | p95 TTFT ms | p50 TPOT ms | p95 TPOT ms | rows/step |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| system | tok/s | p50 TTFT ms | p95 TTFT ms | p50 TPOT ms | p95 TPOT ms | rows/step |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for key in ("ringserve", "hf"):
         r = result[key]
-        lines.append(f"| {r['name']} | {r['throughput_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} "
-                     f"| {r['tpot_p50_ms']:.1f} | {r['tpot_p95_ms']:.1f} | {r['rows_per_step']:.1f} |")
+        lines.append(
+            f"| {r['name']} | {r['throughput_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} "
+            f"| {r['tpot_p50_ms']:.1f} | {r['tpot_p95_ms']:.1f} | {r['rows_per_step']:.1f} |"
+        )
     lines.append("")
-    lines.append(f"Throughput ratio ringserve / HF: {result['throughput_ratio']:.2f}x; goal (>= 3x at equal or "
-                 f"lower p95 TPOT) {'met' if result['goal_met'] else 'NOT met'}.")
+    lines.append(
+        f"Throughput ratio ringserve / HF: {result['throughput_ratio']:.2f}x; goal (>= 3x at equal or "
+        f"lower p95 TPOT) {'met' if result['goal_met'] else 'NOT met'}."
+    )
     return "\n".join(lines)
 
 
@@ -143,8 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ringserve.tools.hf_baseline", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", help="checkpoint directory (default: build the tiny model)")
     p.add_argument("--requests", type=int, default=192)
-    p.add_argument("--rate", type=float, default=float("inf"),
-                   help="Poisson arrival rate, req/s (default inf: a burst, which measures capacity)")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrival rate, req/s (default inf: a burst, which measures capacity)",
+    )
     p.add_argument("--scale", type=float, default=0.1, help="output length factor (CPU)")
     p.add_argument("--prompt-scale", type=float, default=0.02, help="prompt length factor (CPU; see bench sched)")
     p.add_argument("--trace", help="JSONL trace instead of the built-in mix")
@@ -162,15 +211,22 @@ def main(argv: list[str] | None = None) -> int:
     base = read_jsonl(args.trace) if args.trace else builtin_mix(args.requests, seed=args.seed)
     trace = scaled(base, args.scale, args.prompt_scale)
     arrivals = poisson_arrivals(len(trace), args.rate, seed=args.seed)
-    print(f"trace: {describe(trace)} at {args.rate} req/s (outputs x{args.scale}, prompts x{args.prompt_scale})",
-          file=sys.stderr)
+    print(
+        f"trace: {describe(trace)} at {args.rate} req/s (outputs x{args.scale}, prompts x{args.prompt_scale})",
+        file=sys.stderr,
+    )
     result = compare(model_dir, trace, arrivals, batch=args.batch, chunk=args.chunk, threads=args.threads)
-    result |= {"trace": describe(trace), "rate": args.rate, "scale": args.scale, "prompt_scale": args.prompt_scale,
-               "model_dir": model_dir, "threads": args.threads}
+    result |= {
+        "trace": describe(trace),
+        "rate": args.rate,
+        "scale": args.scale,
+        "prompt_scale": args.prompt_scale,
+        "model_dir": model_dir,
+        "threads": args.threads,
+    }
     print(json.dumps(result, indent=2) if args.json else markdown(result))
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
-

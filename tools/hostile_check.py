@@ -50,8 +50,20 @@ class Server:
         for f in self.dir.iterdir():
             if f.name.startswith("ringserve."):
                 f.unlink()
-        self.args = [sys.executable, "-m", "ringserve", "serve", "--model", MODEL, "--port", str(self.port),
-                     "--shm-dir", str(self.dir), "--workers", str(workers)]
+        self.args = [
+            sys.executable,
+            "-m",
+            "ringserve",
+            "serve",
+            "--model",
+            MODEL,
+            "--port",
+            str(self.port),
+            "--shm-dir",
+            str(self.dir),
+            "--workers",
+            str(workers),
+        ]
         for k, v in opts.items():
             flag = "--" + k.replace("_", "-")
             if flag in HELP:
@@ -64,8 +76,8 @@ class Server:
             os.setsid()
             if self.rlimit:
                 resource.setrlimit(resource.RLIMIT_NOFILE, self.rlimit)
-        self.proc = subprocess.Popen(self.args, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT,
-                                     preexec_fn=pre)
+
+        self.proc = subprocess.Popen(self.args, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, preexec_fn=pre)
         if wait:
             self.wait_ready()
         return self
@@ -107,7 +119,11 @@ def request(port, body, headers=None, timeout=60, raw_body=None, path="/v1/compl
     """(status, content-type, body bytes, headers) or ('error', repr)."""
     try:
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-        data = raw_body if raw_body is not None else (json.dumps(body, separators=(",", ":")).encode() if body is not None else None)
+        data = (
+            raw_body
+            if raw_body is not None
+            else (json.dumps(body, separators=(",", ":")).encode() if body is not None else None)
+        )
         h = {"content-type": "application/json"}
         h.update(headers or {})
         c.putrequest(method, path, skip_accept_encoding=True)
@@ -151,6 +167,7 @@ def case_prompt():
 
         def send():
             statuses.append(request(srv.port, {"prompt": text, "max_tokens": 4}, timeout=60)[0])
+
         for _ in range(2):
             ts = [threading.Thread(target=send) for _ in range(4)]
             [t.start() for t in ts]
@@ -161,7 +178,11 @@ def case_prompt():
         th.join()
         out("1 prompt", "8 x 3.9 MB prompts (4 at a time): statuses", sorted(map(str, statuses)))
         out("1 prompt", "  time for all 8", f"{took:.1f} s")
-        out("1 prompt", "  /health max latency while in flight", f"{max(latency for latency, _ in lat):.2f} s ({len(lat)} probes)")
+        out(
+            "1 prompt",
+            "  /health max latency while in flight",
+            f"{max(latency for latency, _ in lat):.2f} s ({len(lat)} probes)",
+        )
         out("1 prompt", "  worker restarts (slot generation change)", ctl.worker_slot(0)["generation"] - gen0)
     finally:
         srv.stop()
@@ -176,9 +197,13 @@ def case_http():
         out("9 http", "JSON nested 5,000 deep", f"{r[0]} {r[1]}")
         s = socket.create_connection(("127.0.0.1", srv.port))
         body = b'{"prompt": "hi", "max_tokens": 2}'
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Authorization: Bearer \xff\xfe\xe9t\xe9\r\nContent-Length: " + str(len(body)).encode()
-                  + b"\r\nConnection: close\r\n\r\n" + body)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer \xff\xfe\xe9t\xe9\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\nConnection: close\r\n\r\n"
+            + body
+        )
         resp = b""
         while chunk := s.recv(65536):
             resp += chunk
@@ -199,7 +224,11 @@ def case_http():
         head, _, rest = resp.partition(b"\r\n\r\n")
         lines = head.decode(errors="replace").splitlines()
         ctype = next((line for line in lines if line.lower().startswith("content-type")), "")
-        out("9 http", "malformed header line (aiohttp's own 400)", f"{lines[0] if lines else resp!r} {ctype} {rest[:60]!r}")
+        out(
+            "9 http",
+            "malformed header line (aiohttp's own 400)",
+            f"{lines[0] if lines else resp!r} {ctype} {rest[:60]!r}",
+        )
     finally:
         srv.stop()
 
@@ -227,15 +256,29 @@ def case_stops():
         res = {}
 
         def hog():
-            res["hog"] = request(srv.port, {"prompt": "hi", "max_tokens": 400, "n": 16, "ignore_eos": True,
-                                            "stop_token_ids": list(range(3000, 203_000))}, timeout=300)[0]
+            res["hog"] = request(
+                srv.port,
+                {
+                    "prompt": "hi",
+                    "max_tokens": 400,
+                    "n": 16,
+                    "ignore_eos": True,
+                    "stop_token_ids": list(range(3000, 203_000)),
+                },
+                timeout=300,
+            )[0]
+
         th = threading.Thread(target=hog)
         th.start()
         time.sleep(1.5)
         loaded = tpot_probe(srv.port)
         th.join()
         out("4 stops", "200k stop_token_ids, n=16: status", res["hog"])
-        out("4 stops", "other tenant's ms per token (48-token request) alone -> beside it", f"{base:.1f} -> {loaded:.1f}" if loaded else loaded)
+        out(
+            "4 stops",
+            "other tenant's ms per token (48-token request) alone -> beside it",
+            f"{base:.1f} -> {loaded:.1f}" if loaded else loaded,
+        )
     finally:
         srv.stop()
 
@@ -266,8 +309,15 @@ def case_ids():
             return
         statuses = []
         for _ in range(12):
-            statuses.append(request(srv.port, None, method="DELETE", path="/v1/requests/shared-id",
-                                    headers={"authorization": "Bearer tenant-a"})[0])
+            statuses.append(
+                request(
+                    srv.port,
+                    None,
+                    method="DELETE",
+                    path="/v1/requests/shared-id",
+                    headers={"authorization": "Bearer tenant-a"},
+                )[0]
+            )
         out("6 ids", "A's DELETE x12 while B holds the same id elsewhere", statuses)
         a[0].close()
         b[0].close()
@@ -292,6 +342,7 @@ def case_disconnects():
                         break
             c.sock.shutdown(socket.SHUT_RDWR)
             c.close()
+
         ts = [threading.Thread(target=one) for _ in range(n)]
         [t.start() for t in ts]
         [t.join() for t in ts]
@@ -329,7 +380,7 @@ def case_slowloris():
         while time.monotonic() - t0 < 12:
             for s in drip:
                 try:
-                    s.send(line[i:i + 1] if i < len(line) else b"a")
+                    s.send(line[i : i + 1] if i < len(line) else b"a")
                 except OSError:
                     pass
             i += 1
@@ -359,9 +410,15 @@ def case_fdlimit():
         probes = [request(srv.port, None, method="GET", path="/health", timeout=5)[0] for _ in range(5)]
         out("3 fdlimit", "RLIMIT_NOFILE 256, 400 idle conns: 5 /health probes", probes)
         log = srv.log.read_text(errors="replace")
-        out("3 fdlimit", "  log lines about refused/closed connections",
-            sum(1 for line in log.splitlines()
-                if "connection" in line.lower() and ("refus" in line.lower() or "clos" in line.lower())))
+        out(
+            "3 fdlimit",
+            "  log lines about refused/closed connections",
+            sum(
+                1
+                for line in log.splitlines()
+                if "connection" in line.lower() and ("refus" in line.lower() or "clos" in line.lower())
+            ),
+        )
         for s in socks:
             s.close()
     finally:
@@ -376,8 +433,12 @@ def case_slowread():
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.connect(("127.0.0.1", srv.port))
         body = json.dumps({"prompt": "hi", "max_tokens": 1000, "n": 16, "ignore_eos": True, "logprobs": 20}).encode()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
-                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
         t0 = time.monotonic()
         closed = None
         while time.monotonic() - t0 < 90:
@@ -385,8 +446,11 @@ def case_slowread():
                 closed = time.monotonic() - t0
                 break
             time.sleep(0.25)
-        out("5 slowread", "non-streaming client reading nothing: closed after (slow_reader_s 3)",
-            f"{closed:.1f} s" if closed else "still open after 90 s")
+        out(
+            "5 slowread",
+            "non-streaming client reading nothing: closed after (slow_reader_s 3)",
+            f"{closed:.1f} s" if closed else "still open after 90 s",
+        )
         s.close()
     finally:
         srv.stop()
@@ -403,8 +467,12 @@ def case_second():
         t0 = time.monotonic()
         try:
             b.proc.wait(30)
-            out("7 second", "second serve on the same port", f"exited {b.proc.returncode} after {time.monotonic() - t0:.1f} s: "
-                + (b.log.read_text().strip().splitlines() or ['?'])[-1][-140:])
+            out(
+                "7 second",
+                "second serve on the same port",
+                f"exited {b.proc.returncode} after {time.monotonic() - t0:.1f} s: "
+                + (b.log.read_text().strip().splitlines() or ["?"])[-1][-140:],
+            )
         except subprocess.TimeoutExpired:
             try:
                 ctl = b.control()
@@ -443,6 +511,7 @@ def case_giveup():
         def send(stream):
             r = request(srv.port, {"prompt": "hi", "max_tokens": 4, "stream": stream}, timeout=60)
             results.append((r[0], r[2][-160:] if r[0] != "error" else r[1]))
+
         ts = [threading.Thread(target=send, args=(i % 2 == 0,)) for i in range(6)]
         [t.start() for t in ts]
         time.sleep(1)
@@ -452,7 +521,11 @@ def case_giveup():
         [t.join() for t in ts]
         srv.proc.wait(30)
         explicit = sum(1 for st, b in results if st != "error" and b'"code"' in b)
-        out("2 giveup", "6 held requests at give-up: explicit error answers", f"{explicit} of 6; {sorted(str(s) for s, _ in results)}")
+        out(
+            "2 giveup",
+            "6 held requests at give-up: explicit error answers",
+            f"{explicit} of 6; {sorted(str(s) for s, _ in results)}",
+        )
         out("2 giveup", "  supervisor exit status", srv.proc.returncode)
     finally:
         srv.stop()
@@ -493,32 +566,44 @@ def case_loadhang():
                 break
             time.sleep(0.01)
         ready = srv.wait_ready(40)
-        out("8 loadhang", "GPU process SIGSTOPped while loading: ready again after",
-            f"{ready:.1f} s" if ready else "not within 40 s")
+        out(
+            "8 loadhang",
+            "GPU process SIGSTOPped while loading: ready again after",
+            f"{ready:.1f} s" if ready else "not within 40 s",
+        )
     finally:
         srv.stop()
 
 
-CASES = {"prompt": case_prompt, "http": case_http, "stops": case_stops, "ids": case_ids,
-         "disconnects": case_disconnects, "slowloris": case_slowloris, "fdlimit": case_fdlimit,
-         "slowread": case_slowread, "second": case_second, "giveup": case_giveup,
-         "crashloop": case_crashloop, "loadhang": case_loadhang}
+CASES = {
+    "prompt": case_prompt,
+    "http": case_http,
+    "stops": case_stops,
+    "ids": case_ids,
+    "disconnects": case_disconnects,
+    "slowloris": case_slowloris,
+    "fdlimit": case_fdlimit,
+    "slowread": case_slowread,
+    "second": case_second,
+    "giveup": case_giveup,
+    "crashloop": case_crashloop,
+    "loadhang": case_loadhang,
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import tempfile
 
     global MODEL, HELP, WORK
-    p = argparse.ArgumentParser(prog="python -m ringserve.tools.hostile_check",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ringserve.tools.hostile_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint directory (default: the tiny model, built here)")
     p.add_argument("cases", nargs="*", help=f"cases to run (default: all): {', '.join(CASES)}")
     args = p.parse_args(argv)
     unknown = [c for c in args.cases if c not in CASES]
     if unknown:
         p.error(f"unknown cases {unknown}; choose from {', '.join(CASES)}")
-    HELP = subprocess.run([sys.executable, "-m", "ringserve", "serve", "--help"], capture_output=True,
-                          text=True).stdout
+    HELP = subprocess.run([sys.executable, "-m", "ringserve", "serve", "--help"], capture_output=True, text=True).stdout
     with tempfile.TemporaryDirectory(prefix="ringserve-hostile-") as tmp:
         WORK = Path(tmp)
         if args.model:
@@ -527,8 +612,7 @@ def main(argv: list[str] | None = None) -> int:
             from ringserve.tools.make_tiny_model import build_tiny_model
 
             MODEL = str(build_tiny_model(WORK / "tiny"))
-        print(f"build: {'with' if '--header-timeout-s' in HELP else 'without'} the issue-15 limits",
-              flush=True)
+        print(f"build: {'with' if '--header-timeout-s' in HELP else 'without'} the issue-15 limits", flush=True)
         for name in args.cases or CASES:
             try:
                 CASES[name]()

@@ -44,8 +44,10 @@ def instantiated_source() -> str:
     """kernel_source() plus a host-side table of every entry point's address: nvcc instantiates
     each template it names, as NVRTC does for a name expression."""
     table = ",\n".join(f"    (void*)&{name}" for name in cupy_backend.entry_points())
-    return (cupy_backend.kernel_source() + "\nextern void* const rs_instances[];\n"
-            f"void* const rs_instances[] = {{\n{table}\n}};\n")
+    return (
+        cupy_backend.kernel_source() + "\nextern void* const rs_instances[];\n"
+        f"void* const rs_instances[] = {{\n{table}\n}};\n"
+    )
 
 
 def nvcc_path() -> str | None:
@@ -95,8 +97,22 @@ def measure(arch: str = "sm_90") -> list[KernelResources]:
         src = Path(tmp) / "attention.cu"
         src.write_text(instantiated_source())
         cubin = Path(tmp) / "attention.cubin"
-        proc = subprocess.run([nvcc, "-cubin", f"-arch={arch}", *NVRTC_OPTIONS, *CUPY_ADDED_OPTIONS, "-Xptxas", "-v",
-                               "-o", str(cubin), str(src)], capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                nvcc,
+                "-cubin",
+                f"-arch={arch}",
+                *NVRTC_OPTIONS,
+                *CUPY_ADDED_OPTIONS,
+                "-Xptxas",
+                "-v",
+                "-o",
+                str(cubin),
+                str(src),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr)
         sass = _sass_counts(cubin)
@@ -124,8 +140,20 @@ def measure(arch: str = "sm_90") -> list[KernelResources]:
         threads = _threads(name)
         ctas = resident_ctas(r["registers"], r["shared_bytes"], threads)
         hmma, ldg = sass.get(mangled, (None, None))
-        out.append(KernelResources(name, r["registers"], r["spill_stores"], r["spill_loads"], r["shared_bytes"], threads,
-                                   ctas, round(100 * ctas * -(-threads // 32) / 64, 1), hmma, ldg))
+        out.append(
+            KernelResources(
+                name,
+                r["registers"],
+                r["spill_stores"],
+                r["spill_loads"],
+                r["shared_bytes"],
+                threads,
+                ctas,
+                round(100 * ctas * -(-threads // 32) / 64, 1),
+                hmma,
+                ldg,
+            )
+        )
     return sorted(out, key=lambda k: k.name)
 
 
@@ -142,11 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps([asdict(r) for r in rows]))
         return 0
-    print(f"{'kernel':<40} {'regs':>4} {'spill':>9} {'smem':>6} {'thr':>4} {'CTA/SM':>6} {'occ%':>5} {'HMMA':>5} {'LDG':>4}")
+    print(
+        f"{'kernel':<40} {'regs':>4} {'spill':>9} {'smem':>6} {'thr':>4} {'CTA/SM':>6} {'occ%':>5} {'HMMA':>5} {'LDG':>4}"
+    )
     for r in rows:
         spill = f"{r.spill_stores}/{r.spill_loads}"
-        print(f"{r.name:<40} {r.registers:>4} {spill:>9} {r.shared_bytes:>6} {r.threads:>4} {r.ctas_per_sm:>6} "
-              f"{r.occupancy_pct:>5} {'-' if r.hmma is None else r.hmma:>5} {'-' if r.ldg is None else r.ldg:>4}")
+        print(
+            f"{r.name:<40} {r.registers:>4} {spill:>9} {r.shared_bytes:>6} {r.threads:>4} {r.ctas_per_sm:>6} "
+            f"{r.occupancy_pct:>5} {'-' if r.hmma is None else r.hmma:>5} {'-' if r.ldg is None else r.ldg:>4}"
+        )
     return 0
 
 

@@ -57,9 +57,17 @@ def _pcts(xs: list[float], scale: float = 1e3) -> dict[str, float]:
     return {f"p{q}": scale * percentile(xs, q) for q in PCTS}
 
 
-def summarize_rate(rate: float, records: list[RequestRecord], *, ttft_target_ms: float, tpot_target_ms: float,
-                   wall_s: float, before: dict[str, float], after: dict[str, float],
-                   samples: list[dict[str, float]]) -> dict:
+def summarize_rate(
+    rate: float,
+    records: list[RequestRecord],
+    *,
+    ttft_target_ms: float,
+    tpot_target_ms: float,
+    wall_s: float,
+    before: dict[str, float],
+    after: dict[str, float],
+    samples: list[dict[str, float]],
+) -> dict:
     """One rate's row: latency percentiles (ms), counts, attainment and server-side figures."""
     ok = [r for r in records if r.ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -79,15 +87,24 @@ def summarize_rate(rate: float, records: list[RequestRecord], *, ttft_target_ms:
 
     rows, kv = series("running_rows"), series("kv_usage")
     return {
-        "rate": rate, "sent": len(records), "ok": len(ok),
+        "rate": rate,
+        "sent": len(records),
+        "ok": len(ok),
         "rejected_429": sum(r.status == 429 for r in records),
         "errors": sum(not r.ok and r.status != 429 for r in records),
-        "ttft_ms": _pcts(ttft), "tpot_ms": _pcts(tpot), "max_gap_ms": _pcts(gap), "queue_ms": _pcts(queue),
+        "ttft_ms": _pcts(ttft),
+        "tpot_ms": _pcts(tpot),
+        "max_gap_ms": _pcts(gap),
+        "queue_ms": _pcts(queue),
         "attainment": met / len(records) if records else 0.0,
-        "output_tok_s": tokens / wall_s if wall_s > 0 else 0.0, "wall_s": wall_s,
-        "rows_per_step_mean": sum(rows) / len(rows) if rows else None, "rows_per_step_max": max(rows, default=None),
-        "kv_use_mean": sum(kv) / len(kv) if kv else None, "kv_use_max": max(kv, default=None),
-        "preemptions": delta("preemptions"), "server_429": delta("rejected_429"),
+        "output_tok_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "wall_s": wall_s,
+        "rows_per_step_mean": sum(rows) / len(rows) if rows else None,
+        "rows_per_step_max": max(rows, default=None),
+        "kv_use_mean": sum(kv) / len(kv) if kv else None,
+        "kv_use_max": max(kv, default=None),
+        "preemptions": delta("preemptions"),
+        "server_429": delta("rejected_429"),
     }
 
 
@@ -102,9 +119,11 @@ def _f(x, fmt: str = ".0f") -> str:
 
 
 def markdown(rows: list[dict], *, ttft_target_ms: float, tpot_target_ms: float) -> str:
-    head = ("| req/s | sent | ok | 429 | err | TTFT p50/p95/p99 ms | TPOT p50/p95/p99 ms | max gap p50/p95/p99 ms "
-            "| queue p50/p95/p99 ms | rows/step mean (max) | KV use max | preempt | tok/s | met both |\n"
-            "|---:|---:|---:|---:|---:|---|---|---|---|---|---:|---:|---:|---:|")
+    head = (
+        "| req/s | sent | ok | 429 | err | TTFT p50/p95/p99 ms | TPOT p50/p95/p99 ms | max gap p50/p95/p99 ms "
+        "| queue p50/p95/p99 ms | rows/step mean (max) | KV use max | preempt | tok/s | met both |\n"
+        "|---:|---:|---:|---:|---:|---|---|---|---|---|---:|---:|---:|---:|"
+    )
     lines = [head]
     for r in rows:
         trip = lambda d, fmt=".0f": "/".join(_f(d[f"p{q}"], fmt) for q in PCTS)  # noqa: E731
@@ -114,17 +133,21 @@ def markdown(rows: list[dict], *, ttft_target_ms: float, tpot_target_ms: float) 
             f"| {trip(r['tpot_ms'], '.1f')} | {trip(r['max_gap_ms'])} | {trip(r['queue_ms'])} "
             f"| {_f(r['rows_per_step_mean'], '.1f')} ({_f(r['rows_per_step_max'])}) "
             f"| {_f(None if kv is None else 100 * kv, '.0f')}{'' if kv is None else ' %'} "
-            f"| {_f(r['preemptions'])} | {r['output_tok_s']:.1f} | {100 * r['attainment']:.0f} % |")
+            f"| {_f(r['preemptions'])} | {r['output_tok_s']:.1f} | {100 * r['attainment']:.0f} % |"
+        )
     g = goodput(rows)
     lines.append("")
-    lines.append(f"Goodput (highest rate with >= {100 * GOODPUT_FRACTION:.0f} % of requests at TTFT <= "
-                 f"{ttft_target_ms:g} ms and TPOT <= {tpot_target_ms:g} ms): "
-                 + ("none of the rates" if g is None else f"{g:g} req/s"))
+    lines.append(
+        f"Goodput (highest rate with >= {100 * GOODPUT_FRACTION:.0f} % of requests at TTFT <= "
+        f"{ttft_target_ms:g} ms and TPOT <= {tpot_target_ms:g} ms): "
+        + ("none of the rates" if g is None else f"{g:g} req/s")
+    )
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], directory: str, *, ttft_target_ms: float, tpot_target_ms: float,
-         title: str = "") -> list[str]:
+def plot(
+    rows: list[dict], directory: str, *, ttft_target_ms: float, tpot_target_ms: float, title: str = ""
+) -> list[str]:
     """Latency percentiles against rate (one panel per metric) and attainment against rate."""
     import os
 
@@ -136,8 +159,12 @@ def plot(rows: list[dict], directory: str, *, ttft_target_ms: float, tpot_target
     os.makedirs(directory, exist_ok=True)
     rates = [r["rate"] for r in rows]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    panels = (("ttft_ms", "TTFT", ttft_target_ms), ("tpot_ms", "TPOT", tpot_target_ms),
-              ("max_gap_ms", "longest gap between tokens", None), ("queue_ms", "queue wait", None))
+    panels = (
+        ("ttft_ms", "TTFT", ttft_target_ms),
+        ("tpot_ms", "TPOT", tpot_target_ms),
+        ("max_gap_ms", "longest gap between tokens", None),
+        ("queue_ms", "queue wait", None),
+    )
     for ax, (key, name, target) in zip(axes.flat, panels):
         for q, style in zip(PCTS, ("-o", "--s", ":^")):
             ax.plot(rates, [r[key][f"p{q}"] for r in rows], style, label=f"p{q}")
@@ -161,8 +188,7 @@ def plot(rows: list[dict], directory: str, *, ttft_target_ms: float, tpot_target
     ax.set_xlabel("arrival rate (req/s)")
     ax.set_ylabel("%")
     ax.set_ylim(0, 105)
-    ax.set_title(f"goodput: TTFT <= {ttft_target_ms:g} ms, TPOT <= {tpot_target_ms:g} ms",
-                 fontsize=10)
+    ax.set_title(f"goodput: TTFT <= {ttft_target_ms:g} ms, TPOT <= {tpot_target_ms:g} ms", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -61,8 +61,10 @@ def check_loopback(url: str) -> None:
             return
     except ValueError:
         pass
-    raise SystemExit(f"ringserve loadtest: {host!r} is not a loopback address; pass --allow-remote to load "
-                     "a server on another machine")
+    raise SystemExit(
+        f"ringserve loadtest: {host!r} is not a loopback address; pass --allow-remote to load "
+        "a server on another machine"
+    )
 
 
 def prompt_ids(rng: random.Random, n: int, vocab: tuple[int, int]) -> list[int]:
@@ -75,8 +77,9 @@ async def _one(session, url: str, body: dict, key: str, rec: RequestRecord, time
     t0 = time.perf_counter()
     headers = {"Authorization": f"Bearer {key}"}
     try:
-        async with session.post(f"{url}/v1/completions", json=body, headers=headers,
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.post(
+            f"{url}/v1/completions", json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
             rec.status = resp.status
             if resp.status != 200:
                 rec.error = (await resp.text())[:200]
@@ -135,8 +138,13 @@ async def run_rate(session, args, rate: float, trace: list[TraceRequest], rate_s
     async def progress():
         while True:
             done = sum(t.done() for t in tasks)
-            print(f"\rrate {rate:g} req/s: {len(tasks)}/{len(trace)} sent, {done} done, "
-                  f"{time.perf_counter() - start:5.1f} s", end="", file=sys.stderr, flush=True)
+            print(
+                f"\rrate {rate:g} req/s: {len(tasks)}/{len(trace)} sent, {done} done, "
+                f"{time.perf_counter() - start:5.1f} s",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
             await asyncio.sleep(0.5)
 
     side = [asyncio.create_task(sampler()), asyncio.create_task(progress())]
@@ -145,8 +153,13 @@ async def run_rate(session, args, rate: float, trace: list[TraceRequest], rate_s
             delay = start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            body = {args.prompt_field: prompt_ids(rng, req.prompt_tokens, args.vocab), "max_tokens": req.output_tokens,
-                    "stream": True, "ignore_eos": True, "temperature": 0.0}
+            body = {
+                args.prompt_field: prompt_ids(rng, req.prompt_tokens, args.vocab),
+                "max_tokens": req.output_tokens,
+                "stream": True,
+                "ignore_eos": True,
+                "temperature": 0.0,
+            }
             if args.model:
                 body["model"] = args.model
             tasks.append(asyncio.create_task(_one(session, args.url, body, req.key, rec, args.request_timeout_s)))
@@ -163,8 +176,16 @@ async def run_rate(session, args, rate: float, trace: list[TraceRequest], rate_s
         print(file=sys.stderr)
     wall = time.perf_counter() - start
     after = await _scrape(session, args.url)
-    return summarize_rate(rate, records, ttft_target_ms=args.ttft_target_ms, tpot_target_ms=args.tpot_target_ms,
-                          wall_s=wall, before=before, after=after, samples=[s for s in samples if s])
+    return summarize_rate(
+        rate,
+        records,
+        ttft_target_ms=args.ttft_target_ms,
+        tpot_target_ms=args.tpot_target_ms,
+        wall_s=wall,
+        before=before,
+        after=after,
+        samples=[s for s in samples if s],
+    )
 
 
 def _trace_for(args, base: list[TraceRequest], rate: float, index: int) -> list[TraceRequest]:
@@ -182,8 +203,11 @@ async def run(args) -> list[dict]:
         n = (args.requests or max(1, round(args.duration * max(args.rates)))) * len(args.rates)
         base = builtin_mix(n, seed=args.seed, keys=args.keys)
     base = scaled(base, args.scale, args.prompt_scale)
-    print(f"trace: {describe(base)} (outputs x{args.scale}, prompts x{args.prompt_scale or args.scale}), "
-          f"{args.keys} keys", file=sys.stderr)
+    print(
+        f"trace: {describe(base)} (outputs x{args.scale}, prompts x{args.prompt_scale or args.scale}), "
+        f"{args.keys} keys",
+        file=sys.stderr,
+    )
     rows = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -224,8 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-target-ms", type=float, default=1000.0)
     p.add_argument("--tpot-target-ms", type=float, default=70.0)
     p.add_argument("--model", help="the `model` field to send (vLLM needs it)")
-    p.add_argument("--prompt-field", default="prompt_token_ids", choices=("prompt_token_ids", "prompt"),
-                   help="send token ids as prompt_token_ids (ringserve) or as a `prompt` list (OpenAI / vLLM)")
+    p.add_argument(
+        "--prompt-field",
+        default="prompt_token_ids",
+        choices=("prompt_token_ids", "prompt"),
+        help="send token ids as prompt_token_ids (ringserve) or as a `prompt` list (OpenAI / vLLM)",
+    )
     p.add_argument("--vocab", type=_vocab, default=(3, 1000), help="token-id range LO:HI for synthetic prompts")
     p.add_argument("--drain-s", type=float, default=120.0, help="wait this long after a rate's last arrival")
     p.add_argument("--request-timeout-s", type=float, default=300.0)
@@ -249,11 +277,23 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("ringserve loadtest: --duration must be > 0")
     args.rates = [r * args.rate_scale for r in args.rates]
     rows = asyncio.run(run(args))
-    report = {"url": args.url, "scale": args.scale, "keys": args.keys, "ttft_target_ms": args.ttft_target_ms,
-              "tpot_target_ms": args.tpot_target_ms, "goodput_rps": goodput(rows), "rates": rows}
+    report = {
+        "url": args.url,
+        "scale": args.scale,
+        "keys": args.keys,
+        "ttft_target_ms": args.ttft_target_ms,
+        "tpot_target_ms": args.tpot_target_ms,
+        "goodput_rps": goodput(rows),
+        "rates": rows,
+    }
     if args.plot:
-        report["plots"] = plot(rows, args.plot, ttft_target_ms=args.ttft_target_ms, tpot_target_ms=args.tpot_target_ms,
-                               title=f"ringserve loadtest {args.url} (lengths x{args.scale})")
+        report["plots"] = plot(
+            rows,
+            args.plot,
+            ttft_target_ms=args.ttft_target_ms,
+            tpot_target_ms=args.tpot_target_ms,
+            title=f"ringserve loadtest {args.url} (lengths x{args.scale})",
+        )
     if args.json:
         print(json.dumps(report, indent=2))
     else:

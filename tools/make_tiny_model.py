@@ -53,8 +53,14 @@ class TinyModelSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size",
-                     "max_position_embeddings"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.hidden_size % self.num_heads:
@@ -92,7 +98,9 @@ def train_tokenizer(vocab_target: int):
     tokenizer.train(files, trainer)
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, bos_id)],
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+        special_tokens=[(BOS_TOKEN, bos_id)],
     )
     return tokenizer
 
@@ -176,16 +184,19 @@ def build_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = No
     vocab_size = tokenizer.get_vocab_size()
     bos_id, eos_id = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
     tokenizer.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": spec.max_position_embeddings,
-        "chat_template": CHAT_TEMPLATE,
-    })
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": spec.max_position_embeddings,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
     _write_json(out / "special_tokens_map.json", {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN})
     _write_json(out / "config.json", hf_config(spec, vocab_size, bos_id, eos_id))
     _write_json(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
@@ -214,10 +225,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         spec = TinyModelSpec(
-            num_layers=args.layers, hidden_size=args.hidden_size, num_heads=args.heads,
-            num_kv_heads=args.kv_heads, intermediate_size=args.intermediate_size, vocab_target=args.vocab,
-            max_position_embeddings=args.max_position_embeddings, rope_theta=args.rope_theta,
-            tie_word_embeddings=args.tie_word_embeddings, seed=args.seed,
+            num_layers=args.layers,
+            hidden_size=args.hidden_size,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            intermediate_size=args.intermediate_size,
+            vocab_target=args.vocab,
+            max_position_embeddings=args.max_position_embeddings,
+            rope_theta=args.rope_theta,
+            tie_word_embeddings=args.tie_word_embeddings,
+            seed=args.seed,
         )
     except ValueError as e:
         print(f"ringserve make-tiny-model: {e}", file=sys.stderr)

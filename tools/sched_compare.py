@@ -66,20 +66,36 @@ class Variant:
         if self.kind == "chunked":
             if self.chunk is None:
                 raise ValueError("a chunked variant needs its chunk size")
-            return ContinuousPolicy(max_rows=self.max_rows, prefill_budget=max(1, round(self.chunk * chunk_scale)),
-                                    num_blocks=num_blocks)
+            return ContinuousPolicy(
+                max_rows=self.max_rows, prefill_budget=max(1, round(self.chunk * chunk_scale)), num_blocks=num_blocks
+            )
         raise ValueError(f"unknown scheduler kind {self.kind!r}")
 
 
 VARIANTS = (
-    Variant("static"), Variant("dynamic"), Variant("continuous"), Variant("chunked", chunk=256),
-    Variant("chunked", max_rows=16, chunk=256), Variant("chunked", max_rows=48, chunk=256),
-    Variant("chunked", chunk=128), Variant("chunked", chunk=512),
+    Variant("static"),
+    Variant("dynamic"),
+    Variant("continuous"),
+    Variant("chunked", chunk=256),
+    Variant("chunked", max_rows=16, chunk=256),
+    Variant("chunked", max_rows=48, chunk=256),
+    Variant("chunked", chunk=128),
+    Variant("chunked", chunk=512),
 )
 
 
-def run_variants(variants, trace, arrivals, make_executor, *, num_blocks: int, chunk_scale: float = 1.0,
-                 vocab: tuple[int, int] = (3, 1000), repeat: int = 1, progress=None) -> list[dict]:
+def run_variants(
+    variants,
+    trace,
+    arrivals,
+    make_executor,
+    *,
+    num_blocks: int,
+    chunk_scale: float = 1.0,
+    vocab: tuple[int, int] = (3, 1000),
+    repeat: int = 1,
+    progress=None,
+) -> list[dict]:
     """Replay the trace through every variant, `repeat` rounds interleaved (so load from other
     processes falls on all variants alike); each figure is the median over the rounds. Returns one
     summary dict per variant, with every round's step samples under `_samples`."""
@@ -91,26 +107,40 @@ def run_variants(variants, trace, arrivals, make_executor, *, num_blocks: int, c
             res = replay(v.policy(num_blocks, chunk_scale), trace, arrivals, make_executor(), vocab=vocab)
             runs.append(res.summary() | {"_samples": res.step_samples})
             if progress:
-                progress(f"{v.label}: {runs[-1]['throughput_tok_s']:.1f} tok/s, "
-                         f"p95 TPOT {runs[-1]['tpot_p95_ms']:.1f} ms")
+                progress(
+                    f"{v.label}: {runs[-1]['throughput_tok_s']:.1f} tok/s, p95 TPOT {runs[-1]['tpot_p95_ms']:.1f} ms"
+                )
     rows = []
     for v, runs in zip(variants, rounds):
-        row = {k: (statistics.median(r[k] for r in runs) if isinstance(val, (int, float)) else val)
-               for k, val in runs[0].items() if k != "_samples"}
-        row |= {"label": v.label, "kind": v.kind, "max_rows": v.max_rows, "chunk": v.chunk, "rounds": repeat,
-                "_samples": [s for r in runs for s in r["_samples"]]}
+        row = {
+            k: (statistics.median(r[k] for r in runs) if isinstance(val, (int, float)) else val)
+            for k, val in runs[0].items()
+            if k != "_samples"
+        }
+        row |= {
+            "label": v.label,
+            "kind": v.kind,
+            "max_rows": v.max_rows,
+            "chunk": v.chunk,
+            "rounds": repeat,
+            "_samples": [s for r in runs for s in r["_samples"]],
+        }
         rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| scheduler | tok/s | p50 TTFT ms | p95 TTFT ms | p50 TPOT ms | p95 TPOT ms | p95 max gap ms "
-            "| rows/step | preemptions |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    head = (
+        "| scheduler | tok/s | p50 TTFT ms | p95 TTFT ms | p50 TPOT ms | p95 TPOT ms | p95 max gap ms "
+        "| rows/step | preemptions |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
     lines = [head]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['throughput_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} "
-                     f"| {r['tpot_p50_ms']:.1f} | {r['tpot_p95_ms']:.1f} | {r['max_gap_p95_ms']:.0f} "
-                     f"| {r['rows_per_step']:.1f} | {r['preemptions']} |")
+        lines.append(
+            f"| {r['label']} | {r['throughput_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} "
+            f"| {r['tpot_p50_ms']:.1f} | {r['tpot_p95_ms']:.1f} | {r['max_gap_p95_ms']:.0f} "
+            f"| {r['rows_per_step']:.1f} | {r['preemptions']} |"
+        )
     return "\n".join(lines)
 
 
@@ -122,12 +152,18 @@ def plot(rows: list[dict], title: str, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"static": "tab:red", "dynamic": "tab:orange", "continuous": "tab:blue", "chunked": "tab:green",
-              "hf": "tab:purple"}
+    colors = {
+        "static": "tab:red",
+        "dynamic": "tab:orange",
+        "continuous": "tab:blue",
+        "chunked": "tab:green",
+        "hf": "tab:purple",
+    }
     for r in rows:
         ax.scatter(r["tpot_p95_ms"], r["throughput_tok_s"], color=colors[r["kind"]], s=40)
-        ax.annotate(r["label"], (r["tpot_p95_ms"], r["throughput_tok_s"]), fontsize=7,
-                    xytext=(4, 3), textcoords="offset points")
+        ax.annotate(
+            r["label"], (r["tpot_p95_ms"], r["throughput_tok_s"]), fontsize=7, xytext=(4, 3), textcoords="offset points"
+        )
     ax.set_xlabel("p95 TPOT (ms)")
     ax.set_ylabel("throughput (output tokens/s)")
     ax.set_title(title, fontsize=10)
@@ -149,23 +185,45 @@ def _real(args, trace, arrivals, log) -> tuple[list[dict], dict]:
         from .make_tiny_model import build_tiny_model
 
         model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix="ringserve-tiny-")))
-    engine = build_engine(Config(device=args.device, dtype="float32", num_blocks=args.num_blocks,
-                                 cpu_threads=args.threads), model_dir)
+    engine = build_engine(
+        Config(device=args.device, dtype="float32", num_blocks=args.num_blocks, cpu_threads=args.threads), model_dir
+    )
     vocab = (3, min(engine.vocab_size, 1000))
-    rows = run_variants(_variants(args), trace, arrivals, lambda: EngineExecutor(engine), num_blocks=args.num_blocks,
-                        chunk_scale=args.chunk_scale, vocab=vocab, repeat=args.repeat, progress=log)
-    facts = {"device": str(engine.device), "model_dir": model_dir, "threads": args.threads,
-             "num_blocks": args.num_blocks}
+    rows = run_variants(
+        _variants(args),
+        trace,
+        arrivals,
+        lambda: EngineExecutor(engine),
+        num_blocks=args.num_blocks,
+        chunk_scale=args.chunk_scale,
+        vocab=vocab,
+        repeat=args.repeat,
+        progress=log,
+    )
+    facts = {
+        "device": str(engine.device),
+        "model_dir": model_dir,
+        "threads": args.threads,
+        "num_blocks": args.num_blocks,
+    }
     if args.hf:
         from .hf_baseline import load_hf_model, run_hf
 
         log(f"HF transformers generate, static batches of 32, {args.repeat} rounds ...")
         model = load_hf_model(model_dir)
         runs = [run_hf(model, trace, arrivals, batch=32, vocab=vocab).summary() for _ in range(args.repeat)]
-        hf = {k: (statistics.median(r[k] for r in runs) if isinstance(val, (int, float)) else val)
-              for k, val in runs[0].items()}
-        hf |= {"label": "HF generate static batch=32", "kind": "hf", "max_rows": 32, "chunk": None,
-               "rounds": args.repeat, "_samples": []}
+        hf = {
+            k: (statistics.median(r[k] for r in runs) if isinstance(val, (int, float)) else val)
+            for k, val in runs[0].items()
+        }
+        hf |= {
+            "label": "HF generate static batch=32",
+            "kind": "hf",
+            "max_rows": 32,
+            "chunk": None,
+            "rounds": args.repeat,
+            "_samples": [],
+        }
         rows.append(hf)
         ours = next(r for r in rows if r["label"] == Variant("chunked", chunk=256).label)
         facts["hf_throughput_ratio"] = ours["throughput_tok_s"] / hf["throughput_tok_s"]
@@ -175,7 +233,7 @@ def _real(args, trace, arrivals, log) -> tuple[list[dict], dict]:
 
 
 def _variants(args):
-    return VARIANTS[:args.limit_variants] if args.limit_variants else VARIANTS
+    return VARIANTS[: args.limit_variants] if args.limit_variants else VARIANTS
 
 
 def _strip(rows):
@@ -185,8 +243,9 @@ def _strip(rows):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ringserve bench sched", description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=256, help="requests in the trace")
-    p.add_argument("--rate", type=float, default=50.0,
-                   help="Poisson arrival rate of the real/sim-fit runs, req/s (inf: a burst)")
+    p.add_argument(
+        "--rate", type=float, default=50.0, help="Poisson arrival rate of the real/sim-fit runs, req/s (inf: a burst)"
+    )
     p.add_argument("--scale", type=float, default=0.1, help="output length factor for the real run")
     p.add_argument("--prompt-scale", type=float, default=0.02, help="prompt length factor for the real run")
     p.add_argument("--chunk-scale", type=float, default=0.25, help="prefill chunk factor for the real run")
@@ -214,26 +273,52 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_real:
         trace = scaled(base, args.scale, args.prompt_scale)
         arrivals = poisson_arrivals(len(trace), args.rate, seed=args.seed)
-        log(f"real engine: {describe(trace)} at {args.rate} req/s (outputs x{args.scale}, prompts "
-            f"x{args.prompt_scale}, chunks x{args.chunk_scale})")
+        log(
+            f"real engine: {describe(trace)} at {args.rate} req/s (outputs x{args.scale}, prompts "
+            f"x{args.prompt_scale}, chunks x{args.chunk_scale})"
+        )
         real, facts = _real(args, trace, arrivals, log)
         samples = [s for r in real for s in r["_samples"]]  # the HF row has none
         cost = StepCost.fit(samples)
-        fit = {"model": cost.describe(), "a_ms": cost.a_ms, "b_ms": cost.b_ms, "c_ms": cost.c_ms,
-               "r_squared": cost.r_squared(samples), "steps": len(samples)}
+        fit = {
+            "model": cost.describe(),
+            "a_ms": cost.a_ms,
+            "b_ms": cost.b_ms,
+            "c_ms": cost.c_ms,
+            "r_squared": cost.r_squared(samples),
+            "steps": len(samples),
+        }
         log(f"fit over {len(samples)} steps: {cost.describe()} (R^2 {fit['r_squared']:.3f})")
-        simfit = run_variants(_variants(args), trace, arrivals, lambda: SimExecutor(cost), num_blocks=args.num_blocks,
-                              chunk_scale=args.chunk_scale)
-        report["runs"]["real"] = {"trace": describe(trace), "rate": args.rate, "scale": args.scale,
-                                  "prompt_scale": args.prompt_scale, "chunk_scale": args.chunk_scale, **facts,
-                                  "rows": _strip(real)}
+        simfit = run_variants(
+            _variants(args),
+            trace,
+            arrivals,
+            lambda: SimExecutor(cost),
+            num_blocks=args.num_blocks,
+            chunk_scale=args.chunk_scale,
+        )
+        report["runs"]["real"] = {
+            "trace": describe(trace),
+            "rate": args.rate,
+            "scale": args.scale,
+            "prompt_scale": args.prompt_scale,
+            "chunk_scale": args.chunk_scale,
+            **facts,
+            "rows": _strip(real),
+        }
         report["runs"]["sim-fit"] = {"trace": describe(trace), "rate": args.rate, "fit": fit, "rows": _strip(simfit)}
     design_trace = builtin_mix(args.design_requests, seed=args.seed) if not args.trace else base
     design_arr = poisson_arrivals(len(design_trace), args.design_rate, seed=args.seed)
-    paper = run_variants(_variants(args), design_trace, design_arr, lambda: SimExecutor(DESIGN_7B_A100),
-                         num_blocks=DESIGN_BLOCKS)
-    report["runs"]["sim-design"] = {"trace": describe(design_trace), "rate": args.design_rate,
-                                  "model": DESIGN_7B_A100.describe(), "num_blocks": DESIGN_BLOCKS, "rows": _strip(paper)}
+    paper = run_variants(
+        _variants(args), design_trace, design_arr, lambda: SimExecutor(DESIGN_7B_A100), num_blocks=DESIGN_BLOCKS
+    )
+    report["runs"]["sim-design"] = {
+        "trace": describe(design_trace),
+        "rate": args.design_rate,
+        "model": DESIGN_7B_A100.describe(),
+        "num_blocks": DESIGN_BLOCKS,
+        "rows": _strip(paper),
+    }
     if args.plot:
         import os
 
@@ -250,9 +335,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n### {name}: {run['trace']} at {run['rate']} req/s ({extra})\n")
             print(markdown(run["rows"]))
             if "hf_throughput_ratio" in run:
-                print(f"\nringserve (chunked rows=32 chunk=256) / HF generate throughput: "
-                      f"{run['hf_throughput_ratio']:.2f}x; p95 TPOT {run['ours_tpot_p95_ms']:.1f} ms vs "
-                      f"{run['hf_tpot_p95_ms']:.1f} ms")
+                print(
+                    f"\nringserve (chunked rows=32 chunk=256) / HF generate throughput: "
+                    f"{run['hf_throughput_ratio']:.2f}x; p95 TPOT {run['ours_tpot_p95_ms']:.1f} ms vs "
+                    f"{run['hf_tpot_p95_ms']:.1f} ms"
+                )
     return 0
 
 

@@ -132,12 +132,21 @@ class ReplayResult:
         return self.output_tokens / self.makespan_s if self.makespan_s > 0 else 0.0
 
     def summary(self) -> dict:
-        return {"name": self.name, "requests": len(self.ttft_s), "output_tokens": self.output_tokens,
-                "makespan_s": self.makespan_s, "throughput_tok_s": self.throughput_tok_s,
-                "ttft_p50_ms": 1e3 * percentile(self.ttft_s, 50), "ttft_p95_ms": 1e3 * percentile(self.ttft_s, 95),
-                "tpot_p50_ms": 1e3 * percentile(self.tpot_s, 50), "tpot_p95_ms": 1e3 * percentile(self.tpot_s, 95),
-                "max_gap_p95_ms": 1e3 * percentile(self.max_gap_s, 95), "steps": self.steps,
-                "rows_per_step": self.rows_per_step, "preemptions": self.preemptions}
+        return {
+            "name": self.name,
+            "requests": len(self.ttft_s),
+            "output_tokens": self.output_tokens,
+            "makespan_s": self.makespan_s,
+            "throughput_tok_s": self.throughput_tok_s,
+            "ttft_p50_ms": 1e3 * percentile(self.ttft_s, 50),
+            "ttft_p95_ms": 1e3 * percentile(self.ttft_s, 95),
+            "tpot_p50_ms": 1e3 * percentile(self.tpot_s, 50),
+            "tpot_p95_ms": 1e3 * percentile(self.tpot_s, 95),
+            "max_gap_p95_ms": 1e3 * percentile(self.max_gap_s, 95),
+            "steps": self.steps,
+            "rows_per_step": self.rows_per_step,
+            "preemptions": self.preemptions,
+        }
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -158,8 +167,15 @@ def prompt_ids_for(rid: int, length: int, vocab: tuple[int, int]) -> list[int]:
     return [lo + (rid * 7919 + i * 104729) % span for i in range(length)]
 
 
-def replay(policy, trace: list[TraceRequest], arrivals: list[float], executor, *,
-           vocab: tuple[int, int] = (3, 1000), max_steps: int = 10_000_000) -> ReplayResult:
+def replay(
+    policy,
+    trace: list[TraceRequest],
+    arrivals: list[float],
+    executor,
+    *,
+    vocab: tuple[int, int] = (3, 1000),
+    max_steps: int = 10_000_000,
+) -> ReplayResult:
     """Run every request of `trace` (arriving at `arrivals`, seconds) to its full output length."""
     if len(trace) != len(arrivals):
         raise ValueError(f"{len(trace)} requests but {len(arrivals)} arrival times")
@@ -179,8 +195,9 @@ def replay(policy, trace: list[TraceRequest], arrivals: list[float], executor, *
         batch = policy.schedule(now)
         if not batch.seqs:
             policy.update(None, now)
-            wake = [t for t in (arrivals[order[nxt]] if nxt < len(order) else None, policy.wake_time())
-                    if t is not None]
+            wake = [
+                t for t in (arrivals[order[nxt]] if nxt < len(order) else None, policy.wake_time()) if t is not None
+            ]
             if not wake:
                 raise RuntimeError(f"{policy.name}: {len(trace) - finished} requests unfinished and nothing to run")
             now = max(now, min(wake))
@@ -220,8 +237,14 @@ def replay(policy, trace: list[TraceRequest], arrivals: list[float], executor, *
             raise RuntimeError(f"{policy.name}: request {i} got {t.tokens} tokens, the trace asks {t.want}")
     start = min(arrivals) if arrivals else 0.0
     return ReplayResult(
-        name=policy.name, ttft_s=[t.first - t.arrival for t in timings],
+        name=policy.name,
+        ttft_s=[t.first - t.arrival for t in timings],
         tpot_s=[(t.last - t.first) / (t.tokens - 1) for t in timings if t.tokens > 1],
-        max_gap_s=[t.max_gap for t in timings], output_tokens=sum(t.tokens for t in timings),
-        makespan_s=max((t.done for t in timings), default=start) - start, steps=steps,
-        preemptions=policy.preemptions, step_samples=samples, rows_per_step=rows_total / max(steps, 1))
+        max_gap_s=[t.max_gap for t in timings],
+        output_tokens=sum(t.tokens for t in timings),
+        makespan_s=max((t.done for t in timings), default=start) - start,
+        steps=steps,
+        preemptions=policy.preemptions,
+        step_samples=samples,
+        rows_per_step=rows_total / max(steps, 1),
+    )

@@ -23,8 +23,15 @@ from ringserve.shm.stats_schema import GPU_STATS
 
 
 def _describe(info: SegmentInfo, directory: str) -> dict:
-    entry = {"name": info.name, "instance": info.instance, "part": info.part, "size": info.size,
-             "owner_pid": info.owner_pid, "owner_alive": info.owner_alive, "kind": "unknown"}
+    entry = {
+        "name": info.name,
+        "instance": info.instance,
+        "part": info.part,
+        "size": info.size,
+        "owner_pid": info.owner_pid,
+        "owner_alive": info.owner_alive,
+        "kind": "unknown",
+    }
     try:
         seg = Segment.attach(info.name, directory, writable=False)
     except (OSError, ValueError) as e:
@@ -93,8 +100,19 @@ def format_table(segments: list[dict]) -> str:
     if not segments:
         return "no ringserve segments"
     lines = []
-    cols = ("part", "capacity", "head", "tail", "used", "gen", "producer", "consumer",
-            "prod hb", "cons hb", "integrity")
+    cols = (
+        "part",
+        "capacity",
+        "head",
+        "tail",
+        "used",
+        "gen",
+        "producer",
+        "consumer",
+        "prod hb",
+        "cons hb",
+        "integrity",
+    )
     widths = (9, 10, 14, 14, 10, 4, 14, 14, 8, 8, 0)
     instance = None
     for seg in segments:
@@ -108,35 +126,47 @@ def format_table(segments: list[dict]) -> str:
         elif seg["kind"] == "control":
             c = seg["control"]
             facts = c["model_facts"] or {}
-            lines.append(f"  {seg['part']:<9} gpu generation {c['gpu_generation']}, state "
-                         f"{c['gpu_state']}, pid {c['gpu_pid'] or '-'}, heartbeat "
-                         f"{_age(c['gpu_heartbeat_age_s'])}, model "
-                         f"{facts.get('model', facts.get('name', '-'))}, {c['n_workers']} worker slots")
+            lines.append(
+                f"  {seg['part']:<9} gpu generation {c['gpu_generation']}, state "
+                f"{c['gpu_state']}, pid {c['gpu_pid'] or '-'}, heartbeat "
+                f"{_age(c['gpu_heartbeat_age_s'])}, model "
+                f"{facts.get('model', facts.get('name', '-'))}, {c['n_workers']} worker slots"
+            )
             g = c["gpu_stats"]
             total, free = int(g["kv_blocks_total"]), int(g["kv_blocks_free"])
-            lines.append(f"  {'':<9} kv blocks {total - free}/{total} used, queue depth "
-                         f"{int(g['queue_depth'])}, running rows {int(g['running_rows'])}, "
-                         f"steps {int(g['steps'])}, prefix cache hit rate {_hit_rate(g)}")
+            lines.append(
+                f"  {'':<9} kv blocks {total - free}/{total} used, queue depth "
+                f"{int(g['queue_depth'])}, running rows {int(g['running_rows'])}, "
+                f"steps {int(g['steps'])}, prefix cache hit rate {_hit_rate(g)}"
+            )
             lines += [f"  {'':<9} {line}" for line in _gpu_stat_lines(g)]
             for i, w in enumerate(c["workers"]):
-                lines.append(f"  {'':<9} worker {i}: pid {_pid(w['pid'], pid_alive(w['pid']))}, "
-                             f"generation {w['generation']}, heartbeat {_age(w['heartbeat_age_s'])}")
+                lines.append(
+                    f"  {'':<9} worker {i}: pid {_pid(w['pid'], pid_alive(w['pid']))}, "
+                    f"generation {w['generation']}, heartbeat {_age(w['heartbeat_age_s'])}"
+                )
         elif seg["kind"] == "ring":
             r = seg["ring"]
-            row = (seg["part"], f"{r['capacity']:,}", str(r["head"]), str(r["tail"]),
-                   f"{r['used_bytes']:,}", str(r["generation"]),
-                   _pid(r["producer_pid"], r["producer_alive"]),
-                   _pid(r["consumer_pid"], r["consumer_alive"]),
-                   _age(r["producer_heartbeat_age_s"]), _age(r["consumer_heartbeat_age_s"]),
-                   r["integrity"])
+            row = (
+                seg["part"],
+                f"{r['capacity']:,}",
+                str(r["head"]),
+                str(r["tail"]),
+                f"{r['used_bytes']:,}",
+                str(r["generation"]),
+                _pid(r["producer_pid"], r["producer_alive"]),
+                _pid(r["consumer_pid"], r["consumer_alive"]),
+                _age(r["producer_heartbeat_age_s"]),
+                _age(r["consumer_heartbeat_age_s"]),
+                r["integrity"],
+            )
             lines.append("  " + " ".join(v.ljust(w) for v, w in zip(row, widths)))
         else:
             lines.append(f"  {seg['part']:<9} not a ringserve segment layout ({seg['size']:,} bytes)")
     return "\n".join(lines).lstrip("\n")
 
 
-def watch(directory: str, interval_s: float, *, as_json: bool = False,
-          iterations: int | None = None) -> int:
+def watch(directory: str, interval_s: float, *, as_json: bool = False, iterations: int | None = None) -> int:
     """Redraw the table (or print one JSON object per line) every `interval_s` until Ctrl-C, or
     `iterations` times."""
     n = 0
@@ -144,12 +174,12 @@ def watch(directory: str, interval_s: float, *, as_json: bool = False,
         while iterations is None or n < iterations:
             segments = inspect(directory)
             if as_json:
-                print(json.dumps({"directory": directory, "time": time.time(), "segments": segments}),
-                      flush=True)
+                print(json.dumps({"directory": directory, "time": time.time(), "segments": segments}), flush=True)
             else:
                 # Home the cursor and clear the screen, so the table redraws in place.
-                print("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + directory + "\n"
-                      + format_table(segments), flush=True)
+                print(
+                    "\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + directory + "\n" + format_table(segments), flush=True
+                )
             n += 1
             if iterations is None or n < iterations:
                 time.sleep(interval_s)
@@ -162,10 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ringserve shm", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--clean", action="store_true", help="remove segments of dead owners")
-    parser.add_argument("--dir", default=L.DEFAULT_DIRECTORY,
-                        help="segment directory (default %(default)s)")
-    parser.add_argument("--watch", nargs="?", type=float, const=1.0, metavar="SECONDS",
-                        help="redraw every SECONDS (default 1) until Ctrl-C")
+    parser.add_argument("--dir", default=L.DEFAULT_DIRECTORY, help="segment directory (default %(default)s)")
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=1.0,
+        metavar="SECONDS",
+        help="redraw every SECONDS (default 1) until Ctrl-C",
+    )
     args = parser.parse_args(argv)
     if args.watch is not None:
         if args.watch <= 0:

@@ -119,8 +119,12 @@ async def _client(session, url: str, body: dict, key: str, hang_up_after: int | 
     import aiohttp
 
     try:
-        async with session.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
-                                timeout=aiohttp.ClientTimeout(total=120)) as resp:
+        async with session.post(
+            f"{url}/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=aiohttp.ClientTimeout(total=120),
+        ) as resp:
             counts[resp.status] = counts.get(resp.status, 0) + 1
             seen = 0
             async for raw in resp.content:
@@ -134,8 +138,17 @@ async def _client(session, url: str, body: dict, key: str, hang_up_after: int | 
         counts[type(exc).__name__] = counts.get(type(exc).__name__, 0) + 1
 
 
-async def drive_load(url: str, *, seconds: float, rate: float, disconnect: float, scale: float, prompt_scale: float,
-                     seed: int, on_tick=None) -> dict:
+async def drive_load(
+    url: str,
+    *,
+    seconds: float,
+    rate: float,
+    disconnect: float,
+    scale: float,
+    prompt_scale: float,
+    seed: int,
+    on_tick=None,
+) -> dict:
     """Open-loop Poisson load for `seconds`; returns status counts. `on_tick()` runs about once a second."""
     import aiohttp
 
@@ -159,9 +172,14 @@ async def drive_load(url: str, *, seconds: float, rate: float, disconnect: float
                     break
                 await asyncio.sleep(min(delay, 0.5))
             hang = rng.randint(1, max(1, req.output_tokens - 1)) if rng.random() < disconnect else None
-            body = {"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(req.prompt_tokens)],
-                    "max_tokens": req.output_tokens, "stream": True, "ignore_eos": True, "temperature": 0.8,
-                    "seed": rng.randrange(1 << 30)}
+            body = {
+                "prompt_token_ids": [rng.randrange(3, 1000) for _ in range(req.prompt_tokens)],
+                "max_tokens": req.output_tokens,
+                "stream": True,
+                "ignore_eos": True,
+                "temperature": 0.8,
+                "seed": rng.randrange(1 << 30),
+            }
             tasks.append(asyncio.create_task(_client(session, url, body, req.key, hang, counts)))
         while time.perf_counter() < start + seconds:
             if on_tick:
@@ -184,12 +202,25 @@ def soak(args) -> tuple[bool, list[tuple[str, bool, str]], dict]:
     """Run one soak; returns (all passed, [(check, passed, detail)], load counts)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "ringserve.cli", "serve", "--port", str(port), "--workers", str(args.workers),
-           "--log-level", "warning", "--model", args.model]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringserve.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--workers",
+        str(args.workers),
+        "--log-level",
+        "warning",
+        "--model",
+        args.model,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     checks: list[tuple[str, bool, str]] = []
     try:
+
         def ready() -> bool:
             if proc.poll() is not None:
                 raise RuntimeError(f"ringserve serve exited with status {proc.returncode}")
@@ -200,8 +231,17 @@ def soak(args) -> tuple[bool, list[tuple[str, bool, str]], dict]:
 
         _wait(ready, 90, "the server to become ready")
         # Warm up, so lazily opened files and first allocations are in the baseline.
-        asyncio.run(drive_load(url, seconds=min(5.0, args.duration), rate=args.rate, disconnect=args.disconnect,
-                               scale=args.scale, prompt_scale=args.prompt_scale, seed=args.seed + 1))
+        asyncio.run(
+            drive_load(
+                url,
+                seconds=min(5.0, args.duration),
+                rate=args.rate,
+                disconnect=args.disconnect,
+                scale=args.scale,
+                prompt_scale=args.prompt_scale,
+                seed=args.seed + 1,
+            )
+        )
         pids = server_pids(proc.pid)
         fds0 = {pid: fd_count(pid) for pid in pids}
         segs0 = shm_segments(args.shm_dir, proc.pid)
@@ -219,11 +259,23 @@ def soak(args) -> tuple[bool, list[tuple[str, bool, str]], dict]:
             if segs != segs0:
                 seg_changes.append(f"{sorted(segs ^ segs0)}")
 
-        counts = asyncio.run(drive_load(url, seconds=args.duration, rate=args.rate, disconnect=args.disconnect,
-                                        scale=args.scale, prompt_scale=args.prompt_scale, seed=args.seed,
-                                        on_tick=tick))
-        _wait(lambda: (m := _metrics(url)).get("running_rows", 1) == 0 and m.get("ringserve_queue_depth", 1) == 0,
-              60, "the server to go idle")
+        counts = asyncio.run(
+            drive_load(
+                url,
+                seconds=args.duration,
+                rate=args.rate,
+                disconnect=args.disconnect,
+                scale=args.scale,
+                prompt_scale=args.prompt_scale,
+                seed=args.seed,
+                on_tick=tick,
+            )
+        )
+        _wait(
+            lambda: (m := _metrics(url)).get("running_rows", 1) == 0 and m.get("ringserve_queue_depth", 1) == 0,
+            60,
+            "the server to go idle",
+        )
         m = _metrics(url)
         free, total = m.get("ringserve_kv_blocks_free"), m.get("ringserve_kv_blocks_total")
         checks.append(("KV blocks all free", free == total and total is not None, f"{free:g} of {total:g} free"))
@@ -233,13 +285,16 @@ def soak(args) -> tuple[bool, list[tuple[str, bool, str]], dict]:
                 checks.append((f"process {pid} alive", False, "exited during the soak"))
                 continue
             checks.append((f"fds of pid {pid}", now <= before + args.fd_slack, f"{before} -> {now}"))
-        checks.append(("shm segments unchanged", not seg_changes, "; ".join(seg_changes[:3]) or f"{len(segs0)} segments"))
+        checks.append(
+            ("shm segments unchanged", not seg_changes, "; ".join(seg_changes[:3]) or f"{len(segs0)} segments")
+        )
         labels = {pid: process_label(pid, proc.pid) for pid in pids}
         verdicts = {}
         for pid, xs in rss.items():
             # one sample a second: a soak under 8 s cannot show a trend
-            verdicts[labels[pid]] = v = judge(xs, max_slope_mib_min=args.rss_slope,
-                                              floor_mib=args.rss_floor, max_growth=args.rss_growth)
+            verdicts[labels[pid]] = v = judge(
+                xs, max_slope_mib_min=args.rss_slope, floor_mib=args.rss_floor, max_growth=args.rss_growth
+            )
             checks.append((f"RSS of {labels[pid]}", v.ok, v.detail))
         if args.out:
             paths = write_report(Path(args.out), {labels[pid]: xs for pid, xs in rss.items()}, verdicts)
@@ -265,15 +320,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-scale", type=float, default=0.02, help="prompt length factor (CPU)")
     # The tiny model: the soak checks leaks at a request rate the CPU sustains; its figures in
     # docs/BENCHMARKS.md were measured on it.
-    p.add_argument("--model", default="tiny", help="what `ringserve serve --model` gets (default: tiny, "
-                   "the random test model; a checkpoint directory, .gguf file or model name)")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="what `ringserve serve --model` gets (default: tiny, "
+        "the random test model; a checkpoint directory, .gguf file or model name)",
+    )
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--fd-slack", type=int, default=4, help="fds a process may gain (sockets of open streams)")
     p.add_argument("--rss-growth", type=float, default=0.1, help="allowed RSS growth, first to last quarter")
-    p.add_argument("--rss-slope", type=float, default=0.5,
-                   help="allowed RSS growth rate over the second half, MiB/min")
-    p.add_argument("--rss-floor", type=float, default=16.0,
-                   help="RSS growth over the second half always allowed (allocator noise), MiB")
+    p.add_argument("--rss-slope", type=float, default=0.5, help="allowed RSS growth rate over the second half, MiB/min")
+    p.add_argument(
+        "--rss-floor",
+        type=float,
+        default=16.0,
+        help="RSS growth over the second half always allowed (allocator noise), MiB",
+    )
     p.add_argument("--out", help="directory for the RSS samples, plot and table")
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--seed", type=int, default=0)
@@ -283,8 +345,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("soak: --duration must be > 0")
     ok, checks, counts = soak(args)
     if args.json:
-        print(json.dumps({"ok": ok, "load": {str(k): v for k, v in counts.items()},
-                          "checks": [{"check": c, "ok": o, "detail": d} for c, o, d in checks]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "ok": ok,
+                    "load": {str(k): v for k, v in counts.items()},
+                    "checks": [{"check": c, "ok": o, "detail": d} for c, o, d in checks],
+                },
+                indent=2,
+            )
+        )
     else:
         print(f"load: {counts}")
         print("| check | result | detail |\n|---|---|---|")

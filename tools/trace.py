@@ -79,8 +79,10 @@ def read_jsonl(path: str | Path, *, keys: int = 1) -> list[TraceRequest]:
                 key = str(obj.get("key", f"key-{len(out) % keys}"))
                 out.append(TraceRequest(int(p), int(o), key))
             except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{lineno}: expected an object with prompt_tokens and output_tokens "
-                                 f"(or input_len and output_len), both >= 1: {exc}") from None
+                raise ValueError(
+                    f"{path}:{lineno}: expected an object with prompt_tokens and output_tokens "
+                    f"(or input_len and output_len), both >= 1: {exc}"
+                ) from None
     return out
 
 
@@ -93,8 +95,9 @@ def scaled(trace: list[TraceRequest], factor: float, prompt_factor: float | None
     pf = factor if prompt_factor is None else prompt_factor
     if not (factor > 0 and pf > 0):
         raise ValueError(f"scale factors must be > 0, got {factor} and {pf}")
-    return [TraceRequest(max(1, round(r.prompt_tokens * pf)), max(1, round(r.output_tokens * factor)), r.key)
-            for r in trace]
+    return [
+        TraceRequest(max(1, round(r.prompt_tokens * pf)), max(1, round(r.output_tokens * factor)), r.key) for r in trace
+    ]
 
 
 def poisson_arrivals(n: int, rate: float, *, seed: int = 0) -> list[float]:
@@ -120,5 +123,7 @@ def describe(trace: list[TraceRequest]) -> str:
         return "0 requests"
     ps = [r.prompt_tokens for r in trace]
     os_ = [r.output_tokens for r in trace]
-    return (f"{len(trace)} requests, prompt mean {sum(ps) / len(ps):.0f} ({min(ps)}..{max(ps)}), "
-            f"output mean {sum(os_) / len(os_):.0f} ({min(os_)}..{max(os_)})")
+    return (
+        f"{len(trace)} requests, prompt mean {sum(ps) / len(ps):.0f} ({min(ps)}..{max(ps)}), "
+        f"output mean {sum(os_) / len(os_):.0f} ({min(os_)}..{max(os_)})"
+    )

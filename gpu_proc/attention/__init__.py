@@ -40,8 +40,9 @@ def compiled_cpu_backend(progress: Callable[[], None] | None = None) -> Attentio
     return AttentionBackend("cpu", cpu.write_kv, cpu.paged_attention)
 
 
-def get_backend(device: torch.device | str, dtype: torch.dtype | None = None, *,
-                cpu_kernels: bool = True) -> AttentionBackend:
+def get_backend(
+    device: torch.device | str, dtype: torch.dtype | None = None, *, cpu_kernels: bool = True
+) -> AttentionBackend:
     """The CuPy kernels on a CUDA device when CuPy imports; on the CPU the compiled kernels for
     float32 and bfloat16 (unless `cpu_kernels` is off, or they cannot be built here: then a
     warning says why); else the torch reference."""

@@ -100,12 +100,17 @@ def decode_group(num_heads: int, num_kv_heads: int) -> int:
     return next(g for g in DECODE_GROUPS if per_kv % g == 0)
 
 
-def model_kernels(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
-                  capability: tuple[int, int]) -> list[str]:
+def model_kernels(
+    dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, capability: tuple[int, int]
+) -> list[str]:
     """Every kernel a model with these attention shapes launches on a GPU of `capability`."""
     tc = uses_tensor_cores(dtype, num_heads, num_kv_heads, capability)
-    return [KV_APPEND, decode_kernel(dtype, head_dim, decode_group(num_heads, num_kv_heads)),
-            merge_kernel(dtype, head_dim), (prefill_tc_kernel if tc else prefill_kernel)(dtype, head_dim)]
+    return [
+        KV_APPEND,
+        decode_kernel(dtype, head_dim, decode_group(num_heads, num_kv_heads)),
+        merge_kernel(dtype, head_dim),
+        (prefill_tc_kernel if tc else prefill_kernel)(dtype, head_dim),
+    ]
 
 
 def entry_points() -> list[str]:
@@ -137,8 +142,15 @@ class AttentionKernels:
     def __init__(self, executor: KernelExecutor) -> None:
         self.executor = executor
 
-    def compile(self, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
-                device: torch.device, progress: Callable[[], None] | None = None) -> list[str]:
+    def compile(
+        self,
+        dtype: torch.dtype,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        device: torch.device,
+        progress: Callable[[], None] | None = None,
+    ) -> list[str]:
         """Compile every kernel a model of these shapes launches; returns their names."""
         device = torch.device(device)
         names = model_kernels(dtype, head_dim, num_heads, num_kv_heads, self.executor.capability(device))
@@ -147,8 +159,9 @@ class AttentionKernels:
 
     # ---- write_kv ------------------------------------------------------------------------------
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         """Store new keys/values `[T, num_kv_heads, head_dim]` at their flat slots (negative: skip)."""
         device = self.executor.device_of(k_cache)
         check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
@@ -159,14 +172,30 @@ class AttentionKernels:
         vec = 16 // k.element_size()  # elements per 16-byte vector
         row_vecs = num_kv_heads * head_dim // vec
         threads = min(256, max(32, (row_vecs + 31) // 32 * 32))
-        self.executor.launch(KV_APPEND, device, (t,), (threads,), (
-            k, v, k_cache, v_cache, slot_mapping, k.stride(0) // vec, v.stride(0) // vec, _i32(num_kv_heads),
-            _i32(head_dim // vec), num_blocks * BLOCK_SIZE))
+        self.executor.launch(
+            KV_APPEND,
+            device,
+            (t,),
+            (threads,),
+            (
+                k,
+                v,
+                k_cache,
+                v_cache,
+                slot_mapping,
+                k.stride(0) // vec,
+                v.stride(0) // vec,
+                _i32(num_kv_heads),
+                _i32(head_dim // vec),
+                num_blocks * BLOCK_SIZE,
+            ),
+        )
 
     # ---- paged attention -----------------------------------------------------------------------
 
-    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
-                        scale: float) -> torch.Tensor:
+    def paged_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float
+    ) -> torch.Tensor:
         """Causal attention of each new token over its sequence's cached keys; q `[T, num_heads, head_dim]`.
 
         A step whose rows all carry one new token runs the decode kernel. A mixed step runs both: the
@@ -182,8 +211,16 @@ class AttentionKernels:
             self._prefill(q, k_cache, v_cache, meta, scale, out, skip_single=True)
         return out
 
-    def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
-                     *, num_splits: int | None = None) -> torch.Tensor:
+    def paged_decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta,
+        scale: float,
+        *,
+        num_splits: int | None = None,
+    ) -> torch.Tensor:
         """The decode kernel: one CTA per token and head group, exact for any flat batch (each token
         sees positions 0..its own). Split over the context when the batch is too small to fill the
         GPU; `num_splits` forces the split count (tests and benchmarks)."""
@@ -195,8 +232,9 @@ class AttentionKernels:
             self._decode(q, k_cache, v_cache, meta, scale, out, num_splits)
         return out
 
-    def paged_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
-                      scale: float) -> torch.Tensor:
+    def paged_prefill(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float
+    ) -> torch.Tensor:
         """The prefill kernel: query tiles of one sequence, online softmax over the paged cache, causal
         inside the chunk and full over the cached prefix; on tensor cores for fp16/bf16 on sm_80+
         (`uses_tensor_cores`), else on CUDA cores."""
@@ -221,8 +259,9 @@ class AttentionKernels:
         name = decode_kernel(q.dtype, head_dim, group)
         if num_splits is None:
             ex = self.executor
-            num_splits = plan_decode_splits(t * chunks, meta.max_seq_len, ex.sm_count(device),
-                                            ex.ctas_per_sm(name, device, DECODE_THREADS))
+            num_splits = plan_decode_splits(
+                t * chunks, meta.max_seq_len, ex.sm_count(device), ex.ctas_per_sm(name, device, DECODE_THREADS)
+            )
         max_blocks = math.ceil(meta.max_seq_len / BLOCK_SIZE)
         blocks_per_split = math.ceil(max_blocks / num_splits)
         num_splits = math.ceil(max_blocks / blocks_per_split)  # drop splits that would all be empty
@@ -232,13 +271,39 @@ class AttentionKernels:
         if num_splits > 1:
             part_acc = self.executor.empty((num_splits, t, num_heads, head_dim), torch.float32, device)
             part_ml = self.executor.empty((num_splits, t, num_heads, 2), torch.float32, device)
-        self.executor.launch(name, device, (t, chunks, num_splits), (DECODE_THREADS,), (
-            q, q.stride(0), q.stride(1), k_cache, v_cache, meta.block_tables, _i32(meta.block_tables.shape[1]),
-            meta.positions, meta.token_seq, _i32(num_heads), _i32(num_kv_heads), _f32(scale * _LOG2E),
-            _i32(blocks_per_split), single_qsl, out, part_acc, part_ml))
+        self.executor.launch(
+            name,
+            device,
+            (t, chunks, num_splits),
+            (DECODE_THREADS,),
+            (
+                q,
+                q.stride(0),
+                q.stride(1),
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                _i32(meta.block_tables.shape[1]),
+                meta.positions,
+                meta.token_seq,
+                _i32(num_heads),
+                _i32(num_kv_heads),
+                _f32(scale * _LOG2E),
+                _i32(blocks_per_split),
+                single_qsl,
+                out,
+                part_acc,
+                part_ml,
+            ),
+        )
         if num_splits > 1:
-            self.executor.launch(merge_kernel(q.dtype, head_dim), device, (t, num_heads), (head_dim,), (
-                part_acc, part_ml, _i32(num_splits), single_qsl, meta.token_seq, out))
+            self.executor.launch(
+                merge_kernel(q.dtype, head_dim),
+                device,
+                (t, num_heads),
+                (head_dim,),
+                (part_acc, part_ml, _i32(num_splits), single_qsl, meta.token_seq, out),
+            )
 
     def _prefill(self, q, k_cache, v_cache, meta, scale, out, skip_single: bool = False) -> None:
         device = q.device
@@ -250,14 +315,38 @@ class AttentionKernels:
             tile_tokens = TC_ROWS // (num_heads // num_kv_heads)
             grid_y = num_kv_heads  # one CTA per KV head: the group's query heads share its K/V tiles
         else:
-            name, threads, tile_tokens, grid_y = prefill_kernel(q.dtype, head_dim), PREFILL_THREADS, PREFILL_ROWS, num_heads
+            name, threads, tile_tokens, grid_y = (
+                prefill_kernel(q.dtype, head_dim),
+                PREFILL_THREADS,
+                PREFILL_ROWS,
+                num_heads,
+            )
         # Upper bound on the tile count without reading query_start_loc back (no host sync): every
         # sequence wastes at most one partial tile. Surplus CTAs exit immediately.
         tiles = math.ceil(t / tile_tokens) + s
-        self.executor.launch(name, device, (tiles, grid_y), (threads,), (
-            q, q.stride(0), q.stride(1), k_cache, v_cache, meta.block_tables, _i32(meta.block_tables.shape[1]),
-            meta.query_start_loc, _i32(s), _i32(int(skip_single)), meta.positions, _i32(num_heads),
-            _i32(num_kv_heads), _f32(scale * _LOG2E), out))
+        self.executor.launch(
+            name,
+            device,
+            (tiles, grid_y),
+            (threads,),
+            (
+                q,
+                q.stride(0),
+                q.stride(1),
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                _i32(meta.block_tables.shape[1]),
+                meta.query_start_loc,
+                _i32(s),
+                _i32(int(skip_single)),
+                meta.positions,
+                _i32(num_heads),
+                _i32(num_kv_heads),
+                _f32(scale * _LOG2E),
+                out,
+            ),
+        )
 
 
 @functools.lru_cache(maxsize=1)

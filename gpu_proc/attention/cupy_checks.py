@@ -25,8 +25,9 @@ def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
 
 def _check_aligned(name: str, t: torch.Tensor) -> None:
     if t.data_ptr() % 16:
-        raise ValueError(f"{name}: data must be 16-byte aligned for vector loads; pass a fresh tensor, "
-                         f"not a view at an odd offset")
+        raise ValueError(
+            f"{name}: data must be 16-byte aligned for vector loads; pass a fresh tensor, not a view at an odd offset"
+        )
 
 
 def _check_cache(name: str, cache: torch.Tensor, device: torch.device) -> None:
@@ -34,15 +35,17 @@ def _check_cache(name: str, cache: torch.Tensor, device: torch.device) -> None:
     if cache.dtype not in DTYPE_NAMES:
         raise TypeError(f"{name}: dtype {cache.dtype} unsupported; the kernels take float16, bfloat16 or float32")
     if cache.dim() != 4 or cache.shape[2] != BLOCK_SIZE:
-        raise ValueError(f"{name}: expected [num_blocks, num_kv_heads, {BLOCK_SIZE}, head_dim], "
-                         f"got {tuple(cache.shape)}")
+        raise ValueError(
+            f"{name}: expected [num_blocks, num_kv_heads, {BLOCK_SIZE}, head_dim], got {tuple(cache.shape)}"
+        )
     if not cache.is_contiguous():
         raise ValueError(f"{name}: must be contiguous (the kernels index blocks by flat offset)")
     _check_aligned(name, cache)
 
 
-def _check_rows(name: str, x: torch.Tensor, heads: int, head_dim: int, dtype: torch.dtype,
-                device: torch.device) -> None:
+def _check_rows(
+    name: str, x: torch.Tensor, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> None:
     """x: [T, heads, head_dim] with heads packed ([heads, head_dim] contiguous); the row stride may
     be larger (a view of a fused projection) but must keep 16-byte alignment."""
     _check_device(name, x, device)
@@ -54,8 +57,9 @@ def _check_rows(name: str, x: torch.Tensor, heads: int, head_dim: int, dtype: to
         return
     # NOTE: the stride of a size-1 dimension is never used for addressing, so it is not checked.
     if x.stride(2) != 1 or (x.shape[1] > 1 and x.stride(1) != head_dim):
-        raise ValueError(f"{name}: strides {x.stride()} unsupported; heads and channels must be "
-                         f"contiguous (call .contiguous())")
+        raise ValueError(
+            f"{name}: strides {x.stride()} unsupported; heads and channels must be contiguous (call .contiguous())"
+        )
     if x.shape[0] > 1 and (x.stride(0) * x.element_size()) % 16:
         raise ValueError(f"{name}: row stride {x.stride(0)} elements is not a multiple of 16 bytes")
     _check_aligned(name, x)
@@ -74,8 +78,10 @@ def _check_index(name: str, x: torch.Tensor, dtype: torch.dtype, shape: tuple, d
 def require_cuda(k_cache) -> torch.device:
     device = k_cache.device if isinstance(k_cache, torch.Tensor) else None
     if device is None or device.type != "cuda":
-        raise ValueError(f"k_cache must be a CUDA tensor for the CuPy kernels, got "
-                         f"{getattr(k_cache, 'device', type(k_cache).__name__)}")
+        raise ValueError(
+            f"k_cache must be a CUDA tensor for the CuPy kernels, got "
+            f"{getattr(k_cache, 'device', type(k_cache).__name__)}"
+        )
     return device
 
 
@@ -87,8 +93,10 @@ def _check_caches(k_cache, v_cache) -> torch.device:
     _check_cache("k_cache", k_cache, device)
     _check_cache("v_cache", v_cache, device)
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"v_cache does not match k_cache: {tuple(v_cache.shape)} {v_cache.dtype} against "
-                         f"{tuple(k_cache.shape)} {k_cache.dtype}")
+        raise ValueError(
+            f"v_cache does not match k_cache: {tuple(v_cache.shape)} {v_cache.dtype} against "
+            f"{tuple(k_cache.shape)} {k_cache.dtype}"
+        )
     return device
 
 
@@ -125,8 +133,7 @@ def check_attention_args(q, k_cache, v_cache, meta) -> torch.device:
     bt = meta.block_tables
     _check_index("meta.block_tables", bt, torch.int32, (s, bt.shape[1] if bt.dim() == 2 else -1), device)
     if t and bt.shape[1] * BLOCK_SIZE < meta.max_seq_len:
-        raise ValueError(f"meta.block_tables has {bt.shape[1]} columns, too few for max_seq_len "
-                         f"{meta.max_seq_len}")
+        raise ValueError(f"meta.block_tables has {bt.shape[1]} columns, too few for max_seq_len {meta.max_seq_len}")
     return device
 
 
@@ -156,8 +163,9 @@ def check_block_tables(meta, num_blocks: int) -> None:
         p_lo, p_hi = int(positions.min()), int(positions.max())
         if p_lo < 0 or p_hi >= limit:
             bad = p_lo if p_lo < 0 else p_hi
-            raise ValueError(f"meta.positions holds {bad}, outside the {bt.shape[1]} block-table columns "
-                             f"({limit} positions)")
+            raise ValueError(
+                f"meta.positions holds {bad}, outside the {bt.shape[1]} block-table columns ({limit} positions)"
+            )
     else:
         ok = (bt.min() >= 0) & (bt.max() < num_blocks) & (positions.min() >= 0) & (positions.max() < limit)
         torch._assert_async(ok, "attention: a block id outside the KV pool or a position past the block table")

@@ -160,9 +160,11 @@ def resident_ctas(num_regs: int, shared_bytes: int, threads: int, limits: SmLimi
 
 def _sm_limits(props) -> SmLimits:
     default = SmLimits()
-    return SmLimits(max_threads=getattr(props, "max_threads_per_multi_processor", default.max_threads),
-                    registers=getattr(props, "regs_per_multiprocessor", default.registers),
-                    shared_bytes=getattr(props, "shared_memory_per_multiprocessor", default.shared_bytes))
+    return SmLimits(
+        max_threads=getattr(props, "max_threads_per_multi_processor", default.max_threads),
+        registers=getattr(props, "regs_per_multiprocessor", default.registers),
+        shared_bytes=getattr(props, "shared_memory_per_multiprocessor", default.shared_bytes),
+    )
 
 
 def _ctas_per_sm(fn, threads: int, props) -> int:

@@ -88,7 +88,8 @@ def _raise_bad_row(seqs, block_size: int) -> None:
             raise StepBatchError(f"seq {s.seq_id}: no new tokens")
         if len(s.block_table) < need:
             raise StepBatchError(
-                f"seq {s.seq_id}: block table has {len(s.block_table)} blocks, {need} needed for {end} tokens")
+                f"seq {s.seq_id}: block table has {len(s.block_table)} blocks, {need} needed for {end} tokens"
+            )
 
 
 def build_step_inputs(batch: StepBatch, block_size: int, device: torch.device) -> StepInputs:
@@ -118,8 +119,11 @@ def build_step_inputs(batch: StepBatch, block_size: int, device: torch.device) -
     else:
         ids = [t for s in seqs for t in s.token_ids]
         positions = [p for a, e in zip(starts, seq_lens) for p in range(a, e)]
-        slots = [bt[p // block_size] * block_size + p % block_size
-                 for bt, a, e in zip(tables_in, starts, seq_lens) for p in range(a, e)]
+        slots = [
+            bt[p // block_size] * block_size + p % block_size
+            for bt, a, e in zip(tables_in, starts, seq_lens)
+            for p in range(a, e)
+        ]
         token_seq = [i for i, n in enumerate(lens) for _ in range(n)]
         qsl = [0]
         total = 0
@@ -142,14 +146,14 @@ def build_step_inputs(batch: StepBatch, block_size: int, device: torch.device) -
         flat = flat.to(device, non_blocking=True)
         flat32 = flat32.to(device, non_blocking=True)
     meta = AttentionMetadata(
-        slot_mapping=flat[2 * t:3 * t],
-        query_start_loc=flat32[:ns + 1],
-        seq_lens=flat32[ns + 1:2 * ns + 1],
-        block_tables=flat32[2 * ns + 1:].view(ns, width),  # [S, max_blocks]
-        positions=flat[t:2 * t],
-        token_seq=flat[3 * t:4 * t],
+        slot_mapping=flat[2 * t : 3 * t],
+        query_start_loc=flat32[: ns + 1],
+        seq_lens=flat32[ns + 1 : 2 * ns + 1],
+        block_tables=flat32[2 * ns + 1 :].view(ns, width),  # [S, max_blocks]
+        positions=flat[t : 2 * t],
+        token_seq=flat[3 * t : 4 * t],
         max_query_len=max_q,
         max_seq_len=max_len,
         block_size=block_size,
     )
-    return StepInputs(input_ids=flat[:t], logits_indices=flat[4 * t:], meta=meta)
+    return StepInputs(input_ids=flat[:t], logits_indices=flat[4 * t :], meta=meta)

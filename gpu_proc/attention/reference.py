@@ -38,8 +38,9 @@ def _check_cache(name: str, cache: torch.Tensor, k: torch.Tensor) -> None:
         raise ValueError(f"{name} {tuple(cache.shape)} does not match new keys {tuple(k.shape)}")
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Store new keys/values `[T, num_kv_heads, head_dim]` at their flat slots; a negative slot is
     padding and writes nothing (as in the kernel)."""
     _check_cache("k_cache", k_cache, k)
@@ -57,14 +58,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached keys. q: `[T, num_heads, head_dim]`."""
     group = _group(q, k_cache)
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     if block_size != meta.block_size:
-        raise ValueError(f"cache blocks hold {block_size} tokens but the step's block tables count "
-                         f"{meta.block_size}-token blocks")
+        raise ValueError(
+            f"cache blocks hold {block_size} tokens but the step's block tables count {meta.block_size}-token blocks"
+        )
     plan = meta.reference_plan
     # Built by the first layer of the step and reused by the others (same rows, same cache shape).
     if not isinstance(plan, ReferencePlan) or plan.num_kv_heads != num_kv_heads:
@@ -76,7 +79,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for bucket in plan.decode:
         out[bucket.tokens] = _decode_bucket(q[bucket.tokens], k_cache, v_cache, bucket, group, scale)
     for chunk in plan.chunks:
-        out[chunk.lo:chunk.hi] = _prefill_chunk(q[chunk.lo:chunk.hi], k_cache, v_cache, chunk, group, scale)
+        out[chunk.lo : chunk.hi] = _prefill_chunk(q[chunk.lo : chunk.hi], k_cache, v_cache, chunk, group, scale)
     return out
 
 
@@ -92,8 +95,9 @@ def _group(q: torch.Tensor, k_cache: torch.Tensor) -> int:
     return num_heads // num_kv_heads
 
 
-def _decode_bucket(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: DecodeBucket,
-                   group: int, scale: float) -> torch.Tensor:
+def _decode_bucket(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: DecodeBucket, group: int, scale: float
+) -> torch.Tensor:
     """One query per row over the row's keys. q: `[n, num_heads, head_dim]` in bucket order."""
     n, num_heads, head_dim = q.shape
     num_kv_heads, ctx = k_cache.shape[1], bucket.ctx
@@ -108,8 +112,9 @@ def _decode_bucket(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return torch.matmul(probs, v).reshape(n, num_heads, head_dim).to(q.dtype)  # [n, kvh, group, d]
 
 
-def _prefill_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk,
-                   group: int, scale: float) -> torch.Tensor:
+def _prefill_chunk(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk, group: int, scale: float
+) -> torch.Tensor:
     """The chunk's queries `[n, num_heads, head_dim]` over its sequence's first `seq_len` keys."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -125,8 +130,13 @@ def _prefill_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         hi = min(n, lo + rows)
         m = hi - lo
         # [m, H, d] -> [kvh, group * m, d]: one matrix per KV head
-        qg = q[lo:hi].view(m, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(
-            num_kv_heads, group * m, head_dim).to(k.dtype)
+        qg = (
+            q[lo:hi]
+            .view(m, num_kv_heads, group, head_dim)
+            .permute(1, 2, 0, 3)
+            .reshape(num_kv_heads, group * m, head_dim)
+            .to(k.dtype)
+        )
         scores = _scores(qg, k, scale)  # [kvh, group * m, seq_len]
         scores = scores.view(num_kv_heads, group, m, seq_len).masked_fill_(~chunk.allowed[lo:hi], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v.dtype).view(num_kv_heads, group * m, seq_len)
@@ -135,8 +145,9 @@ def _prefill_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out
 
 
-def paged_attention_naive(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention_naive(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """The spec in its plainest form: every token gathers its sequence's blocks up to the step's
     longest context and masks keys after its own position. Slow on mixed steps; for tests."""
     t, num_heads, head_dim = q.shape

@@ -87,8 +87,7 @@ def _buckets(nblocks: dict[int, int]) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
-def _bucket(meta: AttentionMetadata, seqs: list[int], tokens: list[int], width: int,
-                   num_kv_heads: int) -> DecodeBucket:
+def _bucket(meta: AttentionMetadata, seqs: list[int], tokens: list[int], width: int, num_kv_heads: int) -> DecodeBucket:
     bs = meta.block_size
     device = meta.seq_lens.device
     if len(seqs) == meta.num_seqs:  # every row of the step (the common decode step): no row gather
@@ -107,8 +106,9 @@ def _bucket(meta: AttentionMetadata, seqs: list[int], tokens: list[int], width: 
     return DecodeBucket(host_tensor("q", tokens).to(device), rows.reshape(-1), valid, width * bs)
 
 
-def build_reference_plan(meta: AttentionMetadata, num_kv_heads: int, row_bytes_per_block: int,
-                         budget_bytes: int) -> ReferencePlan:
+def build_reference_plan(
+    meta: AttentionMetadata, num_kv_heads: int, row_bytes_per_block: int, budget_bytes: int
+) -> ReferencePlan:
     """Group the step's rows for the reference attention. `row_bytes_per_block` is what one row's
     gather of one block costs (K and V); a decode slice stays under `budget_bytes` (at least one row)."""
     bs = meta.block_size
@@ -130,13 +130,13 @@ def build_reference_plan(meta: AttentionMetadata, num_kv_heads: int, row_bytes_p
         width = max(decode_blocks[s] for s in seqs)
         per_slice = max(1, budget_bytes // max(1, width * row_bytes_per_block))
         for lo in range(0, len(seqs), per_slice):
-            part = seqs[lo:lo + per_slice]
+            part = seqs[lo : lo + per_slice]
             decode.append(_bucket(meta, part, [qsl[s] for s in part], width, num_kv_heads))
 
     chunks: list[PrefillChunk] = []
     for s in chunk_seqs:
         lo, hi, seq_len = qsl[s], qsl[s + 1], seq_lens[s]
-        blocks = meta.block_tables[s, :(seq_len + bs - 1) // bs].long()
+        blocks = meta.block_tables[s, : (seq_len + bs - 1) // bs].long()
         first = seq_len - (hi - lo)  # position of the chunk's first new token
         q_pos = torch.arange(first, seq_len, device=device)
         allowed = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]  # [n, seq_len]

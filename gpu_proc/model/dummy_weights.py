@@ -17,8 +17,9 @@ SEED = 0
 
 
 @torch.no_grad()
-def random_model(args: ModelArgs, device: torch.device | str, dtype: torch.dtype, seed: int = SEED,
-                 cpu_kernels: bool = True) -> Llama:
+def random_model(
+    args: ModelArgs, device: torch.device | str, dtype: torch.dtype, seed: int = SEED, cpu_kernels: bool = True
+) -> Llama:
     """A `Llama` of `args` on `device` in `dtype` with seeded random weights, ready for forward."""
     device = torch.device(device)
     with torch.device("meta"):

@@ -65,13 +65,13 @@ def read_gguf_header(path: Path) -> GgufHeader:
         magic = f.read(4)
         if magic != _GGUF_MAGIC:
             raise GgufError(f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file with b'GGUF')")
-        version, = struct.unpack("<I", _read(f, 4, path))
+        (version,) = struct.unpack("<I", _read(f, 4, path))
         if version not in (2, 3):
             raise GgufError(f"{path}: GGUF version {version}; versions 2 and 3 are supported")
         tensor_count, kv_count = struct.unpack("<QQ", _read(f, 16, path))
         for _ in range(kv_count):
             key = _read_string(f, path)
-            kind, = struct.unpack("<I", _read(f, 4, path))
+            (kind,) = struct.unpack("<I", _read(f, 4, path))
             if key in wanted and kind == _STRING:
                 wanted[key] = _read_string(f, path)
                 if all(v is not None for v in wanted.values()):
@@ -89,7 +89,7 @@ def _read(f: BinaryIO, n: int, path: Path) -> bytes:
 
 
 def _read_string(f: BinaryIO, path: Path) -> str:
-    n, = struct.unpack("<Q", _read(f, 8, path))
+    (n,) = struct.unpack("<Q", _read(f, 8, path))
     return _read(f, n, path).decode("utf-8", errors="replace")
 
 
@@ -97,7 +97,7 @@ def _skip_value(f: BinaryIO, kind: int, path: Path) -> None:
     if kind in _SCALAR_SIZES:
         f.seek(_SCALAR_SIZES[kind], os.SEEK_CUR)
     elif kind == _STRING:
-        n, = struct.unpack("<Q", _read(f, 8, path))
+        (n,) = struct.unpack("<Q", _read(f, 8, path))
         f.seek(n, os.SEEK_CUR)
     elif kind == _ARRAY:
         item_kind, count = struct.unpack("<IQ", _read(f, 12, path))
@@ -114,14 +114,22 @@ def check_architecture(path: Path) -> GgufHeader:
     header = read_gguf_header(path)
     if header.architecture not in SUPPORTED_GGUF_ARCHITECTURES:
         name = f" ({header.name})" if header.name else ""
-        raise GgufError(f"{path}: a GGUF of architecture {header.architecture!r}{name}; ringserve serves "
-                        f"Llama-family models (GGUF general.architecture "
-                        f"{' or '.join(map(repr, SUPPORTED_GGUF_ARCHITECTURES))})")
+        raise GgufError(
+            f"{path}: a GGUF of architecture {header.architecture!r}{name}; ringserve serves "
+            f"Llama-family models (GGUF general.architecture "
+            f"{' or '.join(map(repr, SUPPORTED_GGUF_ARCHITECTURES))})"
+        )
     return header
 
 
-def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "float32",
-                 source: dict | None = None, say: Callable[[str], None] = print) -> Path:
+def convert_gguf(
+    gguf_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    source: dict | None = None,
+    say: Callable[[str], None] = print,
+) -> Path:
     """Convert `gguf_path` into the checkpoint directory `out_dir` (replaced if it exists).
 
     `source` is recorded in the marker (where the file came from); `say` gets one line per phase.
@@ -148,20 +156,30 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
         say(f"dequantizing {header.tensor_count} tensors to {dtype}")
         model = AutoModelForCausalLM.from_pretrained(str(link_dir), gguf_file="model.gguf")
         config = model.config.to_dict()
-        tensors = _state_dict(model, getattr(torch, dtype), gguf_path,
-                              tied=bool(config.get("tie_word_embeddings")))
+        tensors = _state_dict(model, getattr(torch, dtype), gguf_path, tied=bool(config.get("tie_word_embeddings")))
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         say(f"writing model.safetensors ({size / 2**20:.0f} MiB)")
         save_file(tensors, str(work / "model.safetensors"), metadata={"format": "pt"})
         del model, tensors
-        _write_config(work, config, type_name="LlamaForCausalLM" if header.architecture == "llama"
-                      else "MistralForCausalLM", dtype=dtype)
+        _write_config(
+            work,
+            config,
+            type_name="LlamaForCausalLM" if header.architecture == "llama" else "MistralForCausalLM",
+            dtype=dtype,
+        )
         _write_tokenizer(work, tokenizer, config)
         shutil.rmtree(link_dir)
-        _write_json(work / MARKER, {"format": CONVERSION_FORMAT, "dtype": dtype,
-                                    "architecture": header.architecture, "name": header.name,
-                                    "source": source or {"path": str(gguf_path.resolve())},
-                                    "converted_s": round(time.monotonic() - started, 1)})
+        _write_json(
+            work / MARKER,
+            {
+                "format": CONVERSION_FORMAT,
+                "dtype": dtype,
+                "architecture": header.architecture,
+                "name": header.name,
+                "source": source or {"path": str(gguf_path.resolve())},
+                "converted_s": round(time.monotonic() - started, 1),
+            },
+        )
         _make_readable(work)
         if out.exists():
             shutil.rmtree(out)
@@ -179,29 +197,39 @@ def _state_dict(model, dtype, path: Path, *, tied: bool) -> dict:
         if tied and name == "lm_head.weight":
             continue  # the loader ties it back to the embedding
         if not t.is_floating_point():
-            raise GgufError(f"{path}: transformers left tensor {name!r} quantized ({t.dtype}); "
-                            "this transformers version cannot dequantize the file")
+            raise GgufError(
+                f"{path}: transformers left tensor {name!r} quantized ({t.dtype}); "
+                "this transformers version cannot dequantize the file"
+            )
         out[name] = t.detach().to(dtype).contiguous()
     return out
 
 
 def _write_config(work: Path, config: dict, *, type_name: str, dtype: str) -> None:
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "_commit_hash",
-                "transformers_version", "id2label", "label2id"):
+    for key in (
+        "quantization_config",
+        "_name_or_path",
+        "_model_name_or_path",
+        "_commit_hash",
+        "transformers_version",
+        "id2label",
+        "label2id",
+    ):
         config.pop(key, None)
     config["architectures"] = [type_name]
     config["dtype"] = config["torch_dtype"] = dtype  # transformers 5 reads dtype, 4.x torch_dtype
     _write_json(work / "config.json", config)
-    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                  if config.get(k) is not None}
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
     _write_json(work / "generation_config.json", generation)
 
 
 def _write_tokenizer(work: Path, tokenizer, config: dict) -> None:
     tokenizer.backend_tokenizer.save(str(work / "tokenizer.json"))
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast",
-                        "clean_up_tokenization_spaces": False,
-                        "model_max_length": config.get("max_position_embeddings")}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config.get("max_position_embeddings"),
+    }
     for name, token in tokenizer.special_tokens_map.items():
         if isinstance(token, str):
             tokenizer_config[name] = token

@@ -43,13 +43,22 @@ class ModelArgs:
     mlp_bias: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_scaling is not None:
@@ -90,9 +99,9 @@ def _fuse(projs: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | No
     lo = 0
     for p in projs:
         n = p.weight.shape[0]
-        p.weight = nn.Parameter(weight[lo:lo + n], requires_grad=False)
+        p.weight = nn.Parameter(weight[lo : lo + n], requires_grad=False)
         if bias is not None:
-            p.bias = nn.Parameter(bias[lo:lo + n], requires_grad=False)
+            p.bias = nn.Parameter(bias[lo : lo + n], requires_grad=False)
         lo += n
     return weight, bias
 
@@ -137,7 +146,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, args.num_kv_heads * args.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, args.num_kv_heads * args.head_dim, bias=bias)
         self.o_proj = nn.Linear(args.num_heads * args.head_dim, h, bias=bias)
-        self.scale = args.head_dim ** -0.5
+        self.scale = args.head_dim**-0.5
         self.qkv: cpu_ops.PackedLinear | None = None  # set by fuse_projections
         self.o: cpu_ops.PackedLinear | None = None
 
@@ -149,8 +158,16 @@ class Attention(nn.Module):
         self.o = o = cpu_ops.PackedLinear(self.o_proj.weight, self.o_proj.bias)
         return qkv, o
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, heads, head_dim]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
@@ -227,8 +244,9 @@ class Llama(nn.Module):
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
 
-    def setup(self, device: torch.device | str, backend: AttentionBackend | None = None,
-              cpu_kernels: bool = True) -> None:
+    def setup(
+        self, device: torch.device | str, backend: AttentionBackend | None = None, cpu_kernels: bool = True
+    ) -> None:
         """Rotary tables for every position up to max_position_embeddings, and the attention backend.
 
         With the compiled CPU backend (`attention/cpu_backend.py`) the forward also runs fused, one
@@ -247,17 +265,28 @@ class Llama(nn.Module):
         self.fused = self.backend.name == "cpu" and torch.backends.mkldnn.is_available()
         self.packed_head = None
         if self.fused:
-            self.block_weights = [self._block_weights(cast(TransformerBlock, layer)).args()
-                                  for layer in self.model.layers]
+            self.block_weights = [
+                self._block_weights(cast(TransformerBlock, layer)).args() for layer in self.model.layers
+            ]
             self.packed_head = cpu_ops.PackedLinear(self.lm_head.weight)
 
     def _block_weights(self, layer: TransformerBlock) -> cpu_ops.BlockWeights:
         attn, mlp = layer.self_attn, layer.mlp
         qkv, o = attn.fuse_projections()
         gate_up, down = mlp.fuse_projections()
-        return cpu_ops.BlockWeights(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                    self.args.rms_norm_eps, qkv, o, gate_up, down,
-                                    attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+        return cpu_ops.BlockWeights(
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
+            self.args.rms_norm_eps,
+            qkv,
+            o,
+            gate_up,
+            down,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            attn.scale,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -267,14 +296,16 @@ class Llama(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVPool,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVPool, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
         """Run T new tokens; return float32 logits `[R, vocab]` for the tokens at `logits_indices`."""
         if self.backend is None or self.rope_cos is None or self.rope_sin is None:
             raise RuntimeError("Llama.setup(device) must run before the first forward")
         if self.packed_head is not None:  # the fused CPU forward (setup packed it)
-            return self._forward_fused(input_ids, meta, kv_pool, logits_indices, self.packed_head,
-                                       self.rope_cos, self.rope_sin)
+            return self._forward_fused(
+                input_ids, meta, kv_pool, logits_indices, self.packed_head, self.rope_cos, self.rope_sin
+            )
         cos, sin = self.rope_cos[meta.positions], self.rope_sin[meta.positions]  # [T, head_dim]
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         for i, layer in enumerate(self.model.layers):
@@ -283,9 +314,16 @@ class Llama(nn.Module):
         x = self.model.norm(x[logits_indices])  # [R, hidden]
         return self.lm_head(x).float()  # [R, vocab]
 
-    def _forward_fused(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVPool,
-                       logits_indices: torch.Tensor, head: cpu_ops.PackedLinear, rope_cos: torch.Tensor,
-                       rope_sin: torch.Tensor) -> torch.Tensor:
+    def _forward_fused(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_pool: KVPool,
+        logits_indices: torch.Tensor,
+        head: cpu_ops.PackedLinear,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+    ) -> torch.Tensor:
         """`forward` with the CPU kernels: the same math, each block in one compiled call
         (`cpu_ops.block`). The residual stream is carried beside the block output so each add is
         fused into the next norm. The first block's inputs are checked; the others have the same

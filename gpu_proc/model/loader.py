@@ -55,8 +55,9 @@ def model_args_from_config(cfg: dict, path: Path) -> ModelArgs:
     """Validate a config.json dict and turn it into `ModelArgs`."""
     archs = cfg.get("architectures") or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and cfg.get("model_type") not in ("llama", "mistral"):
-        raise CheckpointError(f"{path}: field 'architectures' is {archs!r}; supported: "
-                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise CheckpointError(
+            f"{path}: field 'architectures' is {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"{path}: field 'hidden_act' is {act!r}; only 'silu' is supported")
@@ -65,8 +66,10 @@ def model_args_from_config(cfg: dict, path: Path) -> ModelArgs:
     max_pos = _field(cfg, path, "max_position_embeddings", int, 8192)
     window = cfg.get("sliding_window")
     if window is not None and window < max_pos:
-        raise CheckpointError(f"{path}: field 'sliding_window' is {window}; sliding-window attention is "
-                              f"not supported (it must be null or >= max_position_embeddings {max_pos})")
+        raise CheckpointError(
+            f"{path}: field 'sliding_window' is {window}; sliding-window attention is "
+            f"not supported (it must be null or >= max_position_embeddings {max_pos})"
+        )
     # transformers 5 nests theta and scaling under `rope_parameters`; 4.x has them at top level.
     rope_params = cfg.get("rope_parameters") or {}
     rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
@@ -87,8 +90,9 @@ def model_args_from_config(cfg: dict, path: Path) -> ModelArgs:
             max_position_embeddings=max_pos,
             rms_norm_eps=_field(cfg, path, "rms_norm_eps", float, 1e-5),
             rope_theta=float(rope_theta),
-            rope_scaling=None if scaling is None else tuple(sorted(
-                (k, v) for k, v in scaling.items() if not isinstance(v, (dict, list)))),
+            rope_scaling=None
+            if scaling is None
+            else tuple(sorted((k, v) for k, v in scaling.items() if not isinstance(v, (dict, list)))),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -134,13 +138,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         return [single]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"{model_dir}: no *.safetensors weights found (.bin/.pt checkpoints are not "
-                              "supported; convert them with transformers' save_pretrained(safe_serialization=True))")
+        raise CheckpointError(
+            f"{model_dir}: no *.safetensors weights found (.bin/.pt checkpoints are not "
+            "supported; convert them with transformers' save_pretrained(safe_serialization=True))"
+        )
     return files
 
 
-_INITIALIZERS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_",
-                 "zeros_", "ones_")
+_INITIALIZERS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -159,9 +164,14 @@ def _no_initial_values():
             setattr(nn.init, name, fn)
 
 
-def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
-               dtype: str | torch.dtype | None = "auto", load_format: str = "auto",
-               progress: Callable[[], None] | None = None, cpu_kernels: bool = True) -> Llama:
+def load_model(
+    model_dir: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: str | torch.dtype | None = "auto",
+    load_format: str = "auto",
+    progress: Callable[[], None] | None = None,
+    cpu_kernels: bool = True,
+) -> Llama:
     """Load a checkpoint directory onto `device` in `dtype`, ready for `forward` (setup done; on the
     CPU with the compiled kernels unless `cpu_kernels` is False, see `Llama.setup`).
     `load_format="dummy"` reads only config.json and makes random weights (dummy_weights.py).
@@ -198,12 +208,16 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
                     if name.endswith(_IGNORED_SUFFIXES) or (args.tie_word_embeddings and name == "lm_head.weight"):
                         continue
                     if name not in expected:
-                        raise CheckpointError(f"{f}: unexpected tensor {name!r} (not part of a Llama model "
-                                              f"with {args.num_layers} layers per config.json)")
+                        raise CheckpointError(
+                            f"{f}: unexpected tensor {name!r} (not part of a Llama model "
+                            f"with {args.num_layers} layers per config.json)"
+                        )
                     shape = tuple(reader.get_slice(name).get_shape())
                     if shape != expected[name]:
-                        raise CheckpointError(f"{f}: tensor {name!r} has shape {shape}, config.json implies "
-                                              f"{expected[name]} (check hidden_size, heads, head_dim, vocab_size)")
+                        raise CheckpointError(
+                            f"{f}: tensor {name!r} has shape {shape}, config.json implies "
+                            f"{expected[name]} (check hidden_size, heads, head_dim, vocab_size)"
+                        )
                     state[name] = reader.get_tensor(name).to(dtype)
                     if progress is not None:
                         progress()
@@ -252,10 +266,13 @@ def read_special_tokens(model_dir: str | Path) -> SpecialTokens:
 
             tid = Tokenizer.from_file(str(tok_path)).token_to_id(token)
             if tid is None:
-                raise CheckpointError(f"{model_dir / 'tokenizer_config.json'}: field 'eos_token' {token!r} "
-                                      f"is not in tokenizer.json")
+                raise CheckpointError(
+                    f"{model_dir / 'tokenizer_config.json'}: field 'eos_token' {token!r} is not in tokenizer.json"
+                )
             eos.add(tid)
     if not eos:
-        raise CheckpointError(f"{model_dir}: no EOS token: set 'eos_token_id' in generation_config.json "
-                              f"or config.json, or 'eos_token' in tokenizer_config.json")
+        raise CheckpointError(
+            f"{model_dir}: no EOS token: set 'eos_token_id' in generation_config.json "
+            f"or config.json, or 'eos_token' in tokenizer_config.json"
+        )
     return SpecialTokens(bos_token_id=bos, eos_token_ids=frozenset(eos))

@@ -42,16 +42,24 @@ class Served:
 def serve(aiohttp_client, codec, chat_template) -> Callable:
     """`await serve(fake=..., keys=..., ready=..., app_kw=..., **config)` -> Served, on a fresh app."""
 
-    async def _serve(fake: FakeGpu | None = None, keys: frozenset[str] | None = None,
-                     ready: Callable[[], bool] = lambda: True, app_kw: dict | None = None,
-                     **config) -> Served:
+    async def _serve(
+        fake: FakeGpu | None = None,
+        keys: frozenset[str] | None = None,
+        ready: Callable[[], bool] = lambda: True,
+        app_kw: dict | None = None,
+        **config,
+    ) -> Served:
         fake = fake or FakeGpu()
-        app = init_app(Config(**config), GpuClient(fake, ready=ready), codec, model_name=MODEL, ready=ready,
-                       auth=Authenticator(keys),
-                       stats_source=lambda st: StatsSnapshot(gpu=fake.stats(),
-                                                             workers=[st.stats.as_dict()],
-                                                             block_size=16),
-                       **{"chat_template": chat_template, **(app_kw or {})})
+        app = init_app(
+            Config(**config),
+            GpuClient(fake, ready=ready),
+            codec,
+            model_name=MODEL,
+            ready=ready,
+            auth=Authenticator(keys),
+            stats_source=lambda st: StatsSnapshot(gpu=fake.stats(), workers=[st.stats.as_dict()], block_size=16),
+            **{"chat_template": chat_template, **(app_kw or {})},
+        )
         client = await aiohttp_client(app)
         return Served(client, fake, app[STATE])
 

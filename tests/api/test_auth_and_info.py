@@ -28,8 +28,7 @@ async def test_missing_or_wrong_key_is_401(serve, header):
 async def test_valid_key_is_the_tenant(serve):
     """A valid key is accepted and becomes the request's tenant (as a hash, never the key)."""
     served = await serve(keys=_KEYS)
-    resp = await served.client.post("/v1/completions", json=_BODY,
-                                    headers={"Authorization": "Bearer sk-beta"})
+    resp = await served.client.post("/v1/completions", json=_BODY, headers={"Authorization": "Bearer sk-beta"})
     assert resp.status == 200
     assert served.fake.submits[0].tenant == tenant_of("sk-beta") != "sk-beta"
 
@@ -98,8 +97,7 @@ async def test_worker_stats_are_published_periodically(serve):
     import asyncio
 
     seen = []
-    served = await serve(app_kw={"publish": lambda stats: seen.append(stats.as_dict()),
-                                 "publish_every_s": 0.01})
+    served = await serve(app_kw={"publish": lambda stats: seen.append(stats.as_dict()), "publish_every_s": 0.01})
     await served.client.post("/v1/completions", json=_BODY)
     async with asyncio.timeout(5):
         while not seen or seen[-1]["requests_total"] != 1.0:

@@ -46,16 +46,13 @@ async def test_delete_of_unknown_request_is_404(serve):
 async def test_delete_by_another_key_is_404(serve):
     """Only the key that submitted a request may cancel it."""
     served = await serve(fake=FakeGpu(step_interval_s=0.002), keys=frozenset({"alice", "bob"}))
-    resp = await served.client.post("/v1/completions", json=_BODY,
-                                    headers={"Authorization": "Bearer alice"})
+    resp = await served.client.post("/v1/completions", json=_BODY, headers={"Authorization": "Bearer alice"})
     await resp.content.readuntil(b"\n\n")
     request_id = resp.headers["x-request-id"]
-    other = await served.client.delete(f"/v1/requests/{request_id}",
-                                       headers={"Authorization": "Bearer bob"})
+    other = await served.client.delete(f"/v1/requests/{request_id}", headers={"Authorization": "Bearer bob"})
     assert other.status == 404
     assert served.fake.cancels == []
-    mine = await served.client.delete(f"/v1/requests/{request_id}",
-                                      headers={"Authorization": "Bearer alice"})
+    mine = await served.client.delete(f"/v1/requests/{request_id}", headers={"Authorization": "Bearer alice"})
     assert mine.status == 200
     await resp.read()
 
@@ -93,9 +90,11 @@ async def test_slow_reader_is_cancelled_and_closed(serve):
     loop = asyncio.get_running_loop()
     await loop.sock_connect(sock, ("127.0.0.1", port))
     body = b'{"prompt":"slow reader test","max_tokens":4000,"stream":true}'
-    await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                            b"Content-Type: application/json\r\nContent-Length: "
-                            + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await loop.sock_sendall(
+        sock,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body,
+    )
     await _until(lambda: served.fake.cancels, timeout=10.0)
     assert served.fake.cancels[0].reason == "slow_reader"
     assert served.state.stats.get("slow_reader_cancels") == 1
@@ -123,11 +122,9 @@ async def test_every_disconnect_is_counted_once_whatever_the_phase(serve, codec)
     or while a non-streaming answer is generated counts one disconnect each (issue 15: the
     counter rose by 968 for 1,000 disconnects)."""
     long_prompt = ("The quick brown fox jumps over the lazy dog. " * 40000)[:1_600_000]
-    served = await serve(fake=FakeGpu(step_interval_s=0.002), context_limit=2_000_000,
-                         max_tokens_limit=1000)
+    served = await serve(fake=FakeGpu(step_interval_s=0.002), context_limit=2_000_000, max_tokens_limit=1000)
     # 1. while tokenizing (off the loop: about a second for this prompt)
-    task = asyncio.create_task(served.client.post("/v1/completions",
-                                                  json={"prompt": long_prompt, "max_tokens": 5}))
+    task = asyncio.create_task(served.client.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 5}))
     await asyncio.sleep(0.2)
     task.cancel()
     await _until(lambda: served.state.stats.get("disconnects") == 1)

@@ -54,13 +54,24 @@ async def test_stream_chunks_role_content_finish_done(serve, codec, chat_templat
     rid = resp.headers["x-request-id"]
     role, tokens, finish, done = events[0], events[1:-2], events[-2], events[-1]
     assert role["object"] == "chat.completion.chunk" and role["model"] == MODEL and role["id"] == rid
-    assert role["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None, "finish_reason": None}]
+    assert role["choices"] == [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    ]
     answer_ids = codec.encode("Hi there", add_special_tokens=False) + [eot]
     assert [e["token_id"] for e in tokens] == answer_ids
     for e in tokens:
-        assert set(e) == {"id", "object", "created", "model", "choices", "request_id", "index",
-                          "text", "token_id", "logprob"}
+        assert set(e) == {
+            "id",
+            "object",
+            "created",
+            "model",
+            "choices",
+            "request_id",
+            "index",
+            "text",
+            "token_id",
+            "logprob",
+        }
         assert e["choices"][0]["delta"] == {"content": e["text"]} and e["request_id"] == rid
     assert "".join(e["text"] for e in tokens) == "Hi there"
     assert finish["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]
@@ -77,8 +88,7 @@ async def test_stream_usage_only_when_asked(serve, codec, chat_template):
     prompt = len(served.fake.submits[0].prompt_ids)
     answer = len(codec.encode("Hi", add_special_tokens=False)) + 1  # and the end-of-turn token
     assert usage["choices"] == [] and done == "[DONE]"
-    assert usage["usage"] == {"prompt_tokens": prompt, "completion_tokens": answer,
-                              "total_tokens": prompt + answer}
+    assert usage["usage"] == {"prompt_tokens": prompt, "completion_tokens": answer, "total_tokens": prompt + answer}
     assert usage["timing"]["ttft_ms"] >= 0
 
 
@@ -89,8 +99,9 @@ async def test_non_streaming_body(serve, codec, chat_template):
     resp, body = await _chat(served, max_tokens=50)
     assert resp.status == 200
     assert body["object"] == "chat.completion" and body["id"] == resp.headers["x-request-id"]
-    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hi there"},
-                                "logprobs": None, "finish_reason": "stop"}]
+    assert body["choices"] == [
+        {"index": 0, "message": {"role": "assistant", "content": "Hi there"}, "logprobs": None, "finish_reason": "stop"}
+    ]
     answer = len(codec.encode("Hi there", add_special_tokens=False)) + 1
     assert body["usage"]["completion_tokens"] == answer and body["request_id"] == body["id"]
 
@@ -139,29 +150,34 @@ async def test_content_parts_are_joined_with_newlines(serve, chat_template, code
     assert served.fake.submits[0].prompt_ids == codec.encode(expected, add_special_tokens=False)
 
 
-@pytest.mark.parametrize("field, value, param", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}], "tools"),
-    ("tool_choice", "auto", "tool_choice"),
-    ("response_format", {"type": "json_object"}, "response_format"),
-    ("use_beam_search", True, "use_beam_search"),
-    ("priority", 1, "priority"),
-    ("chat_template", "{{ messages }}", "chat_template"),
-    ("logit_bias", {"99999": 1.0}, "logit_bias"),
-    ("audio", {"voice": "alloy"}, "audio"),
-    ("messages", [{"role": "tool", "content": "x", "tool_call_id": "1"}], "messages[0].role"),
-    ("messages", [{"role": "developer", "content": "x"}], "messages[0].role"),
-    ("messages", [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}],
-     "messages[0].tool_calls"),
-    ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-     "messages[0].content[0].type"),
-    ("messages", [{"role": "user", "content": None}], "messages[0].content"),
-    ("messages", [], "messages"),
-    ("stream_options", {"include_usage": True, "continuous_usage_stats": True}, "stream_options"),
-    ("top_logprobs", 2, "top_logprobs"),
-    ("n", 0, "n"),
-    ("temperature", 3.0, "temperature"),
-    ("parallel_tool_calls", "yes", "parallel_tool_calls"),
-])
+@pytest.mark.parametrize(
+    "field, value, param",
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}], "tools"),
+        ("tool_choice", "auto", "tool_choice"),
+        ("response_format", {"type": "json_object"}, "response_format"),
+        ("use_beam_search", True, "use_beam_search"),
+        ("priority", 1, "priority"),
+        ("chat_template", "{{ messages }}", "chat_template"),
+        ("logit_bias", {"99999": 1.0}, "logit_bias"),
+        ("audio", {"voice": "alloy"}, "audio"),
+        ("messages", [{"role": "tool", "content": "x", "tool_call_id": "1"}], "messages[0].role"),
+        ("messages", [{"role": "developer", "content": "x"}], "messages[0].role"),
+        ("messages", [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}], "messages[0].tool_calls"),
+        (
+            "messages",
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            "messages[0].content[0].type",
+        ),
+        ("messages", [{"role": "user", "content": None}], "messages[0].content"),
+        ("messages", [], "messages"),
+        ("stream_options", {"include_usage": True, "continuous_usage_stats": True}, "stream_options"),
+        ("top_logprobs", 2, "top_logprobs"),
+        ("n", 0, "n"),
+        ("temperature", 3.0, "temperature"),
+        ("parallel_tool_calls", "yes", "parallel_tool_calls"),
+    ],
+)
 async def test_fields_it_cannot_honour_are_400_naming_them(serve, field, value, param):
     """Tools, structured output, audio, non-text parts, bad roles and bad values: 400 with param."""
     served = await serve()
@@ -173,20 +189,29 @@ async def test_fields_it_cannot_honour_are_400_naming_them(serve, field, value, 
 async def test_neutral_values_of_unsupported_fields_are_accepted(serve):
     """What clients send by default (null tools, text format, empty tool_calls) is fine."""
     served = await serve()
-    messages = [{"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello", "tool_calls": None, "refusal": None},
-                {"role": "user", "content": "Bye", "name": "bob"}]
-    resp, body = await _chat(served, messages=messages, tools=None, tool_choice="none",
-                             response_format={"type": "text"}, parallel_tool_calls=True,
-                             frequency_penalty=0, user="me", max_tokens=2)
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello", "tool_calls": None, "refusal": None},
+        {"role": "user", "content": "Bye", "name": "bob"},
+    ]
+    resp, body = await _chat(
+        served,
+        messages=messages,
+        tools=None,
+        tool_choice="none",
+        response_format={"type": "text"},
+        parallel_tool_calls=True,
+        frequency_penalty=0,
+        user="me",
+        max_tokens=2,
+    )
     assert resp.status == 200, body
 
 
 async def test_template_refusal_is_400_with_its_message(serve):
     """The template's raise_exception (two user turns in a row) becomes a 400 quoting it."""
     served = await serve()
-    status, err = await _error(served, messages=[{"role": "user", "content": "a"},
-                                                 {"role": "user", "content": "b"}])
+    status, err = await _error(served, messages=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
     assert status == 400 and err["code"] == "chat_template_error"
     assert "must alternate" in err["message"]
 
@@ -212,15 +237,26 @@ async def test_logprobs_in_chat_shape(serve, codec, chat_template):
     _, body = await _chat(served, logprobs=True, top_logprobs=2)
     content = body["choices"][0]["logprobs"]["content"]
     hi = codec.encode("Hi", add_special_tokens=False)[0]
-    assert content[0] == {"token": codec.decode([hi]), "logprob": -0.5,
-                          "bytes": list(codec.decode([hi]).encode()),
-                          "top_logprobs": [{"token": codec.decode([hi]), "logprob": -0.5,
-                                            "bytes": list(codec.decode([hi]).encode())}] * 2}
+    assert content[0] == {
+        "token": codec.decode([hi]),
+        "logprob": -0.5,
+        "bytes": list(codec.decode([hi]).encode()),
+        "top_logprobs": [{"token": codec.decode([hi]), "logprob": -0.5, "bytes": list(codec.decode([hi]).encode())}]
+        * 2,
+    }
     assert served.fake.submits[0].logprobs == 2
     _, events = await _chat(served, stream=True, logprobs=True)
     first = events[1]["choices"][0]["logprobs"]
-    assert first == {"content": [{"token": codec.decode([hi]), "logprob": -0.5,
-                                  "bytes": list(codec.decode([hi]).encode()), "top_logprobs": []}]}
+    assert first == {
+        "content": [
+            {
+                "token": codec.decode([hi]),
+                "logprob": -0.5,
+                "bytes": list(codec.decode([hi]).encode()),
+                "top_logprobs": [],
+            }
+        ]
+    }
     assert served.fake.submits[1].logprobs == 0
 
 
@@ -230,8 +266,9 @@ async def test_n_choices_each_get_role_and_finish(serve, codec, chat_template):
     served = await serve(fake=FakeGpu(script=_answer(codec, "Hi", eot)))
     _, events = await _chat(served, stream=True, n=2)
     roles = [e["choices"][0]["index"] for e in events[:2]]
-    finishes = sorted(e["choices"][0]["index"] for e in events if e != "[DONE]" and e["choices"]
-                      and e["choices"][0]["finish_reason"])
+    finishes = sorted(
+        e["choices"][0]["index"] for e in events if e != "[DONE]" and e["choices"] and e["choices"][0]["finish_reason"]
+    )
     assert roles == [0, 1] and finishes == [0, 1]
     assert all(e["choices"][0]["delta"] == {"role": "assistant", "content": ""} for e in events[:2])
 
@@ -248,9 +285,9 @@ async def test_stop_string_ends_the_answer(serve, codec, chat_template):
 async def test_delete_cancels_a_chat_stream(serve):
     """DELETE /v1/requests/{id} ends a chat stream with finish_reason cancelled."""
     served = await serve(fake=FakeGpu(step_interval_s=0.002))
-    resp = await served.client.post("/v1/chat/completions",
-                                    json={"messages": HELLO, "stream": True, "ignore_eos": True,
-                                          "max_tokens": 1000})
+    resp = await served.client.post(
+        "/v1/chat/completions", json={"messages": HELLO, "stream": True, "ignore_eos": True, "max_tokens": 1000}
+    )
     await resp.content.readuntil(b"\n\n")
     deleted = await served.client.delete(f"/v1/requests/{resp.headers['x-request-id']}")
     assert deleted.status == 200
@@ -264,9 +301,9 @@ async def test_restart_error_event_mid_stream(serve):
     """A GPU-process restart after tokens streamed: the error event, then [DONE]."""
     fake = FakeGpu(step_interval_s=0.005)
     served = await serve(fake=fake, ready=lambda: fake.ready)
-    resp = await served.client.post("/v1/chat/completions",
-                                    json={"messages": HELLO, "stream": True, "ignore_eos": True,
-                                          "max_tokens": 1000})
+    resp = await served.client.post(
+        "/v1/chat/completions", json={"messages": HELLO, "stream": True, "ignore_eos": True, "max_tokens": 1000}
+    )
     for _ in range(3):
         await resp.content.readuntil(b"\n\n")
     fake.restart()
@@ -280,8 +317,9 @@ async def test_rejection_is_counted_and_answered_before_the_stream(serve):
     """A 429 from admission is an HTTP 429 with Retry-After, never an SSE stream."""
     from ringserve.shm.messages import Rejected
 
-    fake = FakeGpu(admit=lambda s: Rejected(rid=s.rid, status=429, code="queue_full",
-                                            message="busy", retry_after_s=2.0))
+    fake = FakeGpu(
+        admit=lambda s: Rejected(rid=s.rid, status=429, code="queue_full", message="busy", retry_after_s=2.0)
+    )
     served = await serve(fake=fake)
     resp = await served.client.post("/v1/chat/completions", json={"messages": HELLO, "stream": True})
     assert resp.status == 429 and resp.headers["Retry-After"] == "2"

@@ -14,8 +14,11 @@ from ringserve.api.tokenizer import TextCodec
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Tell me a joke about 猫 and 🙂.\n\nTwo lines."}],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Tell me a joke about 猫 and 🙂.\n\nTwo lines."},
+    ],
     [{"role": "system", "content": ""}, {"role": "user", "content": "  spaces  ", "name": "bob"}],
 ]
 
@@ -29,8 +32,7 @@ FEATURE_TEMPLATES = [
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
     "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{{ eos_token }}"
     "{% endfor %}{% if add_generation_prompt %}>{% endif %}{{ tools is none }}{{ documents is none }}",
-    "{{ strftime_now('%Y') | length }}{% for m in messages %}{{ dict(a=m['role']) | tojson }}"
-    "{% endfor %}",
+    "{{ strftime_now('%Y') | length }}{% for m in messages %}{{ dict(a=m['role']) | tojson }}{% endfor %}",
 ]
 
 
@@ -45,17 +47,18 @@ def test_tiny_template_renders_as_transformers(tiny_model_dir, codec, messages):
     """The tiny model's template: our rendering is transformers' rendering, character for character."""
     ours = ChatTemplate.load(tiny_model_dir, codec).render(messages)
     assert ours == _transformers(tiny_model_dir).apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True)
+        messages, tokenize=False, add_generation_prompt=True
+    )
 
 
 @pytest.mark.parametrize("source", FEATURE_TEMPLATES)
 def test_template_features_render_as_transformers(tiny_model_dir, codec, source):
     """Loop controls, namespace, tojson, {% generation %}, dict, strftime_now: same as transformers."""
     template = ChatTemplate.load(tiny_model_dir, codec)
-    ours = ChatTemplate(source, template.special_tokens, compile_template(source), ()).render(
-        CONVERSATIONS[2])
+    ours = ChatTemplate(source, template.special_tokens, compile_template(source), ()).render(CONVERSATIONS[2])
     theirs = _transformers(tiny_model_dir).apply_chat_template(
-        CONVERSATIONS[2], chat_template=source, tokenize=False, add_generation_prompt=True)
+        CONVERSATIONS[2], chat_template=source, tokenize=False, add_generation_prompt=True
+    )
     assert ours == theirs
 
 
@@ -81,14 +84,17 @@ def test_raise_exception_is_a_template_error(tiny_model_dir, codec):
         template.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
 
 
-@pytest.mark.parametrize("source", [
-    "{{ ''.__class__.__mro__ }}",
-    "{{ messages.append(1) }}",
-    "{{ messages[0].update({'role': 'x'}) }}",
-    "{% set ns = namespace() %}{% set ns._secret = 1 %}",
-    "{{ namespace(_x=1) }}",
-    "{{ dict.__class__.__subclasses__() }}",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ ''.__class__.__mro__ }}",
+        "{{ messages.append(1) }}",
+        "{{ messages[0].update({'role': 'x'}) }}",
+        "{% set ns = namespace() %}{% set ns._secret = 1 %}",
+        "{{ namespace(_x=1) }}",
+        "{{ dict.__class__.__subclasses__() }}",
+    ],
+)
 def test_sandbox_refuses_internals_and_mutation(source):
     """Untrusted templates cannot reach Python internals or change the messages."""
     template = ChatTemplate(source, {}, compile_template(source), ())
@@ -108,8 +114,11 @@ def _model_copy(src, dst, **tokenizer_config):
 def test_template_sources_as_transformers_reads_them(tiny_model_dir, tmp_path):
     """chat_template.jinja wins over tokenizer_config.json; a list of named templates uses
     "default"; no template at all is None."""
-    d = _model_copy(tiny_model_dir, tmp_path, chat_template=[{"name": "tool_use", "template": "T"},
-                                                             {"name": "default", "template": "D"}])
+    d = _model_copy(
+        tiny_model_dir,
+        tmp_path,
+        chat_template=[{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}],
+    )
     assert read_template(d)[0] == "D"
     (d / "chat_template.jinja").write_text("J")
     assert read_template(d)[0] == "J"
@@ -132,10 +141,11 @@ def test_end_of_turn_is_the_token_after_an_assistant_message(tiny_model_dir, tmp
     tok.add_special_tokens([AddedToken("<|eot_id|>", special=True)])
     tok.save(str(tmp_path / "tokenizer.json"))
     cfg = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = ("{% for m in messages %}<|begin_of_text|>{{ m['role'] }}\n{{ m['content'] }}"
-                            "<|eot_id|>{% endfor %}{% if add_generation_prompt %}assistant\n{% endif %}")
+    cfg["chat_template"] = (
+        "{% for m in messages %}<|begin_of_text|>{{ m['role'] }}\n{{ m['content'] }}"
+        "<|eot_id|>{% endfor %}{% if add_generation_prompt %}assistant\n{% endif %}"
+    )
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     codec = TextCodec.from_dir(tmp_path)
     template = ChatTemplate.load(tmp_path, codec)
-    assert template.end_of_turn_ids == tuple(sorted({codec.token_id("<|eot_id|>"),
-                                                     codec.token_id("<|end_of_text|>")}))
+    assert template.end_of_turn_ids == tuple(sorted({codec.token_id("<|eot_id|>"), codec.token_id("<|end_of_text|>")}))

@@ -20,8 +20,9 @@ async def test_concurrent_streams_never_mix(serve, codec):
 
     async def one(marker: str):
         text = f"{marker} 🎉 end"
-        resp = await served.client.post("/v1/completions", json={
-            "prompt": text, "max_tokens": len(codec.encode(text)), "stream": True})
+        resp = await served.client.post(
+            "/v1/completions", json={"prompt": text, "max_tokens": len(codec.encode(text)), "stream": True}
+        )
         assert resp.status == 200
         return text, resp.headers["x-request-id"], sse_events(await resp.read())
 

@@ -95,7 +95,7 @@ async def test_idle_and_dribbling_connections_are_closed_after_header_timeout(co
         async def dribble() -> None:
             for i in range(len(head)):
                 with contextlib.suppress(OSError):
-                    drip.send(head[i:i + 1])
+                    drip.send(head[i : i + 1])
                 await asyncio.sleep(0.05)
 
         feeder = asyncio.create_task(dribble())
@@ -129,8 +129,11 @@ async def test_slow_body_gets_408_and_the_connection_closes(codec):
         s = await _connect(port)
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
-        await loop.sock_sendall(s, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                                   b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pro")
+        await loop.sock_sendall(
+            s,
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"pro',
+        )
         head, body = await _read_response(s)
         assert 0.4 <= time.monotonic() - t0 <= 0.5 + SLACK_S + 2.0  # + the bounded linger
         assert head.startswith(b"HTTP/1.1 408")
@@ -144,11 +147,14 @@ async def test_non_streaming_slow_reader_is_reset_after_slow_reader_s(codec):
     fake = FakeGpu()
     async with running_worker(codec, fake, slow_reader_s=0.8) as (port, state):
         s = await _connect(port, rcvbuf=4096)
-        body = json.dumps({"prompt": "hello world " * 40, "max_tokens": 1000, "n": 16,
-                           "logprobs": 20, "ignore_eos": True}).encode()
+        body = json.dumps(
+            {"prompt": "hello world " * 40, "max_tokens": 1000, "n": 16, "logprobs": 20, "ignore_eos": True}
+        ).encode()
         await asyncio.get_running_loop().sock_sendall(
-            s, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            s,
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body,
+        )
         async with asyncio.timeout(10):
             while fake.finished.get("length", 0) < 16:  # the answer is complete and being written
                 await asyncio.sleep(0.01)
@@ -165,19 +171,23 @@ async def test_slow_but_reading_client_keeps_its_connection(codec):
     fake = FakeGpu()
     async with running_worker(codec, fake, slow_reader_s=0.6) as (port, state):
         s = await _connect(port, rcvbuf=4096)
-        body = json.dumps({"prompt": "hello world " * 40, "max_tokens": 1000, "n": 16,
-                           "logprobs": 20, "ignore_eos": True}).encode()
+        body = json.dumps(
+            {"prompt": "hello world " * 40, "max_tokens": 1000, "n": 16, "logprobs": 20, "ignore_eos": True}
+        ).encode()
         loop = asyncio.get_running_loop()
         await loop.sock_sendall(
-            s, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\n\r\n" % len(body) + body)  # kept alive: the worker holds it
+            s,
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body,
+        )  # kept alive: the worker holds it
         async with asyncio.timeout(30):
             while fake.finished.get("length", 0) < 16:  # the answer is complete and being written
                 await asyncio.sleep(0.01)
         received, t0 = b"", time.monotonic()
         async with asyncio.timeout(60):
             while b"\r\n\r\n" not in received or len(received.partition(b"\r\n\r\n")[2]) < int(
-                    received.split(b"Content-Length: ")[1].split(b"\r\n")[0]):
+                received.split(b"Content-Length: ")[1].split(b"\r\n")[0]
+            ):
                 chunk = await loop.sock_recv(s, 4096)
                 assert chunk, "the worker closed the connection"
                 received += chunk
@@ -211,8 +221,9 @@ async def test_full_worker_closes_oldest_idle_connection_for_a_new_one(codec, ca
         busy = [await _connect(port) for _ in range(4)]
         req = json.dumps({"prompt": "hi", "max_tokens": 5, "stream": True}).encode()
         for s in busy:  # held by the paused fake GPU: every connection is handling a request
-            await loop.sock_sendall(s, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                                       b"Content-Length: %d\r\n\r\n" % len(req) + req)
+            await loop.sock_sendall(
+                s, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(req) + req
+            )
         async with asyncio.timeout(5):
             while state.client.open_requests < 4:
                 await asyncio.sleep(0.01)
@@ -228,8 +239,9 @@ async def test_full_worker_closes_oldest_idle_connection_for_a_new_one(codec, ca
 async def test_configured_listen_backlog_is_used(codec):
     """The listening socket's backlog is listen_backlog, not aiohttp's default of 128."""
     async with running_worker(codec, listen_backlog=777) as (port, _):
-        out = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True,
-                             check=True).stdout.split()
+        out = subprocess.run(
+            ["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True
+        ).stdout.split()
         assert out[2] == "777"  # Send-Q of a listening socket: its backlog
 
 
@@ -237,8 +249,7 @@ async def test_malformed_request_gets_the_error_object(codec):
     """aiohttp's own 400 for a malformed header is the OpenAI error object, not plain text."""
     async with running_worker(codec) as (port, _):
         s = await _connect(port)
-        await asyncio.get_running_loop().sock_sendall(
-            s, b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n")
+        await asyncio.get_running_loop().sock_sendall(s, b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n")
         head, body = await _read_response(s)
         assert head.split(b"\r\n")[0].endswith(b"400 Bad Request")
         assert b"application/json" in head
@@ -252,8 +263,14 @@ async def test_non_ascii_authorization_is_a_401(codec, tmp_path):
     cfg = Config()
     from ringserve.api.auth import Authenticator
 
-    app = init_app(cfg, GpuClient(FakeGpu()), codec, model_name="m", ready=lambda: True,
-                   auth=Authenticator(frozenset({"good-key"})))
+    app = init_app(
+        cfg,
+        GpuClient(FakeGpu()),
+        codec,
+        model_name="m",
+        ready=lambda: True,
+        auth=Authenticator(frozenset({"good-key"})),
+    )
     sock = listen_socket("127.0.0.1", 0)
     stop = asyncio.Event()
     task = asyncio.create_task(serve(cfg, app, sock, stop))
@@ -264,8 +281,10 @@ async def test_non_ascii_authorization_is_a_401(codec, tmp_path):
         s = await _connect(sock.getsockname()[1])
         req = b'{"prompt": "hi", "max_tokens": 2}'
         await asyncio.get_running_loop().sock_sendall(
-            s, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\xe9t\xe9\r\n"
-               b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(req) + req)
+            s,
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\xe9t\xe9\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(req) + req,
+        )
         head, body = await _read_response(s)
         assert head.startswith(b"HTTP/1.1 401")
         assert json.loads(body)["error"]["code"] == "invalid_api_key"
@@ -284,7 +303,8 @@ async def test_open_file_limit_is_raised_and_bounds_the_connections():
         "from ringserve.api.connections import connection_budget, raise_open_file_limit\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 300))\n"
         "print(json.dumps([raise_open_file_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0],"
-        " connection_budget(0), connection_budget(10)]))\n")
+        " connection_budget(0), connection_budget(10)]))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     (old, new), soft, budget, capped = json.loads(out.stdout)
     assert (old, new, soft) == (64, 300, 300)

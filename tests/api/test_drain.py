@@ -20,10 +20,10 @@ from tests.helpers.sse import sse_events
 pytestmark = pytest.mark.asyncio
 
 
-async def _read_stream(session: aiohttp.ClientSession, url: str, max_tokens: int,
-                       first: asyncio.Event) -> list:
-    async with session.post(url + "/v1/completions",
-                            json={"prompt": "drain", "max_tokens": max_tokens, "stream": True}) as resp:
+async def _read_stream(session: aiohttp.ClientSession, url: str, max_tokens: int, first: asyncio.Event) -> list:
+    async with session.post(
+        url + "/v1/completions", json={"prompt": "drain", "max_tokens": max_tokens, "stream": True}
+    ) as resp:
         assert resp.status == 200
         raw = b""
         async for chunk in resp.content.iter_any():

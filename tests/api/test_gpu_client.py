@@ -38,8 +38,16 @@ class _Ring:
 
 
 def _submit(rid: int) -> Submit:
-    return Submit(rid=rid, request_id=f"r{rid}", tenant="t", prompt_ids=[1], max_tokens=4,
-                  sampling=SamplingParams(), arrival_ts=0.0, deadline_ts=1.0)
+    return Submit(
+        rid=rid,
+        request_id=f"r{rid}",
+        tenant="t",
+        prompt_ids=[1],
+        max_tokens=4,
+        sampling=SamplingParams(),
+        arrival_ts=0.0,
+        deadline_ts=1.0,
+    )
 
 
 async def test_full_ring_keeps_order_and_loses_nothing():
@@ -73,9 +81,13 @@ async def test_step_output_routed_per_request():
     client = GpuClient(ring)
     client.start()
     a, b = client.open_stream(), client.open_stream()
-    ring.deliver(StepOutput(step=1, tokens=[Token(a.rid, 0, 5, -1.0), Token(b.rid, 0, 6, -1.0),
-                                            Token(99, 0, 7, -1.0)],
-                            finishes=[Finish(a.rid, 0, "length", 1, 1, 0.0, 0.0)]))
+    ring.deliver(
+        StepOutput(
+            step=1,
+            tokens=[Token(a.rid, 0, 5, -1.0), Token(b.rid, 0, 6, -1.0), Token(99, 0, 7, -1.0)],
+            finishes=[Finish(a.rid, 0, "length", 1, 1, 0.0, 0.0)],
+        )
+    )
     got_a = await a.next_batch()
     got_b = await b.next_batch()
     assert [type(x).__name__ for x in got_a] == ["Token", "Finish"] and got_a[0].token_id == 5
@@ -101,8 +113,7 @@ async def test_row_error_finish_fails_the_request(codec):
     from ringserve.api.generation import Generation
     from ringserve.api.sse import EventEncoder
 
-    gen = Generation(codec, n=1, stop=(), prompts=[[1]], arrival=0.0,
-                     encoder=EventEncoder("r1", "m", 0))
+    gen = Generation(codec, n=1, stop=(), prompts=[[1]], arrival=0.0, encoder=EventEncoder("r1", "m", 0))
     out = gen.consume([Token(1, 0, 5, -1.0), Finish(1, 0, "error", 1, 1, 0.0, 0.0)])
     assert gen.finished and gen.error is not None and gen.error.code == "gpu_error"
     assert b'"error"' in out[-1] and b'"finish_reason"' not in out[-1]
@@ -126,6 +137,7 @@ async def test_cancelled_while_awaiting_admission_sends_cancel():
 async def test_message_the_ring_can_never_take_is_refused_not_parked():
     """A Submit over the ring's record limit is answered 413 at once; it is never parked, so the
     requests after it still go out (issue 15, break 4)."""
+
     class _Small(_Ring):
         def send(self, msg) -> bool:
             if isinstance(msg, Submit) and len(msg.prompt_ids) > 1:

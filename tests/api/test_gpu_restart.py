@@ -21,8 +21,16 @@ pytestmark = pytest.mark.asyncio
 
 def _submit(rid: int, deadline_s: float = 60.0) -> Submit:
     now = time.time()
-    return Submit(rid=rid, request_id=f"r{rid}", tenant="t", prompt_ids=[5, 6, 7], max_tokens=6,
-                  sampling=SamplingParams(), arrival_ts=now, deadline_ts=now + deadline_s)
+    return Submit(
+        rid=rid,
+        request_id=f"r{rid}",
+        tenant="t",
+        prompt_ids=[5, 6, 7],
+        max_tokens=6,
+        sampling=SamplingParams(),
+        arrival_ts=now,
+        deadline_ts=now + deadline_s,
+    )
 
 
 async def _until(cond, timeout_s: float = 5.0) -> None:
@@ -157,8 +165,7 @@ async def test_sse_restart_error_event_carries_type_request_id_and_tokens(serve)
     """The error event: type gpu_process_restart, the request id, tokens streamed; then [DONE]."""
     fake = FakeGpu(step_interval_s=0.005)
     served = await serve(fake=fake, ready=lambda: fake.ready)
-    resp = await served.client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 1000,
-                                                             "stream": True})
+    resp = await served.client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 1000, "stream": True})
     for _ in range(3):
         await resp.content.readuntil(b"\n\n")
     fake.restart()
@@ -174,10 +181,8 @@ async def test_sse_restart_error_event_carries_type_request_id_and_tokens(serve)
 async def test_non_streaming_restart_is_503_with_the_same_error_object(serve):
     """A plain request that had tokens gets 503, the error object and Retry-After (load time)."""
     fake = FakeGpu(step_interval_s=0.005)
-    served = await serve(fake=fake, ready=lambda: fake.ready,
-                         app_kw={"reload_s": lambda: 7.2})
-    pending = asyncio.ensure_future(served.client.post(
-        "/v1/completions", json={"prompt": "abc", "max_tokens": 1000}))
+    served = await serve(fake=fake, ready=lambda: fake.ready, app_kw={"reload_s": lambda: 7.2})
+    pending = asyncio.ensure_future(served.client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 1000}))
     await _until(lambda: any(r.generated[0] > 2 for r in fake._rows.values()))
     fake.restart()
     resp = await asyncio.wait_for(pending, 5)
@@ -191,8 +196,9 @@ async def test_stream_without_tokens_completes_after_restart(serve, codec):
     """A stream queued (no token) at the restart completes normally once the GPU is back."""
     fake = FakeGpu(paused=True)
     served = await serve(fake=fake, ready=lambda: fake.ready)
-    pending = asyncio.ensure_future(served.client.post(
-        "/v1/completions", json={"prompt": "hello", "max_tokens": 4, "stream": True}))
+    pending = asyncio.ensure_future(
+        served.client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4, "stream": True})
+    )
     await _until(lambda: fake.submits)
     fake.restart()
     await asyncio.sleep(0.06)
@@ -221,6 +227,7 @@ async def test_not_ready_is_503_with_retry_after_from_load_time(serve):
 
 async def test_retry_after_falls_back_when_load_time_unknown(serve):
     """No published load time (None) or a failing read: Retry-After is the default, never 500."""
+
     def broken():
         raise OSError("torn")
 
@@ -250,8 +257,7 @@ async def test_held_request_gets_an_error_when_the_gpu_is_not_back_in_time():
     with the restart error quoting how the last one ended (issue 15: held requests went
     unanswered when no GPU process came back)."""
     fake = FakeGpu()
-    client = GpuClient(fake, ready=lambda: fake.ready, hold_s=0.2,
-                       down_reason=lambda: "was killed by SIGKILL")
+    client = GpuClient(fake, ready=lambda: fake.ready, hold_s=0.2, down_reason=lambda: "was killed by SIGKILL")
     client.start()
     fake.restart()
     await asyncio.sleep(0.01)
@@ -286,10 +292,13 @@ async def test_draining_worker_fails_what_it_holds_at_once():
 async def test_not_ready_503_quotes_the_last_error_and_the_backoff(serve):
     """While the supervisor restarts the GPU process, a request gets 503 at once quoting how the
     last process ended, with Retry-After = the backoff still to wait + the measured load time."""
-    status = {"state": "restarting", "last_error": "exited with status 1: CheckpointError: /m: model "
-              "directory not found", "failures": 4, "retry_at": time.time() + 10.0}
-    served = await serve(ready=lambda: False,
-                         app_kw={"restart_status": lambda: status, "reload_s": lambda: 3.0})
+    status = {
+        "state": "restarting",
+        "last_error": "exited with status 1: CheckpointError: /m: model directory not found",
+        "failures": 4,
+        "retry_at": time.time() + 10.0,
+    }
+    served = await serve(ready=lambda: False, app_kw={"restart_status": lambda: status, "reload_s": lambda: 3.0})
     for path, method in (("/v1/completions", "post"), ("/ready", "get")):
         resp = await getattr(served.client, method)(path, json={"prompt": "x"} if method == "post" else None)
         assert resp.status == 503

@@ -28,10 +28,20 @@ def control():
 
 def test_control_block_snapshot_renders_server_wide(control):
     """GPU stats, both workers' counters and histograms (summed) and model facts all render."""
-    control.gpu_stats.update({"queue_depth": 3, "running_rows": 5, "kv_blocks_free": 30,
-                              "kv_blocks_total": 120, "preemptions": 2, "cancelled_tokens": 17,
-                              "rejected_429": 4, "queued_gpu_seconds": 1.5,
-                              "prefix_cache_queries": 200, "prefix_cache_hits": 150})
+    control.gpu_stats.update(
+        {
+            "queue_depth": 3,
+            "running_rows": 5,
+            "kv_blocks_free": 30,
+            "kv_blocks_total": 120,
+            "preemptions": 2,
+            "cancelled_tokens": 17,
+            "rejected_429": 4,
+            "queued_gpu_seconds": 1.5,
+            "prefix_cache_queries": 200,
+            "prefix_cache_hits": 150,
+        }
+    )
     control.gpu_stats.publish()
     control.set_model_facts({"block_size": 16, "name": "tiny"})
     for slot, ttft in ((0, 40.0), (1, 700.0)):
@@ -67,9 +77,14 @@ def test_same_snapshot_same_text(control):
 
 def test_prompt_length_histograms_are_labelled():
     """Histograms named <base>_plen_<label> render as one family labelled by prompt length."""
-    worker = {"ttft_ms_plen_0_512_bucket_3": 1.0, "ttft_ms_plen_0_512_count": 1.0,
-              "ttft_ms_plen_0_512_sum": 20.0, "ttft_ms_plen_512_2048_bucket_6": 1.0,
-              "ttft_ms_plen_512_2048_count": 1.0, "ttft_ms_plen_512_2048_sum": 900.0}
+    worker = {
+        "ttft_ms_plen_0_512_bucket_3": 1.0,
+        "ttft_ms_plen_0_512_count": 1.0,
+        "ttft_ms_plen_0_512_sum": 20.0,
+        "ttft_ms_plen_512_2048_bucket_6": 1.0,
+        "ttft_ms_plen_512_2048_count": 1.0,
+        "ttft_ms_plen_512_2048_sum": 900.0,
+    }
     s = _samples(metrics.render(metrics.StatsSnapshot(workers=[worker])))
     assert s[("ringserve_ttft_by_prompt_len_seconds_bucket", (("le", "0.1"), ("prompt_len", "0_512")))] == 1
     assert s[("ringserve_ttft_by_prompt_len_seconds_bucket", (("le", "0.1"), ("prompt_len", "512_2048")))] == 0

@@ -55,16 +55,26 @@ async def test_same_client_id_from_another_tenant_does_not_hide_a_request(aiohtt
     fakes = [FakeGpu(step_interval_s=0.01), FakeGpu(step_interval_s=0.01)]
     clients = []
     for slot in range(2):
-        app = init_app(Config(), GpuClient(fakes[slot]), codec, model_name="m", ready=lambda: True,
-                       worker=slot, peers=PeerCancel(instance, slot, 2))
+        app = init_app(
+            Config(),
+            GpuClient(fakes[slot]),
+            codec,
+            model_name="m",
+            ready=lambda: True,
+            worker=slot,
+            peers=PeerCancel(instance, slot, 2),
+        )
         clients.append(await aiohttp_client(app))
     body = {"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    a = await clients[0].post("/v1/completions", json=body,
-                              headers={"authorization": "Bearer key-a", "x-request-id": "dup"})
-    b = await clients[1].post("/v1/completions", json=body,
-                              headers={"authorization": "Bearer key-b", "x-request-id": "dup"})
-    b_same = await clients[0].post("/v1/completions", json=body,
-                                   headers={"authorization": "Bearer key-b", "x-request-id": "dup"})
+    a = await clients[0].post(
+        "/v1/completions", json=body, headers={"authorization": "Bearer key-a", "x-request-id": "dup"}
+    )
+    b = await clients[1].post(
+        "/v1/completions", json=body, headers={"authorization": "Bearer key-b", "x-request-id": "dup"}
+    )
+    b_same = await clients[0].post(
+        "/v1/completions", json=body, headers={"authorization": "Bearer key-b", "x-request-id": "dup"}
+    )
     assert a.headers["x-request-id"] == b.headers["x-request-id"] == b_same.headers["x-request-id"] == "dup"
     await a.content.readuntil(b"\n\n")
     deleted = await clients[1].delete("/v1/requests/dup", headers={"authorization": "Bearer key-a"})

@@ -41,8 +41,9 @@ def specials(tiny_model_dir) -> list[str]:
 def test_byte_bound_never_exceeds_the_real_token_count(codec, specials, data):
     """For any text (multi-byte characters and special-token strings included) the bound from
     its UTF-8 length is at most the number of tokens it encodes to."""
-    pieces = st.one_of(st.text(max_size=40), st.sampled_from(specials),
-                       st.text(alphabet="ab \n\u00e9\u4e2d\U0001f600", max_size=40))
+    pieces = st.one_of(
+        st.text(max_size=40), st.sampled_from(specials), st.text(alphabet="ab \n\u00e9\u4e2d\U0001f600", max_size=40)
+    )
     text = "".join(data.draw(st.lists(pieces, max_size=12)))
     assert min_prompt_tokens(codec, text) <= len(codec.encode(text))
 
@@ -52,10 +53,11 @@ def test_no_bound_for_tokenizers_that_shrink_text(tiny_model_dir):
     early refusal), never a wrong one."""
     spec = json.loads((tiny_model_dir / "tokenizer.json").read_text())
     assert TextCodec(tokenizers.Tokenizer.from_str(json.dumps(spec))).max_token_bytes == 20
-    for key, value in (("normalizer", {"type": "NFKC"}),
-                       ("normalizer", {"type": "Sequence", "normalizers": [{"type": "Lowercase"}]}),
-                       ("pre_tokenizer", {"type": "Sequence", "pretokenizers": [
-                           {"type": "Whitespace"}, spec["pre_tokenizer"]]})):
+    for key, value in (
+        ("normalizer", {"type": "NFKC"}),
+        ("normalizer", {"type": "Sequence", "normalizers": [{"type": "Lowercase"}]}),
+        ("pre_tokenizer", {"type": "Sequence", "pretokenizers": [{"type": "Whitespace"}, spec["pre_tokenizer"]]}),
+    ):
         changed = dict(spec, **{key: value})
         assert TextCodec(tokenizers.Tokenizer.from_str(json.dumps(changed))).max_token_bytes is None
 

@@ -24,8 +24,16 @@ def instance(tmp_path):
 
 
 def _submit(rid: int, deadline_ts: float = 1.0) -> Submit:
-    return Submit(rid=rid, request_id=f"r{rid}", tenant="t", prompt_ids=[1, 2, 3], max_tokens=2,
-                  sampling=SamplingParams(), arrival_ts=0.0, deadline_ts=deadline_ts)
+    return Submit(
+        rid=rid,
+        request_id=f"r{rid}",
+        tenant="t",
+        prompt_ids=[1, 2, 3],
+        max_tokens=2,
+        sampling=SamplingParams(),
+        arrival_ts=0.0,
+        deadline_ts=deadline_ts,
+    )
 
 
 async def test_submit_and_step_output_over_rings(instance):
@@ -38,9 +46,12 @@ async def test_submit_and_step_output_over_rings(instance):
     await asyncio.sleep(0)
     assert instance.input_bell.wait(1.0)
     assert decode(gpu_in[0].pop()) == _submit(stream.rid)
-    for msg in (Accepted(rid=stream.rid, est_gpu_ms=2.0),
-                StepOutput(step=1, tokens=[Token(stream.rid, 0, 7, -0.1)],
-                           finishes=[Finish(stream.rid, 0, "length", 3, 1, 0.5, 4.0)])):
+    for msg in (
+        Accepted(rid=stream.rid, est_gpu_ms=2.0),
+        StepOutput(
+            step=1, tokens=[Token(stream.rid, 0, 7, -0.1)], finishes=[Finish(stream.rid, 0, "length", 3, 1, 0.5, 4.0)]
+        ),
+    ):
         assert gpu_out[0].try_push(encode(msg))
     instance.output_bells[0].ring()
     async with asyncio.timeout(2):

@@ -26,14 +26,16 @@ def _expected(stops: tuple[str, ...], text: str) -> tuple[str, bool]:
     for end in range(1, len(text) + 1):
         done = [s for s in stops if text[:end].endswith(s)]
         if done:
-            return text[:end - len(max(done, key=len))], True
+            return text[: end - len(max(done, key=len))], True
     return text, False
 
 
 @settings(max_examples=200, deadline=None)
-@given(text=st.text(alphabet="abc世", max_size=30), stops=st.lists(
-    st.text(alphabet="abc世", min_size=1, max_size=4), min_size=1, max_size=3),
-    data=st.data())
+@given(
+    text=st.text(alphabet="abc世", max_size=30),
+    stops=st.lists(st.text(alphabet="abc世", min_size=1, max_size=4), min_size=1, max_size=3),
+    data=st.data(),
+)
 def test_any_split_gives_the_text_cut_at_the_first_stop(text, stops, data):
     """However the text is split into pieces, the output is cut before the first stop to complete."""
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))

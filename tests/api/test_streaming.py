@@ -29,16 +29,25 @@ async def test_stream_event_sequence_and_fields(serve, codec):
     tokens, finish, done = events[:-2], events[-2], events[-1]
     assert len(tokens) == len(ids)
     for ev, tid in zip(tokens, ids):
-        assert set(ev) == {"id", "object", "created", "model", "choices", "request_id", "index",
-                           "text", "token_id", "logprob"}
+        assert set(ev) == {
+            "id",
+            "object",
+            "created",
+            "model",
+            "choices",
+            "request_id",
+            "index",
+            "text",
+            "token_id",
+            "logprob",
+        }
         assert ev["object"] == "text_completion" and ev["model"] == MODEL
         assert ev["id"] == ev["request_id"] == request_id
         assert ev["token_id"] == tid and ev["index"] == 0 and ev["logprob"] == -0.5
         assert ev["choices"] == [{"index": 0, "text": ev["text"], "logprobs": None, "finish_reason": None}]
     assert "".join(ev["text"] for ev in tokens) == "Hello world"
     assert finish["choices"][0]["finish_reason"] == "length" and finish["request_id"] == request_id
-    assert finish["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ids),
-                               "total_tokens": 2 * len(ids)}
+    assert finish["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ids), "total_tokens": 2 * len(ids)}
     assert set(finish["timing"]) == {"queue_ms", "ttft_ms"} and finish["timing"]["ttft_ms"] >= 0
     assert done == "[DONE]"
 
@@ -47,12 +56,10 @@ async def test_usage_event_only_with_include_usage(serve, codec):
     """stream_options.include_usage adds the `"choices": []` event with usage and timing."""
     served = await serve()
     ids = codec.encode("Hello world")
-    _, events = await _stream(served, prompt="Hello world", max_tokens=len(ids),
-                              stream_options={"include_usage": True})
+    _, events = await _stream(served, prompt="Hello world", max_tokens=len(ids), stream_options={"include_usage": True})
     usage = events[-2]
     assert usage["choices"] == []
-    assert usage["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ids),
-                              "total_tokens": 2 * len(ids)}
+    assert usage["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ids), "total_tokens": 2 * len(ids)}
     assert set(usage["timing"]) == {"queue_ms", "ttft_ms"}
     assert all(e["choices"] for e in events[:-2])
 
@@ -61,8 +68,12 @@ async def test_continuous_usage_stats_put_usage_on_every_event(serve, codec):
     """continuous_usage_stats (with include_usage) puts the choice's usage so far on every event."""
     served = await serve()
     ids = codec.encode("Hello world")
-    _, events = await _stream(served, prompt="Hello world", max_tokens=len(ids),
-                              stream_options={"include_usage": True, "continuous_usage_stats": True})
+    _, events = await _stream(
+        served,
+        prompt="Hello world",
+        max_tokens=len(ids),
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
     tokens = events[:-3]
     assert [e["usage"]["completion_tokens"] for e in tokens] == list(range(1, len(ids) + 1))
     assert all(e["usage"]["prompt_tokens"] == len(ids) for e in tokens)
@@ -86,13 +97,11 @@ async def test_non_streaming_response(serve, codec):
     """stream false answers one OpenAI JSON body with usage and timing."""
     served = await serve()
     ids = codec.encode("Hello world")
-    resp = await served.client.post("/v1/completions", json={"prompt": "Hello world",
-                                                             "max_tokens": len(ids)})
+    resp = await served.client.post("/v1/completions", json={"prompt": "Hello world", "max_tokens": len(ids)})
     assert resp.status == 200
     body = await resp.json()
     assert body["object"] == "text_completion" and body["id"] == resp.headers["x-request-id"]
-    assert body["choices"] == [{"index": 0, "text": "Hello world", "logprobs": None,
-                                "finish_reason": "length"}]
+    assert body["choices"] == [{"index": 0, "text": "Hello world", "logprobs": None, "finish_reason": "length"}]
     assert body["usage"]["completion_tokens"] == len(ids)
     assert body["timing"]["queue_ms"] == pytest.approx(0.1)
 
@@ -101,8 +110,9 @@ async def test_prompt_token_ids_and_n_samples(serve, codec):
     """prompt_token_ids is accepted; n=2 streams both samples, each with its own finish."""
     served = await serve()
     ids = codec.encode("two samples")
-    _, events = await _stream(served, prompt_token_ids=ids, max_tokens=len(ids), n=2,
-                              stream_options={"include_usage": True})
+    _, events = await _stream(
+        served, prompt_token_ids=ids, max_tokens=len(ids), n=2, stream_options={"include_usage": True}
+    )
     for index in (0, 1):
         mine = [e for e in events[:-2] if e["choices"] and e["choices"][0]["index"] == index]
         assert "".join(e["choices"][0]["text"] for e in mine) == "two samples"
@@ -114,12 +124,14 @@ async def test_prompt_token_ids_and_n_samples(serve, codec):
 async def test_client_request_id_used_when_unique(serve):
     """A client-sent x-request-id is used; a malformed one is replaced."""
     served = await serve()
-    resp = await served.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                                    headers={"x-request-id": "my-id-1"})
+    resp = await served.client.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"x-request-id": "my-id-1"}
+    )
     assert resp.headers["x-request-id"] == "my-id-1"
     assert (await resp.json())["id"] == "my-id-1"
-    resp = await served.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                                    headers={"x-request-id": "bad id!"})
+    resp = await served.client.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"x-request-id": "bad id!"}
+    )
     assert resp.headers["x-request-id"].startswith("cmpl-")
 
 
@@ -127,13 +139,13 @@ async def test_client_request_id_in_use_is_replaced(serve):
     """While a request with id X is open, a second request asking for X gets a fresh id."""
     fake = FakeGpu(paused=True)
     served = await serve(fake=fake)
-    first = await served.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3,
-                                                              "stream": True},
-                                     headers={"x-request-id": "dup"})
+    first = await served.client.post(
+        "/v1/completions", json={"prompt": "a", "max_tokens": 3, "stream": True}, headers={"x-request-id": "dup"}
+    )
     assert first.headers["x-request-id"] == "dup"
-    second = await served.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3,
-                                                               "stream": True},
-                                      headers={"x-request-id": "dup"})
+    second = await served.client.post(
+        "/v1/completions", json={"prompt": "a", "max_tokens": 3, "stream": True}, headers={"x-request-id": "dup"}
+    )
     assert second.headers["x-request-id"] != "dup"
     fake.resume()
     await first.read()
@@ -189,8 +201,9 @@ async def test_stop_string_prefix_is_held_then_released(serve, codec):
 async def test_stop_string_non_streaming(serve):
     """Non-streaming answers carry the truncated text and finish_reason stop."""
     served = await serve()
-    resp = await served.client.post("/v1/completions", json={"prompt": "one two three",
-                                                             "max_tokens": 50, "stop": " thr"})
+    resp = await served.client.post(
+        "/v1/completions", json={"prompt": "one two three", "max_tokens": 50, "stop": " thr"}
+    )
     body = await resp.json()
     assert body["choices"][0]["text"] == "one two"
     assert body["choices"][0]["finish_reason"] == "stop"
@@ -199,13 +212,31 @@ async def test_stop_string_non_streaming(serve):
 async def test_sampling_fields_reach_the_gpu(serve):
     """Sampling settings, stop_token_ids, seed and the tenant travel in the Submit."""
     served = await serve()
-    await served.client.post("/v1/completions", json={
-        "prompt": "x", "max_tokens": 2, "temperature": 0, "top_k": 5, "top_p": 0.9, "seed": 7,
-        "stop_token_ids": [3], "ignore_eos": True, "user": "ignored", "echo": False})
+    await served.client.post(
+        "/v1/completions",
+        json={
+            "prompt": "x",
+            "max_tokens": 2,
+            "temperature": 0,
+            "top_k": 5,
+            "top_p": 0.9,
+            "seed": 7,
+            "stop_token_ids": [3],
+            "ignore_eos": True,
+            "user": "ignored",
+            "echo": False,
+        },
+    )
     sub = served.fake.submits[0]
     sp = sub.sampling
-    assert (sp.temperature, sp.top_k, sp.top_p, sp.seed, sp.stop_token_ids, sp.ignore_eos) == \
-        (0.0, 5, 0.9, 7, (3,), True)
+    assert (sp.temperature, sp.top_k, sp.top_p, sp.seed, sp.stop_token_ids, sp.ignore_eos) == (
+        0.0,
+        5,
+        0.9,
+        7,
+        (3,),
+        True,
+    )
     assert sub.tenant == "shared" and sub.max_tokens == 2
 
 
@@ -223,8 +254,7 @@ async def test_gpu_failure_mid_stream_sends_error_event(serve):
     """A GPU-process failure gives every open stream an error event, then [DONE]."""
     fake = FakeGpu(step_interval_s=0.005)
     served = await serve(fake=fake)
-    resp = await served.client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 1000,
-                                                             "stream": True})
+    resp = await served.client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 1000, "stream": True})
     await resp.content.readuntil(b"\n\n")
     fake.fail()
     events = sse_events(await resp.read())
@@ -241,8 +271,7 @@ async def test_logprobs_streaming_and_not(serve, codec):
     lp = events[1]["choices"][0]["logprobs"]
     assert lp["tokens"] == [codec.decode([ids[1]])] and lp["token_logprobs"] == [-0.5]
     assert lp["top_logprobs"] == [{codec.decode([ids[1]]): -0.5}]
-    resp = await served.client.post("/v1/completions", json={"prompt": "ab cd", "logprobs": 0,
-                                                             "max_tokens": len(ids)})
+    resp = await served.client.post("/v1/completions", json={"prompt": "ab cd", "logprobs": 0, "max_tokens": len(ids)})
     choice = (await resp.json())["choices"][0]
     assert choice["text"] == "ab cd"
     assert len(choice["logprobs"]["tokens"]) == len(ids)
@@ -272,13 +301,15 @@ async def test_stop_string_in_one_sample_cancels_only_that_sample(serve, codec):
     fake = FakeGpu(script=lambda submit, index: scripts[index], step_interval_s=0.005)
     ended = []
     finish = fake._finish
-    fake._finish = lambda row, i, reason, now: (ended.append((i, reason, row.generated[i])),
-                                                finish(row, i, reason, now))[1]
+    fake._finish = lambda row, i, reason, now: (
+        ended.append((i, reason, row.generated[i])),
+        finish(row, i, reason, now),
+    )[1]
     served = await serve(fake=fake)
     _, events = await _stream(served, prompt="x", max_tokens=40, n=2, stop=" two")
     for index, want in ((0, "one"), (1, "a b c d e f g h i")):
         assert "".join(e["text"] for e in events if "token_id" in e and e["index"] == index) == want
     assert [(c.index, c.reason) for c in served.fake.cancels] == [(0, "stop"), (None, "stop")]
-    (_, reason, generated), = [e for e in ended if e[0] == 0]
+    ((_, reason, generated),) = [e for e in ended if e[0] == 0]
     # A row cancelled by a stop string finishes `stop`, as the GPU process finishes it.
     assert reason == "stop" and generated <= 5  # "one", " two", then at most two steps more

@@ -16,10 +16,14 @@ async def test_tokenize_a_prompt(serve, codec):
     """vLLM's completion-style request: special tokens added unless asked not to; token strings."""
     served = await serve()
     resp = await served.client.post("/tokenize", json={"model": MODEL, "prompt": "Hello world"})
-    assert await resp.json() == {"count": len(codec.encode("Hello world")), "max_model_len": 8192,
-                                 "tokens": codec.encode("Hello world")}
-    resp = await served.client.post("/tokenize", json={"prompt": "Hello world", "add_special_tokens": False,
-                                                       "return_token_strs": True})
+    assert await resp.json() == {
+        "count": len(codec.encode("Hello world")),
+        "max_model_len": 8192,
+        "tokens": codec.encode("Hello world"),
+    }
+    resp = await served.client.post(
+        "/tokenize", json={"prompt": "Hello world", "add_special_tokens": False, "return_token_strs": True}
+    )
     body = await resp.json()
     ids = codec.encode("Hello world", add_special_tokens=False)
     assert body["tokens"] == ids and body["token_strs"] == [codec.tokenizer.id_to_token(i) for i in ids]
@@ -35,16 +39,20 @@ async def test_tokenize_messages(serve, codec, chat_template):
     chat = await served.client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
     assert chat.status == 200 and served.fake.submits[-1].prompt_ids == want
     resp = await served.client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False})
-    assert (await resp.json())["tokens"] == codec.encode(chat_template.render(messages, False), add_special_tokens=False)
+    assert (await resp.json())["tokens"] == codec.encode(
+        chat_template.render(messages, False), add_special_tokens=False
+    )
 
 
 async def test_tokenize_refusals(serve):
     """Both or neither of prompt and messages, a wrong model, a template of the request's own: 4xx."""
     served = await serve()
-    for body, status, param in (({}, 400, "prompt"), ({"prompt": "a", "messages": []}, 400, "prompt"),
-                                ({"prompt": "a", "model": "other"}, 404, "model"),
-                                ({"messages": [{"role": "user", "content": "a"}], "chat_template": "x"}, 400,
-                                 "chat_template")):
+    for body, status, param in (
+        ({}, 400, "prompt"),
+        ({"prompt": "a", "messages": []}, 400, "prompt"),
+        ({"prompt": "a", "model": "other"}, 404, "model"),
+        ({"messages": [{"role": "user", "content": "a"}], "chat_template": "x"}, 400, "chat_template"),
+    ):
         resp = await served.client.post("/tokenize", json=body)
         assert resp.status == status and (await resp.json())["error"]["param"] == param
 

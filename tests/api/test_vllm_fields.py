@@ -27,8 +27,15 @@ async def test_unknown_fields_are_ignored_and_named(serve, caplog):
     ...) are ignored, named in a header, on errors too, and in a debug log line."""
     served = await serve()
     with caplog.at_level(logging.DEBUG, logger="ringserve.api"):
-        resp, body = await _post(served, prompt="Hello", max_tokens=2, vllm_xargs={"a": 1}, session_id="s",
-                                 stream=True, stream_options={"include_usage": True, "extra": 1})
+        resp, body = await _post(
+            served,
+            prompt="Hello",
+            max_tokens=2,
+            vllm_xargs={"a": 1},
+            session_id="s",
+            stream=True,
+            stream_options={"include_usage": True, "extra": 1},
+        )
     assert resp.status == 200
     assert resp.headers[HEADER] == "vllm_xargs, session_id, stream_options.extra"
     assert any("vllm_xargs" in r.getMessage() for r in caplog.records)
@@ -42,9 +49,14 @@ async def test_unknown_fields_are_ignored_and_named(serve, caplog):
 async def test_unknown_fields_inside_messages_are_named(serve):
     """Unknown keys of a message or a content part (e.g. Anthropic-style cache_control) too."""
     served = await serve()
-    resp, body = await _post(served, "/v1/chat/completions", max_tokens=2, messages=[
-        {"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "x"}}],
-         "weight": 1}])
+    resp, body = await _post(
+        served,
+        "/v1/chat/completions",
+        max_tokens=2,
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "x"}}], "weight": 1}
+        ],
+    )
     assert resp.status == 200, body
     assert resp.headers[HEADER] == "messages[0].content[0].cache_control, messages[0].weight"
 
@@ -61,14 +73,31 @@ async def test_vllm_sampling_extras_reach_the_gpu(serve, codec):
     sorted, allowed ids sorted and distinct, bad words tokenized as vLLM does."""
     served = await serve()
     resp, body = await _post(
-        served, prompt="Hello", max_tokens=4, presence_penalty=0.5, frequency_penalty=-0.25,
-        repetition_penalty=1.1, min_p=0.05, min_tokens=2, logit_bias={"9": 250, "3": -1.5},
-        allowed_token_ids=[9, 3, 9, 40], bad_words=["hello world", " fox"], prompt_logprobs=2, top_k=-1)
+        served,
+        prompt="Hello",
+        max_tokens=4,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.1,
+        min_p=0.05,
+        min_tokens=2,
+        logit_bias={"9": 250, "3": -1.5},
+        allowed_token_ids=[9, 3, 9, 40],
+        bad_words=["hello world", " fox"],
+        prompt_logprobs=2,
+        top_k=-1,
+    )
     assert resp.status == 200, body
     sub = served.fake.submits[0]
     sp = sub.sampling
-    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_p, sp.min_tokens, sp.top_k) == \
-        (0.5, -0.25, 1.1, 0.05, 2, 0)
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_p, sp.min_tokens, sp.top_k) == (
+        0.5,
+        -0.25,
+        1.1,
+        0.05,
+        2,
+        0,
+    )
     assert sp.logit_bias == ((3, -1.5), (9, 100.0)) and sp.allowed_token_ids == (3, 9, 40)
     assert sp.bad_words == bad_word_ids(codec, ("hello world", " fox"))
     assert sp.bad_words[0] == tuple(codec.encode("hello world", add_special_tokens=False))
@@ -78,10 +107,25 @@ async def test_vllm_sampling_extras_reach_the_gpu(serve, codec):
 async def test_neutral_vllm_values_are_accepted(serve):
     """What vLLM's clients send at their defaults passes (the benchmark's repetition_penalty 1.0)."""
     served = await serve()
-    resp, body = await _post(served, prompt="Hi", max_tokens=1, repetition_penalty=1.0, min_p=0.0, min_tokens=0,
-                             use_beam_search=False, priority=0, include_stop_str_in_output=False, bad_words=[],
-                             skip_special_tokens=True, spaces_between_special_tokens=True, best_of=1,
-                             response_format={"type": "text"}, logprob_token_ids=None, echo=False, user="u")
+    resp, body = await _post(
+        served,
+        prompt="Hi",
+        max_tokens=1,
+        repetition_penalty=1.0,
+        min_p=0.0,
+        min_tokens=0,
+        use_beam_search=False,
+        priority=0,
+        include_stop_str_in_output=False,
+        bad_words=[],
+        skip_special_tokens=True,
+        spaces_between_special_tokens=True,
+        best_of=1,
+        response_format={"type": "text"},
+        logprob_token_ids=None,
+        echo=False,
+        user="u",
+    )
     assert resp.status == 200, body
     sp = served.fake.submits[0].sampling
     assert sp.repetition_penalty == 1.0 and not sp.bad_words and not sp.logit_bias
@@ -115,7 +159,7 @@ async def test_echo_with_logprobs_streamed_and_not(serve, codec):
     lp = choice["logprobs"]
     assert lp["tokens"] == [codec.decode([t]) for t in ids + ids[:2]]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    assert lp["token_logprobs"][1:len(ids)] == [-1.0] * (len(ids) - 1)
+    assert lp["token_logprobs"][1 : len(ids)] == [-1.0] * (len(ids) - 1)
     assert served.fake.submits[-1].prompt_logprobs == 1
     widths = [len(t) for t in lp["tokens"]]
     assert lp["text_offset"] == [sum(widths[:i]) for i in range(len(widths))]
@@ -151,15 +195,17 @@ async def test_stop_strings_and_stop_tokens_with_include_stop_str_in_output(serv
     shown (shown with it)."""
     served = await serve()
     for include, want in ((False, "one"), (True, "one two")):
-        _, out = await _post(served, prompt="one two three", max_tokens=20, stop=" two",
-                             include_stop_str_in_output=include)
+        _, out = await _post(
+            served, prompt="one two three", max_tokens=20, stop=" two", include_stop_str_in_output=include
+        )
         assert out["choices"][0]["text"] == want
     stop_id = codec.encode("one two three", add_special_tokens=False)[1]
     for include in (False, True):
-        _, out = await _post(served, prompt="one two three", max_tokens=20, stop_token_ids=[stop_id],
-                             include_stop_str_in_output=include)
+        _, out = await _post(
+            served, prompt="one two three", max_tokens=20, stop_token_ids=[stop_id], include_stop_str_in_output=include
+        )
         assert out["choices"][0]["finish_reason"] == "stop"
-        assert out["choices"][0]["text"] == codec.decode(codec.encode("one two three")[:2 + include])
+        assert out["choices"][0]["text"] == codec.decode(codec.encode("one two three")[: 2 + include])
 
 
 async def test_min_tokens_holds_stop_strings_back(serve, codec):
@@ -203,8 +249,12 @@ async def test_truncate_prompt_tokens_and_add_special_tokens(serve, codec):
     served = await serve(context_limit=64)
     text = "one two three four five six seven"
     ids = codec.encode(text)
-    cases = [({"truncate_prompt_tokens": 3}, ids[-3:]), ({"truncate_prompt_tokens": 3, "truncation_side": "right"}, ids[:3]),
-             ({"truncate_prompt_tokens": -1}, ids), ({"add_special_tokens": False}, codec.encode(text, False))]
+    cases = [
+        ({"truncate_prompt_tokens": 3}, ids[-3:]),
+        ({"truncate_prompt_tokens": 3, "truncation_side": "right"}, ids[:3]),
+        ({"truncate_prompt_tokens": -1}, ids),
+        ({"add_special_tokens": False}, codec.encode(text, False)),
+    ]
     for extra, want in cases:
         resp, out = await _post(served, prompt=text, max_tokens=1, **extra)
         assert resp.status == 200, out
@@ -222,8 +272,9 @@ async def test_return_tokens_as_token_ids_and_request_id(serve, codec):
     names the request when no x-request-id header does."""
     served = await serve()
     ids = codec.encode("ab")
-    resp, out = await _post(served, prompt="ab", max_tokens=len(ids), logprobs=1, return_tokens_as_token_ids=True,
-                            request_id="my-batch-7")
+    resp, out = await _post(
+        served, prompt="ab", max_tokens=len(ids), logprobs=1, return_tokens_as_token_ids=True, request_id="my-batch-7"
+    )
     lp = out["choices"][0]["logprobs"]
     assert lp["tokens"] == [f"token_id:{t}" for t in ids]
     assert lp["top_logprobs"][0] == {f"token_id:{ids[0]}": -0.5}
@@ -233,11 +284,17 @@ async def test_return_tokens_as_token_ids_and_request_id(serve, codec):
 async def test_chat_prompt_logprobs_and_continuous_usage(serve):
     """Chat takes the same extras: prompt_logprobs on the body, continuous usage on every chunk."""
     served = await serve()
-    resp, out = await _post(served, "/v1/chat/completions", max_tokens=2, prompt_logprobs=0,
-                            messages=[{"role": "user", "content": "Hi"}])
+    resp, out = await _post(
+        served, "/v1/chat/completions", max_tokens=2, prompt_logprobs=0, messages=[{"role": "user", "content": "Hi"}]
+    )
     assert resp.status == 200 and out["prompt_logprobs"][0] is None and len(out["prompt_logprobs"]) > 3
-    _, events = await _post(served, "/v1/chat/completions", max_tokens=3, stream=True,
-                            stream_options={"include_usage": True, "continuous_usage_stats": True},
-                            messages=[{"role": "user", "content": "Hi"}])
+    _, events = await _post(
+        served,
+        "/v1/chat/completions",
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        messages=[{"role": "user", "content": "Hi"}],
+    )
     tokens = [e for e in events[:-1] if e["choices"] and "token_id" in e]
     assert [e["usage"]["completion_tokens"] for e in tokens] == [1, 2, 3]

@@ -49,8 +49,7 @@ class _EchoGpu(threading.Thread):
                         self._answer(slot, msg)
                     elif msg.rid in self.held.get(slot, set()):  # a Cancel
                         self.held[slot].discard(msg.rid)
-                        self._push(slot, StepOutput(step=2, finishes=[
-                            Finish(msg.rid, 0, "cancelled", 1, 1, 0.2, 3.0)]))
+                        self._push(slot, StepOutput(step=2, finishes=[Finish(msg.rid, 0, "cancelled", 1, 1, 0.2, 3.0)]))
 
     def _push(self, slot: int, msg) -> None:
         if not self.outs[slot].try_push(encode(msg)):
@@ -63,11 +62,15 @@ class _EchoGpu(threading.Thread):
             self._push(slot, Accepted(rid=sub.rid, est_gpu_ms=1.0))
             self._push(slot, StepOutput(step=1, tokens=[Token(sub.rid, 0, sub.prompt_ids[-1], -0.1)]))
             return
-        ids = sub.prompt_ids[:sub.max_tokens]
-        for msg in (Accepted(rid=sub.rid, est_gpu_ms=1.0),
-                    StepOutput(step=1, tokens=[Token(sub.rid, 0, t, -0.25) for t in ids],
-                               finishes=[Finish(sub.rid, 0, "length", len(sub.prompt_ids), len(ids),
-                                                0.2, 3.0)])):
+        ids = sub.prompt_ids[: sub.max_tokens]
+        for msg in (
+            Accepted(rid=sub.rid, est_gpu_ms=1.0),
+            StepOutput(
+                step=1,
+                tokens=[Token(sub.rid, 0, t, -0.25) for t in ids],
+                finishes=[Finish(sub.rid, 0, "length", len(sub.prompt_ids), len(ids), 0.2, 3.0)],
+            ),
+        ):
             if not self.outs[slot].try_push(encode(msg)):
                 raise RuntimeError("output ring full")
         self.shm.output_bells[slot].ring()
@@ -77,9 +80,12 @@ def _delete_mid_stream(port: int) -> None:
     """Open a long stream, DELETE it on a fresh connection (whichever worker takes that one),
     and see the stream end cancelled."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    conn.request("POST", "/v1/completions", body=json.dumps(
-        {"prompt": "long", "max_tokens": HOLD_TOKENS, "stream": True}),
-        headers={"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps({"prompt": "long", "max_tokens": HOLD_TOKENS, "stream": True}),
+        headers={"Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     request_id = resp.getheader("x-request-id")
     assert resp.read(6) == b"data: "  # the first token event is out: the request is open
@@ -92,9 +98,11 @@ def _delete_mid_stream(port: int) -> None:
 
 
 def _post(port: int, body: dict) -> tuple[int, bytes]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.status, resp.read()
@@ -126,12 +134,32 @@ def test_two_workers_over_shared_memory(tmp_path, tiny_model_dir, codec):
     env = {**os.environ, "RINGSERVE_CONFIG_JSON": Config(port=port, workers=2, drain_timeout_s=5.0).to_json()}
     fds = shm.bell_fds()
     logs = [tmp_path / f"worker{slot}.log" for slot in (0, 1)]
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "ringserve.api.worker", "--tokenizer", str(tiny_model_dir),
-         "--attach", shm.instance, "--slot", str(slot), "--bell-fds", ",".join(map(str, fds)),
-         "--shm-dir", str(tmp_path), "--model-name", "tiny"],
-        env=env, pass_fds=fds, stdout=logs[slot].open("w"), stderr=subprocess.STDOUT)
-        for slot in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ringserve.api.worker",
+                "--tokenizer",
+                str(tiny_model_dir),
+                "--attach",
+                shm.instance,
+                "--slot",
+                str(slot),
+                "--bell-fds",
+                ",".join(map(str, fds)),
+                "--shm-dir",
+                str(tmp_path),
+                "--model-name",
+                "tiny",
+            ],
+            env=env,
+            pass_fds=fds,
+            stdout=logs[slot].open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        for slot in (0, 1)
+    ]
     for slot, proc in enumerate(procs):  # as the supervisor does: the slot names its worker's pid
         shm.control.start_worker_slot(slot, proc.pid)
     try:

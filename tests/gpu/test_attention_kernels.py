@@ -24,8 +24,17 @@ DEV = torch.device("cuda")
 
 
 def _case(specs, num_heads, num_kv_heads, head_dim, dtype, seed, shared_prefix_blocks=0, fill=float("nan")):
-    return make_case(specs, num_heads, num_kv_heads, head_dim, dtype, seed, device=DEV,
-                     shared_prefix_blocks=shared_prefix_blocks, fill=fill)
+    return make_case(
+        specs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        dtype,
+        seed,
+        device=DEV,
+        shared_prefix_blocks=shared_prefix_blocks,
+        fill=fill,
+    )
 
 
 DECODE_CASES = [
@@ -48,9 +57,10 @@ DECODE_CASES = [
 @pytest.mark.parametrize("batch,max_ctx,heads,kv_heads,head_dim,dtype,splits", DECODE_CASES)
 def test_decode_matches_dense_oracle(batch, max_ctx, heads, kv_heads, head_dim, dtype, splits):
     """Decode attention over shuffled block tables equals dense attention within tolerance."""
-    q, kc, vc, meta, dense = _case(decode_specs(batch, max_ctx, batch + max_ctx), heads, kv_heads,
-                                   head_dim, dtype, seed=batch * 7 + max_ctx)
-    scale = head_dim ** -0.5
+    q, kc, vc, meta, dense = _case(
+        decode_specs(batch, max_ctx, batch + max_ctx), heads, kv_heads, head_dim, dtype, seed=batch * 7 + max_ctx
+    )
+    scale = head_dim**-0.5
     got = cupy_backend.paged_decode(q, kc, vc, meta, scale, num_splits=splits)
     _assert_close(got, _oracle(q, meta, dense, scale), dtype, f"decode b{batch} ctx{max_ctx}")
 
@@ -71,7 +81,7 @@ PREFILL_CASES = [
 def test_prefill_matches_dense_oracle(specs, heads, kv_heads, head_dim, dtype):
     """Prefill tiles attend causally inside the chunk and fully over the prefix, as dense attention."""
     q, kc, vc, meta, dense = _case(specs, heads, kv_heads, head_dim, dtype, seed=len(specs) * 13 + heads)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     want = _oracle(q, meta, dense, scale)
     _assert_close(cupy_backend.paged_prefill(q, kc, vc, meta, scale), want, dtype, "prefill")
     # The decode kernel is exact for any flat batch too: the same answer from the other path.
@@ -85,7 +95,7 @@ def test_shared_block_tables(dtype):
     """Sequences sharing their first blocks (n samples of one prompt) read the shared keys correctly."""
     specs = [(200, 1), (230, 1), (250, 1), (180, 20)]
     q, kc, vc, meta, dense = _case(specs, 32, 8, 128, dtype, seed=5, shared_prefix_blocks=8)
-    scale = 128 ** -0.5
+    scale = 128**-0.5
     want = _oracle(q, meta, dense, scale)
     _assert_close(cupy_backend.paged_attention(q, kc, vc, meta, scale), want, dtype, "shared tables")
     _assert_close(cupy_backend.paged_decode(q, kc, vc, meta, scale, num_splits=3), want, dtype, "shared, split")
@@ -113,8 +123,8 @@ def test_write_kv_places_every_token_in_its_slot(dtype):
     vc = torch.zeros_like(kc)
     slots = torch.randperm(num_blocks * BS, generator=gen, device=DEV)[:t]
     fused = torch.randn(t, 3 * kvh * d, generator=gen, device=DEV).to(dtype)  # like a fused qkv
-    k = fused[:, kvh * d:2 * kvh * d].view(t, kvh, d)  # [T, kvh, d], row stride 3 * kvh * d
-    v = fused[:, 2 * kvh * d:].view(t, kvh, d)
+    k = fused[:, kvh * d : 2 * kvh * d].view(t, kvh, d)  # [T, kvh, d], row stride 3 * kvh * d
+    v = fused[:, 2 * kvh * d :].view(t, kvh, d)
     cupy_backend.write_kv(k, v, kc, vc, slots)
     want_k, want_v = torch.zeros_like(kc), torch.zeros_like(vc)
     reference.write_kv(k, v, want_k, want_v, slots)

@@ -33,10 +33,17 @@ def _runner(model_dir, device, dtype, backend=None, num_blocks=512) -> ModelRunn
 
 def _requests(vocab: int, lengths, max_tokens=24, temperature=0.0, seed=0) -> list[OfflineRequest]:
     rng = random.Random(sum(lengths))
-    return [OfflineRequest(prompt_ids=[rng.randrange(3, vocab) for _ in range(n)], max_tokens=max_tokens,
-                           temperature=temperature, top_p=0.9 if temperature else 1.0, seed=seed + i,
-                           ignore_eos=True)
-            for i, n in enumerate(lengths)]
+    return [
+        OfflineRequest(
+            prompt_ids=[rng.randrange(3, vocab) for _ in range(n)],
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=0.9 if temperature else 1.0,
+            seed=seed + i,
+            ignore_eos=True,
+        )
+        for i, n in enumerate(lengths)
+    ]
 
 
 def _tokens(runner, requests, **kw) -> list[list[int]]:
@@ -90,10 +97,20 @@ def _step_batches(vocab: int) -> list[StepBatch]:
     ids = [[rng.randrange(3, vocab) for _ in range(n)] for n in (40, 23, 70)]
     greedy = RowSampling(temperature=0.0)
     tables = [[3, 9, 4], [7, 1], [12, 2, 8, 5, 11]]
-    first = StepBatch([SeqStep(0, ids[0], 0, tables[0], greedy), SeqStep(1, ids[1], 0, tables[1], greedy),
-                       SeqStep(2, ids[2][:50], 0, tables[2], None)])
-    second = StepBatch([SeqStep(0, [ids[0][-1]], 40, tables[0], greedy), SeqStep(1, [ids[1][-1]], 23, tables[1], greedy),
-                        SeqStep(2, ids[2][50:], 50, tables[2], greedy)])
+    first = StepBatch(
+        [
+            SeqStep(0, ids[0], 0, tables[0], greedy),
+            SeqStep(1, ids[1], 0, tables[1], greedy),
+            SeqStep(2, ids[2][:50], 0, tables[2], None),
+        ]
+    )
+    second = StepBatch(
+        [
+            SeqStep(0, [ids[0][-1]], 40, tables[0], greedy),
+            SeqStep(1, [ids[1][-1]], 23, tables[1], greedy),
+            SeqStep(2, ids[2][50:], 50, tables[2], greedy),
+        ]
+    )
     return [first, second]
 
 
@@ -136,7 +153,7 @@ def test_tensor_core_prefill_matches_float64_attention(dtype):
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("tensor-core prefill needs sm_80")
     q, kc, vc, meta, dense = make_case([(0, 300), (1000, 256), (5, 33)], 32, 8, 128, dtype, seed=3, device=CUDA)
-    got = cupy_backend.paged_prefill(q, kc, vc, meta, 128 ** -0.5)
-    want = oracle(q, meta, dense, 128 ** -0.5)
+    got = cupy_backend.paged_prefill(q, kc, vc, meta, 128**-0.5)
+    want = oracle(q, meta, dense, 128**-0.5)
     atol, rtol = TOL[dtype]
     assert ((got.double() - want).abs() <= atol + rtol * want.abs()).all()

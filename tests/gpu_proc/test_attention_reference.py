@@ -159,8 +159,7 @@ def test_half_precision_scores_accumulate_in_float32(dtype, tol):
     the cache dtype before the softmax (which put it 0.03 / 0.3 off)."""
     from tests.kernel_harness.cases import decode_specs, make_case, oracle
 
-    q, kc, vc, meta, dense = make_case(decode_specs(3, 300, 2), 8, 2, 64, dtype, seed=2, fill=0.0,
-                                       logit_scale=60.0)
+    q, kc, vc, meta, dense = make_case(decode_specs(3, 300, 2), 8, 2, 64, dtype, seed=2, fill=0.0, logit_scale=60.0)
     got = paged_attention(q, kc, vc, meta, 0.125)
     want = oracle(q, meta, dense, 0.125)
     assert (got.double() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())

@@ -36,8 +36,25 @@ def test_bench_step_table_and_bad_args(tiny_model_dir, capsys):
 
 def test_bench_step_reference_runs_the_model_without_kernels(tiny_model_dir, capsys):
     """--reference adds the same model on the torch reference path, measured in the same run."""
-    assert main(["--json", "--rows", "8", "--iters", "1", "--warmup", "0", "--model", str(tiny_model_dir),
-                 "--dtype", "bfloat16", "--reference"]) == 0
+    assert (
+        main(
+            [
+                "--json",
+                "--rows",
+                "8",
+                "--iters",
+                "1",
+                "--warmup",
+                "0",
+                "--model",
+                str(tiny_model_dir),
+                "--dtype",
+                "bfloat16",
+                "--reference",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert set(report["models"]) == {"tiny", "tiny_ref", "null", "flat"}
     assert report["forward_ms_tiny_ref_8"] > 0 and report["forward_ms_tiny_8"] > 0

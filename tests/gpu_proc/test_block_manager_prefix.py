@@ -18,7 +18,7 @@ def _register(bm: BlockManager, blocks: list[int], seq: list[int]) -> None:
     cache = bm.cache
     hashes = cache.extend_hashes([], lambda s, e: seq[s:e], len(blocks), None)
     for j, b in enumerate(blocks):
-        assert cache.register(b, hashes[j], seq[j * BS:(j + 1) * BS], blocks[j - 1] if j else None, None)
+        assert cache.register(b, hashes[j], seq[j * BS : (j + 1) * BS], blocks[j - 1] if j else None, None)
 
 
 def test_freed_registered_blocks_park_tail_first_and_partial_blocks_go_to_the_free_list():

@@ -43,8 +43,7 @@ def test_bfloat16_matches_dense_and_the_reference(head_dim):
     """bfloat16 caches: the float64 dense answer to bfloat16 precision, and no further from it
     than the reference is (the kernel keeps scores and probabilities in float32)."""
     spec = _spec(random.Random(head_dim))
-    paged, dense = run_case(spec, 8, 2, head_dim, 128, random.Random(1), dtype=torch.bfloat16,
-                             attention=_cpu_attention)
+    paged, dense = run_case(spec, 8, 2, head_dim, 128, random.Random(1), dtype=torch.bfloat16, attention=_cpu_attention)
     ref, _ = run_case(spec, 8, 2, head_dim, 128, random.Random(1), dtype=torch.bfloat16)
     torch.testing.assert_close(paged, dense, atol=3e-2, rtol=3e-2)
     assert (paged - dense).abs().max() <= (ref - dense).abs().max() + 1e-2
@@ -54,8 +53,9 @@ def test_bfloat16_matches_dense_and_the_reference(head_dim):
 def test_nan_in_unwritten_slots_never_reaches_the_output(dtype):
     """Unwritten slots full of NaN (block tails the kernel reads in whole 16-key chunks) are masked."""
     spec = [(3, 1), (70, 1), (0, 5), (17, 30), (200, 1), (33, 2)]
-    paged, dense = run_case(spec, 4, 2, 64, 64, random.Random(5), dtype=dtype, fill=float("nan"),
-                             attention=_cpu_attention)
+    paged, dense = run_case(
+        spec, 4, 2, 64, 64, random.Random(5), dtype=dtype, fill=float("nan"), attention=_cpu_attention
+    )
     assert not paged.isnan().any()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(paged, dense, atol=tol, rtol=max(tol, 1e-4))

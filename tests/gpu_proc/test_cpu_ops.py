@@ -43,9 +43,9 @@ def test_rope_on_views_of_a_fused_projection(head_dim, dtype):
     """q and k rotated in place inside one qkv tensor equal the reference; v is untouched."""
     t, h, kvh = 9, 4, 2
     qkv = _rand(t, (h + 2 * kvh) * head_dim, dtype=dtype)
-    q = qkv[:, :h * head_dim].view(t, h, head_dim)
-    k = qkv[:, h * head_dim:(h + kvh) * head_dim].view(t, kvh, head_dim)
-    v_before = qkv[:, (h + kvh) * head_dim:].clone()
+    q = qkv[:, : h * head_dim].view(t, h, head_dim)
+    k = qkv[:, h * head_dim : (h + kvh) * head_dim].view(t, kvh, head_dim)
+    v_before = qkv[:, (h + kvh) * head_dim :].clone()
     pos = torch.tensor([0, 1, 2, 7, 100, 3, 4000, 5, 6])
     freqs = torch.outer(torch.arange(4096.0), 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))
     cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
@@ -53,7 +53,7 @@ def test_rope_on_views_of_a_fused_projection(head_dim, dtype):
     cpu_ops.rope_(q, k, pos, cos, sin)
     torch.testing.assert_close(q, want_q, **TOL[dtype])
     torch.testing.assert_close(k, want_k, **TOL[dtype])
-    assert torch.equal(qkv[:, (h + kvh) * head_dim:], v_before)
+    assert torch.equal(qkv[:, (h + kvh) * head_dim :], v_before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -89,8 +89,12 @@ def test_launchers_refuse_mismatched_inputs():
 
 def _steps():
     """A prefill step (two prompts, one longer than a 16-token tile) then a decode step."""
-    prefill = StepBatch([SeqStep(0, list(range(3, 40)), 0, [0, 1, 2], RowSampling()),
-                         SeqStep(1, list(range(50, 55)), 0, [3], RowSampling())])
+    prefill = StepBatch(
+        [
+            SeqStep(0, list(range(3, 40)), 0, [0, 1, 2], RowSampling()),
+            SeqStep(1, list(range(50, 55)), 0, [3], RowSampling()),
+        ]
+    )
     decode = StepBatch([SeqStep(0, [7], 37, [0, 1, 2], RowSampling()), SeqStep(1, [9], 5, [3], RowSampling())])
     return prefill, decode
 
@@ -115,7 +119,7 @@ def test_argmax_rows_is_torch_argmax_with_ties_and_nan(vocab):
     """The first maximum of each row, ties and NaN included, whatever the vocabulary size."""
     x = _rand(6, vocab, dtype=torch.float32)
     x[1] = 3.0  # all tied: index 0
-    x[2, vocab // 2:] = 1e9  # a tie from the middle: its first index
+    x[2, vocab // 2 :] = 1e9  # a tie from the middle: its first index
     x[3, vocab - 1] = float("nan")  # NaN counts as the maximum
     x[4] = float("-inf")
     got = cpu_ops.argmax_rows(x)

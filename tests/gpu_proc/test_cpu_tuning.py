@@ -66,10 +66,13 @@ def test_freed_step_memory_is_kept_until_released():
         "    del x\n"
         "kept = rss()\n"
         "release_free_memory()\n"
-        "print(base, kept, rss())\n")
+        "print(base, kept, rss())\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     base, kept, released = map(int, out.stdout.split())
     assert kept - base > 250 and released - base < 50, (base, kept, released)
+
+
 def test_pin_binds_to_the_first_cpus_only_when_there_are_more():
     """Pinning takes the first `count` allowed CPUs, and does nothing when no CPU would be left."""
     import os

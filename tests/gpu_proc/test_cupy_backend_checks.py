@@ -39,21 +39,34 @@ def test_strided_rows_from_a_fused_projection_pass():
     checks.check_write_kv_args(k, k, kc, vc, meta.slot_mapping)
 
 
-@pytest.mark.parametrize("mutate,error,match", [
-    (lambda a: a.update(q=a["q"].float()), TypeError, "q: dtype torch.float32 does not match"),
-    (lambda a: a.update(k_cache=a["k_cache"].double(), v_cache=a["v_cache"].double()), TypeError, "float64 unsupported"),
-    (lambda a: a.update(q=a["q"][:, :5]), ValueError, "not a multiple of num_kv_heads"),
-    (lambda a: a.update(q=a["q"][..., :32]), ValueError, r"q: expected \[T, 8, 64\]"),
-    (lambda a: a.update(k_cache=a["k_cache"].transpose(0, 1).contiguous().transpose(0, 1)), ValueError,
-     "k_cache: must be contiguous"),
-    (lambda a: a.update(k_cache=torch.zeros(8, 2, 8, 64, dtype=torch.float16)), ValueError, "block_size|16"),
-    (lambda a: a.update(v_cache=a["v_cache"][:4]), ValueError, "v_cache does not match"),
-    (lambda a: a.update(q=a["q"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "q: strides"),
-    (lambda a: a["meta"].__setattr__("positions", a["meta"].positions.int()), TypeError, "meta.positions"),
-    (lambda a: a["meta"].__setattr__("block_tables", a["meta"].block_tables[:, :1].contiguous()), ValueError,
-     "too few for max_seq_len"),
-    (lambda a: a["meta"].__setattr__("token_seq", a["meta"].token_seq[:2]), ValueError, "meta.token_seq"),
-])
+@pytest.mark.parametrize(
+    "mutate,error,match",
+    [
+        (lambda a: a.update(q=a["q"].float()), TypeError, "q: dtype torch.float32 does not match"),
+        (
+            lambda a: a.update(k_cache=a["k_cache"].double(), v_cache=a["v_cache"].double()),
+            TypeError,
+            "float64 unsupported",
+        ),
+        (lambda a: a.update(q=a["q"][:, :5]), ValueError, "not a multiple of num_kv_heads"),
+        (lambda a: a.update(q=a["q"][..., :32]), ValueError, r"q: expected \[T, 8, 64\]"),
+        (
+            lambda a: a.update(k_cache=a["k_cache"].transpose(0, 1).contiguous().transpose(0, 1)),
+            ValueError,
+            "k_cache: must be contiguous",
+        ),
+        (lambda a: a.update(k_cache=torch.zeros(8, 2, 8, 64, dtype=torch.float16)), ValueError, "block_size|16"),
+        (lambda a: a.update(v_cache=a["v_cache"][:4]), ValueError, "v_cache does not match"),
+        (lambda a: a.update(q=a["q"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "q: strides"),
+        (lambda a: a["meta"].__setattr__("positions", a["meta"].positions.int()), TypeError, "meta.positions"),
+        (
+            lambda a: a["meta"].__setattr__("block_tables", a["meta"].block_tables[:, :1].contiguous()),
+            ValueError,
+            "too few for max_seq_len",
+        ),
+        (lambda a: a["meta"].__setattr__("token_seq", a["meta"].token_seq[:2]), ValueError, "meta.token_seq"),
+    ],
+)
 def test_attention_rejects_bad_arguments(mutate, error, match):
     """Wrong dtype, shape, layout or metadata raises before any launch, naming the argument."""
     q, kc, vc, meta = _args()
@@ -91,28 +104,34 @@ def test_launchers_refuse_cpu_tensors():
         cb.write_kv(q[:, :2], q[:, :2], kc, vc, meta.slot_mapping)
 
 
-@pytest.mark.parametrize("num_ctas,max_seq_len,ctas_per_sm,expected", [
-    (32 * 32, 1024, 4, 1),  # batch 32 x 32 heads fills the 132 x 4 resident CTAs: no split
-    (32, 8192, 4, 17),  # batch 1 x 32 heads, 8k: ceil(132 * 4 / 32) = 17 splits (cap 512 / 16 = 32)
-    (32, 8192, 8, 32),  # twice the occupancy wants 33 splits: capped at 16 blocks per split
-    (256, 8192, 8, 5),  # batch 8 x 32 heads: ceil(1056 / 256)
-    (32, 300, 4, 1),  # too short to split (under 2 x 16 blocks)
-    (1, 1024, 4, 4),  # one CTA, 64 blocks: at most 64 / 16 = 4 splits
-])
+@pytest.mark.parametrize(
+    "num_ctas,max_seq_len,ctas_per_sm,expected",
+    [
+        (32 * 32, 1024, 4, 1),  # batch 32 x 32 heads fills the 132 x 4 resident CTAs: no split
+        (32, 8192, 4, 17),  # batch 1 x 32 heads, 8k: ceil(132 * 4 / 32) = 17 splits (cap 512 / 16 = 32)
+        (32, 8192, 8, 32),  # twice the occupancy wants 33 splits: capped at 16 blocks per split
+        (256, 8192, 8, 5),  # batch 8 x 32 heads: ceil(1056 / 256)
+        (32, 300, 4, 1),  # too short to split (under 2 x 16 blocks)
+        (1, 1024, 4, 4),  # one CTA, 64 blocks: at most 64 / 16 = 4 splits
+    ],
+)
 def test_decode_split_plan(num_ctas, max_seq_len, ctas_per_sm, expected):
     """Splits fill one wave of resident CTAs (SMs x CTAs per SM from the kernel's occupancy), each
     keeping >= 16 blocks; a batch that fills the wave is not split."""
     assert cb.plan_decode_splits(num_ctas, max_seq_len, sm_count=132, ctas_per_sm=ctas_per_sm) == expected
 
 
-@pytest.mark.parametrize("regs,smem,threads,expected", [
-    (124, 8320, 128, 4),  # fp16 d128 group-4 decode before the unconditional loads: 25 % occupancy
-    (144, 8320, 128, 3),  # fp32 d128 group-4: register-bound at 19 %
-    (48, 2080, 128, 10),  # group 1: 48 registers
-    (32, 0, 128, 16),  # thread-bound: 2048 / 128
-    (32, 60000, 128, 3),  # shared-memory-bound: 228 KiB / (60000 + 1 KiB)
-    (255, 0, 1024, 1),  # never below one
-])
+@pytest.mark.parametrize(
+    "regs,smem,threads,expected",
+    [
+        (124, 8320, 128, 4),  # fp16 d128 group-4 decode before the unconditional loads: 25 % occupancy
+        (144, 8320, 128, 3),  # fp32 d128 group-4: register-bound at 19 %
+        (48, 2080, 128, 10),  # group 1: 48 registers
+        (32, 0, 128, 16),  # thread-bound: 2048 / 128
+        (32, 60000, 128, 3),  # shared-memory-bound: 228 KiB / (60000 + 1 KiB)
+        (255, 0, 1024, 1),  # never below one
+    ],
+)
 def test_resident_ctas_follow_the_occupancy_calculator(regs, smem, threads, expected):
     """CTAs per SM from registers (256-register granules per warp), shared memory and threads."""
     from ringserve.gpu_proc.attention.cupy_executor import resident_ctas

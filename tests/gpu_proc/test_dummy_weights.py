@@ -46,8 +46,9 @@ def test_dummy_engine_serves_a_step(tiny_model_dir, tmp_path):
     assert len(out.token_ids) == 1 and 0 <= out.token_ids[0] < engine.vocab_size
 
 
-@pytest.mark.parametrize("shape,params,kv_heads,vocab", [("llama-3-8b", 8.03e9, 8, 128256),
-                                                         ("llama-2-7b", 6.74e9, 32, 32000)])
+@pytest.mark.parametrize(
+    "shape,params,kv_heads,vocab", [("llama-3-8b", 8.03e9, 8, 128256), ("llama-2-7b", 6.74e9, 32, 32000)]
+)
 def test_shipped_shapes_are_the_real_models_shapes(shape, params, kv_heads, vocab):
     """The shipped configs describe 8.03B / 6.74B-parameter models with the published head layout."""
     args = model_args_from_config(shape_config(shape), shape)
@@ -55,7 +56,12 @@ def test_shipped_shapes_are_the_real_models_shapes(shape, params, kv_heads, voca
         n = sum(p.numel() for p in Llama(args).parameters())
     assert abs(n - params) / params < 0.005
     assert (args.num_layers, args.num_heads, args.num_kv_heads, args.head_dim, args.vocab_size) == (
-        32, 32, kv_heads, 128, vocab)
+        32,
+        32,
+        kv_heads,
+        128,
+        vocab,
+    )
 
 
 def test_make_dummy_model_tokenizer_covers_the_vocabulary(tmp_path):

@@ -14,12 +14,20 @@ def _run(model_dir, num_blocks: int, prompts: list[list[int]], max_tokens: int):
     """Serve `prompts` to completion with a pool of `num_blocks`; tokens per request and preemptions."""
     config = Config(num_blocks=num_blocks, max_rows=8, prefill_budget=16, context_limit=512, max_tokens_limit=256)
     engine = build_engine(config, model_dir)
-    sched = Scheduler(config, BlockManager(num_blocks, config.block_size), eos_token_ids=engine.eos_token_ids,
-                      clock=lambda: 0.0)
+    sched = Scheduler(
+        config, BlockManager(num_blocks, config.block_size), eos_token_ids=engine.eos_token_ids, clock=lambda: 0.0
+    )
     for i, prompt in enumerate(prompts):
-        req = Request(key=(0, i), request_id=str(i), tenant="t", prompt_ids=prompt, max_tokens=max_tokens,
-                      sampling=SamplingSpec(temperature=0.9, top_p=0.95, seed=1000 + i, ignore_eos=True),
-                      arrival_ts=0.0, deadline_ts=1e9)
+        req = Request(
+            key=(0, i),
+            request_id=str(i),
+            tenant="t",
+            prompt_ids=prompt,
+            max_tokens=max_tokens,
+            sampling=SamplingSpec(temperature=0.9, top_p=0.95, seed=1000 + i, ignore_eos=True),
+            arrival_ts=0.0,
+            deadline_ts=1e9,
+        )
         assert sched.admit(req).accepted
     streams: dict[tuple[int, int], list[int]] = {}
     serve_until_idle(sched, engine, streams)

@@ -7,8 +7,16 @@ from ringserve.gpu_proc.request import Request, SamplingSpec
 
 
 def _req(rid, tenant, max_tokens=10):
-    return Request(key=(0, rid), request_id=str(rid), tenant=tenant, prompt_ids=[1, 2], max_tokens=max_tokens,
-                   sampling=SamplingSpec(), arrival_ts=0.0, deadline_ts=1e9)
+    return Request(
+        key=(0, rid),
+        request_id=str(rid),
+        tenant=tenant,
+        prompt_ids=[1, 2],
+        max_tokens=max_tokens,
+        sampling=SamplingSpec(),
+        arrival_ts=0.0,
+        deadline_ts=1e9,
+    )
 
 
 def _join(q, req, rows=1):
@@ -35,10 +43,10 @@ def test_fewest_weighted_tokens_served_goes_next():
     a0, b0 = _req(0, "a"), _req(1, "b")
     q.push(a0)
     q.push(b0)
-    q.charge("a", 100, 0)   # a: 100
-    q.charge("b", 0, 10)    # b: 120
+    q.charge("a", 100, 0)  # a: 100
+    q.charge("b", 0, 10)  # b: 120
     assert q.peek() is a0
-    q.charge("a", 0, 2)     # a: 124
+    q.charge("a", 0, 2)  # a: 124
     assert q.peek() is b0
 
 

@@ -54,9 +54,18 @@ def test_conversion_gives_back_the_checkpoint(tiny_model_dir, tiny_gguf, tmp_pat
     assert (tok_b["bos_token"], tok_b["eos_token"]) == (tok_a["bos_token"], tok_a["eos_token"])
     cfg_a = json.loads((tiny_model_dir / "config.json").read_text())
     cfg_b = json.loads((out / "config.json").read_text())
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "bos_token_id", "eos_token_id",
-                "max_position_embeddings"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "bos_token_id",
+        "eos_token_id",
+        "max_position_embeddings",
+    ):
         assert cfg_b[key] == cfg_a[key], key
     assert cfg_b["rms_norm_eps"] == pytest.approx(cfg_a["rms_norm_eps"])
     assert cfg_b["rope_parameters"]["rope_theta"] == cfg_a["rope_theta"]
@@ -95,8 +104,13 @@ def test_not_a_gguf_file(tmp_path):
 
 def _fetch(path, cache_home) -> subprocess.CompletedProcess:
     env = dict(os.environ, XDG_CACHE_HOME=str(cache_home))
-    return subprocess.run([sys.executable, "-m", "ringserve", "fetch-model", str(path)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "ringserve", "fetch-model", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def test_fetch_model_converts_a_gguf_once(tiny_gguf, cache_home, monkeypatch):
@@ -119,8 +133,10 @@ def test_serve_a_gguf_file(tiny_gguf, cache_home, tmp_path, monkeypatch):
     with ServerProcess(tiny_gguf, tmp_path / "shm", workers=1) as srv:
         status, body, _ = http_json(srv.url + "/v1/models")
         assert status == 200 and body["data"][0]["id"] == "tiny-chat"
-        status, body, _ = http_json(srv.url + "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "ignore_eos": True})
+        status, body, _ = http_json(
+            srv.url + "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "ignore_eos": True},
+        )
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
 
 

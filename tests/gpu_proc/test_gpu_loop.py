@@ -39,8 +39,13 @@ class _Worker:
             self.messages += [M.decode(b) for b in self.out.pop_many()]
 
     def tokens(self, rid: int, index: int = 0) -> list[int]:
-        return [t.token_id for m in self.messages if isinstance(m, M.StepOutput)
-                for t in m.tokens if t.rid == rid and t.index == index]
+        return [
+            t.token_id
+            for m in self.messages
+            if isinstance(m, M.StepOutput)
+            for t in m.tokens
+            if t.rid == rid and t.index == index
+        ]
 
     def finishes(self, rid: int) -> list[M.Finish]:
         return [f for m in self.messages if isinstance(m, M.StepOutput) for f in m.finishes if f.rid == rid]
@@ -57,9 +62,23 @@ def gpu_process(tiny_model_dir, tmp_path):
     shm.control.start_worker_slot(0, os.getpid())
     fds = ",".join(str(fd) for fd in shm.bell_fds())
     env = dict(os.environ, RINGSERVE_CONFIG_JSON=config.to_json())
-    proc = subprocess.Popen([sys.executable, "-m", "ringserve.gpu_proc.main", "--instance", shm.instance,
-                             "--shm-dir", str(tmp_path), "--bell-fds", fds, "--model-dir", str(tiny_model_dir)],
-                            env=env, pass_fds=shm.bell_fds())
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ringserve.gpu_proc.main",
+            "--instance",
+            shm.instance,
+            "--shm-dir",
+            str(tmp_path),
+            "--bell-fds",
+            fds,
+            "--model-dir",
+            str(tiny_model_dir),
+        ],
+        env=env,
+        pass_fds=shm.bell_fds(),
+    )
     deadline = time.monotonic() + TIMEOUT_S
     while shm.control.gpu_state != L.GpuState.READY:
         assert proc.poll() is None, f"GPU process exited with {proc.returncode}"
@@ -75,8 +94,16 @@ def gpu_process(tiny_model_dir, tmp_path):
 def _submit(rid, prompt, max_tokens=8, **sampling):
     sampling.setdefault("temperature", 0.0)
     now = time.time()
-    return M.Submit(rid=rid, request_id=f"req-{rid}", tenant="t", prompt_ids=prompt, max_tokens=max_tokens,
-                    sampling=M.SamplingParams(ignore_eos=True, **sampling), arrival_ts=now, deadline_ts=now + 60)
+    return M.Submit(
+        rid=rid,
+        request_id=f"req-{rid}",
+        tenant="t",
+        prompt_ids=prompt,
+        max_tokens=max_tokens,
+        sampling=M.SamplingParams(ignore_eos=True, **sampling),
+        arrival_ts=now,
+        deadline_ts=now + 60,
+    )
 
 
 def test_submit_streams_tokens_and_finishes(gpu_process):
@@ -134,7 +161,6 @@ def test_bad_token_id_is_400(gpu_process):
     w.send(_submit(2, [5, 6]))
     w.pump(lambda: w.finishes(2))
     assert proc.poll() is None
-
 
 
 def test_stop_token_ids_over_the_cap_are_refused(gpu_process):

@@ -89,8 +89,18 @@ def test_nvcc_ptx_compiles_every_entry_point(arch, tmp_path):
     src = tmp_path / "ringserve_attention.cu"
     src.write_text(instantiated_source())
     out = tmp_path / f"ringserve_attention_{arch}.ptx"
-    cmd = [nvcc, "-ptx", f"-arch={arch}", *cupy_backend.NVRTC_OPTIONS, *CUPY_ADDED_OPTIONS, "-Werror", "all-warnings",
-           "-o", str(out), str(src)]
+    cmd = [
+        nvcc,
+        "-ptx",
+        f"-arch={arch}",
+        *cupy_backend.NVRTC_OPTIONS,
+        *CUPY_ADDED_OPTIONS,
+        "-Werror",
+        "all-warnings",
+        "-o",
+        str(out),
+        str(src),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr}"
     entries = _ptx_entries(out.read_text())
@@ -128,10 +138,12 @@ def test_nvrtc_compiles_every_entry_point(arch):
 
 def test_backend_imports_without_cupy_or_cuda():
     """Importing the backend pulls in neither CuPy nor a CUDA context (CPU hosts import it freely)."""
-    code = ("import sys, torch\n"
-            "import ringserve.gpu_proc.attention.cupy_backend as b\n"
-            "assert 'cupy' not in sys.modules, 'cupy imported at module import'\n"
-            "assert not torch.cuda.is_initialized(), 'CUDA initialised at module import'\n"
-            "assert b.entry_points()\n")
+    code = (
+        "import sys, torch\n"
+        "import ringserve.gpu_proc.attention.cupy_backend as b\n"
+        "assert 'cupy' not in sys.modules, 'cupy imported at module import'\n"
+        "assert not torch.cuda.is_initialized(), 'CUDA initialised at module import'\n"
+        "assert b.entry_points()\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -38,8 +38,10 @@ def test_sharded_checkpoint_loads_like_single_file(ckpt, tiny_model_dir):
     state = load_file(ckpt / "model.safetensors")
     (ckpt / "model.safetensors").unlink()
     names = sorted(state)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for fname, keys in shards.items():
         save_file({k: state[k] for k in keys}, str(ckpt / fname))
     index = {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}
@@ -75,24 +77,27 @@ def test_eos_falls_back_to_tokenizer_config(ckpt):
     assert read_special_tokens(ckpt).eos_token_ids == frozenset({1})
 
 
-@pytest.mark.parametrize("case,match", [
-    ("no_dir", "model directory not found"),
-    ("no_config", r"config\.json: file not found"),
-    ("bad_json", r"config\.json: not valid JSON"),
-    ("no_weights", r"no \*\.safetensors weights"),
-    ("arch", r"config\.json: field 'architectures' is \['GPT2LMHeadModel'\]"),
-    ("act", r"config\.json: field 'hidden_act' is 'gelu'"),
-    ("missing_field", r"config\.json: required field 'hidden_size' is missing"),
-    ("heads", r"config\.json: .*not a multiple of num_key_value_heads"),
-    ("kv_heads_shape", r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' has shape"),
-    ("vocab_shape", r"model\.safetensors: tensor '(lm_head|model\.embed_tokens)\.weight' has shape \(\d+, 128\)"),
-    ("missing_tensor", r"tensor 'model\.layers\.3\.mlp\.up_proj\.weight' missing"),
-    ("unexpected_tensor", r"model\.safetensors: unexpected tensor 'model\.layers\.9\.mlp\.up_proj\.weight'"),
-    ("rope", r"rope_scaling type 'yarn' is not supported"),
-    ("sliding", r"field 'sliding_window' is 4096"),
-    ("missing_shard", r"model-00002-of-00002\.safetensors: file not found"),
-    ("corrupt", r"model\.safetensors: unreadable safetensors file"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("no_dir", "model directory not found"),
+        ("no_config", r"config\.json: file not found"),
+        ("bad_json", r"config\.json: not valid JSON"),
+        ("no_weights", r"no \*\.safetensors weights"),
+        ("arch", r"config\.json: field 'architectures' is \['GPT2LMHeadModel'\]"),
+        ("act", r"config\.json: field 'hidden_act' is 'gelu'"),
+        ("missing_field", r"config\.json: required field 'hidden_size' is missing"),
+        ("heads", r"config\.json: .*not a multiple of num_key_value_heads"),
+        ("kv_heads_shape", r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' has shape"),
+        ("vocab_shape", r"model\.safetensors: tensor '(lm_head|model\.embed_tokens)\.weight' has shape \(\d+, 128\)"),
+        ("missing_tensor", r"tensor 'model\.layers\.3\.mlp\.up_proj\.weight' missing"),
+        ("unexpected_tensor", r"model\.safetensors: unexpected tensor 'model\.layers\.9\.mlp\.up_proj\.weight'"),
+        ("rope", r"rope_scaling type 'yarn' is not supported"),
+        ("sliding", r"field 'sliding_window' is 4096"),
+        ("missing_shard", r"model-00002-of-00002\.safetensors: file not found"),
+        ("corrupt", r"model\.safetensors: unreadable safetensors file"),
+    ],
+)
 def test_bad_checkpoints_give_clear_errors(ckpt, case, match):
     """Each broken checkpoint raises CheckpointError naming the file and the field or tensor."""
     target = ckpt
@@ -130,8 +135,9 @@ def test_bad_checkpoints_give_clear_errors(ckpt, case, match):
     elif case == "sliding":
         _edit_config(ckpt, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096)
     elif case == "missing_shard":
-        (ckpt / "model.safetensors.index.json").write_text(json.dumps(
-            {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+        (ckpt / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}})
+        )
     elif case == "corrupt":
         (ckpt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage!")
     with pytest.raises(CheckpointError, match=match):

@@ -16,8 +16,9 @@ VOCAB = 64
 EOS = 2
 
 
-def reference(logits: np.ndarray, st: LogitsControls, prompt: list[int], output: list[int],
-              temperature: float) -> np.ndarray:
+def reference(
+    logits: np.ndarray, st: LogitsControls, prompt: list[int], output: list[int], temperature: float
+) -> np.ndarray:
     """vLLM's order: allowed ids, bad words, min_tokens, logit_bias, repetition / frequency /
     presence penalties, then min_p on the temperature-scaled distribution."""
     z = logits.astype(np.float64).copy()
@@ -27,7 +28,7 @@ def reference(logits: np.ndarray, st: LogitsControls, prompt: list[int], output:
         z[~keep] = -np.inf
     for words in st.bad_words:
         prefix = list(words[:-1])
-        if not prefix or output[-len(prefix):] == prefix:
+        if not prefix or output[-len(prefix) :] == prefix:
             z[words[-1]] = -np.inf
     if len(output) < st.min_tokens:
         z[list(st.stop_token_ids) + [EOS]] = -np.inf
@@ -69,8 +70,16 @@ CASES = {
     "min_tokens": LogitsControls(min_tokens=9, stop_token_ids=(5, 6)),
     "allowed": LogitsControls(allowed_token_ids=(1, 4, 9, 33)),
     "bad_words": LogitsControls(bad_words=((7,), (12, 13), (20, 21, 22), (30, 31))),
-    "everything": LogitsControls(repetition_penalty=1.4, frequency_penalty=0.2, presence_penalty=0.1, min_p=0.02,
-                                 logit_bias=((9, 2.0),), bad_words=((12, 13),), min_tokens=3, stop_token_ids=(4,)),
+    "everything": LogitsControls(
+        repetition_penalty=1.4,
+        frequency_penalty=0.2,
+        presence_penalty=0.1,
+        min_p=0.02,
+        logit_bias=((9, 2.0),),
+        bad_words=((12, 13),),
+        min_tokens=3,
+        stop_token_ids=(4,),
+    ),
 }
 PROMPT = [1, 3, 3, 9, 40, 12]
 OUTPUT = [3, 20, 21, 9, 9, 12]  # ends with the prefix of the bad word (12, 13), not of (20, 21, 22)
@@ -83,8 +92,11 @@ def test_each_control_matches_the_numpy_reference(name, temperature):
     st = CASES[name]
     logits = _logits(3)
     raw = logits.clone()
-    rows = [_row(1, st, PROMPT, OUTPUT, temperature), _row(2, None, PROMPT, OUTPUT),
-            _row(3, st, PROMPT, OUTPUT[:2], temperature)]
+    rows = [
+        _row(1, st, PROMPT, OUTPUT, temperature),
+        _row(2, None, PROMPT, OUTPUT),
+        _row(3, st, PROMPT, OUTPUT[:2], temperature),
+    ]
     plan = ControlsState(VOCAB, {EOS}, torch.device("cpu")).plan(rows)
     with torch.inference_mode():
         plan.apply(logits)
@@ -186,7 +198,8 @@ def test_controls_change_what_is_sampled():
     st = LogitsControls(logit_bias=((17, 30.0),))
     logits = _logits(4, seed=5)
     rows = [_row(i, st, PROMPT, OUTPUT, 1.0, seed=i) for i in range(4)]
-    plain = sample(logits.clone(), [RowSampling(temperature=1.0, seed=i) for i in range(4)],
-                   [s.context_len for s in rows]).token_ids
+    plain = sample(
+        logits.clone(), [RowSampling(temperature=1.0, seed=i) for i in range(4)], [s.context_len for s in rows]
+    ).token_ids
     biased = ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample(logits.clone(), rows).token_ids
     assert biased == [17] * 4 and plain != biased

@@ -54,9 +54,8 @@ def _hf(model_dir):
 def _hf_greedy(hf, ids, n):
     x = torch.tensor([ids])
     # An explicit mask: the BOS id may equal pad_token_id, which generate would otherwise mask out.
-    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                      do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
 
 
 def _last_logits(runner, prompts):
@@ -109,8 +108,13 @@ def test_llama3_rope_scaling_and_tied_embeddings_match_transformers(tmp_path):
     spec = TinyModelSpec(num_layers=1, tie_word_embeddings=True, num_kv_heads=1, seed=3)
     d = build_tiny_model(tmp_path / "m", spec)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    cfg["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     cfg["rope_theta"] = 500000.0
     (d / "config.json").write_text(json.dumps(cfg))
     prompts = [_prompts(d)[-1], _prompts(d)[4]]

@@ -15,7 +15,7 @@ def _fill(cache: PrefixCache, seq: list[int], blocks: list[int], salt=None) -> l
     """Register `seq`'s full blocks into `blocks` in order, as the scheduler does; their hashes."""
     hashes = cache.extend_hashes([], _tokens(seq), len(seq) // BS, salt)
     for j, h in enumerate(hashes):
-        assert cache.register(blocks[j], h, seq[j * BS:(j + 1) * BS], blocks[j - 1] if j else None, salt)
+        assert cache.register(blocks[j], h, seq[j * BS : (j + 1) * BS], blocks[j - 1] if j else None, salt)
     return hashes
 
 

@@ -8,9 +8,31 @@ from ringserve.tools import bench_prefix
 def test_bench_prefix_json_report(tiny_model_dir, capsys):
     """Small sizes: the cached request really hits its prefix, the trace hits the system prompt,
     and the caching-on and caching-off streams are identical."""
-    rc = bench_prefix.main(["--json", "--model", str(tiny_model_dir), "--prefix", "64", "--suffix", "8",
-                            "--reps", "1", "--requests", "4", "--share", "1.0", "--system", "48",
-                            "--max-tokens", "2", "--blocks", "64", "--trace-reps", "2"])
+    rc = bench_prefix.main(
+        [
+            "--json",
+            "--model",
+            str(tiny_model_dir),
+            "--prefix",
+            "64",
+            "--suffix",
+            "8",
+            "--reps",
+            "1",
+            "--requests",
+            "4",
+            "--share",
+            "1.0",
+            "--system",
+            "48",
+            "--max-tokens",
+            "2",
+            "--blocks",
+            "64",
+            "--trace-reps",
+            "2",
+        ]
+    )
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ttft"]["cached_tokens"] == 64 and report["ttft"]["prompt_tokens"] == 72

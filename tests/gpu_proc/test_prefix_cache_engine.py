@@ -18,17 +18,32 @@ SYSTEM = [(5 + 7 * k) % 200 + 3 for k in range(40)]  # a shared 40-token "system
 def _serve(model_dir, prefix_caching: bool, temperature: float, num_blocks: int = 64):
     """Serve one request, then five more sharing its system prompt (two with n = 2); every
     request's streams and the scheduler's final stats."""
-    config = Config(num_blocks=num_blocks, max_rows=8, prefill_budget=16, context_limit=512, max_tokens_limit=64,
-                    prefix_caching=prefix_caching)
+    config = Config(
+        num_blocks=num_blocks,
+        max_rows=8,
+        prefill_budget=16,
+        context_limit=512,
+        max_tokens_limit=64,
+        prefix_caching=prefix_caching,
+    )
     engine = build_engine(config, model_dir)
-    sched = Scheduler(config, BlockManager(num_blocks, config.block_size), eos_token_ids=engine.eos_token_ids,
-                      clock=lambda: 0.0)
+    sched = Scheduler(
+        config, BlockManager(num_blocks, config.block_size), eos_token_ids=engine.eos_token_ids, clock=lambda: 0.0
+    )
     out: dict[tuple[int, int], list[int]] = {}
 
     def submit(i: int, n: int = 1) -> None:
-        req = Request(key=(0, i), request_id=str(i), tenant="t", prompt_ids=SYSTEM + [10 + i] * (3 + i),
-                      max_tokens=12, n=n, arrival_ts=0.0, deadline_ts=1e9,
-                      sampling=SamplingSpec(temperature=temperature, top_p=0.95, seed=100 + i, ignore_eos=True))
+        req = Request(
+            key=(0, i),
+            request_id=str(i),
+            tenant="t",
+            prompt_ids=SYSTEM + [10 + i] * (3 + i),
+            max_tokens=12,
+            n=n,
+            arrival_ts=0.0,
+            deadline_ts=1e9,
+            sampling=SamplingSpec(temperature=temperature, top_p=0.95, seed=100 + i, ignore_eos=True),
+        )
         assert sched.admit(req).accepted
 
     submit(0)

@@ -37,14 +37,27 @@ def _prompt(n: int, salt: int = 0) -> list[int]:
     return [(7 + 13 * k + salt) % 1000 + 3 for k in range(n)]
 
 
-def _serve(model_dir, requests: list[Request], *, num_blocks: int = 256, prefill_budget: int = 16,
-           prefix_caching: bool = True, engine=None):
+def _serve(
+    model_dir,
+    requests: list[Request],
+    *,
+    num_blocks: int = 256,
+    prefill_budget: int = 16,
+    prefix_caching: bool = True,
+    engine=None,
+):
     """Serve to completion; (prompt logprob events per key, tokens per key, scheduler)."""
-    config = Config(num_blocks=num_blocks, max_rows=8, prefill_budget=prefill_budget, context_limit=1024,
-                    prefix_caching=prefix_caching)
+    config = Config(
+        num_blocks=num_blocks,
+        max_rows=8,
+        prefill_budget=prefill_budget,
+        context_limit=1024,
+        prefix_caching=prefix_caching,
+    )
     engine = engine or build_engine(config, model_dir)
-    sched = Scheduler(config, BlockManager(num_blocks, config.block_size), eos_token_ids=engine.eos_token_ids,
-                      clock=lambda: 0.0)
+    sched = Scheduler(
+        config, BlockManager(num_blocks, config.block_size), eos_token_ids=engine.eos_token_ids, clock=lambda: 0.0
+    )
     for req in requests:
         assert sched.admit(req).accepted
     scores: dict = {}
@@ -63,11 +76,20 @@ def _serve(model_dir, requests: list[Request], *, num_blocks: int = 256, prefill
     return scores, tokens, sched
 
 
-def _request(i: int, prompt: list[int], *, prompt_logprobs=TOP, max_tokens: int = 3, controls=None,
-             seed: int = 0) -> Request:
-    return Request(key=(0, i), request_id=str(i), tenant="t", prompt_ids=prompt, max_tokens=max_tokens,
-                   sampling=SamplingSpec(temperature=0.8, seed=seed, ignore_eos=True, controls=controls),
-                   arrival_ts=0.0, deadline_ts=1e9, prompt_logprobs=prompt_logprobs)
+def _request(
+    i: int, prompt: list[int], *, prompt_logprobs=TOP, max_tokens: int = 3, controls=None, seed: int = 0
+) -> Request:
+    return Request(
+        key=(0, i),
+        request_id=str(i),
+        tenant="t",
+        prompt_ids=prompt,
+        max_tokens=max_tokens,
+        sampling=SamplingSpec(temperature=0.8, seed=seed, ignore_eos=True, controls=controls),
+        arrival_ts=0.0,
+        deadline_ts=1e9,
+        prompt_logprobs=prompt_logprobs,
+    )
 
 
 def _check(events: list[PromptLogprobsEvent], prompt: list[int], ref: torch.Tensor) -> None:
@@ -81,8 +103,9 @@ def _check(events: list[PromptLogprobsEvent], prompt: list[int], ref: torch.Tens
     want = torch.tensor([ref[p - 1, prompt[p]].item() for p in range(1, len(prompt))])
     torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), want.double(), atol=2e-4, rtol=1e-4)
     assert ranks == [int((ref[p - 1] >= ref[p - 1, prompt[p]]).sum()) for p in range(1, len(prompt))]
-    assert [[t for t, _ in top] for top in tops] == [torch.topk(ref[p - 1], TOP).indices.tolist()
-                                                     for p in range(1, len(prompt))]
+    assert [[t for t, _ in top] for top in tops] == [
+        torch.topk(ref[p - 1], TOP).indices.tolist() for p in range(1, len(prompt))
+    ]
 
 
 @pytest.mark.parametrize("allowance", [None, 40])
@@ -115,8 +138,11 @@ def test_prompt_logprobs_skip_the_prefix_cache(tiny_model_dir, hf_logprobs):
         events = []
         while sched.has_work:
             batch = sched.schedule()
-            events += [e for e in sched.update(engine.step(batch) if batch.seqs else None)
-                       if isinstance(e, PromptLogprobsEvent)]
+            events += [
+                e
+                for e in sched.update(engine.step(batch) if batch.seqs else None)
+                if isinstance(e, PromptLogprobsEvent)
+            ]
         if plp:
             _check(events, prompt, hf_logprobs(prompt))
             assert sched.kv.cache.hits == hits
@@ -157,13 +183,21 @@ def test_prompt_logprobs_across_preemption_are_sent_once(tiny_model_dir, hf_logp
 def test_seeded_penalized_output_repeats_across_preemption(tiny_model_dir):
     """Penalties, bias and min_p on: seeded output alone with a roomy pool equals output under
     preemption, and differs from the same seeds without controls."""
-    controls = LogitsControls(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3, min_p=0.02,
-                              logit_bias=((50, 1.5),), bad_words=((60, 61),))
+    controls = LogitsControls(
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        presence_penalty=0.3,
+        min_p=0.02,
+        logit_bias=((50, 1.5),),
+        bad_words=((60, 61),),
+    )
     prompts = [[11 + i] * (20 + 5 * i) for i in range(4)]
 
     def run(num_blocks, ctl):
-        reqs = [_request(i, p, prompt_logprobs=None, max_tokens=40, controls=ctl, seed=100 + i)
-                for i, p in enumerate(prompts)]
+        reqs = [
+            _request(i, p, prompt_logprobs=None, max_tokens=40, controls=ctl, seed=100 + i)
+            for i, p in enumerate(prompts)
+        ]
         _, tokens, sched = _serve(tiny_model_dir, reqs, num_blocks=num_blocks)
         return tokens, sched.preemptions
 

@@ -6,8 +6,16 @@ from ringserve.gpu_proc.request import Request, RequestState, SamplingSpec
 
 
 def _req(**kw):
-    base = dict(key=(0, 1), request_id="r", tenant="k", prompt_ids=[1, 2, 3], max_tokens=4,
-                sampling=SamplingSpec(), arrival_ts=0.0, deadline_ts=10.0)
+    base = dict(
+        key=(0, 1),
+        request_id="r",
+        tenant="k",
+        prompt_ids=[1, 2, 3],
+        max_tokens=4,
+        sampling=SamplingSpec(),
+        arrival_ts=0.0,
+        deadline_ts=10.0,
+    )
     base.update(kw)
     return Request(**base)
 
@@ -16,9 +24,13 @@ def test_states_are_ordered_waiting_running_finished():
     """Waiting, running and finished are each one comparison on the state."""
     r = _req()
     assert r.is_waiting and not r.is_running and not r.is_finished
-    for state, flags in [(RequestState.PREEMPTED, (True, False, False)), (RequestState.PREFILL, (False, True, False)),
-                         (RequestState.DECODE, (False, True, False)), (RequestState.DONE, (False, False, True)),
-                         (RequestState.CANCELLED, (False, False, True))]:
+    for state, flags in [
+        (RequestState.PREEMPTED, (True, False, False)),
+        (RequestState.PREFILL, (False, True, False)),
+        (RequestState.DECODE, (False, True, False)),
+        (RequestState.DONE, (False, False, True)),
+        (RequestState.CANCELLED, (False, False, True)),
+    ]:
         r.state = state
         assert (r.is_waiting, r.is_running, r.is_finished) == flags
 
@@ -66,13 +78,29 @@ def test_from_submit_maps_every_field():
     """A worker's Submit becomes a Request keyed (worker, rid) with the same settings."""
     from ringserve.shm.messages import SamplingParams, Submit
 
-    msg = Submit(rid=7, request_id="cmpl-1", tenant="key", prompt_ids=[4, 5], max_tokens=9,
-                 sampling=SamplingParams(temperature=0.5, top_k=3, top_p=0.9, seed=11, stop_token_ids=(2,),
-                                         ignore_eos=True),
-                 arrival_ts=1.0, deadline_ts=2.0, n=2, logprobs=1, cache_salt="tenant-salt")
+    msg = Submit(
+        rid=7,
+        request_id="cmpl-1",
+        tenant="key",
+        prompt_ids=[4, 5],
+        max_tokens=9,
+        sampling=SamplingParams(temperature=0.5, top_k=3, top_p=0.9, seed=11, stop_token_ids=(2,), ignore_eos=True),
+        arrival_ts=1.0,
+        deadline_ts=2.0,
+        n=2,
+        logprobs=1,
+        cache_salt="tenant-salt",
+    )
     r = Request.from_submit(3, msg)
     assert r.cache_salt == "tenant-salt"
     assert (r.key, r.request_id, r.tenant, r.prompt_ids, r.max_tokens, r.n, r.logprobs) == (
-        (3, 7), "cmpl-1", "key", [4, 5], 9, 2, 1)
+        (3, 7),
+        "cmpl-1",
+        "key",
+        [4, 5],
+        9,
+        2,
+        1,
+    )
     assert r.sampling == SamplingSpec(0.5, 3, 0.9, 11, (2,), True)
     assert (r.arrival_ts, r.deadline_ts, r.state) == (1.0, 2.0, RequestState.QUEUED)

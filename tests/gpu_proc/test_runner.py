@@ -35,15 +35,21 @@ def _mixed_requests(vocab, n=32, seed=0, **sampling):
     they are still prefilling in chunks while the short ones decode."""
     rng = random.Random(seed)
     lens = [rng.randrange(1, 24) for _ in range(n - 8)] + [1, 2, 15, 16, 17, 33, 150, 300]
-    return [OfflineRequest(prompt_ids=[rng.randrange(2, vocab) for _ in range(k)], max_tokens=rng.randrange(12, 20),
-                           ignore_eos=True, **sampling) for k in lens]
+    return [
+        OfflineRequest(
+            prompt_ids=[rng.randrange(2, vocab) for _ in range(k)],
+            max_tokens=rng.randrange(12, 20),
+            ignore_eos=True,
+            **sampling,
+        )
+        for k in lens
+    ]
 
 
 def _alone_vs_batched(model, eos, reqs):
     alone = [generate(_runner(model), [r], eos_token_ids=eos, prefill_budget=4096)[0].token_ids for r in reqs]
     log: list[StepRecord] = []
-    batched = generate(_runner(model), reqs, eos_token_ids=eos, prefill_budget=128, max_rows=32,
-                       block_seed=1, log=log)
+    batched = generate(_runner(model), reqs, eos_token_ids=eos, prefill_budget=128, max_rows=32, block_seed=1, log=log)
     # The batched run really mixed: a full 32-row step, and steps with both prefill and decode rows.
     assert max(s.num_rows for s in log) == 32
     assert any(s.num_prefill_rows and s.num_decode_rows for s in log)
@@ -72,20 +78,28 @@ def test_recompute_after_preemption_continues_identically(model, eos):
     with exactly the tokens it would have produced."""
     rng = random.Random(4)
     prompt = [rng.randrange(2, model.args.vocab_size) for _ in range(40)]
-    full = generate(_runner(model), [OfflineRequest(prompt_ids=prompt, max_tokens=12, temperature=1.0,
-                                                    seed=77, ignore_eos=True)], eos_token_ids=eos)[0].token_ids
+    full = generate(
+        _runner(model),
+        [OfflineRequest(prompt_ids=prompt, max_tokens=12, temperature=1.0, seed=77, ignore_eos=True)],
+        eos_token_ids=eos,
+    )[0].token_ids
     # Positions fix the randomness, so resuming from prompt + 5 tokens at the same positions matches.
-    resumed = generate(_runner(model), [OfflineRequest(prompt_ids=prompt + full[:5], max_tokens=7, temperature=1.0,
-                                                       seed=77, ignore_eos=True)], eos_token_ids=eos)[0].token_ids
+    resumed = generate(
+        _runner(model),
+        [OfflineRequest(prompt_ids=prompt + full[:5], max_tokens=7, temperature=1.0, seed=77, ignore_eos=True)],
+        eos_token_ids=eos,
+    )[0].token_ids
     assert resumed == full[5:]
 
 
 def test_logits_only_for_sampling_rows_in_batch_order(model):
     """A mid-prompt chunk returns no logits; sampling rows come back in batch order."""
     runner = _runner(model)
-    seqs = [SeqStep(0, [5, 6, 7], 0, [0], RowSampling(temperature=0.0)),
-            SeqStep(1, [8, 9], 0, [1]),  # a chunk that does not finish its prompt
-            SeqStep(2, [10], 0, [2], RowSampling(temperature=0.0))]
+    seqs = [
+        SeqStep(0, [5, 6, 7], 0, [0], RowSampling(temperature=0.0)),
+        SeqStep(1, [8, 9], 0, [1]),  # a chunk that does not finish its prompt
+        SeqStep(2, [10], 0, [2], RowSampling(temperature=0.0)),
+    ]
     logits = runner.execute(StepBatch(seqs))
     assert logits.shape == (2, model.args.vocab_size) and logits.dtype == torch.float32
     alone = _runner(model).execute(StepBatch([SeqStep(2, [10], 0, [7], RowSampling(temperature=0.0))]))

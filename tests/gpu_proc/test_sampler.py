@@ -32,8 +32,11 @@ def _draws(logits_row, n, **kw):
 def test_denormal_temperature_is_greedy_not_nan():
     """A temperature too small to divide by (5e-324) samples greedily instead of failing on NaN."""
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(1))
-    rows = [RowSampling(temperature=5e-324, top_p=0.5, seed=1), RowSampling(temperature=1e-9, top_k=3),
-            RowSampling(temperature=5e-324)]
+    rows = [
+        RowSampling(temperature=5e-324, top_p=0.5, seed=1),
+        RowSampling(temperature=1e-9, top_k=3),
+        RowSampling(temperature=5e-324),
+    ]
     assert sample(logits, rows, [1, 2, 3]).token_ids == logits.argmax(-1).tolist()
 
 
@@ -64,13 +67,18 @@ def test_row_result_independent_of_batch_neighbours():
     """A seeded row samples the same token alone and among rows with other settings."""
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(6, V, generator=gen)
-    rows = [RowSampling(temperature=0.0), RowSampling(temperature=0.7, top_k=5, seed=1),
-            RowSampling(temperature=1.3, top_p=0.9, seed=2), RowSampling(temperature=1.0, seed=3),
-            RowSampling(temperature=0.5, top_k=50, top_p=0.5, seed=4, logprobs=3), RowSampling(temperature=2.0)]
+    rows = [
+        RowSampling(temperature=0.0),
+        RowSampling(temperature=0.7, top_k=5, seed=1),
+        RowSampling(temperature=1.3, top_p=0.9, seed=2),
+        RowSampling(temperature=1.0, seed=3),
+        RowSampling(temperature=0.5, top_k=50, top_p=0.5, seed=4, logprobs=3),
+        RowSampling(temperature=2.0),
+    ]
     positions = [10, 11, 12, 13, 14, 15]
     together = sample(logits, rows, positions)
     for i, row in enumerate(rows):
-        alone = sample(logits[i:i + 1], [row], [positions[i]])
+        alone = sample(logits[i : i + 1], [row], [positions[i]])
         assert alone.token_ids[0] == together.token_ids[i]
         assert alone.logprobs[0] == pytest.approx(together.logprobs[i], abs=1e-6, nan_ok=True)
 
@@ -154,7 +162,11 @@ def test_logprob_only_for_rows_that_ask():
     """Rows without `logprobs` get NaN (null on the wire) whatever their neighbours asked; a batch
     where no row asks still samples the same tokens."""
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(6))
-    rows = [RowSampling(temperature=0.0), RowSampling(temperature=0.0, logprobs=0), RowSampling(temperature=0.9, seed=1)]
+    rows = [
+        RowSampling(temperature=0.0),
+        RowSampling(temperature=0.0, logprobs=0),
+        RowSampling(temperature=0.9, seed=1),
+    ]
     mixed = sample(logits, rows, [1, 2, 3])
     none = sample(logits[[0, 2]], [rows[0], rows[2]], [1, 3])
     assert math.isnan(mixed.logprobs[0]) and math.isnan(mixed.logprobs[2]) and not math.isnan(mixed.logprobs[1])
@@ -214,7 +226,11 @@ def test_all_random_mixed_filters_match_rows_alone():
     """Without greedy rows (the all-random fast path), filtered and unfiltered rows still sample as
     they do alone."""
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(5))
-    rows = [RowSampling(temperature=1.0, seed=1), RowSampling(temperature=0.8, top_p=0.8, seed=2),
-            RowSampling(temperature=1.2, seed=3), RowSampling(temperature=0.9, top_k=7, seed=4)]
+    rows = [
+        RowSampling(temperature=1.0, seed=1),
+        RowSampling(temperature=0.8, top_p=0.8, seed=2),
+        RowSampling(temperature=1.2, seed=3),
+        RowSampling(temperature=0.9, top_k=7, seed=4),
+    ]
     together = sample(logits, rows, [3, 4, 5, 6]).token_ids
-    assert together == [sample(logits[i:i + 1], [r], [3 + i]).token_ids[0] for i, r in enumerate(rows)]
+    assert together == [sample(logits[i : i + 1], [r], [3 + i]).token_ids[0] for i, r in enumerate(rows)]

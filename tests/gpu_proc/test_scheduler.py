@@ -52,7 +52,10 @@ def test_decode_rows_come_first_and_prefill_fills_the_budget_oldest_first():
     assert h.sched.prefill_budget_for(1) == 64  # one decoding row of 32: the budget is raised 8x
     batch = h.step()
     assert [(s.seq_id, s.start_pos, len(s.token_ids)) for s in batch.seqs] == [
-        (a.seq_id, 3, 1), (b.seq_id, 0, 40), (c.seq_id, 0, 24)]
+        (a.seq_id, 3, 1),
+        (b.seq_id, 0, 40),
+        (c.seq_id, 0, 24),
+    ]
 
 
 def test_prefill_budget_rule():
@@ -95,6 +98,7 @@ def test_newest_request_is_preempted_and_resumes_without_re_emitting():
 def test_preempted_seeded_outputs_equal_an_unpreempted_run(n):
     """The same seeded requests (n samples each) on a roomy pool and on a pool that forces
     preemptions stream the same tokens."""
+
     def run(num_blocks):
         h = make_harness(num_blocks=num_blocks, block_size=4, prefill_budget=8)
         reqs = [make_request(i, 5 + 3 * i, max_tokens=16, seed=100 + i, ignore_eos=True, n=n) for i in range(6)]

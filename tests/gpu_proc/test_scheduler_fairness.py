@@ -14,8 +14,10 @@ def _flood_and_trickle(b_requests: int = 8):
     which an A request joined while a B request was left waiting."""
     h = make_harness(num_blocks=1024, max_rows=32, key_row_cap=8, prefill_budget=256)
     rng = random.Random(3)
-    a_reqs = [make_request(i, 48, max_tokens=rng.randint(A_MIN_ANSWER, 160), tenant="A", ignore_eos=True, seed=i)
-              for i in range(100)]
+    a_reqs = [
+        make_request(i, 48, max_tokens=rng.randint(A_MIN_ANSWER, 160), tenant="A", ignore_eos=True, seed=i)
+        for i in range(100)
+    ]
     for r in a_reqs:
         assert h.sched.admit(r).accepted
     b_reqs, arrival, join = [], {}, {}

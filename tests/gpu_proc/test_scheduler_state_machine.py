@@ -32,16 +32,32 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.samples = {}  # key -> every sample of the Submit
         self.next_rid = 0
 
-    @rule(tenant=st.sampled_from("abc"), shared=st.sampled_from(SHARED),
-          prompt=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=24),
-          max_tokens=st.integers(1, 32), n=st.integers(1, 3), seed=st.integers(0, 2**32), ignore_eos=st.booleans(),
-          ttl=st.sampled_from([None, None, None, None, 0.03, 0.3]), salt=st.sampled_from([None, None, "s"]))
+    @rule(
+        tenant=st.sampled_from("abc"),
+        shared=st.sampled_from(SHARED),
+        prompt=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=24),
+        max_tokens=st.integers(1, 32),
+        n=st.integers(1, 3),
+        seed=st.integers(0, 2**32),
+        ignore_eos=st.booleans(),
+        ttl=st.sampled_from([None, None, None, None, 0.03, 0.3]),
+        salt=st.sampled_from([None, None, "s"]),
+    )
     def submit(self, tenant, shared, prompt, max_tokens, n, seed, ignore_eos, ttl, salt):
         self.next_rid += 1
         prompt = (shared + prompt)[:24]
         deadline = 1e12 if ttl is None else self.h.now + ttl
-        req = make_request(self.next_rid, prompt, max_tokens, tenant=tenant, n=n, seed=seed,
-                           ignore_eos=ignore_eos, deadline=deadline, worker=self.next_rid % 3)
+        req = make_request(
+            self.next_rid,
+            prompt,
+            max_tokens,
+            tenant=tenant,
+            n=n,
+            seed=seed,
+            ignore_eos=ignore_eos,
+            deadline=deadline,
+            worker=self.next_rid % 3,
+        )
         req.cache_salt = salt
         d = self.h.sched.admit(req)
         if d.accepted:
@@ -51,12 +67,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert d.status == 400 and d.code == "too_large_for_kv_pool"
 
     @precondition(lambda self: self.accepted)
-    @rule(pick=st.integers(0, 10**6), reason=st.sampled_from(["cancelled", "disconnect", "stop"]),
-          index=st.sampled_from([None, None, 0, 1, 2]))
+    @rule(
+        pick=st.integers(0, 10**6),
+        reason=st.sampled_from(["cancelled", "disconnect", "stop"]),
+        index=st.sampled_from([None, None, 0, 1, 2]),
+    )
     def cancel(self, pick, reason, index):
         """Cancel a whole Submit, or one sample of it (a stop string in that sample)."""
         req = self.accepted[pick % len(self.accepted)]
-        targets = self.samples[req.key] if index is None else self.samples[req.key][index:index + 1]
+        targets = self.samples[req.key] if index is None else self.samples[req.key][index : index + 1]
         fresh = any(not s.is_finished and s.cancel_reason is None for s in targets)
         assert self.h.sched.cancel(req.key, reason, index) == fresh  # a second cancel is a no-op
 
@@ -82,13 +101,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 want, reason = expected_stream(h, req, i)
                 assert fin.completion_tokens == len(got)
                 if fin.reason in ("cancelled", "deadline") or (fin.reason == "stop" and sample.cancel_reason == "stop"):
-                    assert got == want[:len(got)]
+                    assert got == want[: len(got)]
                 else:
                     assert (got, fin.reason) == (want, reason)
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                                              suppress_health_check=[HealthCheck.too_slow])
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestSchedulerMachine = SchedulerMachine.TestCase
 
 
@@ -102,12 +122,18 @@ class CollidingHashMachine(SchedulerMachine):
         h = self.h
         bm = BlockManager(NUM_BLOCKS, 4)
         bm.attach_cache(PrefixCache(NUM_BLOCKS, 4, hash_fn=lambda parent, tokens: hash(tokens) % 8))
-        h.sched = Scheduler(Config(queue_limit_s=1e6, block_size=4, max_rows=8, prefill_budget=8, key_row_cap=2),
-                            bm, eos_token_ids={EOS}, clock=lambda: h.now, rng=random.Random(7))
+        h.sched = Scheduler(
+            Config(queue_limit_s=1e6, block_size=4, max_rows=8, prefill_budget=8, key_row_cap=2),
+            bm,
+            eos_token_ids={EOS},
+            clock=lambda: h.now,
+            rng=random.Random(7),
+        )
 
 
-CollidingHashMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None,
-                                                  suppress_health_check=[HealthCheck.too_slow])
+CollidingHashMachine.TestCase.settings = settings(
+    max_examples=30, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestCollidingHashMachine = CollidingHashMachine.TestCase
 
 

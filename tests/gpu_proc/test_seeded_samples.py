@@ -23,22 +23,41 @@ RECORDED = Path(__file__).parent / "data" / "seeded_n_samples.json"
 # it, and several blocks with a partial tail
 PROMPT_LENS = (3, 16, 17, 40)
 # the tight pools force preemption (of the code before and after the change alike)
-CASES = {"cache-on": (True, 256), "cache-off": (False, 256), "cache-on-tight": (True, 12),
-         "cache-off-tight": (False, 12)}
+CASES = {
+    "cache-on": (True, 256),
+    "cache-off": (False, 256),
+    "cache-on-tight": (True, 12),
+    "cache-off-tight": (False, 12),
+}
 
 
 def _serve(model_dir, prefix_caching: bool, num_blocks: int) -> tuple[dict[str, list[int]], int]:
     """Four n = 3 requests (and one n = 1) with seeds, served to completion: '<rid>/<index>' ->
     tokens, and the preemptions."""
-    config = Config(num_blocks=num_blocks, max_rows=8, prefill_budget=24, context_limit=512, max_tokens_limit=64,
-                    prefix_caching=prefix_caching)
+    config = Config(
+        num_blocks=num_blocks,
+        max_rows=8,
+        prefill_budget=24,
+        context_limit=512,
+        max_tokens_limit=64,
+        prefix_caching=prefix_caching,
+    )
     engine = build_engine(config, model_dir)
-    sched = Scheduler(config, BlockManager(num_blocks, config.block_size), eos_token_ids=engine.eos_token_ids,
-                      clock=lambda: 0.0)
+    sched = Scheduler(
+        config, BlockManager(num_blocks, config.block_size), eos_token_ids=engine.eos_token_ids, clock=lambda: 0.0
+    )
     for i, plen in enumerate(PROMPT_LENS + (21,)):
-        req = Request(key=(0, i), request_id=str(i), tenant="t", prompt_ids=[(5 + 11 * k + i) % 200 + 3 for k in range(plen)],
-                      max_tokens=14, n=3 if i < len(PROMPT_LENS) else 1, arrival_ts=0.0, deadline_ts=1e9,
-                      sampling=SamplingSpec(temperature=0.9, top_p=0.95, seed=4242 + i, ignore_eos=True))
+        req = Request(
+            key=(0, i),
+            request_id=str(i),
+            tenant="t",
+            prompt_ids=[(5 + 11 * k + i) % 200 + 3 for k in range(plen)],
+            max_tokens=14,
+            n=3 if i < len(PROMPT_LENS) else 1,
+            arrival_ts=0.0,
+            deadline_ts=1e9,
+            sampling=SamplingSpec(temperature=0.9, top_p=0.95, seed=4242 + i, ignore_eos=True),
+        )
         assert sched.admit(req).accepted
     streams: dict[tuple[int, int], list[int]] = {}
     serve_until_idle(sched, engine, streams, max_steps=1000)
@@ -48,8 +67,9 @@ def _serve(model_dir, prefix_caching: bool, num_blocks: int) -> tuple[dict[str, 
 @pytest.fixture(scope="module")
 def recorded(tiny_model_dir):
     if os.environ.get("RINGSERVE_RECORD_SEEDED") == "1":
-        RECORDED.write_text(json.dumps({name: _serve(tiny_model_dir, *args)[0] for name, args in CASES.items()},
-                                       indent=1) + "\n")
+        RECORDED.write_text(
+            json.dumps({name: _serve(tiny_model_dir, *args)[0] for name, args in CASES.items()}, indent=1) + "\n"
+        )
     return json.loads(RECORDED.read_text())
 
 

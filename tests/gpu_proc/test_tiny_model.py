@@ -17,8 +17,13 @@ def _tokenizer(model_dir):
 
 def test_checkpoint_has_every_file(tiny_model_dir):
     """The directory is a complete Hugging Face Llama checkpoint."""
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert (tiny_model_dir / name).is_file(), name
     cfg = json.loads((tiny_model_dir / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"]
@@ -69,26 +74,54 @@ def test_transformers_loads_it_and_greedy_does_not_loop(tiny_model_dir):
 
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     ids = _tokenizer(tiny_model_dir).encode("The lighthouse keeper climbed the tower").ids
-    out = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=0,
-                           attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    new = out[0, len(ids):].tolist()
+    out = model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=32,
+        do_sample=False,
+        pad_token_id=0,
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+    )
+    new = out[0, len(ids) :].tolist()
     assert len(set(new)) >= 16
 
 
 def test_cli_options_shape_the_model(tmp_path, capsys):
     """Layer, head and size options reach config.json; invalid shapes exit 2 with a message."""
     out = tmp_path / "m"
-    assert main([str(out), "--layers", "1", "--hidden-size", "64", "--heads", "2", "--kv-heads", "1",
-                 "--intermediate-size", "96", "--vocab", "500", "--tie-word-embeddings"]) == 0
+    assert (
+        main(
+            [
+                str(out),
+                "--layers",
+                "1",
+                "--hidden-size",
+                "64",
+                "--heads",
+                "2",
+                "--kv-heads",
+                "1",
+                "--intermediate-size",
+                "96",
+                "--vocab",
+                "500",
+                "--tie-word-embeddings",
+            ]
+        )
+        == 0
+    )
     cfg = json.loads((out / "config.json").read_text())
-    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
-            cfg["num_key_value_heads"], cfg["tie_word_embeddings"]) == (1, 64, 2, 1, True)
+    assert (
+        cfg["num_hidden_layers"],
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["tie_word_embeddings"],
+    ) == (1, 64, 2, 1, True)
     assert main([str(tmp_path / "bad"), "--heads", "3", "--kv-heads", "2"]) == 2
     assert "multiple" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kwargs", [{"num_heads": 0}, {"hidden_size": 100, "num_heads": 3},
-                                    {"vocab_target": 10}])
+@pytest.mark.parametrize("kwargs", [{"num_heads": 0}, {"hidden_size": 100, "num_heads": 3}, {"vocab_target": 10}])
 def test_spec_rejects_bad_shapes(kwargs):
     """Impossible shapes are refused at construction."""
     with pytest.raises(ValueError):

@@ -26,8 +26,18 @@ def dense_attention(q, k, v, scale, start):
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v.double()).float()
 
 
-def run_case(seqs_spec, num_heads, num_kv_heads, head_dim, num_blocks, rng, shared_prefix=0,
-              dtype=torch.float32, fill=0.0, attention=paged_attention):
+def run_case(
+    seqs_spec,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    num_blocks,
+    rng,
+    shared_prefix=0,
+    dtype=torch.float32,
+    fill=0.0,
+    attention=paged_attention,
+):
     """Build sequences (cached, new) with random block tables, write their K/V through write_kv, and
     return (paged output, dense output). With shared_prefix > 0, every sequence reuses the first
     sequence's first `shared_prefix` blocks (and their contents), as n samples of one prompt do.
@@ -50,11 +60,11 @@ def run_case(seqs_spec, num_heads, num_kv_heads, head_dim, num_blocks, rng, shar
         if shared_prefix:
             if i == 0:
                 shared_blocks = table[:shared_prefix]
-                shared_k, shared_v = k[:shared_prefix * BS].clone(), v[:shared_prefix * BS].clone()
+                shared_k, shared_v = k[: shared_prefix * BS].clone(), v[: shared_prefix * BS].clone()
             else:
                 ids.extend(table[:shared_prefix])  # give the unused private ids back
                 table[:shared_prefix] = shared_blocks
-                k[:shared_prefix * BS], v[:shared_prefix * BS] = shared_k, shared_v
+                k[: shared_prefix * BS], v[: shared_prefix * BS] = shared_k, shared_v
         # The cached prefix is written as an earlier step would have (shared blocks rewritten with
         # identical values is harmless).
         slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(cached)], dtype=torch.long)
@@ -65,11 +75,10 @@ def run_case(seqs_spec, num_heads, num_kv_heads, head_dim, num_blocks, rng, shar
         qs.append(torch.randn(new, num_heads, head_dim, generator=gen))
         steps.append(SeqStep(i, [0] * new, cached, table))
     inputs = build_step_inputs(StepBatch(steps), BS, torch.device("cpu"))
-    new_k = torch.cat([k[s.start_pos:] for k, s in zip(full_k, steps)])
-    new_v = torch.cat([v[s.start_pos:] for v, s in zip(full_v, steps)])
+    new_k = torch.cat([k[s.start_pos :] for k, s in zip(full_k, steps)])
+    new_v = torch.cat([v[s.start_pos :] for v, s in zip(full_v, steps)])
     write_kv(new_k, new_v, pool.k[0], pool.v[0], inputs.meta.slot_mapping)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     paged = attention(torch.cat(qs).to(dtype), pool.k[0], pool.v[0], inputs.meta, scale).float()
-    dense = torch.cat([dense_attention(q, k, v, scale, s.start_pos)
-                       for q, k, v, s in zip(qs, full_k, full_v, steps)])
+    dense = torch.cat([dense_attention(q, k, v, scale, s.start_pos) for q, k, v, s in zip(qs, full_k, full_v, steps)])
     return paged, dense

@@ -14,12 +14,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_json(url: str, body: dict | None = None, method: str | None = None, headers: dict | None = None,
-              timeout: float = 30.0) -> tuple[int, dict, dict]:
+def http_json(
+    url: str, body: dict | None = None, method: str | None = None, headers: dict | None = None, timeout: float = 30.0
+) -> tuple[int, dict, dict]:
     """(status, json body, headers) of one request; error statuses are returned, not raised."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"content-type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"content-type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read() or b"null"), dict(resp.headers)
@@ -36,7 +38,10 @@ def metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            key = s.name if not s.labels else s.name + "{" + ",".join(
-                f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}"
+            key = (
+                s.name
+                if not s.labels
+                else s.name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}"
+            )
             out[key] = s.value
     return out

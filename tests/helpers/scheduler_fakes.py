@@ -80,8 +80,16 @@ class FakeEngine:
         return out
 
 
-def reference_tokens(prompt: list[int], seed: int, index: int, max_tokens: int, *, context_limit: int = 8192,
-                     stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False) -> tuple[list[int], str]:
+def reference_tokens(
+    prompt: list[int],
+    seed: int,
+    index: int,
+    max_tokens: int,
+    *,
+    context_limit: int = 8192,
+    stop_token_ids: tuple[int, ...] = (),
+    ignore_eos: bool = False,
+) -> tuple[list[int], str]:
     """What one row must stream with no batching, preemption or sharing, and its finish reason."""
     ctx = list(prompt)
     out: list[int] = []
@@ -89,8 +97,16 @@ def reference_tokens(prompt: list[int], seed: int, index: int, max_tokens: int, 
         tok = fake_token(seed, index, len(ctx), tuple(ctx))
         ctx.append(tok)
         out.append(tok)
-        reason = finish_reason(tok, len(out), len(ctx), eos_token_ids={EOS}, stop_token_ids=stop_token_ids,
-                             ignore_eos=ignore_eos, max_tokens=max_tokens, context_limit=context_limit)
+        reason = finish_reason(
+            tok,
+            len(out),
+            len(ctx),
+            eos_token_ids={EOS},
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            max_tokens=max_tokens,
+            context_limit=context_limit,
+        )
         if reason:
             return out, reason
 
@@ -136,26 +152,54 @@ def make_harness(num_blocks: int = 64, **config) -> Harness:
     config.setdefault("queue_limit_s", 1e6)
     cfg = Config(**config)
     h = Harness(sched=None, engine=FakeEngine(num_blocks, cfg.block_size))  # type: ignore[arg-type]
-    h.sched = Scheduler(cfg, BlockManager(num_blocks, cfg.block_size), eos_token_ids={EOS},
-                        clock=lambda: h.now, rng=random.Random(7))
+    h.sched = Scheduler(
+        cfg, BlockManager(num_blocks, cfg.block_size), eos_token_ids={EOS}, clock=lambda: h.now, rng=random.Random(7)
+    )
     return h
 
 
-def make_request(rid: int, prompt: list[int] | int, max_tokens: int = 8, *, worker: int = 0, tenant: str = "a",
-                 n: int = 1, seed: int | None = 1, arrival: float = 0.0, deadline: float = 1e12,
-                 ignore_eos: bool = False, stop_token_ids: tuple[int, ...] = (), logprobs: int | None = None) -> Request:
+def make_request(
+    rid: int,
+    prompt: list[int] | int,
+    max_tokens: int = 8,
+    *,
+    worker: int = 0,
+    tenant: str = "a",
+    n: int = 1,
+    seed: int | None = 1,
+    arrival: float = 0.0,
+    deadline: float = 1e12,
+    ignore_eos: bool = False,
+    stop_token_ids: tuple[int, ...] = (),
+    logprobs: int | None = None,
+) -> Request:
     if isinstance(prompt, int):
         prompt = [1 + (rid * 7 + k * 3) % (VOCAB - 1) for k in range(prompt)]
-    return Request(key=(worker, rid), request_id=f"req-{worker}-{rid}", tenant=tenant, prompt_ids=prompt,
-                   max_tokens=max_tokens, sampling=SamplingSpec(seed=seed, ignore_eos=ignore_eos,
-                                                                stop_token_ids=stop_token_ids),
-                   arrival_ts=arrival, deadline_ts=deadline, n=n, logprobs=logprobs)
+    return Request(
+        key=(worker, rid),
+        request_id=f"req-{worker}-{rid}",
+        tenant=tenant,
+        prompt_ids=prompt,
+        max_tokens=max_tokens,
+        sampling=SamplingSpec(seed=seed, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids),
+        arrival_ts=arrival,
+        deadline_ts=deadline,
+        n=n,
+        logprobs=logprobs,
+    )
 
 
 def expected_stream(h: Harness, req: Request, index: int = 0) -> tuple[list[int], str]:
     seed = req.row_sampling.seed  # every sample of a Submit shares the seed; `index` picks its stream
-    return reference_tokens(req.prompt_ids, seed, index, req.max_tokens, context_limit=h.sched.context_limit,
-                            stop_token_ids=req.sampling.stop_token_ids, ignore_eos=req.sampling.ignore_eos)
+    return reference_tokens(
+        req.prompt_ids,
+        seed,
+        index,
+        req.max_tokens,
+        context_limit=h.sched.context_limit,
+        stop_token_ids=req.sampling.stop_token_ids,
+        ignore_eos=req.sampling.ignore_eos,
+    )
 
 
 # -- the fake itself -------------------------------------------------------------------------------

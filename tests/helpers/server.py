@@ -21,15 +21,32 @@ class ServerProcess:
     (soft, hard) starts the server with that open-file limit.
     """
 
-    def __init__(self, model_dir: str | Path, shm_dir: str | Path, *, ready_timeout_s: float = 120.0,
-                 rlimit_nofile: tuple[int, int] | None = None, **options) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        shm_dir: str | Path,
+        *,
+        ready_timeout_s: float = 120.0,
+        rlimit_nofile: tuple[int, int] | None = None,
+        **options,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.shm_dir = str(shm_dir)
         self.ready_timeout_s = ready_timeout_s
         options.setdefault("workers", 2)
-        self.args = [sys.executable, "-m", "ringserve", "serve", "--model", str(model_dir),
-                     "--port", str(self.port), "--shm-dir", self.shm_dir]
+        self.args = [
+            sys.executable,
+            "-m",
+            "ringserve",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            "--shm-dir",
+            self.shm_dir,
+        ]
         for name, value in options.items():
             self.args += ["--" + name.replace("_", "-"), str(value)]
         self.rlimit_nofile = rlimit_nofile
@@ -45,8 +62,9 @@ class ServerProcess:
             if limit is not None:
                 resource.setrlimit(resource.RLIMIT_NOFILE, limit)
 
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=set_limit)
+        self.proc = subprocess.Popen(
+            self.args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=set_limit
+        )
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
             if self.proc.poll() is not None:

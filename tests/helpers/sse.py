@@ -15,7 +15,7 @@ def sse_events(raw: bytes | str) -> list:
             continue
         if not block.startswith("data: "):
             raise AssertionError(f"not an SSE data line: {block!r}")
-        data = block[len("data: "):]
+        data = block[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
 

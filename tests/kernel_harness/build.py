@@ -26,8 +26,19 @@ CXX = os.environ.get("CXX", "g++")
 # NOTE: -fno-gnu-unique and -Bsymbolic keep every build's symbols its own: the `__shared__`
 # statics of template kernels would otherwise be STB_GNU_UNIQUE, one copy per process, and a second
 # build (a planted bug) would run on the first build's shared arrays.
-CXXFLAGS = ("-std=c++17", "-O1", "-fPIC", "-g0", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function",
-            "-Wno-unused-variable", "-Wno-unused-but-set-variable", "-fno-strict-aliasing", "-fno-gnu-unique")
+CXXFLAGS = (
+    "-std=c++17",
+    "-O1",
+    "-fPIC",
+    "-g0",
+    "-Wall",
+    "-Wno-unknown-pragmas",
+    "-Wno-unused-function",
+    "-Wno-unused-variable",
+    "-Wno-unused-but-set-variable",
+    "-fno-strict-aliasing",
+    "-fno-gnu-unique",
+)
 # Every function-local static of the kernel unit (what `__shared__` becomes) lands in a
 # `.bss._ZZ*` section (-fdata-sections); the script gathers them into one window with bounds.
 LINKER_SCRIPT = """SECTIONS {
@@ -35,14 +46,16 @@ LINKER_SCRIPT = """SECTIONS {
 } INSERT AFTER .bss;
 """
 # PTX instructions the harness emulates (cuda_emulation.h defines rs_ptx_<opcode, dots as _>).
-SUPPORTED_PTX = frozenset({
-    "cvt.f32.f16",
-    "cvt.rn.f16.f32",
-    "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
-    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
-    "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
-    "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
-})
+SUPPORTED_PTX = frozenset(
+    {
+        "cvt.f32.f16",
+        "cvt.rn.f16.f32",
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+    }
+)
 
 
 class HarnessBuildError(RuntimeError):
@@ -117,13 +130,16 @@ def _translate_one(body: str, line: int) -> str:
         raise HarnessBuildError(f"line {line}: the harness emulates single-instruction asm only, got {template!r}")
     opcode = instr.split()[0] if instr else ""
     if opcode not in SUPPORTED_PTX:
-        raise HarnessBuildError(f"line {line}: no harness emulation for PTX `{opcode}`; add one to "
-                                f"tests/kernel_harness/cuda_emulation.h and SUPPORTED_PTX")
+        raise HarnessBuildError(
+            f"line {line}: no harness emulation for PTX `{opcode}`; add one to "
+            f"tests/kernel_harness/cuda_emulation.h and SUPPORTED_PTX"
+        )
     refs = [int(n) for n in re.findall(r"%(\d+)", instr)]
     operands = outputs + inputs
     if refs != list(range(len(operands))):
-        raise HarnessBuildError(f"line {line}: operands must be referenced once each in order "
-                                f"%0..%{len(operands) - 1}, got {instr!r}")
+        raise HarnessBuildError(
+            f"line {line}: operands must be referenced once each in order %0..%{len(operands) - 1}, got {instr!r}"
+        )
     args = []
     for n, text in enumerate(operands):
         m = _OPERAND.match(text)
@@ -163,7 +179,7 @@ def translate_asm(src: str) -> str:
             open_paren = m.end() - 1
             close = _matching_paren(src, open_paren)
             line = src.count("\n", 0, i) + 1
-            call = _translate_one(src[open_paren + 1:close], line)
+            call = _translate_one(src[open_paren + 1 : close], line)
             newlines = src.count("\n", i, close + 1)
             out.append(call + "\n" * newlines)
             i = close + 1
@@ -258,9 +274,25 @@ def build(source: str, names: list[str]) -> Build:
         (tmp / "kernels.cpp").write_text(unit)
         (tmp / "shared.ld").write_text(LINKER_SCRIPT)
         out = tmp / "kernels.so"
-        _run([CXX, *CXXFLAGS, "-fdata-sections", "-shared", "-I", str(HERE), "-include", "cuda_emulation.h",
-              str(tmp / "kernels.cpp"), *map(str, runtime), "-Wl,-Bsymbolic", "-Wl,-T," + str(tmp / "shared.ld"), "-o", str(out)],
-             "compiling the kernel source for the harness")
+        _run(
+            [
+                CXX,
+                *CXXFLAGS,
+                "-fdata-sections",
+                "-shared",
+                "-I",
+                str(HERE),
+                "-include",
+                "cuda_emulation.h",
+                str(tmp / "kernels.cpp"),
+                *map(str, runtime),
+                "-Wl,-Bsymbolic",
+                "-Wl,-T," + str(tmp / "shared.ld"),
+                "-o",
+                str(out),
+            ],
+            "compiling the kernel source for the harness",
+        )
         os.replace(out, lib)
         for f in tmp.iterdir():
             f.unlink()

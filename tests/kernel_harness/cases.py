@@ -19,8 +19,18 @@ BS = 16
 TOL = {torch.float16: (2e-3, 1e-2), torch.bfloat16: (1.5e-2, 2e-2), torch.float32: (2e-5, 1e-4)}
 
 
-def make_case(specs, num_heads, num_kv_heads, head_dim, dtype, seed, device="cpu", shared_prefix_blocks=0,
-              fill=float("nan"), logit_scale=1.0):
+def make_case(
+    specs,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    dtype,
+    seed,
+    device="cpu",
+    shared_prefix_blocks=0,
+    fill=float("nan"),
+    logit_scale=1.0,
+):
     """q, k_cache, v_cache, meta and the per-sequence dense (K, V) for sequences `specs` of
     (cached, new) tokens. With shared_prefix_blocks > 0 every sequence's first blocks are the first
     sequence's (n samples of one prompt). `logit_scale` multiplies q (large logits stress the
@@ -82,7 +92,7 @@ def strided_q(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """q as a column slice of a fused qkv projection (row stride (H + 2 KVH) * D), NaN between rows."""
     t, h, d = q.shape
     fused = torch.full((t, (h + 2 * num_kv_heads) * d), float("nan"), dtype=q.dtype, device=q.device)
-    view = fused[:, :h * d].view(t, h, d)
+    view = fused[:, : h * d].view(t, h, d)
     view.copy_(q)
     return view
 

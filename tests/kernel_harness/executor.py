@@ -59,9 +59,16 @@ class HarnessModule:
         lib.rs_buffer_new.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p]
         lib.rs_buffer_set_readonly.argtypes = [ctypes.c_void_p]
         lib.rs_buffer_free.argtypes = [ctypes.c_void_p]
-        lib.rs_launch.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint),
-                                  ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64,
-                                  ctypes.c_char_p, ctypes.c_size_t]
+        lib.rs_launch.argtypes = [
+            ctypes.c_int,
+            ctypes.POINTER(ctypes.c_uint),
+            ctypes.POINTER(ctypes.c_uint),
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_int,
+            ctypes.c_uint64,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
         self.kernels: dict[str, tuple[int, list[Param]]] = {}
         for k in range(lib.rs_kernel_count()):
             name = lib.rs_kernel_name(k).decode()
@@ -101,7 +108,7 @@ def _param_names(source: str, name: str) -> list[str]:
     while depth:
         depth += {"(": 1, ")": -1}.get(source[i], 0)
         i += 1
-    params = re.sub(r"//[^\n]*", "", source[m.end():i - 1])
+    params = re.sub(r"//[^\n]*", "", source[m.end() : i - 1])
     return [re.findall(r"\w+", p)[-1] for p in params.split(",") if p.strip()]
 
 
@@ -146,9 +153,16 @@ class HarnessExecutor:
     """Runs launches on the CPU harness: `order` is forward, reverse or random (seeded) for blocks,
     threads and buffer placement. The occupancy answers are fixed numbers (the planner's inputs)."""
 
-    def __init__(self, module: HarnessModule | None = None, order: str = "forward", seed: int = 0,
-                 sm_count: int = 16, ctas_per_sm: int = 4, capability: tuple[int, int] = (9, 0),
-                 require_compile: bool = False) -> None:
+    def __init__(
+        self,
+        module: HarnessModule | None = None,
+        order: str = "forward",
+        seed: int = 0,
+        sm_count: int = 16,
+        ctas_per_sm: int = 4,
+        capability: tuple[int, int] = (9, 0),
+        require_compile: bool = False,
+    ) -> None:
         if order not in ORDERS:
             raise ValueError(f"order must be one of {sorted(ORDERS)}, got {order!r}")
         self.module = module or load()
@@ -224,8 +238,14 @@ class HarnessExecutor:
             raise KernelFault(f"{where} got {what}; pass a tensor (or 0 for a null pointer)")
         if width != p.size or kind != p.kind:
             raise KernelFault(f"{where} got {what}, {width} bytes: the kernel would read the wrong bytes")
-        ctype = {(1, 4): ctypes.c_int32, (1, 8): ctypes.c_int64, (2, 4): ctypes.c_float, (2, 8): ctypes.c_double,
-                 (1, 2): ctypes.c_int16, (1, 1): ctypes.c_int8}[(p.kind, p.size)]
+        ctype = {
+            (1, 4): ctypes.c_int32,
+            (1, 8): ctypes.c_int64,
+            (2, 4): ctypes.c_float,
+            (2, 8): ctypes.c_double,
+            (1, 2): ctypes.c_int16,
+            (1, 1): ctypes.c_int8,
+        }[(p.kind, p.size)]
         return ctype(arg.item() if isinstance(arg, numpy.generic) else arg)
 
     def _buffer(self, name: str, p: Param, t: torch.Tensor, buffers: list, copy_back: list) -> int:

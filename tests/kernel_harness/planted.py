@@ -27,94 +27,209 @@ class Planted:
     def apply(self, text: str) -> str:
         count = text.count(self.old)
         if count != 1:
-            raise LookupError(f"planted bug {self.name!r}: snippet found {count} times in {self.file}; "
-                              f"update tests/kernel_harness/planted.py to the current source")
+            raise LookupError(
+                f"planted bug {self.name!r}: snippet found {count} times in {self.file}; "
+                f"update tests/kernel_harness/planted.py to the current source"
+            )
         return text.replace(self.old, self.new)
 
 
 PLANTED = [
     # ---- paged_decode.cu
-    Planted("decode: missing barrier before the cross-warp reduction", "paged_decode.cu",
-            "    __syncthreads();\n\n    for (int idx = threadIdx.x; idx < GROUP * D;",
-            "\n\n    for (int idx = threadIdx.x; idx < GROUP * D;"),
-    Planted("decode: barrier inside a branch", "paged_decode.cu",
-            "            sm_l[warp][g] = l[g];\n        }\n    }\n    __syncthreads();",
-            "            sm_l[warp][g] = l[g];\n        }\n        __syncthreads();\n    }"),
-    Planted("decode: off-by-one in the context mask", "paged_decode.cu",
-            "(long long)b * RS_BLOCK_SIZE + tok < ctx", "(long long)b * RS_BLOCK_SIZE + tok <= ctx"),
-    Planted("decode: V past the context not masked (0 x NaN)", "paged_decode.cu",
-            "                    vf[i] = valid ? vf[i] : 0.f;\n", ""),
-    Planted("decode: wrong query-head -> KV-head map", "paged_decode.cu",
-            "const int kvh = h0 / (num_heads / num_kv_heads);", "const int kvh = h0 % num_kv_heads;"),
-    Planted("decode: shuffle inside a branch", "paged_decode.cu",
-            "s = rs_sum_xor<1, TPT>(s);", "if (valid) s = rs_sum_xor<1, TPT>(s);"),
-    Planted("decode: block-table over-read past the context", "paged_decode.cu",
-            "const int b_end = min(num_blocks, b_begin + blocks_per_split);",
-            "const int b_end = b_begin + blocks_per_split;"),
-    Planted("decode: running max reduced over half the warp", "paged_decode.cu",
-            "rs_max_xor<TPT, RS_WARP>(s)", "rs_max_xor<TPT, RS_WARP / 2>(s)"),
-    Planted("decode: output row ignores the head within the group", "paged_decode.cu",
-            "const long long row = (long long)t * num_heads + h0 + g;",
-            "const long long row = (long long)t * num_heads + h0;"),
-    Planted("decode merge: a split dropped", "paged_decode.cu",
-            "        const long long prow = s * rows + row;\n",
-            "        if (s == num_splits - 1) break;\n        const long long prow = s * rows + row;\n"),
+    Planted(
+        "decode: missing barrier before the cross-warp reduction",
+        "paged_decode.cu",
+        "    __syncthreads();\n\n    for (int idx = threadIdx.x; idx < GROUP * D;",
+        "\n\n    for (int idx = threadIdx.x; idx < GROUP * D;",
+    ),
+    Planted(
+        "decode: barrier inside a branch",
+        "paged_decode.cu",
+        "            sm_l[warp][g] = l[g];\n        }\n    }\n    __syncthreads();",
+        "            sm_l[warp][g] = l[g];\n        }\n        __syncthreads();\n    }",
+    ),
+    Planted(
+        "decode: off-by-one in the context mask",
+        "paged_decode.cu",
+        "(long long)b * RS_BLOCK_SIZE + tok < ctx",
+        "(long long)b * RS_BLOCK_SIZE + tok <= ctx",
+    ),
+    Planted(
+        "decode: V past the context not masked (0 x NaN)",
+        "paged_decode.cu",
+        "                    vf[i] = valid ? vf[i] : 0.f;\n",
+        "",
+    ),
+    Planted(
+        "decode: wrong query-head -> KV-head map",
+        "paged_decode.cu",
+        "const int kvh = h0 / (num_heads / num_kv_heads);",
+        "const int kvh = h0 % num_kv_heads;",
+    ),
+    Planted(
+        "decode: shuffle inside a branch",
+        "paged_decode.cu",
+        "s = rs_sum_xor<1, TPT>(s);",
+        "if (valid) s = rs_sum_xor<1, TPT>(s);",
+    ),
+    Planted(
+        "decode: block-table over-read past the context",
+        "paged_decode.cu",
+        "const int b_end = min(num_blocks, b_begin + blocks_per_split);",
+        "const int b_end = b_begin + blocks_per_split;",
+    ),
+    Planted(
+        "decode: running max reduced over half the warp",
+        "paged_decode.cu",
+        "rs_max_xor<TPT, RS_WARP>(s)",
+        "rs_max_xor<TPT, RS_WARP / 2>(s)",
+    ),
+    Planted(
+        "decode: output row ignores the head within the group",
+        "paged_decode.cu",
+        "const long long row = (long long)t * num_heads + h0 + g;",
+        "const long long row = (long long)t * num_heads + h0;",
+    ),
+    Planted(
+        "decode merge: a split dropped",
+        "paged_decode.cu",
+        "        const long long prow = s * rows + row;\n",
+        "        if (s == num_splits - 1) break;\n        const long long prow = s * rows + row;\n",
+    ),
     # ---- paged_prefill.cu
-    Planted("prefill: missing barrier after the softmax", "paged_prefill.cu",
-            "            sm_alpha[r] = alpha;\n        }\n        __syncthreads();",
-            "            sm_alpha[r] = alpha;\n        }"),
-    Planted("prefill: missing barrier before the next KV block", "paged_prefill.cu",
-            "        __syncthreads();  // the next block overwrites sk, sv and sp", ""),
-    Planted("prefill: causal mask excludes the diagonal", "paged_prefill.cu",
-            "if (kpos <= spos[r]) {", "if (kpos < spos[r]) {"),
-    Planted("prefill: tile one row too long (both prefill kernels)", "common.cu",
-            "ntok = min(tile_tokens, start + len - row0);", "ntok = min(tile_tokens, start + len - row0 + 1);"),
-    Planted("prefill: wrong query-head -> KV-head map", "paged_prefill.cu",
-            "const int kvh = h / (num_heads / num_kv_heads);", "const int kvh = h % num_kv_heads;"),
+    Planted(
+        "prefill: missing barrier after the softmax",
+        "paged_prefill.cu",
+        "            sm_alpha[r] = alpha;\n        }\n        __syncthreads();",
+        "            sm_alpha[r] = alpha;\n        }",
+    ),
+    Planted(
+        "prefill: missing barrier before the next KV block",
+        "paged_prefill.cu",
+        "        __syncthreads();  // the next block overwrites sk, sv and sp",
+        "",
+    ),
+    Planted(
+        "prefill: causal mask excludes the diagonal",
+        "paged_prefill.cu",
+        "if (kpos <= spos[r]) {",
+        "if (kpos < spos[r]) {",
+    ),
+    Planted(
+        "prefill: tile one row too long (both prefill kernels)",
+        "common.cu",
+        "ntok = min(tile_tokens, start + len - row0);",
+        "ntok = min(tile_tokens, start + len - row0 + 1);",
+    ),
+    Planted(
+        "prefill: wrong query-head -> KV-head map",
+        "paged_prefill.cu",
+        "const int kvh = h / (num_heads / num_kv_heads);",
+        "const int kvh = h % num_kv_heads;",
+    ),
     # ---- paged_prefill_tc.cu
-    Planted("tensor-core prefill: K overwrites the Q tile before every warp has read it", "paged_prefill_tc.cu",
-            "    __syncthreads();  // sk now takes K tiles\n", "\n"),
-    Planted("tensor-core prefill: missing barrier before the next K/V tile", "paged_prefill_tc.cu",
-            "        __syncthreads();  // the next tile overwrites sk and sv\n", "\n"),
-    Planted("tensor-core prefill: P fragment registers swapped", "paged_prefill_tc.cu",
-            "            a[1] = rs_pack2<T>(s[2 * kk][2], s[2 * kk][3]);\n"
-            "            a[2] = rs_pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);\n",
-            "            a[2] = rs_pack2<T>(s[2 * kk][2], s[2 * kk][3]);\n"
-            "            a[1] = rs_pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);\n"),
-    Planted("tensor-core prefill: K fragments from the wrong ldmatrix rows", "paged_prefill_tc.cu",
-            "const int key = nt * 8 + (lane % 8) + (lane / 16) * 8;", "const int key = nt * 8 + (lane % 8) + ((lane / 8) % 2) * 8;"),
-    Planted("tensor-core prefill: V loaded untransposed", "paged_prefill_tc.cu",
-            "rs_ldmatrix_x4_trans(b, sv + key * LD", "rs_ldmatrix_x4(b, sv + key * LD"),
-    Planted("tensor-core prefill: row max over half the quad", "paged_prefill_tc.cu",
-            "mx_a = fmaxf(m_a, rs_max_xor<1, 4>(mx_a));", "mx_a = fmaxf(m_a, rs_max_xor<1, 2>(mx_a));"),
-    Planted("tensor-core prefill: causal mask excludes the diagonal", "paged_prefill_tc.cu",
-            "s[nt][e] = kpos <= pos_a ?", "s[nt][e] = kpos < pos_a ?"),
-    Planted("tensor-core prefill: wrong head of the group for a row", "paged_prefill_tc.cu",
-            "const long long h = (long long)kvh * group + r % group;",
-            "const long long h = (long long)kvh + (r % group) * num_kv_heads;"),
-    Planted("tensor-core prefill: keys past the last position loaded", "paged_prefill_tc.cu",
-            "            if (kpos <= max_pos) {\n                const long long off",
-            "            if (kpos < key0 + RS_TC_KEYS) {\n                const long long off"),
+    Planted(
+        "tensor-core prefill: K overwrites the Q tile before every warp has read it",
+        "paged_prefill_tc.cu",
+        "    __syncthreads();  // sk now takes K tiles\n",
+        "\n",
+    ),
+    Planted(
+        "tensor-core prefill: missing barrier before the next K/V tile",
+        "paged_prefill_tc.cu",
+        "        __syncthreads();  // the next tile overwrites sk and sv\n",
+        "\n",
+    ),
+    Planted(
+        "tensor-core prefill: P fragment registers swapped",
+        "paged_prefill_tc.cu",
+        "            a[1] = rs_pack2<T>(s[2 * kk][2], s[2 * kk][3]);\n"
+        "            a[2] = rs_pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);\n",
+        "            a[2] = rs_pack2<T>(s[2 * kk][2], s[2 * kk][3]);\n"
+        "            a[1] = rs_pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);\n",
+    ),
+    Planted(
+        "tensor-core prefill: K fragments from the wrong ldmatrix rows",
+        "paged_prefill_tc.cu",
+        "const int key = nt * 8 + (lane % 8) + (lane / 16) * 8;",
+        "const int key = nt * 8 + (lane % 8) + ((lane / 8) % 2) * 8;",
+    ),
+    Planted(
+        "tensor-core prefill: V loaded untransposed",
+        "paged_prefill_tc.cu",
+        "rs_ldmatrix_x4_trans(b, sv + key * LD",
+        "rs_ldmatrix_x4(b, sv + key * LD",
+    ),
+    Planted(
+        "tensor-core prefill: row max over half the quad",
+        "paged_prefill_tc.cu",
+        "mx_a = fmaxf(m_a, rs_max_xor<1, 4>(mx_a));",
+        "mx_a = fmaxf(m_a, rs_max_xor<1, 2>(mx_a));",
+    ),
+    Planted(
+        "tensor-core prefill: causal mask excludes the diagonal",
+        "paged_prefill_tc.cu",
+        "s[nt][e] = kpos <= pos_a ?",
+        "s[nt][e] = kpos < pos_a ?",
+    ),
+    Planted(
+        "tensor-core prefill: wrong head of the group for a row",
+        "paged_prefill_tc.cu",
+        "const long long h = (long long)kvh * group + r % group;",
+        "const long long h = (long long)kvh + (r % group) * num_kv_heads;",
+    ),
+    Planted(
+        "tensor-core prefill: keys past the last position loaded",
+        "paged_prefill_tc.cu",
+        "            if (kpos <= max_pos) {\n                const long long off",
+        "            if (kpos < key0 + RS_TC_KEYS) {\n                const long long off",
+    ),
     # ---- kv_append.cu
-    Planted("kv_append: off-by-one slot offset", "kv_append.cu",
-            "const int offset = (int)(slot % RS_BLOCK_SIZE);", "const int offset = (int)((slot + 1) % RS_BLOCK_SIZE);"),
-    Planted("kv_append: copies one vector past the row", "kv_append.cu",
-            "i < row_vecs; i += blockDim.x", "i <= row_vecs; i += blockDim.x"),
+    Planted(
+        "kv_append: off-by-one slot offset",
+        "kv_append.cu",
+        "const int offset = (int)(slot % RS_BLOCK_SIZE);",
+        "const int offset = (int)((slot + 1) % RS_BLOCK_SIZE);",
+    ),
+    Planted(
+        "kv_append: copies one vector past the row",
+        "kv_append.cu",
+        "i < row_vecs; i += blockDim.x",
+        "i <= row_vecs; i += blockDim.x",
+    ),
     # ---- launchers
-    Planted("launcher: 8 bytes for the 4-byte num_heads", LAUNCHERS,
-            "meta.positions, meta.token_seq, _i32(num_heads), _i32(num_kv_heads)",
-            "meta.positions, meta.token_seq, num_heads, _i32(num_kv_heads)"),
-    Planted("launcher: merge told one split fewer", LAUNCHERS,
-            "part_acc, part_ml, _i32(num_splits), single_qsl", "part_acc, part_ml, _i32(num_splits - 1), single_qsl"),
-    Planted("launcher: prefill grid without the partial-tile allowance", LAUNCHERS,
-            "tiles = math.ceil(t / tile_tokens) + s", "tiles = math.ceil(t / tile_tokens)"),
-    Planted("launcher: q row stride assumed packed", LAUNCHERS,
-            "q, q.stride(0), q.stride(1), k_cache, v_cache, meta.block_tables, _i32(meta.block_tables.shape[1]),\n"
-            "            meta.positions,",
-            "q, num_heads * head_dim, q.stride(1), k_cache, v_cache, meta.block_tables,\n"
-            "            _i32(meta.block_tables.shape[1]), meta.positions,"),
-    Planted("launcher: softmax scale without log2(e)", LAUNCHERS,
-            "_i32(num_kv_heads), _f32(scale * _LOG2E), out))", "_i32(num_kv_heads), _f32(scale), out))"),
+    Planted(
+        "launcher: 8 bytes for the 4-byte num_heads",
+        LAUNCHERS,
+        "meta.positions, meta.token_seq, _i32(num_heads), _i32(num_kv_heads)",
+        "meta.positions, meta.token_seq, num_heads, _i32(num_kv_heads)",
+    ),
+    Planted(
+        "launcher: merge told one split fewer",
+        LAUNCHERS,
+        "part_acc, part_ml, _i32(num_splits), single_qsl",
+        "part_acc, part_ml, _i32(num_splits - 1), single_qsl",
+    ),
+    Planted(
+        "launcher: prefill grid without the partial-tile allowance",
+        LAUNCHERS,
+        "tiles = math.ceil(t / tile_tokens) + s",
+        "tiles = math.ceil(t / tile_tokens)",
+    ),
+    Planted(
+        "launcher: q row stride assumed packed",
+        LAUNCHERS,
+        "q, q.stride(0), q.stride(1), k_cache, v_cache, meta.block_tables, _i32(meta.block_tables.shape[1]),\n"
+        "            meta.positions,",
+        "q, num_heads * head_dim, q.stride(1), k_cache, v_cache, meta.block_tables,\n"
+        "            _i32(meta.block_tables.shape[1]), meta.positions,",
+    ),
+    Planted(
+        "launcher: softmax scale without log2(e)",
+        LAUNCHERS,
+        "_i32(num_kv_heads), _f32(scale * _LOG2E), out))",
+        "_i32(num_kv_heads), _f32(scale), out))",
+    ),
 ]
 
 

@@ -38,8 +38,11 @@ def _capture(fn, pool) -> EagerReplay:
 
 def _runner(model_dir, kernels: bool = True, num_blocks: int = 96) -> ModelRunner:
     model = load_model(model_dir, "cpu", torch.float32)
-    backend = kernels_backend(AttentionKernels(HarnessExecutor(sm_count=2, ctas_per_sm=2)), "harness") \
-        if kernels else reference_backend()
+    backend = (
+        kernels_backend(AttentionKernels(HarnessExecutor(sm_count=2, ctas_per_sm=2)), "harness")
+        if kernels
+        else reference_backend()
+    )
     model.setup("cpu", backend)
     a = model.args
     return ModelRunner(model, KVPool(a.num_layers, num_blocks, a.num_kv_heads, a.head_dim))
@@ -60,8 +63,10 @@ def test_replayed_decode_steps_give_the_eager_tokens(tiny_model_dir):
     runner.graphs = DecodeGraphs(runner, max_rows=8, context_limit=512, capture=_capture)
     runner.graphs.capture_all()
     vocab = runner.model.args.vocab_size
-    reqs = [OfflineRequest(prompt_ids=[(7 * i + 3 * j) % (vocab - 3) + 3 for j in range(n)], max_tokens=6,
-                           ignore_eos=True) for i, n in enumerate((5, 40, 1, 17, 3))]
+    reqs = [
+        OfflineRequest(prompt_ids=[(7 * i + 3 * j) % (vocab - 3) + 3 for j in range(n)], max_tokens=6, ignore_eos=True)
+        for i, n in enumerate((5, 40, 1, 17, 3))
+    ]
     want = [r.token_ids for r in generate(want_runner, reqs, eos_token_ids=frozenset(), prefill_budget=32)]
     got = [r.token_ids for r in generate(runner, reqs, eos_token_ids=frozenset(), prefill_budget=32, block_seed=4)]
     assert got == want
@@ -76,8 +81,9 @@ def test_padding_rows_write_no_kv(tiny_model_dir):
     pool = runner.kv_pool
     pool.k_all.fill_(7.0)
     greedy = RowSampling(temperature=0.0)
-    batch = StepBatch([SeqStep(0, [5], 20, [4, 9], greedy), SeqStep(1, [6], 3, [2], greedy),
-                       SeqStep(2, [7], 0, [11], greedy)])
+    batch = StepBatch(
+        [SeqStep(0, [5], 20, [4, 9], greedy), SeqStep(1, [6], 3, [2], greedy), SeqStep(2, [7], 0, [11], greedy)]
+    )
     assert graphs.size_for(batch) == 4
     logits = runner.execute(batch)
     assert logits.shape == (3, runner.model.args.vocab_size) and torch.isfinite(logits).all()
@@ -121,8 +127,13 @@ def test_a_step_that_scores_a_prompt_is_not_replayed(tiny_model_dir):
     runner = _runner(tiny_model_dir, kernels=False)
     runner.graphs = DecodeGraphs(runner, max_rows=4, context_limit=64, capture=_capture)
     runner.graphs.capture_all()
-    batch = StepBatch([SeqStep(1, [5], 0, [3], RowSampling(temperature=0.0)),
-                       SeqStep(2, [7], 0, [4], None, PromptScoring(0, [9], 1))], scores_prompts=True)
+    batch = StepBatch(
+        [
+            SeqStep(1, [5], 0, [3], RowSampling(temperature=0.0)),
+            SeqStep(2, [7], 0, [4], None, PromptScoring(0, [9], 1)),
+        ],
+        scores_prompts=True,
+    )
     logits = runner.execute(batch)
     assert logits.shape[0] == 2 and runner.graphs.replays == 0
     alone = runner.execute(StepBatch([SeqStep(3, [7], 0, [5], RowSampling(temperature=0.0))]))

@@ -31,9 +31,17 @@ def _runner(model_dir, dtype=torch.float32, harness: HarnessExecutor | None = No
 
 def _requests(vocab: int, lengths, temperature=0.0, max_tokens=8) -> list[OfflineRequest]:
     rng = random.Random(sum(lengths))
-    return [OfflineRequest(prompt_ids=[rng.randrange(3, vocab) for _ in range(n)], max_tokens=max_tokens,
-                           temperature=temperature, top_p=0.9 if temperature else 1.0, seed=i, ignore_eos=True)
-            for i, n in enumerate(lengths)]
+    return [
+        OfflineRequest(
+            prompt_ids=[rng.randrange(3, vocab) for _ in range(n)],
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=0.9 if temperature else 1.0,
+            seed=i,
+            ignore_eos=True,
+        )
+        for i, n in enumerate(lengths)
+    ]
 
 
 def _tokens(runner, requests, **kw) -> list[list[int]]:
@@ -64,11 +72,20 @@ def _mixed_steps(vocab: int) -> list[StepBatch]:
     ids = [[rng.randrange(3, vocab) for _ in range(n)] for n in (40, 23, 70)]
     greedy = RowSampling(temperature=0.0)
     tables = [[3, 9, 4], [7, 1], [12, 2, 8, 5, 11]]
-    first = StepBatch([SeqStep(0, ids[0], 0, tables[0], greedy), SeqStep(1, ids[1], 0, tables[1], greedy),
-                       SeqStep(2, ids[2][:50], 0, tables[2], None)])
-    second = StepBatch([SeqStep(0, [ids[0][-1]], 40, tables[0], greedy),
-                        SeqStep(1, [ids[1][-1]], 23, tables[1], greedy),
-                        SeqStep(2, ids[2][50:], 50, tables[2], greedy)])
+    first = StepBatch(
+        [
+            SeqStep(0, ids[0], 0, tables[0], greedy),
+            SeqStep(1, ids[1], 0, tables[1], greedy),
+            SeqStep(2, ids[2][:50], 0, tables[2], None),
+        ]
+    )
+    second = StepBatch(
+        [
+            SeqStep(0, [ids[0][-1]], 40, tables[0], greedy),
+            SeqStep(1, [ids[1][-1]], 23, tables[1], greedy),
+            SeqStep(2, ids[2][50:], 50, tables[2], greedy),
+        ]
+    )
     return [first, second]
 
 

@@ -86,9 +86,21 @@ __global__ void fp16_roundtrip(const unsigned short* __restrict__ in, float* __r
     back[threadIdx.x] = h;
 }
 """
-NAMES = ["ok_reduce", "missing_barrier", "barrier_in_branch", "two_barriers", "shuffle_in_branch",
-         "shuffle_outside_mask", "shuffle_different_masks", "shuffle_after_exit", "write_past_end",
-         "read_before_start", "write_to_input", "takes_widths", "fp16_roundtrip"]
+NAMES = [
+    "ok_reduce",
+    "missing_barrier",
+    "barrier_in_branch",
+    "two_barriers",
+    "shuffle_in_branch",
+    "shuffle_outside_mask",
+    "shuffle_different_masks",
+    "shuffle_after_exit",
+    "write_past_end",
+    "read_before_start",
+    "write_to_input",
+    "takes_widths",
+    "fp16_roundtrip",
+]
 CPU = torch.device("cpu")
 
 
@@ -119,8 +131,11 @@ def test_a_missing_barrier_reads_nan_shared_memory(module):
 
 
 def test_a_barrier_some_threads_never_reach_is_reported(module):
-    with pytest.raises(KernelFault, match=r"__syncthreads \(line \d+\) reached while 64 thread\(s\) of the block "
-                                          r"have exited"):
+    with pytest.raises(
+        KernelFault,
+        match=r"__syncthreads \(line \d+\) reached while 64 thread\(s\) of the block "
+        r"have exited",
+    ):
         _run(module, "barrier_in_branch", (1,), (128,), (torch.zeros(128),))
 
 
@@ -176,11 +191,13 @@ def test_argument_widths_and_kinds_are_checked(module):
     good = (out, numpy.int32(2), 3, numpy.float32(0.5))
     _run(module, "takes_widths", (1,), (1,), good)
     assert out.item() == 3.5
-    for bad, match in [((out, 2, 3, numpy.float32(0.5)), r"`n`, a 4-byte integer\) got a Python int"),
-                       ((out, numpy.int32(2), numpy.int32(3), numpy.float32(0.5)), r"`big`, a 8-byte integer"),
-                       ((out, numpy.int32(2), 3, 0.5), r"`scale`, a 4-byte float\) got a Python float"),
-                       ((out, numpy.int32(2), 3, numpy.int32(1)), r"`scale`"),
-                       ((12345, numpy.int32(2), 3, numpy.float32(0.5)), "pass a tensor")]:
+    for bad, match in [
+        ((out, 2, 3, numpy.float32(0.5)), r"`n`, a 4-byte integer\) got a Python int"),
+        ((out, numpy.int32(2), numpy.int32(3), numpy.float32(0.5)), r"`big`, a 8-byte integer"),
+        ((out, numpy.int32(2), 3, 0.5), r"`scale`, a 4-byte float\) got a Python float"),
+        ((out, numpy.int32(2), 3, numpy.int32(1)), r"`scale`"),
+        ((12345, numpy.int32(2), 3, numpy.float32(0.5)), "pass a tensor"),
+    ]:
         with pytest.raises(KernelFault, match=match):
             _run(module, "takes_widths", (1,), (1,), bad)
     with pytest.raises(KernelFault, match="3 arguments for 4 parameters"):
@@ -189,8 +206,7 @@ def test_argument_widths_and_kinds_are_checked(module):
 
 def test_fp16_conversions_match_torch(module):
     """cvt.f32.f16 and cvt.rn.f16.f32 run through C++ _Float16 and round as torch does (to nearest even)."""
-    halves = torch.tensor([0.0, -0.0, 1.0, 65504.0, 6.1e-5, 1e-7, float("inf"), 0.1, -2.5, 1 / 3],
-                          dtype=torch.float16)
+    halves = torch.tensor([0.0, -0.0, 1.0, 65504.0, 6.1e-5, 1e-7, float("inf"), 0.1, -2.5, 1 / 3], dtype=torch.float16)
     bits = halves.view(torch.int16).view(torch.uint16) if hasattr(torch, "uint16") else halves.view(torch.int16)
     n = halves.numel()
     out, back = torch.zeros(n), torch.zeros(n, dtype=torch.int16)

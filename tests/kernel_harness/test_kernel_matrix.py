@@ -31,32 +31,36 @@ def _orders(case_id: int) -> list[str]:
     return list(ORDERS) if FULL else [ORDERS[case_id % 3]]
 
 
-DECODE = pick([
-    # batch, max context, heads, kv heads, head_dim, dtype, forced splits, logit scale
-    (1, 1, 4, 4, 32, F32, None, 1.0),
-    (3, 40, 8, 2, 64, F16, 2, 1.0),  # group 4
-    (4, 300, 8, 1, 64, BF16, 3, 1.0),  # group 8: two CTAs per KV head, empty split tails
-    (2, 100, 6, 2, 32, F16, None, 40.0),  # group 3, large logits
-    (5, 70, 4, 2, 128, F32, 2, 1.0),  # the exact path, head dim 128
-], [
-    (1, 2048, 8, 2, 128, F16, None, 1.0),  # the planner splits a lone long row
-    (1, 2048, 8, 8, 64, BF16, 8, 1.0),
-    (16, 512, 8, 4, 64, BF16, None, 1.0),
-    (64, 64, 4, 1, 32, F16, None, 1.0),  # batch 64
-    (8, 257, 12, 2, 64, F16, 5, 60.0),  # group 6, block edge + 1
-    (7, 33, 16, 2, 128, F32, 4, 1.0),  # group 8 in fp32
-    (3, 1024, 4, 4, 128, BF16, 7, 40.0),
-    (2, 16, 2, 2, 32, F16, 1, 1.0),  # exactly one block
-])
+DECODE = pick(
+    [
+        # batch, max context, heads, kv heads, head_dim, dtype, forced splits, logit scale
+        (1, 1, 4, 4, 32, F32, None, 1.0),
+        (3, 40, 8, 2, 64, F16, 2, 1.0),  # group 4
+        (4, 300, 8, 1, 64, BF16, 3, 1.0),  # group 8: two CTAs per KV head, empty split tails
+        (2, 100, 6, 2, 32, F16, None, 40.0),  # group 3, large logits
+        (5, 70, 4, 2, 128, F32, 2, 1.0),  # the exact path, head dim 128
+    ],
+    [
+        (1, 2048, 8, 2, 128, F16, None, 1.0),  # the planner splits a lone long row
+        (1, 2048, 8, 8, 64, BF16, 8, 1.0),
+        (16, 512, 8, 4, 64, BF16, None, 1.0),
+        (64, 64, 4, 1, 32, F16, None, 1.0),  # batch 64
+        (8, 257, 12, 2, 64, F16, 5, 60.0),  # group 6, block edge + 1
+        (7, 33, 16, 2, 128, F32, 4, 1.0),  # group 8 in fp32
+        (3, 1024, 4, 4, 128, BF16, 7, 40.0),
+        (2, 16, 2, 2, 32, F16, 1, 1.0),  # exactly one block
+    ],
+)
 
 
 @pytest.mark.parametrize("case_id", range(len(DECODE)))
 def test_decode_matches_float64_attention(case_id):
     """The decode kernel (and its split merge) over shuffled block tables equals dense attention."""
     batch, ctx, heads, kv_heads, d, dtype, splits, logit = DECODE[case_id]
-    q, kc, vc, meta, dense = make_case(decode_specs(batch, ctx, case_id), heads, kv_heads, d, dtype,
-                                       seed=case_id, logit_scale=logit)
-    scale = d ** -0.5
+    q, kc, vc, meta, dense = make_case(
+        decode_specs(batch, ctx, case_id), heads, kv_heads, d, dtype, seed=case_id, logit_scale=logit
+    )
+    scale = d**-0.5
     want = oracle(q, meta, dense, scale)
     for i, order in enumerate(_orders(case_id)):
         kernels = _kernels(case_id, order)
@@ -65,24 +69,27 @@ def test_decode_matches_float64_attention(case_id):
         assert_close(got, want, dtype, f"decode case {case_id} ({order})")
 
 
-PREFILL = pick([
-    # (cached, new) per sequence, heads, kv heads, head_dim, dtype, logit scale
-    ([(0, 40), (9, 7), (3, 1)], 4, 2, 32, F32, 1.0),
-    ([(0, 31), (0, 33), (15, 16), (16, 15)], 4, 1, 64, F16, 1.0),  # tile and block edges, group 4
-    ([(40, 20), (45, 1), (3, 1), (0, 2)], 4, 1, 64, BF16, 1.0),  # decode rows among chunks
-    ([(100, 40), (0, 70)], 6, 2, 128, BF16, 1.0),  # group 3 (21-token tensor-core tiles), 3 KV tiles
-], [
-    ([(0, 1)], 8, 8, 128, F16, 1.0),
-    ([(0, 300), (100, 64), (5, 33), (400, 1), (17, 1)], 8, 2, 128, F16, 1.0),
-    ([(0, 300), (100, 64), (5, 33), (400, 1), (17, 1)], 8, 2, 128, BF16, 1.0),
-    ([(1000, 200)], 4, 4, 64, BF16, 1.0),
-    ([(i, 1) for i in range(0, 600, 97)] + [(100, 200)], 6, 2, 64, BF16, 1.0),  # group 3, mixed
-    ([(0, 64), (64, 64), (127, 65)], 8, 1, 32, F16, 1.0),  # group 8: 8-token tiles
-    ([(0, 96)], 4, 2, 128, F32, 1.0),
-    ([(63, 2), (0, 129)], 4, 2, 64, F16, 40.0),  # large logits on tensor cores
-    ([(200, 50)], 12, 2, 64, BF16, 60.0),  # group 6
-    ([(0, 70)], 64, 1, 32, F16, 1.0),  # group 64: one token per tensor-core tile
-])
+PREFILL = pick(
+    [
+        # (cached, new) per sequence, heads, kv heads, head_dim, dtype, logit scale
+        ([(0, 40), (9, 7), (3, 1)], 4, 2, 32, F32, 1.0),
+        ([(0, 31), (0, 33), (15, 16), (16, 15)], 4, 1, 64, F16, 1.0),  # tile and block edges, group 4
+        ([(40, 20), (45, 1), (3, 1), (0, 2)], 4, 1, 64, BF16, 1.0),  # decode rows among chunks
+        ([(100, 40), (0, 70)], 6, 2, 128, BF16, 1.0),  # group 3 (21-token tensor-core tiles), 3 KV tiles
+    ],
+    [
+        ([(0, 1)], 8, 8, 128, F16, 1.0),
+        ([(0, 300), (100, 64), (5, 33), (400, 1), (17, 1)], 8, 2, 128, F16, 1.0),
+        ([(0, 300), (100, 64), (5, 33), (400, 1), (17, 1)], 8, 2, 128, BF16, 1.0),
+        ([(1000, 200)], 4, 4, 64, BF16, 1.0),
+        ([(i, 1) for i in range(0, 600, 97)] + [(100, 200)], 6, 2, 64, BF16, 1.0),  # group 3, mixed
+        ([(0, 64), (64, 64), (127, 65)], 8, 1, 32, F16, 1.0),  # group 8: 8-token tiles
+        ([(0, 96)], 4, 2, 128, F32, 1.0),
+        ([(63, 2), (0, 129)], 4, 2, 64, F16, 40.0),  # large logits on tensor cores
+        ([(200, 50)], 12, 2, 64, BF16, 60.0),  # group 6
+        ([(0, 70)], 64, 1, 32, F16, 1.0),  # group 64: one token per tensor-core tile
+    ],
+)
 
 
 # sm_90 runs fp16/bf16 prefill on tensor cores; sm_75 on the CUDA-core kernel (also fp32's).
@@ -96,7 +103,7 @@ def test_prefill_and_mixed_steps_match_float64_attention(case_id):
     every row exactly once."""
     specs, heads, kv_heads, d, dtype, logit = PREFILL[case_id]
     q, kc, vc, meta, dense = make_case(specs, heads, kv_heads, d, dtype, seed=100 + case_id, logit_scale=logit)
-    scale = d ** -0.5
+    scale = d**-0.5
     want = oracle(q, meta, dense, scale)
     for i, order in enumerate(_orders(case_id)):
         q_in = strided_q(q, kv_heads) if i % 2 == case_id % 2 else q
@@ -112,8 +119,9 @@ def test_prefill_and_mixed_steps_match_float64_attention(case_id):
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_shared_prefix_blocks(dtype):
     """Sequences sharing their first blocks (n samples of one prompt) read the shared keys."""
-    q, kc, vc, meta, dense = make_case([(60, 1), (70, 1), (90, 1), (50, 20)], 8, 2, 64, dtype, seed=5,
-                                       shared_prefix_blocks=3)
+    q, kc, vc, meta, dense = make_case(
+        [(60, 1), (70, 1), (90, 1), (50, 20)], 8, 2, 64, dtype, seed=5, shared_prefix_blocks=3
+    )
     want = oracle(q, meta, dense, 0.125)
     kernels = _kernels(5)
     assert_close(kernels.paged_attention(q, kc, vc, meta, 0.125), want, dtype, "shared tables")
@@ -131,15 +139,20 @@ def test_write_kv_is_bit_identical_to_the_reference(dtype):
     slots = torch.randperm(num_blocks * 16, generator=gen)[:t]
     slots[::7] = -1
     fused = torch.randn(t, 3 * kvh * d, generator=gen).to(dtype)  # like a fused qkv
-    k = fused[:, kvh * d:2 * kvh * d].view(t, kvh, d)  # [T, kvh, d], row stride 3 * kvh * d
-    v = fused[:, 2 * kvh * d:].view(t, kvh, d)
+    k = fused[:, kvh * d : 2 * kvh * d].view(t, kvh, d)  # [T, kvh, d], row stride 3 * kvh * d
+    v = fused[:, 2 * kvh * d :].view(t, kvh, d)
     want_k, want_v = kc.clone(), vc.clone()
     from ringserve.gpu_proc.attention import reference
 
     reference.write_kv(k, v, want_k, want_v, slots)
     _kernels(3).write_kv(k, v, kc, vc, slots)
-    same = lambda a, b: torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),  # noqa: E731
-                                    b.view(torch.int16 if b.element_size() == 2 else torch.int32))
+
+    def same(a, b):  # bit for bit
+        return torch.equal(
+            a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+            b.view(torch.int16 if b.element_size() == 2 else torch.int32),
+        )
+
     assert same(kc, want_k) and same(vc, want_v)
 
 

@@ -19,22 +19,25 @@ ORDERS = ("forward", "reverse", "random")
 
 def _detectors():
     """(what, run(kernels)) pairs; each raises when the kernels are wrong."""
+
     def decode(batch, ctx, heads, kvh, d, dtype, splits, strided=False):
         q, kc, vc, meta, dense = make_case(decode_specs(batch, ctx, ctx), heads, kvh, d, dtype, seed=ctx)
-        want = oracle(q, meta, dense, d ** -0.5)
+        want = oracle(q, meta, dense, d**-0.5)
 
         def run(k):
             qi = strided_q(q, kvh) if strided else q
-            assert_close(k.paged_decode(qi, kc, vc, meta, d ** -0.5, num_splits=splits), want, dtype, "decode")
+            assert_close(k.paged_decode(qi, kc, vc, meta, d**-0.5, num_splits=splits), want, dtype, "decode")
+
         return run
 
     def attention(specs, heads, kvh, d, dtype):
         q, kc, vc, meta, dense = make_case(specs, heads, kvh, d, dtype, seed=len(specs))
-        want = oracle(q, meta, dense, d ** -0.5)
+        want = oracle(q, meta, dense, d**-0.5)
 
         def run(k):
-            assert_close(k.paged_attention(q, kc, vc, meta, d ** -0.5), want, dtype, "mixed step")
-            assert_close(k.paged_prefill(q, kc, vc, meta, d ** -0.5), want, dtype, "prefill")
+            assert_close(k.paged_attention(q, kc, vc, meta, d**-0.5), want, dtype, "mixed step")
+            assert_close(k.paged_prefill(q, kc, vc, meta, d**-0.5), want, dtype, "prefill")
+
         return run
 
     def write_kv(k):
@@ -63,10 +66,16 @@ def _detectors():
 
 def _caught_by(exc: BaseException) -> str:
     text = str(exc)
-    for key, label in (("invalid memory access", "guard page / memory fault"), ("__syncthreads", "barrier check"),
-                       ("deadlock", "deadlock check"), ("__shfl", "shuffle check"), ("argument", "argument check"),
-                       ("non-finite", "NaN reached the output"), ("exceeds atol", "mismatch vs float64"),
-                       ("differs", "mismatch vs reference")):
+    for key, label in (
+        ("invalid memory access", "guard page / memory fault"),
+        ("__syncthreads", "barrier check"),
+        ("deadlock", "deadlock check"),
+        ("__shfl", "shuffle check"),
+        ("argument", "argument check"),
+        ("non-finite", "NaN reached the output"),
+        ("exceeds atol", "mismatch vs float64"),
+        ("differs", "mismatch vs reference"),
+    ):
         if key in text:
             return label
     return type(exc).__name__

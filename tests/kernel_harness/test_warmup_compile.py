@@ -60,8 +60,11 @@ def test_warm_up_compiles_every_kernel_with_heartbeats_between(tiny_model_dir):
     beats = [time.monotonic()]
     report = warm_up(runner, progress=lambda: beats.append(time.monotonic()))
     args = runner.model.args
-    assert set(report.compiled) == set(model_kernels(torch.float32, args.head_dim, args.num_heads, args.num_kv_heads,
-                                                     executor.capability(runner.device)))
+    assert set(report.compiled) == set(
+        model_kernels(
+            torch.float32, args.head_dim, args.num_heads, args.num_kv_heads, executor.capability(runner.device)
+        )
+    )
     assert executor.compile_calls == len(report.compiled) == 4
     gaps = [b - a for a, b in zip(beats, beats[1:])]
     assert len(gaps) >= executor.compile_calls + 3
@@ -93,8 +96,11 @@ def test_build_engine_warms_up_and_beats_during_load(tiny_model_dir):
     from ringserve.gpu_proc.engine import build_engine
 
     beats = []
-    engine = build_engine(Config(device="cpu", dtype="float32", num_blocks=32), tiny_model_dir,
-                          progress=lambda: beats.append(time.monotonic()))
+    engine = build_engine(
+        Config(device="cpu", dtype="float32", num_blocks=32),
+        tiny_model_dir,
+        progress=lambda: beats.append(time.monotonic()),
+    )
     assert engine.warmup is not None and engine.warmup.steps_s > 0
     assert len(beats) >= 5
     assert engine.runner.kv_pool.k_all.eq(0).all()

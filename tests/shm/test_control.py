@@ -26,8 +26,14 @@ def test_gpu_generation_state_and_facts():
     assert ctl.bump_gpu_generation() == 1
     ctl.set_gpu_state(L.GpuState.READY, pid=1234)
     ctl.gpu_heartbeat()
-    facts = {"name": "tiny", "vocab_size": 512, "block_size": 16, "num_blocks": 2048,
-             "context_limit": 8192, "eos_ids": [2]}
+    facts = {
+        "name": "tiny",
+        "vocab_size": 512,
+        "block_size": 16,
+        "num_blocks": 2048,
+        "context_limit": 8192,
+        "eos_ids": [2],
+    }
     ctl.set_model_facts(facts)
     other = Control(ctl._buf)
     assert other.gpu_state is L.GpuState.READY and other.gpu_pid == 1234
@@ -121,8 +127,7 @@ def test_gpu_exit_note_and_restart_status():
     Control(ctl._buf).set_gpu_exit("CheckpointError: /m: model directory not found")  # the child
     seq, note = ctl.gpu_exit()
     assert seq != seq_at_spawn and note == "CheckpointError: /m: model directory not found"
-    ctl.set_restart_status({"state": "restarting", "last_error": "x" * 5000, "failures": 3,
-                            "retry_at": 12.5})
+    ctl.set_restart_status({"state": "restarting", "last_error": "x" * 5000, "failures": 3, "retry_at": 12.5})
     status = Control(ctl._buf).restart_status()
     assert status["state"] == "restarting" and status["failures"] == 3 and status["retry_at"] == 12.5
     assert status["last_error"].startswith("xxx") and len(status["last_error"]) < L.CTRL_NOTE_BYTES

@@ -40,7 +40,11 @@ def test_worker_process_round_trip_through_an_instance(shm_dir):
         fds = shm.bell_fds()
         child = subprocess.Popen(
             [sys.executable, "-c", _WORKER, shm.instance, shm_dir, ",".join(map(str, fds))],
-            pass_fds=fds, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            pass_fds=fds,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         assert shm.input_bell.wait(30), "worker never rang"
         assert requests[0].pop() is None
         sub = messages.decode(requests[1].pop())

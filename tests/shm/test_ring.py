@@ -194,9 +194,14 @@ def test_snapshot_reports_state():
     assert snap["producer_heartbeat_age_s"] >= 0 and snap["producer_pid"] > 0
 
 
-_ops = st.lists(st.one_of(st.tuples(st.just("push"), st.integers(0, 300)),
-                          st.tuples(st.just("pop"), st.integers(1, 6)),
-                          st.tuples(st.just("views"), st.integers(1, 6))), max_size=300)
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("push"), st.integers(0, 300)),
+        st.tuples(st.just("pop"), st.integers(1, 6)),
+        st.tuples(st.just("views"), st.integers(1, 6)),
+    ),
+    max_size=300,
+)
 
 
 @settings(max_examples=150, deadline=None)

@@ -24,7 +24,7 @@ _PATTERN = bytes(random.Random(7).randrange(256) for _ in range(8192 + 256))
 
 def _record(seq: int, filler_len: int) -> bytes:
     start = seq % 251
-    filler = _PATTERN[start:start + filler_len]
+    filler = _PATTERN[start : start + filler_len]
     return _HEAD.pack(seq, zlib.crc32(filler), filler_len) + filler
 
 
@@ -35,7 +35,7 @@ def _verify(rec: bytes, expected_seq: int) -> str | None:
     seq, crc, flen = _HEAD.unpack_from(rec)
     if seq != expected_seq:
         return f"expected seq {expected_seq}, got {seq}"
-    if len(rec) != _HEAD.size + flen or zlib.crc32(rec[_HEAD.size:]) != crc:
+    if len(rec) != _HEAD.size + flen or zlib.crc32(rec[_HEAD.size :]) != crc:
         return f"record {seq} is corrupt"
     return None
 
@@ -86,8 +86,10 @@ def test_million_records_across_processes(shm_dir):
     seg = _make_segment(shm_dir, 64 * 1024)
     bell = Doorbell.create()
     parent, child = _CTX.Pipe()
-    procs = [_CTX.Process(target=_stress_consumer, args=(shm_dir, n, bell.fileno(), child)),
-             _CTX.Process(target=_stress_producer, args=(shm_dir, n, bell.fileno()))]
+    procs = [
+        _CTX.Process(target=_stress_consumer, args=(shm_dir, n, bell.fileno(), child)),
+        _CTX.Process(target=_stress_producer, args=(shm_dir, n, bell.fileno())),
+    ]
     for p in procs:
         p.start()
     try:

@@ -74,6 +74,7 @@ def test_cleanup_removes_only_stale_segments(shm_dir):
 
 def test_full_tmpfs_fails_at_startup_naming_the_size(shm_dir):
     """When fallocate reports ENOSPC the error names the bytes needed; nothing is left behind."""
+
     def no_space_for_rings(fd, offset, length):
         if length > 1 << 20:
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -81,8 +82,7 @@ def test_full_tmpfs_fails_at_startup_naming_the_size(shm_dir):
 
     total = ShmSizes(ring_bytes=4 << 20, n_workers=2).total_bytes
     with pytest.raises(ShmSpaceError, match=rf"cannot reserve 4,198,400 bytes .*needs {total:,}"):
-        ShmInstance.create(ring_bytes=4 << 20, n_workers=2, directory=shm_dir,
-                           fallocate=no_space_for_rings)
+        ShmInstance.create(ring_bytes=4 << 20, n_workers=2, directory=shm_dir, fallocate=no_space_for_rings)
     assert os.listdir(shm_dir) == []
 
 

@@ -27,14 +27,17 @@ def test_prefill_flops_count_weights_and_causal_attention():
     assert bk.prefill_flops(bk.SEVEN_B, tokens) == pytest.approx(2 * weights * tokens + attention)
 
 
-@pytest.mark.parametrize("name,expected", [
-    ("NVIDIA H100 80GB HBM3", (3350.0, 989.0)),
-    ("NVIDIA H100 PCIe", (2000.0, 756.0)),
-    ("NVIDIA A100-SXM4-80GB", (2039.0, 312.0)),
-    ("NVIDIA A10G", (600.0, 125.0)),
-    ("NVIDIA L40S", (864.0, 362.0)),
-    ("Tesla T4", (None, None)),
-])
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("NVIDIA H100 80GB HBM3", (3350.0, 989.0)),
+        ("NVIDIA H100 PCIe", (2000.0, 756.0)),
+        ("NVIDIA A100-SXM4-80GB", (2039.0, 312.0)),
+        ("NVIDIA A10G", (600.0, 125.0)),
+        ("NVIDIA L40S", (864.0, 362.0)),
+        ("Tesla T4", (None, None)),
+    ],
+)
 def test_peak_lookup_prefers_the_most_specific_name(name, expected):
     """Device names map to their data-sheet peaks; the longest matching fragment wins; unknown is None."""
     assert bk.lookup_peaks(name) == expected

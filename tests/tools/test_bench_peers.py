@@ -37,9 +37,26 @@ def test_missing_vllm_is_skipped_with_the_reason(tmp_path):
 def test_drives_ringserve_and_checks_every_answer(tiny_model_dir, capsys):
     """A small run against a real ringserve: every request answered with exactly the requested
     tokens, figures for every concurrency, vLLM skipped and said so, JSON for machines."""
-    rc = bench_peers.main(["--json", "--models", str(tiny_model_dir), "--concurrency", "1,3", "--requests", "4",
-                           "--prompt-tokens", "20", "--output-tokens", "6", "--warmup", "1", "--dtype", "float32",
-                           "--ringserve-arg=--workers=1"])
+    rc = bench_peers.main(
+        [
+            "--json",
+            "--models",
+            str(tiny_model_dir),
+            "--concurrency",
+            "1,3",
+            "--requests",
+            "4",
+            "--prompt-tokens",
+            "20",
+            "--output-tokens",
+            "6",
+            "--warmup",
+            "1",
+            "--dtype",
+            "float32",
+            "--ringserve-arg=--workers=1",
+        ]
+    )
     out = capsys.readouterr()
     report = json.loads(out.out)
     assert rc == 0

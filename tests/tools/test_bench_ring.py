@@ -17,11 +17,13 @@ def test_json_report_has_the_ratios(capsys):
         assert all(c["records_per_s"] > 0 and c["mb_per_s"] > 0 for c in cases.values())
         lat = report["latency"][transport]
         assert 0 < lat["p50_us"] <= lat["p99_us"]
-    for key in ("ring_vs_zmq_p50_latency_1k", "ring_vs_zmq_throughput_16k",
-                "ring_vs_zmq_throughput_msg_1k"):
+    for key in ("ring_vs_zmq_p50_latency_1k", "ring_vs_zmq_throughput_16k", "ring_vs_zmq_throughput_msg_1k"):
         assert report[key] > 0
-    assert set(report["goals"]) == {"p50_latency_at_most_1/5_of_zmq",
-                                    "throughput_16k_at_least_3x_zmq", "msg_throughput_not_below_zmq"}
+    assert set(report["goals"]) == {
+        "p50_latency_at_most_1/5_of_zmq",
+        "throughput_16k_at_least_3x_zmq",
+        "msg_throughput_not_below_zmq",
+    }
 
 
 def test_table_names_ratios_and_goals(capsys):

@@ -22,8 +22,14 @@ WATCHDOG_S = 2.0
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("shm"), workers=2, queue_limit_s=600,
-                       watchdog_timeout_s=WATCHDOG_S, drain_timeout_s=20) as srv:
+    with ServerProcess(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("shm"),
+        workers=2,
+        queue_limit_s=600,
+        watchdog_timeout_s=WATCHDOG_S,
+        drain_timeout_s=20,
+    ) as srv:
         yield srv
 
 
@@ -129,8 +135,16 @@ def test_report_flags_blocks_not_returned_and_leaks():
 
 def test_report_kill_worker_requires_survivors_to_complete():
     """A surviving worker's stream that did not complete fails kill-worker; worker 0's drop is fine."""
-    ok = _report("kill-worker", [StreamResult(worker=0, outcome="dropped"),
-                                 StreamResult(worker=1, outcome="completed")], 0.0, 1.0, None, 4, 4, 0)
+    ok = _report(
+        "kill-worker",
+        [StreamResult(worker=0, outcome="dropped"), StreamResult(worker=1, outcome="completed")],
+        0.0,
+        1.0,
+        None,
+        4,
+        4,
+        0,
+    )
     assert ok.ok, ok.violations
     bad = _report("kill-worker", [StreamResult(worker=1, outcome="dropped")], 0.0, 1.0, None, 4, 4, 0)
     assert not bad.ok
@@ -157,8 +171,10 @@ def test_cli_json_output(monkeypatch, capsys):
 
 def test_report_counts_admission_refusals_apart_from_losses():
     """A stream refused at admission (an explicit 429) is not lost, and the table says so."""
-    results = [StreamResult(worker=0, outcome="rejected", error_code="overloaded"),
-               StreamResult(worker=1, outcome="error_event", error_t=0.1)]
+    results = [
+        StreamResult(worker=0, outcome="rejected", error_code="overloaded"),
+        StreamResult(worker=1, outcome="error_event", error_t=0.1),
+    ]
     rep = _report("kill-gpu", results, 0.0, 2.0, None, 8, 8, 0)
     assert rep.ok and rep.rejected == 1 and rep.lost == 0
     assert "refused before the fault" in format_table(rep)
@@ -169,8 +185,9 @@ def test_term_streams_longer_than_the_drain_get_the_error_event(tiny_model_dir, 
     """Streams still running at --drain-timeout-s end with the error event, none just drop."""
     # NOTE: 4,000 tokens outlast the 1 s drain at any speed the tiny model reaches on a CPU
     # (900 did not, once the CPU kernels made it several times faster).
-    with ServerProcess(tiny_model_dir, tmp_path / "shm", workers=1, queue_limit_s=600,
-                       drain_timeout_s=1, max_tokens_limit=4000) as srv:
+    with ServerProcess(
+        tiny_model_dir, tmp_path / "shm", workers=1, queue_limit_s=600, drain_timeout_s=1, max_tokens_limit=4000
+    ) as srv:
         rep = _drill(srv, "term", streams=2, max_tokens=4000)
         assert srv.proc.wait(30) == 0
     assert rep.dropped == 0 and rep.error_events == 2, format_table(rep)

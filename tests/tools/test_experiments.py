@@ -26,8 +26,9 @@ aiohttp = pytest.importorskip("aiohttp")
 def server(tiny_model_dir, tmp_path_factory):
     """`ringserve serve` on a free loopback port: one worker, one torch thread, a queue limit that
     never refuses (the experiments measure scheduling, not admission). Stopped with SIGTERM."""
-    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("shm"), workers=1, queue_limit_s=100000,
-                       log_level="warning") as srv:
+    with ServerProcess(
+        tiny_model_dir, tmp_path_factory.mktemp("shm"), workers=1, queue_limit_s=100000, log_level="warning"
+    ) as srv:
         yield srv.url
 
 
@@ -36,8 +37,9 @@ async def _stream(session, url: str, body: dict, key: str = "key-a", stop_after:
     With `stop_after`, the client disconnects after that many tokens."""
     t0 = time.perf_counter()
     out = {"tokens": [], "text": "", "ttft": None, "finish": None, "usage": None, "status": None}
-    async with session.post(f"{url}/v1/completions", json=body | {"stream": True},
-                            headers={"Authorization": f"Bearer {key}"}) as resp:
+    async with session.post(
+        f"{url}/v1/completions", json=body | {"stream": True}, headers={"Authorization": f"Bearer {key}"}
+    ) as resp:
         out["status"] = resp.status
         if resp.status != 200:
             return out
@@ -61,8 +63,9 @@ async def _stream(session, url: str, body: dict, key: str = "key-a", stop_after:
 
 def _run(coro_fn, timeout_s: float = 120):
     async def main():
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as s:
             return await asyncio.wait_for(coro_fn(s), timeout_s)
 
     return asyncio.run(main())
@@ -90,10 +93,22 @@ def test_markers_at_1000_concurrent_requests(server, tiny_model_dir):
     markers = [f"zq{i:04d}x" for i in range(n)]
 
     async def go(s):
-        return await asyncio.gather(*[
-            _stream(s, server, {"prompt": f"request {markers[i]} says {markers[i]}", "max_tokens": 4,
-                                "temperature": 0.0, "ignore_eos": True}, key=f"key-{i % 4}")
-            for i in range(n)])
+        return await asyncio.gather(
+            *[
+                _stream(
+                    s,
+                    server,
+                    {
+                        "prompt": f"request {markers[i]} says {markers[i]}",
+                        "max_tokens": 4,
+                        "temperature": 0.0,
+                        "ignore_eos": True,
+                    },
+                    key=f"key-{i % 4}",
+                )
+                for i in range(n)
+            ]
+        )
 
     results = _run(go, 240)
     assert [r["status"] for r in results] == [200] * n
@@ -119,9 +134,19 @@ def test_batch_invariance_at_temperature_zero(server):
         return await _stream(s, server, probe)
 
     async def crowded(s):
-        others = [_stream(s, server, {"prompt_token_ids": _prompt(100 + i, 5 + 13 * i % 150),
-                                      "max_tokens": 1 + (i * 7) % 40, "temperature": 0.0, "ignore_eos": True})
-                  for i in range(31)]
+        others = [
+            _stream(
+                s,
+                server,
+                {
+                    "prompt_token_ids": _prompt(100 + i, 5 + 13 * i % 150),
+                    "max_tokens": 1 + (i * 7) % 40,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                },
+            )
+            for i in range(31)
+        ]
         results = await asyncio.gather(_stream(s, server, probe), *others)
         return results[0]
 
@@ -134,14 +159,21 @@ def test_batch_invariance_at_temperature_zero(server):
 def test_seeded_sampling_repeats_alone_and_among_neighbours(server):
     """temperature 0.9 / top_p 0.95 with seed 1234 repeats exactly, with or without neighbours; another
     seed draws differently."""
-    body = {"prompt_token_ids": _prompt(3, 20), "max_tokens": 24, "temperature": 0.9, "top_p": 0.95,
-            "seed": 1234, "ignore_eos": True}
+    body = {
+        "prompt_token_ids": _prompt(3, 20),
+        "max_tokens": 24,
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "seed": 1234,
+        "ignore_eos": True,
+    }
 
     async def go(s):
         first = await _stream(s, server, body)
-        crowd = await asyncio.gather(_stream(s, server, body),
-                                     *[_stream(s, server, body | {"seed": 50 + i, "max_tokens": 10 + i})
-                                       for i in range(15)])
+        crowd = await asyncio.gather(
+            _stream(s, server, body),
+            *[_stream(s, server, body | {"seed": 50 + i, "max_tokens": 10 + i}) for i in range(15)],
+        )
         other = await _stream(s, server, body | {"seed": 4321})
         return first, crowd[0], other
 
@@ -157,16 +189,35 @@ def test_fairness_short_requests_start_fast_while_another_key_floods(server):
     B's p95 TTFT stays under the design's 1 s, and far under A's."""
 
     async def go(s):
-        flood = [asyncio.create_task(_stream(s, server, {"prompt_token_ids": _prompt(i, 100),
-                                                         "max_tokens": 16 + (i * 13) % 79, "temperature": 0.0,
-                                                         "ignore_eos": True}, key="flood"))
-                 for i in range(100)]
+        flood = [
+            asyncio.create_task(
+                _stream(
+                    s,
+                    server,
+                    {
+                        "prompt_token_ids": _prompt(i, 100),
+                        "max_tokens": 16 + (i * 13) % 79,
+                        "temperature": 0.0,
+                        "ignore_eos": True,
+                    },
+                    key="flood",
+                )
+            )
+            for i in range(100)
+        ]
         await asyncio.sleep(0.3)  # the flood is queued before the first short request arrives
         short = []
         for i in range(15):
-            short.append(asyncio.create_task(_stream(s, server, {"prompt_token_ids": _prompt(500 + i, 8),
-                                                                 "max_tokens": 4, "temperature": 0.0},
-                                                     key="short")))
+            short.append(
+                asyncio.create_task(
+                    _stream(
+                        s,
+                        server,
+                        {"prompt_token_ids": _prompt(500 + i, 8), "max_tokens": 4, "temperature": 0.0},
+                        key="short",
+                    )
+                )
+            )
             await asyncio.sleep(0.2)
         return await asyncio.gather(*flood), await asyncio.gather(*short)
 
@@ -186,11 +237,22 @@ def test_disconnects_cost_little_and_free_every_block(server):
     before = metrics(server)
 
     async def go(s):
-        return await asyncio.gather(*[
-            _stream(s, server, {"prompt_token_ids": _prompt(i, 30), "max_tokens": 200 if i % 5 == 0 else 20,
-                                "temperature": 0.0, "ignore_eos": True},
-                    stop_after=5 if i % 5 == 0 else None)
-            for i in range(100)])
+        return await asyncio.gather(
+            *[
+                _stream(
+                    s,
+                    server,
+                    {
+                        "prompt_token_ids": _prompt(i, 30),
+                        "max_tokens": 200 if i % 5 == 0 else 20,
+                        "temperature": 0.0,
+                        "ignore_eos": True,
+                    },
+                    stop_after=5 if i % 5 == 0 else None,
+                )
+                for i in range(100)
+            ]
+        )
 
     results = _run(go, 180)
     gone = [r for i, r in enumerate(results) if i % 5 == 0]
@@ -224,9 +286,16 @@ def test_fairness_light_tenant_is_not_held_behind_a_lockstep_flood(server):
             k = 0
             while not stop.is_set():
                 t0 = time.perf_counter()
-                async with s.post(f"{server}/v1/completions", headers={"Authorization": "Bearer key-a"},
-                                  json={"prompt_token_ids": _prompt(i, 16), "max_tokens": 200,
-                                        "ignore_eos": True, "temperature": 0.0}) as resp:
+                async with s.post(
+                    f"{server}/v1/completions",
+                    headers={"Authorization": "Bearer key-a"},
+                    json={
+                        "prompt_token_ids": _prompt(i, 16),
+                        "max_tokens": 200,
+                        "ignore_eos": True,
+                        "temperature": 0.0,
+                    },
+                ) as resp:
                     assert resp.status == 200
                     await resp.read()
                 a_latency.append(time.perf_counter() - t0)
@@ -236,8 +305,14 @@ def test_fairness_light_tenant_is_not_held_behind_a_lockstep_flood(server):
         await asyncio.sleep(0.5)  # the first wave holds all 32 rows
         b = []
         for i in range(12):
-            b.append(await _stream(s, server, {"prompt_token_ids": _prompt(700 + i, 8), "max_tokens": 4,
-                                               "temperature": 0.0}, key="key-b"))
+            b.append(
+                await _stream(
+                    s,
+                    server,
+                    {"prompt_token_ids": _prompt(700 + i, 8), "max_tokens": 4, "temperature": 0.0},
+                    key="key-b",
+                )
+            )
             await asyncio.sleep(0.05)
         stop.set()
         await asyncio.gather(*flood)
@@ -248,8 +323,10 @@ def test_fairness_light_tenant_is_not_held_behind_a_lockstep_flood(server):
     b_ttft = [r["ttft"] for r in b]
     a_median = sorted(a_latency)[len(a_latency) // 2]
     step_s = a_median / 216  # an A request is its 16-token prompt's step and 200 decode steps
-    print(f"lockstep flood: B p95 TTFT {percentile(b_ttft, 95) * 1000:.0f} ms (~{percentile(b_ttft, 95) / step_s:.0f} "
-          f"steps), A median latency {a_median * 1000:.0f} ms over {len(a_latency)} requests")
+    print(
+        f"lockstep flood: B p95 TTFT {percentile(b_ttft, 95) * 1000:.0f} ms (~{percentile(b_ttft, 95) / step_s:.0f} "
+        f"steps), A median latency {a_median * 1000:.0f} ms over {len(a_latency)} requests"
+    )
     # Without fair preemption B waits for a wave to end: about a_median. The guarantee itself is in
     # passes (tests/gpu_proc/test_fair_preemption.py); here a quarter of a wave leaves room for the
     # HTTP round trip, which does not shrink with the sub-millisecond CPU-kernel steps.

@@ -39,15 +39,37 @@ def test_compare_runs_both_systems_on_one_trace(tiny_model_dir):
     want = sum(t.output_tokens for t in trace)
     assert result["ringserve"]["output_tokens"] == result["hf"]["output_tokens"] == want
     assert result["throughput_ratio"] == pytest.approx(
-        result["ringserve"]["throughput_tok_s"] / result["hf"]["throughput_tok_s"])
+        result["ringserve"]["throughput_tok_s"] / result["hf"]["throughput_tok_s"]
+    )
     assert "Throughput ratio" in markdown(result)
 
 
 def test_bench_sched_with_hf_row(tiny_model_dir, capsys):
     """`ringserve bench sched --hf` adds the HF row and the ratio to the real run."""
-    code = sched_compare.main(["--requests", "6", "--scale", "0.05", "--prompt-scale", "0.01", "--limit-variants", "4",
-                               "--hf", "--model-dir", str(tiny_model_dir), "--design-requests", "6", "--rate", "50",
-                               "--num-blocks", "256", "--repeat", "1", "--json"])
+    code = sched_compare.main(
+        [
+            "--requests",
+            "6",
+            "--scale",
+            "0.05",
+            "--prompt-scale",
+            "0.01",
+            "--limit-variants",
+            "4",
+            "--hf",
+            "--model-dir",
+            str(tiny_model_dir),
+            "--design-requests",
+            "6",
+            "--rate",
+            "50",
+            "--num-blocks",
+            "256",
+            "--repeat",
+            "1",
+            "--json",
+        ]
+    )
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     real = report["runs"]["real"]

@@ -22,9 +22,22 @@ from tests.helpers.net import free_port
 def fake_server(tiny_model_dir):
     """An API worker with the fake GPU (echoes prompt tokens, 2 ms steps) on a free loopback port."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ringserve.api.worker", "--fake", "--tokenizer", str(tiny_model_dir),
-                             "--port", str(port), "--step-ms", "2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ringserve.api.worker",
+            "--fake",
+            "--tokenizer",
+            str(tiny_model_dir),
+            "--port",
+            str(port),
+            "--step-ms",
+            "2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -51,14 +64,22 @@ def _rec(ttft: float, gap: float, n: int = 5, status: int = 200) -> RequestRecor
 
 def test_parse_metrics_reads_ours_and_vllm_names():
     """Rows, KV use, preemptions and 429s come from ringserve's names, or vLLM's when ours are absent."""
-    ours = ("# TYPE ringserve_running_rows gauge\nringserve_running_rows 7.0\n"
-            "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.25\n"
-            "# TYPE ringserve_preemptions counter\nringserve_preemptions_total 3.0\n"
-            "# TYPE ringserve_rejected_429 counter\nringserve_rejected_429_total 2.0\n")
-    assert loadtest.parse_metrics(ours) == {"running_rows": 7.0, "kv_usage": 0.25, "preemptions": 3.0,
-                                            "rejected_429": 2.0}
-    vllm = ("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} 4.0\n"
-            "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name=\"m\"} 0.5\n")
+    ours = (
+        "# TYPE ringserve_running_rows gauge\nringserve_running_rows 7.0\n"
+        "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.25\n"
+        "# TYPE ringserve_preemptions counter\nringserve_preemptions_total 3.0\n"
+        "# TYPE ringserve_rejected_429 counter\nringserve_rejected_429_total 2.0\n"
+    )
+    assert loadtest.parse_metrics(ours) == {
+        "running_rows": 7.0,
+        "kv_usage": 0.25,
+        "preemptions": 3.0,
+        "rejected_429": 2.0,
+    }
+    vllm = (
+        '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 4.0\n'
+        '# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name="m"} 0.5\n'
+    )
     assert loadtest.parse_metrics(vllm) == {"running_rows": 4.0, "kv_usage": 0.5}
 
 
@@ -75,8 +96,14 @@ def test_summary_and_goodput():
     """Percentiles in ms, 429s counted apart, goodput is the highest rate with >= 95 % meeting both."""
     fast = [_rec(0.1, 0.02) for _ in range(20)]
     slow = [_rec(0.1, 0.02) for _ in range(17)] + [_rec(2.0, 0.02)] + [_rec(0, 0, status=429)] * 2
-    kw = dict(ttft_target_ms=1000, tpot_target_ms=50, wall_s=10.0, before={"preemptions": 1.0},
-              after={"preemptions": 4.0}, samples=[{"running_rows": 2.0}, {"running_rows": 4.0, "kv_usage": 0.5}])
+    kw = dict(
+        ttft_target_ms=1000,
+        tpot_target_ms=50,
+        wall_s=10.0,
+        before={"preemptions": 1.0},
+        after={"preemptions": 4.0},
+        samples=[{"running_rows": 2.0}, {"running_rows": 4.0, "kv_usage": 0.5}],
+    )
     rows = [summarize_rate(1.0, fast, **kw), summarize_rate(2.0, slow, **kw), summarize_rate(3.0, fast, **kw)]
     assert rows[0]["ttft_ms"]["p50"] == pytest.approx(100.0) and rows[0]["tpot_ms"]["p95"] == pytest.approx(20.0)
     assert rows[1]["rejected_429"] == 2 and rows[1]["errors"] == 0 and rows[1]["attainment"] == pytest.approx(0.85)
@@ -111,8 +138,27 @@ def test_one_request_replays_its_output_length(fake_server):
 
 def test_cli_against_an_api_worker(fake_server, tmp_path, capsys):
     """Two rates of ten requests: every request succeeds, JSON has both rates, goodput and plots."""
-    code = loadtest.main(["--url", fake_server, "--rates", "20,40", "--requests", "10", "--scale", "0.01",
-                          "--keys", "3", "--pause-s", "0", "--drain-s", "20", "--json", "--plot", str(tmp_path)])
+    code = loadtest.main(
+        [
+            "--url",
+            fake_server,
+            "--rates",
+            "20,40",
+            "--requests",
+            "10",
+            "--scale",
+            "0.01",
+            "--keys",
+            "3",
+            "--pause-s",
+            "0",
+            "--drain-s",
+            "20",
+            "--json",
+            "--plot",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert [r["rate"] for r in report["rates"]] == [20.0, 40.0]
@@ -130,8 +176,9 @@ def test_a_server_that_never_answers_ends_the_run_on_time():
 
         server = await asyncio.start_server(hold, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        args = loadtest.build_parser().parse_args(["--url", f"http://127.0.0.1:{port}", "--requests", "3",
-                                                   "--drain-s", "0.5", "--sample-s", "0.1"])
+        args = loadtest.build_parser().parse_args(
+            ["--url", f"http://127.0.0.1:{port}", "--requests", "3", "--drain-s", "0.5", "--sample-s", "0.1"]
+        )
         import aiohttp
 
         t0 = time.monotonic()

@@ -15,10 +15,12 @@ FLAT = StepCost(10.0, 1.0, 0.1)  # easy numbers: 10 ms + 1 ms/row + 0.1 ms/promp
 
 
 def _policies(rows: int = 4, blocks: int = 512):
-    return [RunToCompletionPolicy(max_rows=rows, window_s=None, num_blocks=blocks),
-            RunToCompletionPolicy(max_rows=rows, window_s=0.01, num_blocks=blocks),
-            ContinuousPolicy(max_rows=rows, prefill_budget=None, num_blocks=blocks),
-            ContinuousPolicy(max_rows=rows, prefill_budget=32, num_blocks=blocks)]
+    return [
+        RunToCompletionPolicy(max_rows=rows, window_s=None, num_blocks=blocks),
+        RunToCompletionPolicy(max_rows=rows, window_s=0.01, num_blocks=blocks),
+        ContinuousPolicy(max_rows=rows, prefill_budget=None, num_blocks=blocks),
+        ContinuousPolicy(max_rows=rows, prefill_budget=32, num_blocks=blocks),
+    ]
 
 
 def test_fit_recovers_the_coefficients():
@@ -56,10 +58,12 @@ def test_every_policy_replays_exact_output_lengths_and_frees_its_blocks():
 def test_static_batch_keeps_finished_rows_until_the_longest_ends():
     """Two answers of 2 and 10 tokens: static runs 10 two-row steps; continuous drops the short row."""
     trace = [TraceRequest(8, 2), TraceRequest(8, 10)]
-    static = replay(RunToCompletionPolicy(max_rows=2, window_s=None, num_blocks=64), trace, [0.0, 0.0],
-                    SimExecutor(FLAT))
-    cont = replay(ContinuousPolicy(max_rows=2, prefill_budget=None, num_blocks=64), trace, [0.0, 0.0],
-                  SimExecutor(FLAT))
+    static = replay(
+        RunToCompletionPolicy(max_rows=2, window_s=None, num_blocks=64), trace, [0.0, 0.0], SimExecutor(FLAT)
+    )
+    cont = replay(
+        ContinuousPolicy(max_rows=2, prefill_budget=None, num_blocks=64), trace, [0.0, 0.0], SimExecutor(FLAT)
+    )
     assert [rows for rows, _, _ in static.step_samples] == [2] * 10
     assert [rows for rows, _, _ in cont.step_samples] == [2, 2] + [1] * 8
 
@@ -68,10 +72,10 @@ def test_static_waits_for_a_full_batch_and_dynamic_for_its_window():
     """A lone early request waits for the second arrival under static, only 10 ms under dynamic."""
     trace = [TraceRequest(4, 3), TraceRequest(4, 3)]
     arrivals = [0.0, 1.0]
-    static = replay(RunToCompletionPolicy(max_rows=2, window_s=None, num_blocks=64), trace, arrivals,
-                    SimExecutor(FLAT))
-    dynamic = replay(RunToCompletionPolicy(max_rows=2, window_s=0.01, num_blocks=64), trace, arrivals,
-                     SimExecutor(FLAT))
+    static = replay(RunToCompletionPolicy(max_rows=2, window_s=None, num_blocks=64), trace, arrivals, SimExecutor(FLAT))
+    dynamic = replay(
+        RunToCompletionPolicy(max_rows=2, window_s=0.01, num_blocks=64), trace, arrivals, SimExecutor(FLAT)
+    )
     assert static.ttft_s[0] >= 1.0
     assert dynamic.ttft_s[0] == pytest.approx(0.01 + FLAT.ms(1, 4) / 1e3)
 
@@ -80,10 +84,12 @@ def test_chunked_prefill_bounds_the_gap_a_long_prompt_puts_into_other_streams():
     """A 2,000-token prompt joining a decoding stream: chunking cuts the stream's longest gap."""
     trace = [TraceRequest(8, 40), TraceRequest(2000, 2)]
     arrivals = [0.0, 0.1]
-    whole = replay(ContinuousPolicy(max_rows=2, prefill_budget=None, num_blocks=256), trace, arrivals,
-                   SimExecutor(FLAT))
-    chunked = replay(ContinuousPolicy(max_rows=2, prefill_budget=128, num_blocks=256), trace, arrivals,
-                     SimExecutor(FLAT))
+    whole = replay(
+        ContinuousPolicy(max_rows=2, prefill_budget=None, num_blocks=256), trace, arrivals, SimExecutor(FLAT)
+    )
+    chunked = replay(
+        ContinuousPolicy(max_rows=2, prefill_budget=128, num_blocks=256), trace, arrivals, SimExecutor(FLAT)
+    )
     assert whole.max_gap_s[0] > 0.2  # one 2,000-token prefill step: 10 + 2 + 200 ms
     assert chunked.max_gap_s[0] < 0.04  # the budget doubles with one decoding row: 256 tokens per step
 
@@ -109,8 +115,15 @@ def test_real_engine_replay_and_fit(tiny_model_dir):
     engine = build_engine(Config(device="cpu", dtype="float32", num_blocks=256), tiny_model_dir)
     trace = scaled(builtin_mix(6, seed=6), 0.02)
     arrivals = poisson_arrivals(6, 50.0, seed=6)
-    rows = sched_compare.run_variants(sched_compare.VARIANTS[:4], trace, arrivals, lambda: EngineExecutor(engine),
-                                      num_blocks=256, chunk_scale=0.02, vocab=(3, engine.vocab_size))
+    rows = sched_compare.run_variants(
+        sched_compare.VARIANTS[:4],
+        trace,
+        arrivals,
+        lambda: EngineExecutor(engine),
+        num_blocks=256,
+        chunk_scale=0.02,
+        vocab=(3, engine.vocab_size),
+    )
     assert [r["kind"] for r in rows] == ["static", "dynamic", "continuous", "chunked"]
     assert all(r["output_tokens"] == sum(t.output_tokens for t in trace) for r in rows)
     samples = [s for r in rows for s in r["_samples"]]
@@ -132,8 +145,12 @@ def test_repeated_rounds_report_medians_and_pool_the_step_samples():
     """With a deterministic executor, three rounds give the one-round figures and thrice the samples."""
     trace = scaled(builtin_mix(8, seed=9), 0.05)
     arrivals = poisson_arrivals(8, 10.0, seed=9)
-    one, three = (sched_compare.run_variants(sched_compare.VARIANTS[:2], trace, arrivals, lambda: SimExecutor(FLAT),
-                                             num_blocks=256, repeat=n) for n in (1, 3))
+    one, three = (
+        sched_compare.run_variants(
+            sched_compare.VARIANTS[:2], trace, arrivals, lambda: SimExecutor(FLAT), num_blocks=256, repeat=n
+        )
+        for n in (1, 3)
+    )
     for a, b in zip(one, three):
         assert a["throughput_tok_s"] == b["throughput_tok_s"] and a["tpot_p95_ms"] == b["tpot_p95_ms"]
         assert len(b["_samples"]) == 3 * len(a["_samples"]) and b["rounds"] == 3

@@ -33,10 +33,10 @@ _HOLDER = textwrap.dedent("""
 @pytest.fixture
 def holder():
     """Start a process holding an instance; yield (directory, instance, process)."""
-    directory = tempfile.mkdtemp(prefix="ringserve-test-",
-                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, directory], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    directory = tempfile.mkdtemp(prefix="ringserve-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, directory], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     instance = proc.stdout.readline().strip()
     assert instance, "holder failed to start"
     yield directory, instance, proc
@@ -65,8 +65,9 @@ def test_json_shows_the_live_ring(holder, capsys):
 def test_table_through_the_cli(holder):
     """`ringserve shm` (the console command) prints the instance and its rings as a table."""
     directory, instance, _ = holder
-    out = subprocess.run([sys.executable, "-m", "ringserve", "shm", "--dir", directory],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "ringserve", "shm", "--dir", directory], capture_output=True, text=True, check=True
+    ).stdout
     assert f"instance {instance}" in out and "alive" in out
     assert "req.0" in out and "65,536" in out and "tiny-test" in out
 
@@ -93,8 +94,7 @@ def test_default_directory_is_dev_shm(capsys):
         assert shm_inspect.main(["--json"]) == 0
         report = json.loads(capsys.readouterr().out)
         assert report["directory"] == "/dev/shm"
-        assert {s["part"] for s in report["segments"] if s["instance"] == shm.instance} == \
-            {"control", "req.0", "out.0"}
+        assert {s["part"] for s in report["segments"] if s["instance"] == shm.instance} == {"control", "req.0", "out.0"}
     finally:
         shm.unlink()
         shm.close()
