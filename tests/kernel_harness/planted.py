@@ -197,12 +197,12 @@ PLANTED = [
         "i < row_vecs; i += blockDim.x",
         "i <= row_vecs; i += blockDim.x",
     ),
-    # ---- launchers
+    # ---- launchers (snippets follow the formatted source: one argument per line, 16 spaces)
     Planted(
         "launcher: 8 bytes for the 4-byte num_heads",
         LAUNCHERS,
-        "meta.positions, meta.token_seq, _i32(num_heads), _i32(num_kv_heads)",
-        "meta.positions, meta.token_seq, num_heads, _i32(num_kv_heads)",
+        "meta.token_seq,\n                _i32(num_heads),",
+        "meta.token_seq,\n                num_heads,",
     ),
     Planted(
         "launcher: merge told one split fewer",
@@ -219,16 +219,18 @@ PLANTED = [
     Planted(
         "launcher: q row stride assumed packed",
         LAUNCHERS,
-        "q, q.stride(0), q.stride(1), k_cache, v_cache, meta.block_tables, _i32(meta.block_tables.shape[1]),\n"
-        "            meta.positions,",
-        "q, num_heads * head_dim, q.stride(1), k_cache, v_cache, meta.block_tables,\n"
-        "            _i32(meta.block_tables.shape[1]), meta.positions,",
+        "q.stride(0),\n                q.stride(1),\n                k_cache,\n                v_cache,\n"
+        "                meta.block_tables,\n                _i32(meta.block_tables.shape[1]),\n"
+        "                meta.positions,",
+        "num_heads * head_dim,\n                q.stride(1),\n                k_cache,\n                v_cache,\n"
+        "                meta.block_tables,\n                _i32(meta.block_tables.shape[1]),\n"
+        "                meta.positions,",
     ),
     Planted(
         "launcher: softmax scale without log2(e)",
         LAUNCHERS,
-        "_i32(num_kv_heads), _f32(scale * _LOG2E), out))",
-        "_i32(num_kv_heads), _f32(scale), out))",
+        "_f32(scale * _LOG2E),\n                out,",
+        "_f32(scale),\n                out,",
     ),
 ]
 
