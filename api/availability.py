@@ -27,8 +27,9 @@ def gpu_not_ready(st: ApiState) -> ApiError:
         status = st.restart_status()
     except Exception:  # a torn control-block read must not turn this 503 into a 500
         status = None
-    last = (status or {}).get("last_error")
-    if last and (status or {}).get("state") != "ready":
+    status = status or {}
+    last = status.get("last_error")
+    if last and status.get("state") != "ready":
         failures = status.get("failures") or 1
         message = (
             f"The GPU process is restarting after a failure: it {last} ({failures} failure"

@@ -12,6 +12,7 @@ sent are the routes' business: a 400 that names them (`protocol.check_neutral`).
 from __future__ import annotations
 
 import re
+from typing import TypeVar
 
 import msgspec
 
@@ -19,9 +20,10 @@ from ringserve.api.errors import bad_request
 
 _PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
 _UNKNOWN = "unknown field"
+T = TypeVar("T")
 
 
-def decode_body(decoder: msgspec.json.Decoder, raw: bytes) -> tuple[object, tuple[str, ...]]:
+def decode_body(decoder: msgspec.json.Decoder[T], raw: bytes) -> tuple[T, tuple[str, ...]]:
     """Decode a JSON request body into `decoder.type`, raising `ApiError(400)` that names the
     offending field; returns the body and the paths of the fields it ignored."""
     try:

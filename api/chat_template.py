@@ -166,10 +166,11 @@ class ChatTemplate:
         return text
 
     def _find_end_of_turn(self, codec: TextCodec) -> tuple[int, ...]:
-        ids = set()
+        ids: set[int] = set()
         eos = self.special_tokens.get("eos_token")
-        if eos is not None and codec.token_id(eos) is not None:
-            ids.add(codec.token_id(eos))
+        eos_id = codec.token_id(eos) if eos is not None else None
+        if eos_id is not None:
+            ids.add(eos_id)
         for messages in (
             [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}],
             [

@@ -32,10 +32,10 @@ class Detokenizer:
         self._read = 0  # ids already turned into emitted text
 
     def push(self, token_id: int) -> str:
-        table = self._table
-        if table is not None:
+        table, utf8 = self._table, self._utf8
+        if table is not None and utf8 is not None:
             piece = table[token_id] if 0 <= token_id < len(table) else b""
-            return self._utf8.decode(piece)
+            return utf8.decode(piece)
         return self._push_window(token_id)
 
     def flush(self) -> str:

@@ -93,7 +93,7 @@ class FakeGpu:
 
     def send(self, msg: Submit | Cancel) -> bool:
         if self.wire:
-            msg = decode(encode(msg))
+            msg = _round_trip(msg)
         if not self.ready:
             if isinstance(msg, Submit):
                 self.discarded.append(msg)
@@ -165,7 +165,7 @@ class FakeGpu:
 
     # the step loop ---------------------------------------------------------------------------
     def _post(self, msg: Message) -> None:
-        if self._deliver is None:
+        if self._deliver is None or self._loop is None:
             return
         if self.wire:
             msg = decode(encode(msg))
@@ -209,8 +209,8 @@ class FakeGpu:
                 row.generated[i] += 1
                 if row.first_token is None:
                     row.first_token = now
-                top = [(tid, -0.5)] * row.submit.logprobs if row.submit.logprobs else None
-                tokens.append(Token(rid, i, tid, -0.5, top))
+                alternatives = [(tid, -0.5)] * row.submit.logprobs if row.submit.logprobs else None
+                tokens.append(Token(rid, i, tid, -0.5, alternatives))
                 reason = finish_reason(
                     tid,
                     row.generated[i],
@@ -242,3 +242,11 @@ class FakeGpu:
             0.1,
             (first - row.submit.arrival_ts) * 1000.0,
         )
+
+
+def _round_trip(msg: Submit | Cancel) -> Submit | Cancel:
+    """`msg` through msgpack and back, as the ring carries it."""
+    back = decode(encode(msg))
+    if not isinstance(back, (Submit, Cancel)):
+        raise TypeError(f"{type(msg).__name__} came back as {type(back).__name__}")
+    return back

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ringserve.api.detokenizer import Detokenizer
 from ringserve.api.errors import error_object, error_type
@@ -196,11 +197,14 @@ class Generation:
             return
         rec = item.record
         ids = self.prompts[item.prompt][rec.start : rec.start + len(rec.logprobs)]
-        self.prompt_scores[item.prompt] += zip(ids, rec.logprobs, rec.ranks, rec.top or [None] * len(ids))
+        tops: list[list[tuple[int, float]] | None] = list(rec.top) if rec.top else [None] * len(ids)
+        self.prompt_scores[item.prompt] += zip(ids, rec.logprobs, rec.ranks, tops)
 
     def _echo(self, s: Sample, index: int, out: list[bytes]) -> None:
         """Show the choice's prompt before its first token (or its finish)."""
         s.echoed = True
+        if self.echo is None:
+            return
         text = self.echo[s.prompt]
         lp = None
         if self.want_logprobs is not None:
@@ -215,9 +219,11 @@ class Generation:
             s.parts.append(text)
 
     def _entry(self, s: Sample, token_id: int, logprob: float | None, top) -> object:
-        entry, width = self.logprob_format.entry(self.codec, token_id, logprob, top, self.want_logprobs, s.offset)
+        # NOTE: called only for requests that asked for logprobs (want_logprobs is set).
+        want = self.want_logprobs or 0
+        entry, width = self.logprob_format.entry(self.codec, token_id, logprob, top, want, s.offset)
         s.offset += width
-        if self.encoder is None:
+        if self.encoder is None and s.logprobs is not None:
             s.logprobs.append(entry)
         return entry
 
@@ -242,6 +248,8 @@ class Generation:
         """The OpenAI error object for the request's failure, with how many tokens the client
         already has (all samples together), so it knows what a retry repeats."""
         err = self.error
+        if err is None:
+            raise RuntimeError("error_body() of a request that has not failed")
         return error_object(err.message, err.code, type_=error_type(err.code), extra={"tokens_streamed": self.tokens})
 
     # ------------------------------------------------------------------------------------------
@@ -290,7 +298,7 @@ class Generation:
 
     def choices(self) -> list[dict]:
         """The /v1/completions choices of a non-streamed request."""
-        choices = [
+        choices: list[dict[str, Any]] = [
             {"index": i, "text": "".join(s.parts), "logprobs": self.sample_logprobs(s), "finish_reason": s.reason}
             for i, s in enumerate(self.samples)
         ]

@@ -279,15 +279,15 @@ class GpuClient:
                 if s is not None:
                     s.streamed = True  # a resubmission would send them again
                     s.feed(item)
-            for item in msg.tokens:
-                s = streams.get(item.rid)
+            for token in msg.tokens:
+                s = streams.get(token.rid)
                 if s is not None:
                     s.streamed = True
-                    s.feed(item)
-            for item in msg.finishes:
-                s = streams.get(item.rid)
+                    s.feed(token)
+            for finish in msg.finishes:
+                s = streams.get(finish.rid)
                 if s is not None:
-                    s.feed(item)
+                    s.feed(finish)
         elif type(msg) is Accepted or type(msg) is Rejected:
             s = streams.get(msg.rid)
             if s is not None:
@@ -368,7 +368,8 @@ class GpuClient:
         """Fail the held requests that waited `hold_s` for a GPU process that is not back."""
         now = time.monotonic()
         for rid, stream in list(self._held.items()):
-            if now - stream.held_at > self.hold_s or time.time() >= stream.submit.deadline_ts:
+            deadline = stream.submit.deadline_ts if stream.submit is not None else now
+            if now - stream.held_at > self.hold_s or time.time() >= deadline:
                 del self._held[rid]
                 why = self.down_reason()
                 self._fail_held(
@@ -390,9 +391,10 @@ class GpuClient:
         held, self._held = self._held, {}
         now = time.time()
         for old_rid, stream in held.items():
-            if self._streams.get(old_rid) is not stream:
-                continue  # released meanwhile
-            if now >= stream.submit.deadline_ts:
+            submit = stream.submit
+            if self._streams.get(old_rid) is not stream or submit is None:
+                continue  # released meanwhile (a held stream always has its Submit)
+            if now >= submit.deadline_ts:
                 err = Error(
                     code=RESTART_ERROR,
                     rid=old_rid,
@@ -412,10 +414,10 @@ class GpuClient:
             self._streams[rid] = stream
             stream.rid = rid
             stream.resubmits += 1
-            stream.submit = msgspec.structs.replace(stream.submit, rid=rid)
+            stream.submit = submit = msgspec.structs.replace(submit, rid=rid)
             self.resubmitted += 1
             self._send(Cancel(rid=old_rid, reason="cancelled"))
-            self._send(stream.submit)
+            self._send(submit)
         if held:
             log.info("worker %d: resubmitted %d requests to the restarted GPU process", self.worker, self.resubmitted)
 

@@ -152,7 +152,7 @@ def parse_sampling(body: SamplingBody) -> SamplingFields:
         n=n,
         stream=stream,
         include_usage=include_usage,
-        continuous_usage=include_usage and bool(options.continuous_usage_stats),
+        continuous_usage=bool(include_usage and options is not None and options.continuous_usage_stats),
         cache_salt=_salt(body),
         request_id=body.request_id,
         output=OutputOptions(
@@ -235,7 +235,7 @@ def _sampling(body: SamplingBody) -> SamplingParams:
         raise bad_request(f"top_k must be >= 0 (0 or -1: off), got {top_k}.", "top_k")
     if body.seed is not None and not _SEED_RANGE[0] <= body.seed <= _SEED_RANGE[1]:
         raise bad_request("seed must fit in 64 bits.", "seed")
-    stop_ids = ()
+    stop_ids: tuple[int, ...] = ()
     if body.stop_token_ids:
         if len(body.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise bad_request(
@@ -243,14 +243,9 @@ def _sampling(body: SamplingBody) -> SamplingParams:
                 "stop_token_ids",
             )
         stop_ids = tuple(sorted(set(token_ids(body.stop_token_ids, "stop_token_ids"))))
-    penalties = {
-        name: _in_range(getattr(body, name), default, lo, hi, name)
-        for name, default, lo, hi in (
-            ("presence_penalty", 0.0, -2.0, 2.0),
-            ("frequency_penalty", 0.0, -2.0, 2.0),
-            ("min_p", 0.0, 0.0, 1.0),
-        )
-    }
+    presence = _in_range(body.presence_penalty, 0.0, -2.0, 2.0, "presence_penalty")
+    frequency = _in_range(body.frequency_penalty, 0.0, -2.0, 2.0, "frequency_penalty")
+    min_p = _in_range(body.min_p, 0.0, 0.0, 1.0, "min_p")
     repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
     if not (repetition > 0 and math.isfinite(repetition)):
         raise bad_request(f"repetition_penalty must be a number > 0 (1: off), got {repetition}.", "repetition_penalty")
@@ -258,7 +253,7 @@ def _sampling(body: SamplingBody) -> SamplingParams:
     if min_tokens < 0:
         raise bad_request(f"min_tokens must be >= 0, got {min_tokens}.", "min_tokens")
     if temperature < 1e-5:
-        penalties["min_p"] = 0.0  # greedy: min_p cannot change the choice (vLLM drops it too)
+        min_p = 0.0  # greedy: min_p cannot change the choice (vLLM drops it too)
     return SamplingParams(
         temperature=temperature,
         top_k=top_k,
@@ -270,7 +265,9 @@ def _sampling(body: SamplingBody) -> SamplingParams:
         min_tokens=min_tokens,
         logit_bias=_logit_bias(body.logit_bias),
         allowed_token_ids=_allowed(body.allowed_token_ids),
-        **penalties,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        min_p=min_p,
     )
 
 
@@ -311,8 +308,8 @@ def _allowed(ids: list[int] | None) -> tuple[int, ...]:
     return tuple(sorted(set(token_ids(ids, "allowed_token_ids"))))
 
 
-def _bad_words(words: list[str] | None) -> tuple[str, ...]:
-    words = tuple(dict.fromkeys(words or ()))
+def _bad_words(given: list[str] | None) -> tuple[str, ...]:
+    words = tuple(dict.fromkeys(given or ()))
     if len(words) > MAX_BAD_WORDS:
         raise bad_request(f"bad_words holds at most {MAX_BAD_WORDS} words, got {len(words)}.", "bad_words")
     if any(not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in words):

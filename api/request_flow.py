@@ -195,6 +195,8 @@ class _Flow:
 async def _stream(flow: _Flow) -> web.StreamResponse:
     request, st, entry, gen = flow.request, flow.st, flow.entry, flow.gen
     encoder = gen.encoder
+    if encoder is None:
+        raise RuntimeError("a streamed request's generation has its event encoder")
     resp = web.StreamResponse(headers={**_SSE_HEADERS, **flow.headers()})
     sock = request.transport.get_extra_info("socket") if request.transport is not None else None
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):

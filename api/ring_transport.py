@@ -69,7 +69,7 @@ class RingTransport:
     def _watch(self) -> None:
         """Check the generation even while the GPU process sends us nothing: a restarted one may
         never ring this worker's bell, and open streams must not wait forever."""
-        if self._deliver is None:
+        if self._deliver is None or self._loop is None:
             return
         self._check_generation(self._deliver)
         self._timer = self._loop.call_later(GENERATION_CHECK_S, self._watch)
@@ -101,7 +101,7 @@ class RingTransport:
         self.requests.producer_heartbeat()
         for msg in messages:
             deliver(msg)
-        if len(views) == MAX_RECORDS_PER_WAKE and not outputs.is_empty():
+        if len(views) == MAX_RECORDS_PER_WAKE and not outputs.is_empty() and self._loop is not None:
             self._loop.call_soon(self._take)  # the bell was drained: come back for the rest
 
     def _check_generation(self, deliver: Callable[[Message], None]) -> None:

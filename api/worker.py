@@ -59,6 +59,8 @@ async def serve(config: Config, app: web.Application, sock: socket.socket, stop:
     # handler_cancellation: a client that disconnects cancels its handler, which cancels its row.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
+    if runner.server is None:
+        raise RuntimeError("the app runner made no server")
     state = app[STATE]
     listener = await state.connections.listen(runner.server, sock)
     host, port = sock.getsockname()[:2]

@@ -56,7 +56,7 @@ class KVCacheManager:
         return cached_prefix(self.cache, req) if self.uses_cache(req) and not req.scores_prompt else []
 
     def allocate_slots(
-        self, req: Request, n_tokens: int, hits: list[int] | tuple = (), reserve: int = 0
+        self, req: Request, n_tokens: int, hits: list[int] | None = None, reserve: int = 0
     ) -> list[int] | None:
         """Grow `req.block_ids` to cover `n_tokens` token slots and return it, or return None and
         change nothing when fewer than the blocks it takes plus `reserve` are free. `hits` (from
@@ -66,6 +66,7 @@ class KVCacheManager:
         need = -(-n_tokens // self.block_size) - len(table)
         if need <= 0:
             return table
+        hits = hits or []
         if hits and table:
             raise ValueError(f"{req.key}#{req.index}: prefix hits for a table that already has blocks")
         bm = self.bm

@@ -34,7 +34,7 @@ import torch
 
 from .attention.metadata import host_tensor
 from .sampler import MIN_TEMPERATURE, SampleOutput, sample
-from .step import RowControls, SeqStep
+from .step import RowControls, RowSampling, SeqStep
 
 EVICT_AFTER_STEPS = 256
 _NEG_INF = float("-inf")
@@ -63,12 +63,14 @@ class ControlsState:
     def sample(self, logits: torch.Tensor, rows: list[SeqStep]) -> SampleOutput:
         """Sample the step's sampling rows (`logits` `[R, vocab]`, modified in place for the rows
         with controls), as `sampler.sample` does."""
-        sampling = [s.sampling for s in rows]
+        sampling = _settings(rows)
         positions = [s.context_len for s in rows]
         if all(r.controls is None for r in sampling):
             return sample(logits, sampling, positions)  # the common case: nothing more at all
         with torch.inference_mode():  # the runner's logits are inference tensors
             plan = self.plan(rows)
+            if plan is None:  # not reached: a row has controls
+                return sample(logits, sampling, positions)
             raw = plan.apply(logits)
             out = sample(logits, sampling, positions)
             plan.report_raw(raw, out, sampling)
@@ -78,11 +80,13 @@ class ControlsState:
 
     def plan(self, rows: list[SeqStep]) -> ControlsPlan | None:
         """The step's controls as a few device tensors; None when no row has any."""
-        picked = [i for i, s in enumerate(rows) if s.sampling.controls is not None]
-        if not picked:
+        sampling = _settings(rows)
+        chosen = [(i, r.controls) for i, r in enumerate(sampling) if r.controls is not None]
+        if not chosen:
             return None
         self._step += 1
-        controls = [rows[i].sampling.controls for i in picked]
+        picked = [i for i, _ in chosen]
+        controls = [c for _, c in chosen]
         vocab = self.vocab_size
         keep_rows: list[int] = []  # allowed_token_ids: rows and (row, token) pairs to keep
         keep: list[int] = []
@@ -112,7 +116,7 @@ class ControlsState:
                 pen_rows.append(j)
                 pen_slots.append(self._sync(rows[picked[j]].seq_id, c, new_tokens))
                 pen += (st.repetition_penalty, st.frequency_penalty, st.presence_penalty)
-            temperature = rows[picked[j]].sampling.temperature
+            temperature = sampling[picked[j]].temperature
             if st.min_p > 0.0 and temperature >= MIN_TEMPERATURE:
                 minp_rows.append(j)
                 minp_shift.append(temperature * math.log(st.min_p))
@@ -124,23 +128,30 @@ class ControlsState:
         if self._step % EVICT_AFTER_STEPS == 0:
             self._evict()
         dev = self.device
-        flat = lambda code, xs: host_tensor(code, xs).to(dev, non_blocking=True) if xs else None  # noqa: E731
+
+        def flat(code: str, xs: list) -> torch.Tensor:
+            return host_tensor(code, xs).to(dev, non_blocking=True)
+
+        every = len(picked)
         return ControlsPlan(
-            rows=host_tensor("q", picked).to(dev, non_blocking=True),
-            num_rows=len(picked),
+            rows=flat("q", picked),
+            num_rows=every,
             vocab=vocab,
-            keep_rows=flat("q", keep_rows),
-            keep=flat("q", keep),
-            ban=flat("q", ban),
-            bias_at=flat("q", bias_at),
-            bias=flat("f", bias),
-            pen_rows=flat("q", pen_rows) if len(pen_rows) < len(picked) else None,
-            pen_slots=flat("q", pen_slots),
-            pen=flat("f", pen),
-            counts=self.counts,
-            in_prompt=self.in_prompt,
-            minp_rows=flat("q", minp_rows) if len(minp_rows) < len(picked) else None,
-            minp_shift=flat("f", minp_shift),
+            keep=(flat("q", keep_rows), flat("q", keep)) if keep_rows else None,
+            ban=flat("q", ban) if ban else None,
+            bias=(flat("q", bias_at), flat("f", bias)) if bias_at else None,
+            penalties=Penalties(
+                flat("q", pen_rows) if len(pen_rows) < every else None,
+                flat("q", pen_slots),
+                flat("f", pen),
+                self.counts,
+                self.in_prompt,
+            )
+            if pen_rows
+            else None,
+            min_p=(flat("q", minp_rows) if len(minp_rows) < every else None, flat("f", minp_shift))
+            if minp_rows
+            else None,
         )
 
     def _sync(self, seq_id: int, c: RowControls, new_tokens: list[int]) -> int:
@@ -196,26 +207,41 @@ def _banned(bad_words: tuple[tuple[int, ...], ...], output: list[int]) -> list[i
 
 
 @dataclass(slots=True)
+class Penalties:
+    """The repetition, frequency and presence penalties of one step's penalized rows."""
+
+    rows: torch.Tensor | None  # int64[Rp] into the controlled rows; None: every controlled row
+    slots: torch.Tensor  # int64[Rp]: their rows of `counts` / `in_prompt`
+    values: torch.Tensor  # float32[Rp * 3]: repetition, frequency, presence
+    counts: torch.Tensor  # [slots, vocab] output token counts
+    in_prompt: torch.Tensor  # [slots, vocab] bool
+
+    def apply(self, part: torch.Tensor) -> torch.Tensor:
+        """The penalized rows' logits `[Rp, V]` after the penalties, as a new tensor."""
+        pen = self.values.view(-1, 3)
+        rep, freq, pres = pen[:, 0:1], pen[:, 1:2], pen[:, 2:3]  # [Rp, 1]
+        counts = self.counts.index_select(0, self.slots)  # [Rp, V]
+        in_output = counts > 0
+        seen = self.in_prompt.index_select(0, self.slots).logical_or_(in_output)
+        # repetition: divide positive logits by the penalty, multiply the others, seen tokens only
+        factor = torch.where(part > 0, rep.reciprocal(), rep).masked_fill_(~seen, 1.0)
+        part = part * factor
+        return part.addcmul_(counts, freq, value=-1.0).addcmul_(in_output, pres, value=-1.0)
+
+
+@dataclass(slots=True)
 class ControlsPlan:
     """One step's controls as device tensors. Row indices below are into the controlled rows
-    (`rows` holds their indices in the step's sampling rows); flat indices are row * vocab + token.
-    `pen_rows` / `minp_rows` None: every controlled row."""
+    (`rows` holds their indices in the step's sampling rows); flat indices are row * vocab + token."""
 
     rows: torch.Tensor  # int64[Rc]
     num_rows: int
     vocab: int
-    keep_rows: torch.Tensor | None
-    keep: torch.Tensor | None
-    ban: torch.Tensor | None
-    bias_at: torch.Tensor | None
-    bias: torch.Tensor | None
-    pen_rows: torch.Tensor | None
-    pen_slots: torch.Tensor | None
-    pen: torch.Tensor | None  # float32[Rp * 3]: repetition, frequency, presence
-    counts: torch.Tensor
-    in_prompt: torch.Tensor
-    minp_rows: torch.Tensor | None
-    minp_shift: torch.Tensor | None
+    keep: tuple[torch.Tensor, torch.Tensor] | None  # allowed_token_ids: (its rows, flat indices to keep)
+    ban: torch.Tensor | None  # flat indices to mask: bad words, stops before min_tokens
+    bias: tuple[torch.Tensor, torch.Tensor] | None  # logit_bias: (flat indices, values)
+    penalties: Penalties | None
+    min_p: tuple[torch.Tensor | None, torch.Tensor] | None  # (rows, None: every one; log-prob shifts)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Process the controlled rows of `logits` `[R, vocab]` in place; returns their raw logits
@@ -224,18 +250,21 @@ class ControlsPlan:
         masks = self.keep is not None or self.ban is not None
         z = raw.clone() if masks or self.bias is not None else raw  # raw stays unchanged
         if self.keep is not None:
+            keep_rows, keep_at = self.keep
             keep = torch.ones_like(z, dtype=torch.bool)
-            keep[self.keep_rows] = False
-            keep.view(-1)[self.keep] = True
+            keep[keep_rows] = False
+            keep.view(-1)[keep_at] = True
             z.masked_fill_(~keep, _NEG_INF)
         if self.ban is not None:
             z.view(-1)[self.ban] = _NEG_INF
         if self.bias is not None:
-            z.view(-1).index_add_(0, self.bias_at, self.bias)
-        if self.pen_slots is not None:
-            z = self._rows_replaced(z, raw, self.pen_rows, self._penalize)
-        if self.minp_shift is not None:
-            z = self._rows_replaced(z, raw, self.minp_rows, self._min_p)
+            bias_at, bias = self.bias
+            z.view(-1).index_add_(0, bias_at, bias)
+        if self.penalties is not None:
+            z = self._rows_replaced(z, raw, self.penalties.rows, self.penalties.apply)
+        if self.min_p is not None:
+            minp_rows, shift = self.min_p
+            z = self._rows_replaced(z, raw, minp_rows, lambda part: _min_p(part, shift))
         if masks:
             # NOTE: a row whose controls mask every token (allowed ids all banned) samples from
             # its raw logits rather than from nothing; only masks can do that (min_p keeps the top).
@@ -253,23 +282,6 @@ class ControlsPlan:
         z[rows] = fn(z[rows])
         return z
 
-    def _penalize(self, part: torch.Tensor) -> torch.Tensor:
-        """The penalized rows' logits `[Rp, V]` after the penalties, as a new tensor."""
-        pen = self.pen.view(-1, 3)
-        rep, freq, pres = pen[:, 0:1], pen[:, 1:2], pen[:, 2:3]  # [Rp, 1]
-        counts = self.counts.index_select(0, self.pen_slots)  # [Rp, V]
-        in_output = counts > 0
-        seen = self.in_prompt.index_select(0, self.pen_slots).logical_or_(in_output)
-        # repetition: divide positive logits by the penalty, multiply the others, seen tokens only
-        factor = torch.where(part > 0, rep.reciprocal(), rep).masked_fill_(~seen, 1.0)
-        part = part * factor
-        return part.addcmul_(counts, freq, value=-1.0).addcmul_(in_output, pres, value=-1.0)
-
-    def _min_p(self, part: torch.Tensor) -> torch.Tensor:
-        """Tokens below min_p x the top probability at the row's temperature, masked (new tensor)."""
-        cut = part.amax(-1, keepdim=True) + self.minp_shift[:, None]
-        return part.masked_fill(part < cut, _NEG_INF)
-
     def report_raw(self, raw: torch.Tensor, out: SampleOutput, sampling) -> None:
         """Replace the logprobs in `out` of the controlled rows that asked for logprobs with their
         raw distribution's (the others' logprob is the sampler's; a request that did not ask
@@ -285,11 +297,29 @@ class ControlsPlan:
         lse = torch.logsumexp(raw, dim=-1)  # [Ra]
         lp = (raw.gather(1, tokens[:, None]).squeeze(1) - lse).tolist()
         top_n = [sampling[i].logprobs for i in rows]
-        tops = None
-        if max(top_n):
-            vals, ids = torch.topk(raw, min(max(top_n), raw.shape[-1]), dim=-1)
-            tops = (ids.tolist(), (vals - lse[:, None]).tolist())
+        most = max(n or 0 for n in top_n)
+        top_ids: list[list[int]] = []
+        top_lp: list[list[float]] = []
+        if most:
+            vals, ids = torch.topk(raw, min(most, raw.shape[-1]), dim=-1)
+            top_ids, top_lp = ids.tolist(), (vals - lse[:, None]).tolist()
         for j, i in enumerate(rows):
             out.logprobs[i] = lp[j]
-            if top_n[j]:
-                out.top_logprobs[i] = list(zip(tops[0][j][: top_n[j]], tops[1][j][: top_n[j]]))
+            n = top_n[j]
+            if n:
+                out.top_logprobs[i] = list(zip(top_ids[j][:n], top_lp[j][:n]))
+
+
+def _min_p(part: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """Tokens below min_p x the top probability at the row's temperature, masked (new tensor);
+    `shift` `[Rm]` is log(min_p) x the row's temperature."""
+    cut = part.amax(-1, keepdim=True) + shift[:, None]
+    return part.masked_fill(part < cut, _NEG_INF)
+
+
+def _settings(rows: list[SeqStep]) -> list[RowSampling]:
+    """The sampling settings of a step's sampling rows (every one has them)."""
+    sampling = [s.sampling for s in rows if s.sampling is not None]
+    if len(sampling) != len(rows):
+        raise ValueError("a row without sampling settings was given to the sampler")
+    return sampling

@@ -71,6 +71,9 @@ class GpuLoop:
         self.control = shm.control
         self.engine = engine
         self.scheduler = scheduler
+        if shm.input_bell is None or shm.output_bells is None:
+            raise ValueError("the GPU loop needs the instance's doorbells (attach with bell_fds)")
+        self.input_bell = shm.input_bell
         self.requests, outputs = shm.gpu_rings(self.control.gpu_generation)
         self.outboxes = [Outbox(ring, bell) for ring, bell in zip(outputs, shm.output_bells)]
         self.slot_generations = [self.control.worker_slot(i)["generation"] for i in range(shm.n_workers)]
@@ -112,6 +115,7 @@ class GpuLoop:
             self.outboxes[slot].send(M.Rejected(rid=msg.rid, status=400, code="invalid_request", message=str(exc)))
             return
         decision = self.scheduler.admit(req)
+        reply: M.Accepted | M.Rejected
         if decision.accepted:
             reply = M.Accepted(rid=msg.rid, est_gpu_ms=decision.est_gpu_ms)
         else:
@@ -200,7 +204,7 @@ class GpuLoop:
         self.control.gpu_heartbeat()
 
     def run(self) -> None:
-        bell = self.shm.input_bell
+        bell = self.input_bell
         last_slot_check = 0.0
         was_idle = True
         while not self.stopping:

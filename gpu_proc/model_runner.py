@@ -11,12 +11,17 @@ and restarts need nothing from it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .attention.metadata import StepInputs, build_step_inputs, host_tensor
 from .kv_pool import KVPool
 from .prompt_logprobs import logits_rows
 from .step import StepBatch
+
+if TYPE_CHECKING:
+    from .cuda_graphs import DecodeGraphs
 
 
 class ModelRunner:
@@ -27,7 +32,7 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.device = kv_pool.device
         self.block_size = kv_pool.block_size
-        self.graphs = None  # cuda_graphs.DecodeGraphs once captured
+        self.graphs: DecodeGraphs | None = None  # once captured (CUDA)
         args = getattr(model, "args", None)
         if args is not None:
             if (args.num_layers, args.num_kv_heads, args.head_dim) != (

@@ -53,7 +53,7 @@ def score(logits: torch.Tensor, batch: StepBatch) -> list[Scored]:
     for sc in scorings:
         j = i + len(sc.targets)
         tops = None
-        if sc.top_n:
+        if sc.top_n and top_ids is not None and top_lp is not None:
             n = sc.top_n
             tops = [list(zip(ids[:n], vals[:n])) for ids, vals in zip(top_ids[i:j], top_lp[i:j])]
         out.append((lp_l[i:j], ranks_l[i:j], tops))

@@ -90,20 +90,27 @@ class SampleOutput:
 
 
 @dataclass(slots=True)
+class RandomRows:
+    """The rows that draw a random token (temperature > 0), as device tensors."""
+
+    rows: torch.Tensor  # int64[Rr]: their indices among the sampling rows
+    temperature: torch.Tensor  # float32[Rr]
+    hash_inputs: torch.Tensor  # int64[3, Rr]: seed (as signed 64-bit), sample index, position
+    top_k: torch.Tensor  # int64[Rr], 0 = off
+    top_p: torch.Tensor  # float32[Rr]
+    filtered: torch.Tensor | None  # int64[Rf]: indices into the random rows that use top-k/top-p
+    unfiltered: torch.Tensor | None  # int64[Ru]: the other random rows
+    max_top_k: int  # known on the host, so choosing the candidate count needs no device sync
+
+
+@dataclass(slots=True)
 class SamplingPlan:
     """Per-row sampling parameters as device tensors, grouped by how each row samples."""
 
     num_rows: int
-    random_rows: torch.Tensor | None  # int64[Rr]: rows with temperature > 0
-    temperature: torch.Tensor | None  # float32[Rr]
-    hash_inputs: torch.Tensor | None  # int64[3, Rr]: seed (as signed 64-bit), sample index, position
-    top_k: torch.Tensor | None  # int64[Rr], 0 = off
-    top_p: torch.Tensor | None  # float32[Rr]
-    filtered: torch.Tensor | None  # int64[Rf]: indices into the random rows that use top-k/top-p
-    unfiltered: torch.Tensor | None  # int64[Ru]: the other random rows
+    random: RandomRows | None  # None: every row is greedy
     top_n: list[int | None]  # per row: how many top logprobs to return; None: no logprob at all
     max_top_n: int
-    max_top_k: int = 0  # known on the host, so choosing the candidate count needs no device sync
 
 
 # Below this a temperature is greedy: dividing logits by a denormal gives inf, and softmax NaN.
@@ -118,7 +125,7 @@ def plan_sampling(rows: list[RowSampling], positions: list[int], device: torch.d
     top_n = [r.logprobs for r in rows]
     max_top_n = max(filter(None, top_n), default=0)
     if not rand:
-        return SamplingPlan(len(rows), None, None, None, None, None, None, None, top_n, max_top_n)
+        return SamplingPlan(len(rows), None, top_n, max_top_n)
     sel = rows if len(rand) == len(rows) else [rows[i] for i in rand]
     pos = positions if sel is rows else [positions[i] for i in rand]
     seeds = [r.seed for r in sel]
@@ -134,19 +141,17 @@ def plan_sampling(rows: list[RowSampling], positions: list[int], device: torch.d
         device, non_blocking=True
     )
     n, nf = len(rand), len(filt)
-    return SamplingPlan(
-        len(rows),
-        ints[:n],
-        floats[:n],
-        ints[2 * n : 5 * n].view(3, n),
-        ints[n : 2 * n].clamp(min=0),
-        floats[n:].clamp(max=1.0),
-        ints[5 * n : 5 * n + nf] if filt else None,
-        ints[5 * n + nf :] if unf else None,
-        top_n,
-        max_top_n,
-        max(top_k),
+    random = RandomRows(
+        rows=ints[:n],
+        temperature=floats[:n],
+        hash_inputs=ints[2 * n : 5 * n].view(3, n),
+        top_k=ints[n : 2 * n].clamp(min=0),
+        top_p=floats[n:].clamp(max=1.0),
+        filtered=ints[5 * n : 5 * n + nf] if filt else None,
+        unfiltered=ints[5 * n + nf :] if unf else None,
+        max_top_k=max(top_k),
     )
+    return SamplingPlan(len(rows), random, top_n, max_top_n)
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -221,42 +226,13 @@ def sample_tensors(
     logits = logits.float()
     # Each pass over [rows, vocab] costs about as much as the whole host side at 256 rows, so
     # subsets are only cut out (copied) when a batch really mixes kinds of rows.
-    all_random = plan.random_rows is not None and plan.random_rows.shape[0] == plan.num_rows
-    tokens = None if all_random else _argmax(logits)  # greedy rows keep this
-    if plan.random_rows is not None:
-        if all_random:
-            z = logits / plan.temperature[:, None]  # [Rr, V]
-        else:
-            z = logits.index_select(0, plan.random_rows).div_(plan.temperature[:, None])
-        probs = torch.softmax(z, dim=-1)
-        del z
-        u = uniforms(plan.hash_inputs[0], plan.hash_inputs[1], plan.hash_inputs[2])  # [Rr]
-        picked = torch.empty_like(plan.random_rows)
-        if plan.unfiltered is not None:
-            ru = plan.unfiltered
-            if plan.filtered is None:
-                picked = _inverse_cdf(probs, u)
-            else:
-                picked[ru] = _inverse_cdf(probs[ru], u[ru])
-        if plan.filtered is not None:
-            rf = plan.filtered
-            if plan.unfiltered is None:
-                pf, top_k, top_p, uf = probs, plan.top_k, plan.top_p, u
-            else:
-                pf, top_k, top_p, uf = probs[rf], plan.top_k[rf], plan.top_p[rf], u[rf]
-            vocab = probs.shape[-1]
-            c = min(vocab, max(_TOP_P_CANDIDATES, plan.max_top_k))
-            chosen, covered = _filtered_pick(pf, top_k, top_p, uf, c)
-            if not bool(covered.all()):  # flat distributions: those rows again, with enough candidates
-                r = (~covered).nonzero().squeeze(1)
-                wide = max(c, _nucleus_bound(pf[r], top_p[r]))
-                again, _ = _filtered_pick(pf[r], top_k[r], top_p[r], uf[r], wide)
-                chosen = chosen.index_put((r,), again)
-            if plan.unfiltered is None:
-                picked = chosen
-            else:
-                picked[rf] = chosen
-        tokens = picked if all_random else tokens.index_put((plan.random_rows,), picked)
+    rnd = plan.random
+    if rnd is None:
+        tokens = _argmax(logits)
+    elif rnd.rows.shape[0] == plan.num_rows:  # every row draws: no greedy pass at all
+        tokens = _pick_random(logits, rnd, all_rows=True)
+    else:  # greedy rows keep the argmax
+        tokens = _argmax(logits).index_put((rnd.rows,), _pick_random(logits, rnd, all_rows=False))
     if all(n is None for n in plan.top_n):  # nobody asked: no pass over the vocabulary for them
         return tokens.double()[None, :], None, None
     lse = torch.logsumexp(logits, dim=-1)  # [R]
@@ -266,6 +242,44 @@ def sample_tensors(
         top_vals, top_ids = torch.topk(logits, min(plan.max_top_n, logits.shape[-1]), dim=-1)  # [R, N]
         top_lp = top_vals - lse[:, None]
     return torch.stack((tokens.double(), logprobs.double())), top_ids, top_lp
+
+
+def _pick_random(logits: torch.Tensor, rnd: RandomRows, all_rows: bool) -> torch.Tensor:
+    """The tokens of the random rows (`[Rr]`): temperature, then top-k/top-p where asked, then the
+    row's own uniform through the inverse CDF."""
+    if all_rows:
+        z = logits / rnd.temperature[:, None]  # [Rr, V]
+    else:
+        z = logits.index_select(0, rnd.rows).div_(rnd.temperature[:, None])
+    probs = torch.softmax(z, dim=-1)
+    del z
+    u = uniforms(rnd.hash_inputs[0], rnd.hash_inputs[1], rnd.hash_inputs[2])  # [Rr]
+    picked = torch.empty_like(rnd.rows)
+    if rnd.unfiltered is not None:
+        ru = rnd.unfiltered
+        if rnd.filtered is None:
+            picked = _inverse_cdf(probs, u)
+        else:
+            picked[ru] = _inverse_cdf(probs[ru], u[ru])
+    if rnd.filtered is not None:
+        rf = rnd.filtered
+        if rnd.unfiltered is None:
+            pf, top_k, top_p, uf = probs, rnd.top_k, rnd.top_p, u
+        else:
+            pf, top_k, top_p, uf = probs[rf], rnd.top_k[rf], rnd.top_p[rf], u[rf]
+        vocab = probs.shape[-1]
+        c = min(vocab, max(_TOP_P_CANDIDATES, rnd.max_top_k))
+        chosen, covered = _filtered_pick(pf, top_k, top_p, uf, c)
+        if not bool(covered.all()):  # flat distributions: those rows again, with enough candidates
+            r = (~covered).nonzero().squeeze(1)
+            wide = max(c, _nucleus_bound(pf[r], top_p[r]))
+            again, _ = _filtered_pick(pf[r], top_k[r], top_p[r], uf[r], wide)
+            chosen = chosen.index_put((r,), again)
+        if rnd.unfiltered is None:
+            picked = chosen
+        else:
+            picked[rf] = chosen
+    return picked
 
 
 def to_output(
@@ -279,7 +293,7 @@ def to_output(
     else:
         logprobs = [lp if n is not None else math.nan for lp, n in zip(packed_l[1], plan.top_n)]
     tops: list[list[tuple[int, float]] | None] = [None] * plan.num_rows
-    if top_ids is not None:
+    if top_ids is not None and top_lp is not None:
         ids_l, lp_l = top_ids.tolist(), top_lp.tolist()
         for i, n in enumerate(plan.top_n):
             if n:

@@ -60,8 +60,8 @@ from ringserve.gpu_proc.kv_manager import KVCacheManager
 from ringserve.gpu_proc.request import FinishEvent, PromptLogprobsEvent, Request, RequestState, TokenEvent, WorkerRid
 from ringserve.gpu_proc.scheduler_checks import SchedulerIntegrityError, SchedulerSnapshot, check_scheduler
 from ringserve.gpu_proc.siblings import Siblings
-from ringserve.gpu_proc.step import PROMPT_LOGPROB_TOKENS_PER_STEP, PromptScoring, SeqStep, StepBatch
-from ringserve.rules import finish_reason
+from ringserve.gpu_proc.step import PromptScoring, SeqStep, StepBatch
+from ringserve.rules import PROMPT_LOGPROB_TOKENS_PER_STEP, finish_reason
 
 if TYPE_CHECKING:
     from ringserve.config import Config
@@ -509,7 +509,7 @@ class Scheduler:
             return end, None
         req.prompt_scored = hi + 1
         self._scoring.append((req, lo))
-        return end, PromptScoring(lo - 1 - start, req.prompt_ids[lo : hi + 1], req.prompt_logprobs)
+        return end, PromptScoring(lo - 1 - start, req.prompt_ids[lo : hi + 1], req.prompt_logprobs or 0)
 
     def prefill_budget_for(self, decode_rows: int) -> int:
         """Prompt tokens allowed in a step with `decode_rows` decoding rows (see module doc)."""

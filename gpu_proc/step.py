@@ -10,11 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# Prompt tokens whose logprobs one step computes, all rows together: each needs a row of logits
-# (positions x vocabulary floats on the device) and its logprobs travel in the step's output record
-# (`shm.messages.max_step_output_bytes`). A longer prompt is scored over several chunks.
-PROMPT_LOGPROB_TOKENS_PER_STEP = 256
-
 
 @dataclass(frozen=True, slots=True)
 class LogitsControls:

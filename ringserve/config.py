@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -144,12 +146,12 @@ class Config:
         return cls(**json.loads(text))
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> Config:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> Config:
         """Defaults, then `RINGSERVE_<FIELD>` variables, then explicit overrides (CLI flags)."""
-        environ = os.environ if environ is None else environ
-        values: dict[str, object] = {}
+        env: Mapping[str, str] = os.environ if environ is None else environ
+        values: dict[str, Any] = {}  # field name -> a value of that field's type (`_parse` made it)
         for f in fields(cls):
-            raw = environ.get(f"RINGSERVE_{f.name.upper()}")
+            raw = env.get(f"RINGSERVE_{f.name.upper()}")
             if raw is not None:
                 values[f.name] = _parse(f, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})

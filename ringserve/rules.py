@@ -37,6 +37,12 @@ def finish_reason(
     return None
 
 
+# Prompt tokens whose logprobs one step computes, all rows together: each needs a row of logits
+# (positions x vocabulary floats on the device) and its logprobs travel in the step's output record
+# (`shm.messages.max_step_output_bytes`). A longer prompt is scored over several chunks.
+PROMPT_LOGPROB_TOKENS_PER_STEP = 256
+
+
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 

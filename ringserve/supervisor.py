@@ -32,6 +32,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,9 +41,9 @@ from pathlib import Path
 
 from ringserve import models
 from ringserve.config import Config, ConfigError, parse_bool
-from ringserve.gpu_proc.step import PROMPT_LOGPROB_TOKENS_PER_STEP
 from ringserve.port_claim import PortInUse, claim_port
 from ringserve.restart_policy import RestartPolicy
+from ringserve.rules import PROMPT_LOGPROB_TOKENS_PER_STEP
 from ringserve.sdnotify import Notifier, watchdog_interval_s
 from ringserve.shm import layout as L
 from ringserve.shm.instance import ShmInstance
@@ -95,7 +96,7 @@ class Supervisor:
         self.shm_dir = shm_dir
         self.n_workers = config.workers or default_workers()
         self.notifier = notifier or Notifier()
-        self.shm: ShmInstance | None = None
+        self._shm: ShmInstance | None = None
         self.gpu: subprocess.Popen | None = None
         self.gpu_spawned_at = 0.0
         self.gpu_loading = False
@@ -108,13 +109,20 @@ class Supervisor:
         self.worker_policies = [
             RestartPolicy(config.restart_limit, config.restart_window_s) for _ in range(self.n_workers)
         ]
-        self.port_claim = None  # held for the server's life: a second instance refuses the port
+        self.port_claim: socket.socket | None = None  # held for the server's life: a second instance refuses the port
         self.workers_started_at: float | None = None
         self.announced = False  # READY=1 sent: the GPU process is ready and every worker listens
         self.stopping = False
         self._last_extend = 0.0
         self._last_watchdog = 0.0
         self._watchdog_every = watchdog_interval_s()
+
+    @property
+    def shm(self) -> ShmInstance:
+        """The shared memory this supervisor created (`start()` creates it)."""
+        if self._shm is None:
+            raise SupervisorError("the supervisor has no shared memory: call start() first")
+        return self._shm
 
     # -- children --------------------------------------------------------------------------------
 
@@ -207,7 +215,7 @@ class Supervisor:
         removed = cleanup_stale(self.shm_dir)
         if removed:
             log.info("removed %d stale shared-memory segments", len(removed))
-        self.shm = ShmInstance.create(
+        self._shm = ShmInstance.create(
             ring_bytes=self.config.ring_bytes, n_workers=self.n_workers, directory=self.shm_dir
         )
         self.start_gpu()
@@ -224,7 +232,7 @@ class Supervisor:
         else:
             self._watch_workers(now)
         if not self.announced and self.workers_started_at is not None:
-            self._announce_when_listening(now)
+            self._announce_when_listening(now, self.workers_started_at)
         if self._watchdog_every is not None and now - self._last_watchdog >= self._watchdog_every:
             self.notifier.watchdog()
             self._last_watchdog = now
@@ -280,9 +288,12 @@ class Supervisor:
         return since_spawn if age is None else min(age, since_spawn)
 
     def _kill_gpu(self, now: float, why: str) -> None:
-        log.error("GPU process %d %s; killing it", self.gpu.pid, why)
-        self.gpu.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
-        self.gpu.wait()
+        gpu = self.gpu
+        if gpu is None:
+            return
+        log.error("GPU process %d %s; killing it", gpu.pid, why)
+        gpu.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
+        gpu.wait()
         self._gpu_down(now, why)
 
     def _gpu_down(self, now: float, why: str) -> None:
@@ -341,7 +352,7 @@ class Supervisor:
         event (`api/ring_transport.py`) instead of waiting for the next GPU process to load. The
         next process adopts the rings under this same generation, so the workers see one change.
         """
-        for seg, bell in zip(self.shm.output_segments, self.shm.output_bells):
+        for seg, bell in zip(self.shm.output_segments, self.shm.output_bells or ()):
             Ring(seg.buf).adopt_producer(generation)
             bell.ring()
 
@@ -387,10 +398,10 @@ class Supervisor:
             self.workers[slot] = None
             self.worker_restart_at[slot] = now + backoff
 
-    def _announce_when_listening(self, now: float) -> None:
+    def _announce_when_listening(self, now: float, started_at: float) -> None:
         control = self.shm.control
         if any(control.worker_slot(i)["heartbeat_age_s"] is None for i in range(self.n_workers)):
-            if now - self.workers_started_at > WORKER_START_TIMEOUT_S:
+            if now - started_at > WORKER_START_TIMEOUT_S:
                 raise SupervisorError(f"the API workers did not start listening within {WORKER_START_TIMEOUT_S:.0f} s")
             return
         self.announced = True
@@ -446,10 +457,10 @@ class Supervisor:
                     log.warning("pid %d did not stop within %.0f s; killing it", p.pid, STOP_GRACE_S)
                     p.kill()
                     p.wait()
-        if self.shm is not None:
-            self.shm.unlink()
-            self.shm.close()
-            self.shm = None
+        if self._shm is not None:
+            self._shm.unlink()
+            self._shm.close()
+            self._shm = None
         if self.port_claim is not None:
             self.port_claim.close()
             self.port_claim = None

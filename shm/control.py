@@ -171,7 +171,7 @@ def _clip(text: str, limit: int) -> str:
 class Control:
     """The control block over a mapped control segment."""
 
-    def __init__(self, buf):
+    def __init__(self, buf) -> None:
         if len(buf) < L.CTRL_WORKERS_OFF:
             raise ControlError(f"control segment of {len(buf)} bytes is too small")
         magic = _U64.unpack_from(buf, L.CTRL_MAGIC_OFF)[0]

@@ -38,7 +38,7 @@ def _median_ms(*fns, iters: int, warmup: int = 3) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def bench_sampler(rows: int, vocab: int, iters: int) -> dict[str, float]:
+def bench_sampler(rows: int, vocab: int, iters: int) -> dict[str, dict[str, float]]:
     import torch
 
     from ringserve.gpu_proc.logits_processors import ControlsState
@@ -87,7 +87,8 @@ def bench_sampler(rows: int, vocab: int, iters: int) -> dict[str, float]:
         return step
 
     plain = step_rows(0, None)
-    alone = lambda: sample(base.clone(), [s.sampling for s in plain], [s.context_len for s in plain])  # noqa: E731
+    settings = [s.sampling for s in plain if s.sampling is not None]
+    alone = lambda: sample(base.clone(), settings, [s.context_len for s in plain])  # noqa: E731
     cases = {
         "through the controls, none asked for": through_controls(plain),
         f"1 of {rows} rows penalized": through_controls(step_rows(1, penalties)),
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)  # as the GPU process computes on the CPU (Config.cpu_threads)
-    report = {"sampler": bench_sampler(args.rows, args.vocab, args.iters)}
+    report: dict[str, dict[str, dict[str, float]]] = {"sampler": bench_sampler(args.rows, args.vocab, args.iters)}
     model = args.model
     with tempfile.TemporaryDirectory() as tmp:
         if model is None:

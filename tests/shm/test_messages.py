@@ -3,7 +3,7 @@ supervisor checks against the ring record limit."""
 
 from __future__ import annotations
 
-from ringserve.gpu_proc.step import PROMPT_LOGPROB_TOKENS_PER_STEP
+from ringserve.rules import PROMPT_LOGPROB_TOKENS_PER_STEP
 from ringserve.shm import messages as M
 
 BIG_ID = 2**31 - 1
