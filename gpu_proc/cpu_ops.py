@@ -20,7 +20,9 @@ runs. `tests/gpu_proc/test_cpu_ops.py` sweeps shapes and dtypes against the refe
 (what Inductor's CPU "freezing" does). On the 2-vCPU AMD machine of docs/BENCHMARKS.md it ran a
 `[T, 512] x [512, 2816]` projection 2.0x (bfloat16, T = 1-32) and 2.4x (float32, T = 32) faster than
 `F.linear`, whose float32 path is MKL (slow on AMD) and whose bfloat16 path reorders the weight on
-every call.
+every call. With the compiled kernels loaded it runs through `csrc/cpu_block.cpp`'s `linear`, which
+rounds the row count up to a few sizes (`padded_rows`) so oneDNN's per-shape primitive caches stay
+small (see there).
 """
 
 from __future__ import annotations
@@ -139,7 +141,14 @@ class PackedLinear:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels_loaded():
+            return torch.ops.ringserve_cpu.linear.default(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise.default(x, self.packed, self.bias, "none", [], "")
+
+
+def padded_rows(t: int) -> int:
+    """The row count `PackedLinear` runs a `t`-row matmul at (needs the compiled kernels)."""
+    return int(torch.ops.ringserve_cpu.padded_rows.default(t))
 
 
 def kernels_loaded() -> bool:

@@ -65,13 +65,24 @@ def test_silu_mul(n, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 32, 130])
+@pytest.mark.parametrize("rows", [1, 3, 32, 64, 65, 130, 1000])
 def test_packed_linear_equals_f_linear(rows, dtype):
     """The packed weight computes F.linear (with and without bias)."""
     w, b, x = _rand(96, 80, dtype=dtype), _rand(96, dtype=dtype, seed=3), _rand(rows, 80, dtype=dtype, seed=4)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)
     torch.testing.assert_close(cpu_ops.PackedLinear(w)(x), F.linear(x, w), **tol)
     torch.testing.assert_close(cpu_ops.PackedLinear(w, b)(x), F.linear(x, w, b), **tol)
+
+
+def test_matmul_shapes_are_few_whatever_the_token_count():
+    """Decode-sized matmuls run at their own row count; larger ones at one of 8 sizes per power of
+    two, never more than 12.5 % padding: oneDNN caches a primitive per shape, so a step budget of
+    16k tokens may make at most 128 shapes per weight, not 16k (an hour's soak grew the process
+    by hundreds of MB before this)."""
+    padded = [cpu_ops.padded_rows(t) for t in range(1, 16385)]
+    assert padded[:64] == list(range(1, 65))
+    assert all(t <= p <= t * 1.125 for t, p in zip(range(1, 16385), padded))
+    assert padded == sorted(padded) and len(set(padded)) == 128
 
 
 def test_launchers_refuse_mismatched_inputs():
@@ -88,14 +99,15 @@ def test_launchers_refuse_mismatched_inputs():
 
 
 def _steps():
-    """A prefill step (two prompts, one longer than a 16-token tile) then a decode step."""
+    """A prefill step (two prompts, one longer than a 16-token tile; 70 tokens, so the matmuls run
+    padded) then a decode step."""
     prefill = StepBatch(
         [
-            SeqStep(0, list(range(3, 40)), 0, [0, 1, 2], RowSampling()),
+            SeqStep(0, list(range(3, 68)), 0, [0, 1, 2, 4, 5], RowSampling()),
             SeqStep(1, list(range(50, 55)), 0, [3], RowSampling()),
         ]
     )
-    decode = StepBatch([SeqStep(0, [7], 37, [0, 1, 2], RowSampling()), SeqStep(1, [9], 5, [3], RowSampling())])
+    decode = StepBatch([SeqStep(0, [7], 65, [0, 1, 2, 4, 5], RowSampling()), SeqStep(1, [9], 5, [3], RowSampling())])
     return prefill, decode
 
 
