@@ -21,8 +21,8 @@ runs. `tests/gpu_proc/test_cpu_ops.py` sweeps shapes and dtypes against the refe
 `[T, 512] x [512, 2816]` projection 2.0x (bfloat16, T = 1-32) and 2.4x (float32, T = 32) faster than
 `F.linear`, whose float32 path is MKL (slow on AMD) and whose bfloat16 path reorders the weight on
 every call. With the compiled kernels loaded it runs through `csrc/cpu_block.cpp`'s `linear`, which
-rounds the row count up to a few sizes (`padded_rows`) so oneDNN's per-shape primitive caches stay
-small (see there).
+splits the rows into pieces of a few sizes (`matmul_pieces`) so oneDNN's per-shape primitive caches
+stay small (see there).
 """
 
 from __future__ import annotations
@@ -146,9 +146,9 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise.default(x, self.packed, self.bias, "none", [], "")
 
 
-def padded_rows(t: int) -> int:
-    """The row count `PackedLinear` runs a `t`-row matmul at (needs the compiled kernels)."""
-    return int(torch.ops.ringserve_cpu.padded_rows.default(t))
+def matmul_pieces(t: int) -> list[int]:
+    """The row counts `PackedLinear` runs a `t`-row matmul as (needs the compiled kernels)."""
+    return list(torch.ops.ringserve_cpu.matmul_pieces.default(t))
 
 
 def kernels_loaded() -> bool:

@@ -11,47 +11,63 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "cpu_kernels.h"
 
 namespace ringserve_cpu {
 namespace {
 
-// The row count a matmul of `t` rows runs at: `t` up to 64 (decode steps), above that rounded up
-// to one of 8 sizes per power of two (at most 12.5 % padding). oneDNN builds and caches a
-// primitive per input shape (two LRU caches of 1,024 entries, ~0.3 MB each), and a mixed step's
-// token count takes almost any value up to the step budget: unbucketed, an hour of varied traffic
-// grew the process by ~350 MB as rare counts kept arriving, and each new count cost a ~250 us
-// primitive build. Bucketed, a 16k-token budget has under 130 shapes per weight.
-int64_t padded_rows(int64_t t) {
-  if (t <= 64) return t;
-  const int64_t step = int64_t(1) << (63 - __builtin_clzll(static_cast<uint64_t>(t)) - 3);
-  return (t + step - 1) / step * step;
+// The row counts a matmul of `t` rows runs as: `t` itself up to 64 (decode steps); above that the
+// largest of 8 sizes per power of two that fits, then the same for what is left. oneDNN builds and
+// caches a primitive per input shape (two LRU caches of 1,024 entries; ~0.5 MB a shape), and a
+// mixed step's token count takes almost any value up to the step budget: run at the exact count,
+// an hour of varied traffic grew the process by hundreds of MB as rare counts kept arriving, and
+// each new count cost a ~0.25 ms primitive build. Split so, a 16k-token budget makes at most 128
+// shapes per weight and 4 pieces per matmul; rows are independent, so the pieces' outputs are the
+// rows of the whole. (Padding to the next size instead wasted up to 12.5 % of a 1,032-token step.)
+std::vector<int64_t> matmul_pieces(int64_t t) {
+  std::vector<int64_t> pieces;
+  while (t > 0) {
+    int64_t n = t;
+    if (t > 64) {
+      const int64_t step = int64_t(1) << (63 - __builtin_clzll(static_cast<uint64_t>(t)) - 3);
+      n = t / step * step;
+    }
+    pieces.push_back(n);
+    t -= n;
+  }
+  return pieces;
 }
 
-// x [T, K] times a weight packed by mkldnn::_reorder_linear_weight (+ bias): [T, N], run at
-// padded_rows(T) rows (zero rows appended) so the shapes oneDNN sees stay few.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+at::Tensor linear_once(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  const int64_t t = x.size(0), rows = padded_rows(t);
-  at::Tensor input = x;
-  if (rows != t) {
-    input = at::empty({rows, x.size(1)}, x.options());
-    input.narrow(0, 0, t).copy_(x);
-    input.narrow(0, t, rows - t).zero_();
-  }
-  torch::jit::Stack stack{input, packed, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
+  torch::jit::Stack stack{x, packed, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
                           c10::IValue()};
   op.callBoxed(&stack);
-  const at::Tensor out = stack[0].toTensor();
-  return rows == t ? out : out.narrow(0, 0, t);  // the first t rows: still contiguous
+  return stack[0].toTensor();
+}
+
+// x [T, K] (contiguous) times a weight packed by mkldnn::_reorder_linear_weight (+ bias): [T, N],
+// in the row pieces of matmul_pieces(T).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  const std::vector<int64_t> pieces = matmul_pieces(x.size(0));
+  if (pieces.size() <= 1) return linear_once(x, packed, bias);
+  std::vector<at::Tensor> outs;
+  int64_t start = 0;
+  for (const int64_t n : pieces) {
+    outs.push_back(linear_once(x.narrow(0, start, n), packed, bias));
+    start += n;
+  }
+  return at::cat(outs, 0);
 }
 
 std::tuple<at::Tensor, at::Tensor> block(
@@ -100,7 +116,7 @@ TORCH_LIBRARY_FRAGMENT(ringserve_cpu, m) {
         "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables) -> (Tensor, Tensor)",
         &block);
   m.def("linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &linear);
-  m.def("padded_rows(int t) -> int", &padded_rows);
+  m.def("matmul_pieces(int t) -> int[]", &matmul_pieces);
 }
 
 }  // namespace ringserve_cpu

@@ -75,14 +75,16 @@ def test_packed_linear_equals_f_linear(rows, dtype):
 
 
 def test_matmul_shapes_are_few_whatever_the_token_count():
-    """Decode-sized matmuls run at their own row count; larger ones at one of 8 sizes per power of
-    two, never more than 12.5 % padding: oneDNN caches a primitive per shape, so a step budget of
-    16k tokens may make at most 128 shapes per weight, not 16k (an hour's soak grew the process
-    by hundreds of MB before this)."""
-    padded = [cpu_ops.padded_rows(t) for t in range(1, 16385)]
-    assert padded[:64] == list(range(1, 65))
-    assert all(t <= p <= t * 1.125 for t, p in zip(range(1, 16385), padded))
-    assert padded == sorted(padded) and len(set(padded)) == 128
+    """Decode-sized matmuls run whole; larger ones as pieces of 8 sizes per power of two (at most 4
+    pieces, largest first): oneDNN caches a primitive per shape, so a 16k-token step budget makes
+    at most 128 shapes per weight, not 16k (an hour's soak grew the process by hundreds of MB)."""
+    shapes = set()
+    for t in range(1, 16385):
+        pieces = cpu_ops.matmul_pieces(t)
+        assert sum(pieces) == t and pieces == sorted(pieces, reverse=True) and len(pieces) <= 4, (t, pieces)
+        assert t > 64 or pieces == [t]
+        shapes.update(pieces)
+    assert shapes >= set(range(1, 65)) and len(shapes) == 128
 
 
 def test_launchers_refuse_mismatched_inputs():
