@@ -10,8 +10,6 @@ The answer ends at the template's end-of-turn token (added to the request's stop
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 from aiohttp import web
 
@@ -20,10 +18,10 @@ from ringserve.api.chat_protocol import ChatRequest, parse_chat_body
 from ringserve.api.chat_template import ChatTemplate, ChatTemplateError
 from ringserve.api.errors import bad_request
 from ringserve.api.prompt_limits import check_fits, encode_prompt, resolve_max_tokens
-from ringserve.api.protocol import check_min_tokens, check_model
-from ringserve.api.request_flow import Job, Output, check_available, run
+from ringserve.api.protocol import check_min_tokens
+from ringserve.api.request_flow import Job, Output, check_available, read_request, run, tokenizing
 from ringserve.api.sampling_tokens import finish_sampling
-from ringserve.api.state import STATE, ApiState, note_ignored
+from ringserve.api.state import ApiState
 
 OUTPUTS = {
     as_ids: Output(encoder=ChatEventEncoder, body=chat_body, logprob_format=ChatLogprobs(as_ids))
@@ -32,23 +30,12 @@ OUTPUTS = {
 
 
 async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
-    st = request.app[STATE]
-    st.stats.add("requests_total")
-    req = parse_chat_body(
-        await request.read(),
-        max_tokens_limit=st.config.max_tokens_limit,
-        on_ignored=lambda names: note_ignored(request, names),
-    )
-    check_model(req.model, st.model_name, st.model_aliases)
+    st, req = await read_request(request, parse_chat_body)
     template = _template(st)
     common = req.common
     sampling = finish_sampling(common, st.codec)
     check_available(st)
-    try:
-        prompt_ids = await _prompt_ids(st, template, req)
-    except asyncio.CancelledError:
-        st.stats.add("disconnects")  # the client left while its prompt was tokenized
-        raise
+    prompt_ids = await tokenizing(st, _prompt_ids(st, template, req))
     max_tokens = resolve_max_tokens(
         len(prompt_ids), req.max_tokens, st.config.context_limit, st.config.max_tokens_limit
     )
@@ -57,21 +44,14 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
     if not sampling.ignore_eos:
         stops = tuple(dict.fromkeys(sampling.stop_token_ids + template.end_of_turn_ids))
         sampling = msgspec.structs.replace(sampling, stop_token_ids=stops)
-    job = Job(
-        prompts=[prompt_ids],
-        max_tokens=[max_tokens],
-        sampling=sampling,
-        stop=common.stop,
-        n=common.n,
-        logprobs=req.logprobs,
-        stream=common.stream,
-        cache_salt=common.cache_salt,
+    job = Job.of(
+        common,
+        [prompt_ids],
+        [max_tokens],
+        sampling,
+        req.logprobs,
         prompt_logprobs=common.prompt_logprobs,
         show_prompt_logprobs=common.prompt_logprobs,
-        options=common.output,
-        include_usage=common.include_usage,
-        continuous_usage=common.continuous_usage,
-        request_id=common.request_id,
     )
     return await run(request, st, job, OUTPUTS[common.output.tokens_as_ids])
 

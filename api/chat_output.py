@@ -12,13 +12,10 @@ usage so far.
 
 from __future__ import annotations
 
-import msgspec
-
 from ringserve.api.generation import Generation
 from ringserve.api.logprobs import LOGPROB_FLOOR, token_text
+from ringserve.api.sse import EventEncoder
 from ringserve.api.tokenizer import TextCodec
-
-_enc = msgspec.json.encode
 
 
 class ChatLogprobs:
@@ -60,21 +57,14 @@ class ChatLogprobs:
 CHAT_LOGPROBS = ChatLogprobs()
 
 
-class ChatEventEncoder:
-    """Encodes one chat request's SSE chunks (the interface of `sse.EventEncoder`)."""
+class ChatEventEncoder(EventEncoder):
+    """Encodes one chat request's SSE chunks: a token's text is the choice's `delta.content`."""
 
-    __slots__ = ("request_id", "model", "created", "include_usage", "_head", "_tail_head")
+    OBJECT = "chat.completion.chunk"
+    _TEXT_OPEN = b',"delta":{"content":'
+    _TEXT_CLOSE = b'},"logprobs":'
 
-    def __init__(self, request_id: str, model: str, created: int, include_usage: bool = False) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.created = created
-        self.include_usage = include_usage
-        self._head = (
-            b'data: {"id":' + _enc(request_id) + b',"object":"chat.completion.chunk",'
-            b'"created":' + _enc(created) + b',"model":' + _enc(model) + b',"choices":[{"index":'
-        )
-        self._tail_head = b',"request_id":' + _enc(request_id) + b',"index":'
+    __slots__ = ()
 
     def start(self, n: int) -> bytes:
         """The first chunk of every choice: the assistant role, no text yet."""
@@ -83,38 +73,6 @@ class ChatEventEncoder:
                 [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
             )
             for i in range(n)
-        )
-
-    def token(
-        self,
-        index: int,
-        text: str,
-        token_id: int,
-        logprob: float,
-        logprobs: dict | None = None,
-        usage: dict | None = None,
-    ) -> bytes:
-        t = _enc(text)
-        idx = str(index).encode()
-        return b"".join(
-            (
-                self._head,
-                idx,
-                b',"delta":{"content":',
-                t,
-                b'},"logprobs":',
-                b"null" if logprobs is None else _enc(logprobs),
-                b',"finish_reason":null}]',
-                self._tail_head,
-                idx,
-                b',"text":',
-                t,
-                b',"token_id":',
-                str(token_id).encode(),
-                b',"logprob":',
-                _enc(logprob),
-                b"}\n\n" if usage is None else b',"usage":' + _enc(usage) + b"}\n\n",
-            )
         )
 
     def text(self, index: int, text: str, logprobs: dict | None) -> bytes:
@@ -135,33 +93,6 @@ class ChatEventEncoder:
             finish_reason=reason,
             usage=usage,
             timing=timing,
-        )
-
-    def usage(self, usage: dict, timing: dict) -> bytes:
-        """The usage chunk, only when the client asked for it (`stream_options.include_usage`)."""
-        if not self.include_usage:
-            return b""
-        return self._chunk([], usage=usage, timing=timing)
-
-    def error(self, body: dict) -> bytes:
-        """An error in the middle of a stream (e.g. the GPU process restarted): OpenAI's error object."""
-        return b"data: " + _enc({**body, "request_id": self.request_id}) + b"\n\n"
-
-    def _chunk(self, choices: list, **extra) -> bytes:
-        return (
-            b"data: "
-            + _enc(
-                {
-                    "id": self.request_id,
-                    "object": "chat.completion.chunk",
-                    "created": self.created,
-                    "model": self.model,
-                    "choices": choices,
-                    "request_id": self.request_id,
-                    **extra,
-                }
-            )
-            + b"\n\n"
         )
 
 

@@ -3,8 +3,6 @@ JSON body (`request_flow.run`)."""
 
 from __future__ import annotations
 
-import asyncio
-
 from aiohttp import web
 
 from ringserve.api.completion_protocol import CompletionRequest, Prompt, parse_body
@@ -12,11 +10,11 @@ from ringserve.api.errors import bad_request
 from ringserve.api.generation import Generation
 from ringserve.api.logprobs import CompletionLogprobs
 from ringserve.api.prompt_limits import encode_prompt, fit_ids, resolve_max_tokens
-from ringserve.api.protocol import check_min_tokens, check_model
-from ringserve.api.request_flow import Job, Output, check_available, run
+from ringserve.api.protocol import check_min_tokens
+from ringserve.api.request_flow import Job, Output, check_available, read_request, run, tokenizing
 from ringserve.api.sampling_tokens import finish_sampling
 from ringserve.api.sse import EventEncoder
-from ringserve.api.state import STATE, ApiState, note_ignored
+from ringserve.api.state import ApiState
 from ringserve.rules import vocabulary_error
 
 
@@ -42,22 +40,11 @@ OUTPUT_TOKEN_IDS = _output(True)
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
-    st = request.app[STATE]
-    st.stats.add("requests_total")
-    req = parse_body(
-        await request.read(),
-        max_tokens_limit=st.config.max_tokens_limit,
-        on_ignored=lambda names: note_ignored(request, names),
-    )
-    check_model(req.model, st.model_name, st.model_aliases)
+    st, req = await read_request(request, parse_body)
     common = req.common
     sampling = finish_sampling(common, st.codec)
     check_available(st)
-    try:
-        prompts = [await _tokenize(st, req, p) for p in req.prompts]
-    except asyncio.CancelledError:
-        st.stats.add("disconnects")  # the client left while its prompt was tokenized
-        raise
+    prompts = await tokenizing(st, _tokenize_all(st, req))
     limit = st.config.max_tokens_limit
     max_tokens = [resolve_max_tokens(len(ids), req.max_tokens, st.config.context_limit, limit) for ids in prompts]
     check_min_tokens(common, min(max_tokens))
@@ -68,25 +55,22 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
             p if isinstance(p, str) and common.truncate is None else st.codec.decode(ids, skip)
             for p, ids in zip(req.prompts, prompts)
         ]
-    job = Job(
-        prompts=prompts,
-        max_tokens=max_tokens,
-        sampling=sampling,
-        stop=common.stop,
-        n=common.n,
-        logprobs=req.logprobs,
-        stream=common.stream,
-        cache_salt=common.cache_salt,
+    job = Job.of(
+        common,
+        prompts,
+        max_tokens,
+        sampling,
+        req.logprobs,
         prompt_logprobs=req.prompt_logprobs,
         show_prompt_logprobs=common.prompt_logprobs,
         echo=echo,
         score_only=req.score_only,
-        options=common.output,
-        include_usage=common.include_usage,
-        continuous_usage=common.continuous_usage,
-        request_id=common.request_id,
     )
     return await run(request, st, job, OUTPUT_TOKEN_IDS if common.output.tokens_as_ids else OUTPUT)
+
+
+async def _tokenize_all(st: ApiState, req: CompletionRequest) -> list[list[int]]:
+    return [await _tokenize(st, req, p) for p in req.prompts]
 
 
 async def _tokenize(st: ApiState, req: CompletionRequest, prompt: Prompt) -> list[int]:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -23,10 +24,10 @@ from ringserve.api.errors import ApiError
 from ringserve.api.generation import Generation
 from ringserve.api.gpu_client import GpuClient, Inbox, RequestStream
 from ringserve.api.logprobs import COMPLETION_LOGPROBS, LogprobFormat
-from ringserve.api.protocol import OutputOptions
+from ringserve.api.protocol import OutputOptions, SamplingFields, check_model
 from ringserve.api.registry import OpenRequest
 from ringserve.api.sse import DONE, Encoder
-from ringserve.api.state import REQUEST_ID, TENANT, ApiState, ignored_header
+from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState, ignored_header, note_ignored
 from ringserve.shm.messages import SamplingParams, Submit
 
 # Kernel send buffer of a streaming connection. Bounded (the kernel would autotune it to MBs) so a
@@ -59,6 +60,34 @@ class Job:
     continuous_usage: bool = False
     request_id: str | None = None  # the body's request_id (an x-request-id header wins)
 
+    @classmethod
+    def of(
+        cls,
+        common: SamplingFields,
+        prompts: list[list[int]],
+        max_tokens: list[int],
+        sampling: SamplingParams,
+        logprobs: int | None,
+        **route: Any,
+    ) -> Job:
+        """The job of a request whose shared fields are `common`; `route` holds the route's own
+        (prompt logprobs, echo, ...)."""
+        return cls(
+            prompts=prompts,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop=common.stop,
+            n=common.n,
+            logprobs=logprobs,
+            stream=common.stream,
+            cache_salt=common.cache_salt,
+            options=common.output,
+            include_usage=common.include_usage,
+            continuous_usage=common.continuous_usage,
+            request_id=common.request_id,
+            **route,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Output:
@@ -71,6 +100,38 @@ class Output:
     encoder: Callable[[str, str, int, bool], Encoder]
     body: Callable[[str, str, Generation], dict]
     logprob_format: LogprobFormat = COMPLETION_LOGPROBS
+
+
+class _ParsedBody(Protocol):
+    @property
+    def model(self) -> str | None: ...
+
+
+Body = TypeVar("Body", bound=_ParsedBody)
+T = TypeVar("T")
+
+
+async def read_request(request: web.Request, parse: Callable[..., Body]) -> tuple[ApiState, Body]:
+    """What a route does first: count the request, parse its body (unknown fields ignored and
+    named on the response) and check that it names the served model."""
+    st = request.app[STATE]
+    st.stats.add("requests_total")
+    req = parse(
+        await request.read(),
+        max_tokens_limit=st.config.max_tokens_limit,
+        on_ignored=lambda names: note_ignored(request, names),
+    )
+    check_model(req.model, st.model_name, st.model_aliases)
+    return st, req
+
+
+async def tokenizing(st: ApiState, work: Awaitable[T]) -> T:
+    """`work` (a request's tokenization), counting a client that leaves meanwhile as a disconnect."""
+    try:
+        return await work
+    except asyncio.CancelledError:
+        st.stats.add("disconnects")
+        raise
 
 
 async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> web.StreamResponse:

@@ -50,7 +50,13 @@ class Encoder(Protocol):
 
 
 class EventEncoder:
-    """Encodes one /v1/completions request's events: token, text, finish, usage, error."""
+    """Encodes one /v1/completions request's events: token, text, finish, usage, error. A route with
+    another chunk shape (`chat_output.ChatEventEncoder`) changes the object name, how a token's
+    text sits in its choice, and the events built from dicts."""
+
+    OBJECT = "text_completion"
+    _TEXT_OPEN = b',"text":'  # a token's text in its choice ...
+    _TEXT_CLOSE = b',"logprobs":'  # ... and what follows it
 
     __slots__ = ("request_id", "model", "created", "include_usage", "_head", "_tail_head")
 
@@ -62,7 +68,9 @@ class EventEncoder:
         self._head = (
             b'data: {"id":'
             + _enc(request_id)
-            + b',"object":"text_completion","created":'
+            + b',"object":'
+            + _enc(self.OBJECT)
+            + b',"created":'
             + _enc(created)
             + b',"model":'
             + _enc(model)
@@ -84,16 +92,16 @@ class EventEncoder:
         usage: dict | None = None,
     ) -> bytes:
         """`{"id","object","created","model","choices":[{"index","text","logprobs","finish_reason":null}],
-        "request_id","index","text","token_id","logprob"[,"usage"]}`"""
+        "request_id","index","text","token_id","logprob"[,"usage"]}`, spliced from bytes: the hot path."""
         t = _enc(text)
         idx = _INDEX[index] if index < 64 else str(index).encode()
         return b"".join(
             (
                 self._head,
                 idx,
-                b',"text":',
+                self._TEXT_OPEN,
                 t,
-                b',"logprobs":',
+                self._TEXT_CLOSE,
                 b"null" if logprobs is None else _enc(logprobs),
                 b',"finish_reason":null}]',
                 self._tail_head,
@@ -110,60 +118,26 @@ class EventEncoder:
 
     def text(self, index: int, text: str, logprobs: dict | None) -> bytes:
         """A choices event with text that is not a generated token (the echoed prompt)."""
-        return self._event(
-            {
-                "id": self.request_id,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}],
-                "request_id": self.request_id,
-                "index": index,
-                "text": text,
-            }
-        )
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
+        return self._chunk([choice], index=index, text=text)
 
     def finish(self, index: int, text: str, reason: str, usage: dict, timing: dict) -> bytes:
         """A sample's last choices event: any text still held back, its finish_reason, and (our
         own fields, which OpenAI clients ignore) its usage and the request's timing."""
-        return self._event(
-            {
-                "id": self.request_id,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}],
-                "request_id": self.request_id,
-                "index": index,
-                "text": text,
-                "finish_reason": reason,
-                "usage": usage,
-                "timing": timing,
-            }
-        )
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        return self._chunk([choice], index=index, text=text, finish_reason=reason, usage=usage, timing=timing)
 
     def usage(self, usage: dict, timing: dict) -> bytes:
         """With `include_usage`, the event after every sample finished: `"choices":[]`, usage
         and timing; otherwise nothing."""
         if not self.include_usage:
             return b""
-        return self._event(
-            {
-                "id": self.request_id,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [],
-                "request_id": self.request_id,
-                "usage": usage,
-                "timing": timing,
-            }
-        )
+        return self._chunk([], usage=usage, timing=timing)
 
     def error(self, body: dict) -> bytes:
         """An error in the middle of a stream (e.g. the GPU process restarted): OpenAI's error object."""
-        return self._event({**body, "request_id": self.request_id})
+        return b"data: " + _enc({**body, "request_id": self.request_id}) + b"\n\n"
 
-    @staticmethod
-    def _event(obj: dict) -> bytes:
-        return b"data: " + _enc(obj) + b"\n\n"
+    def _chunk(self, choices: list, **extra) -> bytes:
+        head = {"id": self.request_id, "object": self.OBJECT, "created": self.created, "model": self.model}
+        return b"data: " + _enc({**head, "choices": choices, "request_id": self.request_id, **extra}) + b"\n\n"

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from .peer_servers import SERVED_NAME, RunningServer, ServerSpec, model_vocab, probe_vllm, ringserve_spec, vllm_spec
 from .sched_sim import percentile
+from .sse_stream import DONE, iter_sse
 
 GOAL_TOK_S_RATIO = 1.2  # at concurrency >= GOAL_MIN_CONCURRENCY
 GOAL_MIN_CONCURRENCY = 8
@@ -103,10 +104,9 @@ async def _request(session, url: str, body: dict, timeout_s: float) -> Answer:
             if resp.status != 200:
                 ans.error = (await resp.text())[:200]
                 return ans
-            async for raw in resp.content:
-                line = raw.strip()
-                if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
-                    _take_event(json.loads(line[5:]), ans, time.perf_counter() - t0)
+            async for ev in iter_sse(resp):
+                if ev != DONE:
+                    _take_event(ev, ans, time.perf_counter() - t0)
     except (TimeoutError, aiohttp.ClientError) as exc:
         ans.error = f"{type(exc).__name__}: {exc}"[:200]
     return ans

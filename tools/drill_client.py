@@ -10,11 +10,12 @@ connection closed under it), `rejected` (a 4xx/5xx with the error object before 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 
 import aiohttp
+
+from .sse_stream import DONE, iter_sse
 
 
 @dataclass(slots=True)
@@ -46,16 +47,11 @@ async def stream_completion(
                     res.error_code = (await resp.json(content_type=None) or {}).get("error", {}).get("code")
                     started.set()
                     return
-                async for raw in resp.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data: "):
-                        continue
-                    data = line[6:]
-                    if data == b"[DONE]":
+                async for ev in iter_sse(resp):
+                    if ev == DONE:
                         if res.outcome == "open":
                             res.outcome = "completed"
                         return
-                    ev = json.loads(data)
                     if "error" in ev:
                         res.outcome, res.error_t = "error_event", time.monotonic()
                         res.error_code, res.tokens_at_error = ev["error"].get("code"), res.tokens

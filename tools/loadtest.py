@@ -25,6 +25,7 @@ import time
 from urllib.parse import urlsplit
 
 from .load_report import RequestRecord, goodput, markdown, plot, summarize_rate
+from .sse_stream import DONE, iter_sse
 from .trace import TraceRequest, builtin_mix, describe, poisson_arrivals, read_jsonl, scaled
 
 METRIC_NAMES = {  # ours first, then the vLLM names, so the tool also reads a vLLM server
@@ -84,14 +85,9 @@ async def _one(session, url: str, body: dict, key: str, rec: RequestRecord, time
             if resp.status != 200:
                 rec.error = (await resp.text())[:200]
                 return
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
+            async for ev in iter_sse(resp):
+                if ev == DONE:
                     break
-                ev = json.loads(data)
                 if "error" in ev:
                     rec.error = str(ev["error"])[:200]
                     continue

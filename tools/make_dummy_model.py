@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from ringserve.tools.make_tiny_model import BOS_TOKEN, EOS_TOKEN, _write_json, train_tokenizer
+from ringserve.tools.make_tiny_model import _write_json, train_tokenizer, write_tokenizer
 
 SHAPES_DIR = Path(__file__).parent / "data" / "shapes"
 TOKENIZER_VOCAB = 2048  # BPE merges learned from the shipped text; the rest of the vocabulary is padding
@@ -49,20 +49,7 @@ def build_dummy_model(shape: str, out_dir: str | os.PathLike) -> Path:
     tokenizer.add_tokens([AddedToken(f"<|dummy_{i}|>", special=False) for i in range(base, vocab)])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out / "tokenizer.json"))
-    bos, eos = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
-    _write_json(
-        out / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": BOS_TOKEN,
-            "eos_token": EOS_TOKEN,
-            "add_bos_token": True,
-            "add_eos_token": False,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": cfg.get("max_position_embeddings", 8192),
-        },
-    )
+    bos, eos = write_tokenizer(out, tokenizer, cfg.get("max_position_embeddings", 8192))
     cfg = {**cfg, "bos_token_id": bos, "eos_token_id": eos}
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos})

@@ -172,6 +172,26 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
+def write_tokenizer(out: Path, tokenizer, max_length: int, chat_template: str | None = None) -> tuple[int, int]:
+    """Save `tokenizer` (one of `train_tokenizer`'s) into `out` with its tokenizer_config.json and
+    special_tokens_map.json; returns its (BOS, EOS) ids."""
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+    }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    _write_json(out / "tokenizer_config.json", config)
+    _write_json(out / "special_tokens_map.json", {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN})
+    return tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
+
+
 def build_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = None) -> Path:
     """Write the checkpoint into `out_dir` (created if missing) and return its path."""
     from safetensors.torch import save_file
@@ -182,22 +202,7 @@ def build_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = No
 
     tokenizer = train_tokenizer(spec.vocab_target)
     vocab_size = tokenizer.get_vocab_size()
-    bos_id, eos_id = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
-    tokenizer.save(str(out / "tokenizer.json"))
-    _write_json(
-        out / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": BOS_TOKEN,
-            "eos_token": EOS_TOKEN,
-            "add_bos_token": True,
-            "add_eos_token": False,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": spec.max_position_embeddings,
-            "chat_template": CHAT_TEMPLATE,
-        },
-    )
-    _write_json(out / "special_tokens_map.json", {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN})
+    bos_id, eos_id = write_tokenizer(out, tokenizer, spec.max_position_embeddings, CHAT_TEMPLATE)
     _write_json(out / "config.json", hf_config(spec, vocab_size, bos_id, eos_id))
     _write_json(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
     save_file(make_weights(spec, vocab_size), str(out / "model.safetensors"), metadata={"format": "pt"})

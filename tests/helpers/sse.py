@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+
+from ringserve.tools.sse_stream import iter_sse  # noqa: F401 (the tests read streams as the tools do)
 
 
 def sse_events(raw: bytes | str) -> list:
@@ -18,16 +19,3 @@ def sse_events(raw: bytes | str) -> list:
         data = block[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
-
-
-async def iter_sse(resp) -> AsyncIterator:
-    """The events of an aiohttp streaming response as they arrive, up to and including "[DONE]"."""
-    async for raw in resp.content:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            yield "[DONE]"
-            return
-        yield json.loads(data)
