@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import msgspec
 
 from ringserve.api.errors import ApiError, bad_request
+from ringserve.rules import repetition_penalty_error
 from ringserve.shm.messages import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
@@ -247,8 +248,9 @@ def _sampling(body: SamplingBody) -> SamplingParams:
     frequency = _in_range(body.frequency_penalty, 0.0, -2.0, 2.0, "frequency_penalty")
     min_p = _in_range(body.min_p, 0.0, 0.0, 1.0, "min_p")
     repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
-    if not (repetition > 0 and math.isfinite(repetition)):
-        raise bad_request(f"repetition_penalty must be a number > 0 (1: off), got {repetition}.", "repetition_penalty")
+    message = repetition_penalty_error(repetition)
+    if message is not None:
+        raise bad_request(message, "repetition_penalty")
     min_tokens = body.min_tokens or 0
     if min_tokens < 0:
         raise bad_request(f"min_tokens must be >= 0, got {min_tokens}.", "min_tokens")

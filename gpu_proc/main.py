@@ -26,7 +26,7 @@ from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.request import FinishEvent, Request, TokenEvent
 from ringserve.gpu_proc.scheduler import Scheduler
-from ringserve.rules import vocabulary_error
+from ringserve.rules import repetition_penalty_error, vocabulary_error
 from ringserve.shm import layout as L
 from ringserve.shm import messages as M
 from ringserve.shm.instance import ShmInstance
@@ -242,6 +242,9 @@ def _check_limits(msg: M.Submit, vocab_size: int) -> None:
     ):
         if value > limit:
             raise ValueError(f"{name} holds {value}; at most {limit}")
+    penalty = repetition_penalty_error(sp.repetition_penalty)
+    if penalty is not None:
+        raise ValueError(penalty)
     # NOTE: stop ids outside the vocabulary are harmless (never sampled) and stay allowed.
     ids = (
         msg.prompt_ids,

@@ -201,7 +201,8 @@ def _nucleus_bound(probs: torch.Tensor, top_p: torch.Tensor) -> int:
     """
     n, vocab = probs.shape
     logp = probs.clamp_min(1e-38).log()
-    bins = ((logp.max(-1, keepdim=True).values - logp) * (1.0 / _BIN_WIDTH)).long().clamp_(max=_NUM_BINS - 1)
+    # clamped both ways: a NaN distance (a row of NaN logits) casts to the most negative integer
+    bins = ((logp.max(-1, keepdim=True).values - logp) * (1.0 / _BIN_WIDTH)).long().clamp_(0, _NUM_BINS - 1)
     mass = torch.zeros(n, _NUM_BINS, device=probs.device).scatter_add_(1, bins, probs)
     count = torch.zeros(n, _NUM_BINS, device=probs.device).scatter_add_(1, bins, torch.ones_like(probs))
     cum = mass.cumsum(1)  # [n, bins]

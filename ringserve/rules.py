@@ -58,6 +58,21 @@ def context_error(prompt_tokens: int, max_tokens: int, context_limit: int, *, at
     )
 
 
+# repetition_penalty divides the positive logits of seen tokens and multiplies the others. Far
+# outside this range they overflow float32 (then the temperature divides them again), the row's
+# distribution turns to NaN, and top-p sampling indexed out of bounds: one request with 1e-40
+# crashed the GPU process twice. Inside it, the effect is already all but absolute.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+
+def repetition_penalty_error(value: float) -> str | None:
+    """Why a repetition_penalty cannot be applied (None: it can)."""
+    low, high = REPETITION_PENALTY_RANGE
+    if low <= value <= high:  # False for NaN too
+        return None
+    return f"repetition_penalty must be between {low:g} and {high:g} (1: off), got {value}."
+
+
 def vocabulary_error(token_ids: Iterable[int], vocab_size: int, what: str = "prompt") -> str | None:
     """Why `token_ids` cannot be fed to a model of `vocab_size` tokens (None: every id is in it)."""
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)

@@ -35,6 +35,8 @@ async def _error(resp, status: int) -> dict:
         ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
         ({"prompt": "x", "presence_penalty": -3}, "presence_penalty"),
         ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "x", "repetition_penalty": 1e-40}, "repetition_penalty"),
+        ({"prompt": "x", "repetition_penalty": 1e300}, "repetition_penalty"),
         ({"prompt": "x", "min_p": 1.5}, "min_p"),
         ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
         ({"prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),

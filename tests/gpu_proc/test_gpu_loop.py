@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -160,6 +161,21 @@ def test_bad_token_id_is_400(gpu_process):
     assert w.reply(1).status == 400 and "vocabulary" in w.reply(1).message
     w.send(_submit(2, [5, 6]))
     w.pump(lambda: w.finishes(2))
+    assert proc.poll() is None
+
+
+def test_repetition_penalty_outside_its_range_is_refused(gpu_process):
+    """A repetition_penalty far from 1 overflowed the penalized logits into a NaN distribution that
+    crashed top-p sampling (1e-40: two GPU-process restarts from one request); the GPU process
+    refuses it (400) whatever the worker let through, and keeps serving."""
+    shm, proc = gpu_process
+    w = _Worker(shm)
+    for rid, penalty in ((1, 1e-40), (2, 1e300), (3, math.nan)):
+        w.send(_submit(rid, [5, 6, 5], temperature=1.0, top_p=0.5, repetition_penalty=penalty))
+        w.pump(lambda rid=rid: w.reply(rid))
+        assert w.reply(rid).status == 400 and "repetition_penalty" in w.reply(rid).message
+    w.send(_submit(4, [5, 6, 5], temperature=1.0, top_p=0.5, repetition_penalty=0.01))
+    w.pump(lambda: w.finishes(4))
     assert proc.poll() is None
 
 

@@ -222,6 +222,16 @@ def test_wide_nucleus_matches_full_sort_reference():
     assert agree >= 46
 
 
+def test_a_row_of_nan_logits_samples_without_raising():
+    """Top-p over a NaN distribution (flat enough to need the nucleus bound) still returns an id in
+    the vocabulary: the bound's bins once cast NaN to the most negative index and raised."""
+    logits = torch.zeros(2, V)
+    logits[1] = math.nan
+    rows = [RowSampling(temperature=1.0, top_p=0.9, seed=1), RowSampling(temperature=1.0, top_p=0.9, seed=2)]
+    out = sample(logits, rows, [0, 1])
+    assert all(0 <= t < V for t in out.token_ids)
+
+
 def test_all_random_mixed_filters_match_rows_alone():
     """Without greedy rows (the all-random fast path), filtered and unfiltered rows still sample as
     they do alone."""
