@@ -147,7 +147,8 @@ class PackedLinear:
 
 
 def matmul_pieces(t: int) -> list[int]:
-    """The row counts `PackedLinear` runs a `t`-row matmul as (needs the compiled kernels)."""
+    """The row counts `PackedLinear` runs a `t`-row matmul as, the last one possibly padded (needs the
+    compiled kernels)."""
     return list(torch.ops.ringserve_cpu.matmul_pieces.default(t))
 
 

@@ -16,6 +16,7 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -25,25 +26,30 @@
 namespace ringserve_cpu {
 namespace {
 
-// The row counts a matmul of `t` rows runs as: `t` itself up to 64 (decode steps); above that the
-// largest of 8 sizes per power of two that fits, then the same for what is left. oneDNN builds and
-// caches a primitive per input shape (two LRU caches of 1,024 entries; ~0.5 MB a shape), and a
-// mixed step's token count takes almost any value up to the step budget: run at the exact count,
-// an hour of varied traffic grew the process by hundreds of MB as rare counts kept arriving, and
-// each new count cost a ~0.25 ms primitive build. Split so, a 16k-token budget makes at most 128
-// shapes per weight and 4 pieces per matmul; rows are independent, so the pieces' outputs are the
-// rows of the whole. (Padding to the next size instead wasted up to 12.5 % of a 1,032-token step.)
+// The row counts a matmul of `t` rows runs as: `t` itself up to 64 (decode steps); above that one
+// of 8 sizes per power of two — the next one up when it pads at most 1/32 of the rows, else the
+// largest that fits and then the same for what is left. oneDNN builds and caches a primitive per
+// input shape (two LRU caches of 1,024 entries; ~0.5 MB a shape), and a mixed step's token count
+// takes almost any value up to the step budget: run at the exact count, an hour of varied traffic
+// grew the process by hundreds of MB as rare counts kept arriving, and each new count cost a
+// ~0.25 ms primitive build. So a 16k-token budget makes at most 128 shapes per weight and 4 pieces
+// per matmul; rows are independent, so the pieces' outputs are the rows of the whole. Each extra
+// piece reads the weights again (measured 2-5 % of a SmolLM2 projection); padding costs its rows
+// (a 1,032-token step padded to 1,152 cost 13 %), hence the 1/32 rule: a prefill budget of 256
+// tokens plus 30 decode rows runs as 288 rows, 1,032 as 1,024 + 8.
 std::vector<int64_t> matmul_pieces(int64_t t) {
   std::vector<int64_t> pieces;
-  while (t > 0) {
-    int64_t n = t;
-    if (t > 64) {
-      const int64_t step = int64_t(1) << (63 - __builtin_clzll(static_cast<uint64_t>(t)) - 3);
-      n = t / step * step;
+  while (t > 64) {
+    const int64_t step = int64_t(1) << (63 - __builtin_clzll(static_cast<uint64_t>(t)) - 3);
+    const int64_t up = (t + step - 1) / step * step;
+    if ((up - t) * 32 <= t) {  // the last piece, padded
+      pieces.push_back(up);
+      return pieces;
     }
-    pieces.push_back(n);
-    t -= n;
+    pieces.push_back(t / step * step);
+    t -= pieces.back();
   }
+  if (t > 0) pieces.push_back(t);
   return pieces;
 }
 
@@ -57,17 +63,27 @@ at::Tensor linear_once(const at::Tensor& x, const at::Tensor& packed, const std:
 }
 
 // x [T, K] (contiguous) times a weight packed by mkldnn::_reorder_linear_weight (+ bias): [T, N],
-// in the row pieces of matmul_pieces(T).
+// in the row pieces of matmul_pieces(T) (a last piece longer than the rows left runs on them
+// padded with zero rows).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  const std::vector<int64_t> pieces = matmul_pieces(x.size(0));
-  if (pieces.size() <= 1) return linear_once(x, packed, bias);
+  const int64_t t = x.size(0);
+  const std::vector<int64_t> pieces = matmul_pieces(t);
   std::vector<at::Tensor> outs;
   int64_t start = 0;
   for (const int64_t n : pieces) {
-    outs.push_back(linear_once(x.narrow(0, start, n), packed, bias));
-    start += n;
+    const int64_t rows = std::min(n, t - start);
+    at::Tensor part = x.narrow(0, start, rows);
+    if (rows < n) {
+      at::Tensor padded = at::empty({n, x.size(1)}, x.options());
+      padded.narrow(0, 0, rows).copy_(part);
+      padded.narrow(0, rows, n - rows).zero_();
+      part = padded;
+    }
+    at::Tensor out = linear_once(part, packed, bias);
+    outs.push_back(rows < n ? out.narrow(0, 0, rows) : out);
+    start += rows;
   }
-  return at::cat(outs, 0);
+  return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
 }
 
 std::tuple<at::Tensor, at::Tensor> block(
