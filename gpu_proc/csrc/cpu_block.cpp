@@ -67,6 +67,7 @@ at::Tensor linear_once(const at::Tensor& x, const at::Tensor& packed, const std:
 // padded with zero rows).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   const int64_t t = x.size(0);
+  if (t == 0) return linear_once(x, packed, bias);  // a step whose rows all score or sample nothing
   const std::vector<int64_t> pieces = matmul_pieces(t);
   std::vector<at::Tensor> outs;
   int64_t start = 0;

@@ -65,7 +65,7 @@ def test_silu_mul(n, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 32, 64, 65, 130, 1000])
+@pytest.mark.parametrize("rows", [0, 1, 3, 32, 64, 65, 130, 286, 1000, 1032])
 def test_packed_linear_equals_f_linear(rows, dtype):
     """The packed weight computes F.linear (with and without bias)."""
     w, b, x = _rand(96, 80, dtype=dtype), _rand(96, dtype=dtype, seed=3), _rand(rows, 80, dtype=dtype, seed=4)
