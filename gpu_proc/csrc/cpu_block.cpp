@@ -47,9 +47,9 @@ std::vector<int64_t> matmul_pieces(int64_t t) {
       return pieces;
     }
     pieces.push_back(t / step * step);
-    t -= pieces.back();
+    t -= pieces.back();  // never 0: a multiple of `step` pads by nothing above
   }
-  if (t > 0) pieces.push_back(t);
+  pieces.push_back(t);  // 0 rows too (a step whose rows all score or sample nothing): one empty call
   return pieces;
 }
 
@@ -67,7 +67,6 @@ at::Tensor linear_once(const at::Tensor& x, const at::Tensor& packed, const std:
 // padded with zero rows).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   const int64_t t = x.size(0);
-  if (t == 0) return linear_once(x, packed, bias);  // a step whose rows all score or sample nothing
   const std::vector<int64_t> pieces = matmul_pieces(t);
   std::vector<at::Tensor> outs;
   int64_t start = 0;

@@ -86,6 +86,7 @@ def test_matmul_shapes_are_few_whatever_the_token_count():
         assert pieces == sorted(pieces, reverse=True) and (t > 64 or pieces == [t])
         shapes.update(pieces)
     assert shapes >= set(range(1, 65)) and len(shapes) == 128
+    assert cpu_ops.matmul_pieces(0) == [0]  # one empty call: a step whose rows all score or sample nothing
     assert cpu_ops.matmul_pieces(286) == [288]  # a 256-token prefill budget and 30 decode rows
     assert cpu_ops.matmul_pieces(1032) == [1024, 8]
 
