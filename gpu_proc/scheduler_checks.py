@@ -2,18 +2,20 @@
 
 Tests run it after every step; it is cheap enough to run when the GPU process is idle. It reads
 the scheduler's public `snapshot()` and covers block tables against reference counts, running
-rows, the fair queue's accounts, the waiting-work total, and the prefix cache: free + cached + in
+rows, the fair queue's accounts, the waiting-work total, admission's online estimates (finite, positive, bounded), and the prefix cache: free + cached + in
 use == total, unique hashes, and that every cached block a table reads holds exactly the tokens
 the request expects there.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ringserve.gpu_proc.admission import AdmissionController
     from ringserve.gpu_proc.fairness import FairQueue
     from ringserve.gpu_proc.kv_manager import KVCacheManager
     from ringserve.gpu_proc.request import Request, WorkerRid
@@ -34,6 +36,7 @@ class SchedulerSnapshot:
     max_rows: int
     kv: KVCacheManager
     queue: FairQueue
+    admission: AdmissionController
 
 
 def check_scheduler(snap: SchedulerSnapshot) -> None:
@@ -64,6 +67,8 @@ def check_scheduler(snap: SchedulerSnapshot) -> None:
         raise SchedulerIntegrityError(str(exc)) from None
     _check_waiting(snap)
     _check_cached_tables(snap)
+    problem = snap.admission.problem()
+    _require(problem is None, f"admission's cost model: {problem}")
 
 
 def _check_waiting(snap: SchedulerSnapshot) -> None:
@@ -78,7 +83,10 @@ def _check_waiting(snap: SchedulerSnapshot) -> None:
         "live requests are neither queued, held nor running (or in two places)",
     )
     queued = sum(r.queued_est_ms for r in waiting)
-    _require(abs(queued - snap.queued_ms) <= 1e-6 * max(1.0, queued), "queued_gpu_ms drifted from its requests")
+    _require(
+        math.isfinite(snap.queued_ms) and abs(queued - snap.queued_ms) <= 1e-6 * max(1.0, queued),
+        "queued_gpu_ms drifted from its requests",
+    )
     _require(snap.charged == sum(1 for r in waiting if r.queued_est_ms), "count of waiting requests with a cost is off")
     for req in snap.starting:
         _require(

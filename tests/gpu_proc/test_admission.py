@@ -1,9 +1,8 @@
 """Admission: the cost estimate, 400 and 429 with Retry-After, online recalibration."""
 
 import math
-import random
 
-from ringserve.gpu_proc.admission import AdmissionController, AnswerLengths, CostModel
+from ringserve.gpu_proc.admission import RETRY_AFTER_MAX_S, AdmissionController
 
 
 def test_estimate_uses_seed_constants_and_recent_answer_length():
@@ -50,62 +49,24 @@ def test_empty_queue_always_admits():
     assert AdmissionController().decide(8000, 192, 1, queued_ms=0).accepted
 
 
-def test_cost_model_prices_decode_at_a_full_batch():
-    """Steps of varied row counts on hardware with a 10 ms + 0.5 ms/row line: an output token is
-    priced at the full batch, (10 + 0.5 * 32) / 32 = 0.8125 ms."""
-    cm = CostModel(0.1, 1.25, max_rows=32)
-    rng = random.Random(0)
-    for _ in range(400):
-        rows = rng.randint(1, 32)
-        cm.observe(10.0 + 0.5 * rows, 0, rows)
-    assert abs(cm.c_decode_ms - 0.8125) < 0.01
-    assert abs(cm.decode_step_ms(1) - 10.5) < 0.2
+def test_retry_after_is_whole_seconds_capped_at_a_minute():
+    """A projected drain of hours (or one that is not a number) is sent as 60 s, which clients honour."""
+    ac = AdmissionController()
+    assert ac.decide(1000, 300, 1, queued_ms=1900, row_wait_ms=lambda: 3.6e6).retry_after_s == RETRY_AFTER_MAX_S
+    assert ac.decide(1000, 300, 1, queued_ms=1900, row_wait_ms=lambda: float("nan")).retry_after_s == 60
 
 
-def test_cost_model_with_constant_rows_follows_the_measured_step():
-    """Always 32 rows at 64 ms: c_decode converges to 2 ms and the fit does not wind up."""
-    cm = CostModel(0.1, 1.25, max_rows=32)
-    for _ in range(2000):
-        cm.observe(64.0, 0, 32)
-    assert abs(cm.c_decode_ms - 2.0) < 0.01
+def test_waiting_work_that_is_not_a_number_refuses():
+    """Fail closed: a NaN waiting-work total counts as a full queue, never as an empty one."""
+    d = AdmissionController().decide(10, 10, 1, queued_ms=float("nan"))
+    assert d.status == 429 and d.retry_after_s is not None
 
 
-def test_quiet_spell_of_one_row_steps_does_not_inflate_the_price():
-    """25 ms steps with one row (the design's light load, `docs/design.md#admission`) leave c_decode near 1.25 ms, not 25."""
-    cm = CostModel(0.1, 1.25, max_rows=32)
-    for _ in range(500):
-        cm.observe(25.0, 0, 1)
-    assert 1.0 < cm.c_decode_ms < 1.6
-
-
-def test_cost_model_learns_prefill_from_mixed_steps():
-    """Mixed steps: what the decode line leaves unexplained is charged to the prompt tokens."""
-    cm = CostModel(0.1, 1.25, max_rows=32, alpha=0.5)
-    for _ in range(40):
-        cm.observe(cm.decode_step_ms(32) + 256 * 0.2, 256, 32)
-    assert abs(cm.c_prefill_ms - 0.2) < 1e-3
-    for _ in range(40):
-        cm.observe(512 * 0.3, 512, 0)  # prefill-only steps
-    assert abs(cm.c_prefill_ms - 0.3) < 1e-3
-
-
-def test_cost_model_ignores_garbage_and_limits_outliers():
-    """Non-finite or empty steps change nothing; one huge step moves c_decode only a little."""
-    cm = CostModel(0.1, 1.25, max_rows=32)
-    cm.observe(float("nan"), 0, 4)
-    cm.observe(10.0, 0, 0)
-    assert (cm.c_prefill_ms, cm.c_decode_ms) == (0.1, 1.25)
-    for _ in range(200):
-        cm.observe(40.0, 0, 32)
-    cm.observe(1e9, 0, 32)
-    assert cm.c_decode_ms < 1.25 * 2
-
-
-def test_answer_length_window():
-    """The mean is over the last `window` answers."""
-    al = AnswerLengths(initial=300, window=2)
-    assert al.mean == 300
-    al.add(10)
-    al.add(20)
-    al.add(40)
-    assert al.mean == 30
+def test_a_request_sure_to_run_long_is_priced_at_its_length():
+    """Recent answers of 5 tokens do not make a max_tokens=2000 ignore_eos request look like 5 tokens."""
+    ac = AdmissionController()
+    for _ in range(300):
+        ac.observe_answer(5)
+    assert ac.estimate_ms(10, 2000) == 10 * 0.1 + 5 * 1.25
+    assert ac.estimate_ms(10, 2000, floor_tokens=2000) == 10 * 0.1 + 2000 * 1.25
+    assert ac.decide(10, 2000, 1, queued_ms=100, floor_tokens=2000).status == 429
