@@ -79,6 +79,7 @@ class GpuLoop:
         self.slot_generations = [self.control.worker_slot(i)["generation"] for i in range(shm.n_workers)]
         self.step_no = 0
         self.rejected_429 = 0
+        self.forward_ms = self.forward_est_ms = 0.0  # the last step's, measured and as the cost model expected
         self.stopping = False
         self.release_memory = None  # called when the loop goes idle (the CPU engine's heap)
         if getattr(engine, "device", None) is not None and engine.device.type == "cpu":
@@ -164,7 +165,8 @@ class GpuLoop:
         if batch.seqs:
             t0 = time.perf_counter()
             samples = self.engine.step(batch)
-            sched.observe_step_time((time.perf_counter() - t0) * 1e3)
+            self.forward_ms = (time.perf_counter() - t0) * 1e3
+            self.forward_est_ms = sched.observe_step_time(self.forward_ms)
             events = sched.update(samples)
             self.step_no += 1
         else:
@@ -199,7 +201,15 @@ class GpuLoop:
         """The scheduler's stats and the loop's own (`shm/stats_schema.py` declares them all)."""
         region = self.control.gpu_stats
         region.update(self.scheduler.stats().as_dict())
-        region.update({"step_ms": step_ms, "steps": self.step_no, "rejected_429": self.rejected_429})
+        region.update(
+            {
+                "step_ms": step_ms,
+                "steps": self.step_no,
+                "forward_ms": self.forward_ms,
+                "forward_est_ms": self.forward_est_ms,
+                "rejected_429": self.rejected_429,
+            }
+        )
         region.publish()
         self.control.gpu_heartbeat()
 

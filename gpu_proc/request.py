@@ -170,6 +170,16 @@ class Request:
         return len(self.prompt_ids) + len(self.generated)
 
     @property
+    def sure_tokens(self) -> int:
+        """Tokens this sample will generate unless cancelled or cut by the context: all of
+        `max_tokens` with EOS ignored and no stop ids, else its `min_tokens` (admission prices
+        at least these, whatever the recent answers were)."""
+        sp = self.sampling
+        if sp.ignore_eos and not sp.stop_token_ids:
+            return self.max_tokens
+        return min(sp.controls.min_tokens, self.max_tokens) if sp.controls is not None else 0
+
+    @property
     def scores_prompt(self) -> bool:
         """Prompt logprobs are still owed: its prefill chunks must run (no prefix-cache hits)."""
         return self.prompt_logprobs is not None and self.prompt_scored < len(self.prompt_ids)

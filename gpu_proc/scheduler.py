@@ -90,6 +90,7 @@ class SchedulerStats:
     generation_tokens_total: int
     c_prefill_ms: float
     c_decode_ms: float
+    cost_model_resets: int  # estimates found unusable and replaced by the configured constants
     prefix_cache_queries: int  # tokens looked up in the prefix cache at each join (recompute too)
     prefix_cache_hits: int  # of those, tokens served from cached blocks
 
@@ -176,6 +177,7 @@ class Scheduler:
             0.0 if starts else self._queued_ms,
             pool_fits=worst <= self.bm.num_blocks,
             row_wait_ms=self._row_wait_ms,
+            floor_tokens=req.sure_tokens,
         )
         if decision.accepted:
             seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(63)
@@ -196,13 +198,14 @@ class Scheduler:
                 flagged = True
         return flagged
 
-    def observe_step_time(self, ms: float, prefill_tokens: int | None = None, decode_rows: int | None = None) -> None:
-        """Feed one measured step (default: the counts of the last built batch) to the cost model."""
-        self.admission.observe_step(
-            ms,
-            self.last_prefill_tokens if prefill_tokens is None else prefill_tokens,
-            self.last_decode_rows if decode_rows is None else decode_rows,
-        )
+    def observe_step_time(self, ms: float, prefill_tokens: int | None = None, decode_rows: int | None = None) -> float:
+        """Feed one measured step (default: the counts of the last built batch) to the cost model;
+        returns what the model expected that step to take."""
+        prefill = self.last_prefill_tokens if prefill_tokens is None else prefill_tokens
+        rows = self.last_decode_rows if decode_rows is None else decode_rows
+        expected = self.admission.costs.step_ms(prefill, rows)
+        self.admission.observe_step(ms, prefill, rows)
+        return expected
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -224,7 +227,7 @@ class Scheduler:
         if len(holders) < self.max_rows:
             return 0.0
         expected = self.admission.answers.mean
-        left = min(max(min(r.max_tokens, expected) - len(r.generated), 1.0) for r in holders)
+        left = min(max(min(r.max_tokens, max(expected, r.sure_tokens)) - len(r.generated), 1.0) for r in holders)
         return left * self.admission.costs.decode_step_ms(len(holders))
 
     def _queue_samples(self, samples: list[Request], est_ms: float, starts: bool) -> None:
@@ -527,7 +530,9 @@ class Scheduler:
         req.num_computed = 0
         req.state = RequestState.PREEMPTED
         req.queued_pass = self._pass
-        self._charge(req, self.admission.estimate_ms(req.prompt_len, req.max_tokens, 1, len(req.generated)))
+        self._charge(
+            req, self.admission.estimate_ms(req.prompt_len, req.max_tokens, 1, len(req.generated), req.sure_tokens)
+        )
         self.queue.push_front(req)
         self.queue.rows_ended(req.tenant, 1)
         self.preemptions += 1
@@ -635,6 +640,7 @@ class Scheduler:
             generation_tokens_total=self.generation_tokens_total,
             c_prefill_ms=self.admission.costs.c_prefill_ms,
             c_decode_ms=self.admission.costs.c_decode_ms,
+            cost_model_resets=self.admission.costs.resets,
             prefix_cache_queries=cache.queries,
             prefix_cache_hits=cache.hits,
         )
@@ -653,6 +659,7 @@ class Scheduler:
             max_rows=self.max_rows,
             kv=self.kv,
             queue=self.queue,
+            admission=self.admission,
         )
 
     def check_integrity(self) -> None:

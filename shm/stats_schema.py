@@ -65,6 +65,12 @@ GPU_STATS: tuple[GpuStat, ...] = (
     GpuStat("c_prefill_ms", "gauge", "ringserve_cost_prefill_ms", "Cost model: GPU ms per prompt token."),
     GpuStat("c_decode_ms", "gauge", "ringserve_cost_decode_ms", "Cost model: GPU ms per output token."),
     GpuStat(
+        "cost_model_resets",
+        "counter",
+        "ringserve_cost_model_resets",
+        "Times the cost model found an estimate unusable and fell back to its configured constants.",
+    ),
+    GpuStat(
         "prefix_cache_queries",
         "counter",
         "ringserve_prefix_cache_queries",
@@ -76,6 +82,13 @@ GPU_STATS: tuple[GpuStat, ...] = (
     # the GPU loop's own counters (LOOP_STATS)
     GpuStat("step_ms", "gauge", "ringserve_step_ms", "Duration of the last GPU step, ms."),
     GpuStat("steps", "counter", "ringserve_steps", "Steps the GPU loop has run."),
+    GpuStat("forward_ms", "gauge", "ringserve_forward_ms", "Forward and sampling time of the last step, ms."),
+    GpuStat(
+        "forward_est_ms",
+        "gauge",
+        "ringserve_forward_est_ms",
+        "The cost model's estimate of the last step's forward and sampling time, ms (compare with forward_ms).",
+    ),
     GpuStat(
         "rejected_429",
         "counter",
@@ -84,5 +97,11 @@ GPU_STATS: tuple[GpuStat, ...] = (
     ),
 )
 
-LOOP_STATS: tuple[str, ...] = ("step_ms", "steps", "rejected_429")  # counted by the GPU loop, not the scheduler
+LOOP_STATS: tuple[str, ...] = (
+    "step_ms",
+    "steps",
+    "forward_ms",
+    "forward_est_ms",
+    "rejected_429",
+)  # counted by the GPU loop, not the scheduler
 GPU_STAT_NAMES: tuple[str, ...] = tuple(s.name for s in GPU_STATS)

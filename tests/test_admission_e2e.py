@@ -9,7 +9,9 @@ mid-size random model and the real SmolLM2-135M-Instruct.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -19,6 +21,25 @@ from tests.helpers.server import ServerProcess
 pytestmark = pytest.mark.timeout(600)
 
 REAL_SIZE_MODELS = ["mid_model_dir", "smollm2_dir"]
+REPO = Path(__file__).resolve().parents[1]
+
+# Test only: every CostModel the server's processes build first goes through a long uptime's
+# observations (`tests/helpers/cost_sequences.py`), as if the GPU process had run for hours.
+DRIVE_COST_MODEL = """
+from ringserve.gpu_proc import cost_model
+from tests.helpers import cost_sequences
+
+_init = cost_model.CostModel.__init__
+
+
+def _driven(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    for obs in cost_sequences.long_uptime():
+        self.observe(*obs)
+
+
+cost_model.CostModel.__init__ = _driven
+"""
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +53,17 @@ def tiny_server(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def mid_server(mid_model_dir, tmp_path_factory):
     with ServerProcess(mid_model_dir, tmp_path_factory.mktemp("shm"), workers=1) as srv:
+        yield srv
+        assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def long_uptime_server(tiny_model_dir, tmp_path_factory):
+    """A server whose cost model has been through issue 21's sequence and the garbage."""
+    hook = tmp_path_factory.mktemp("hook")
+    (hook / "sitecustomize.py").write_text(DRIVE_COST_MODEL)
+    env = {"PYTHONPATH": os.pathsep.join([str(hook), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("shm"), workers=1, env=env) as srv:
         yield srv
         assert srv.stop() == 0, srv.log()
 
@@ -98,6 +130,25 @@ def test_burst_far_above_capacity_still_gets_429(tiny_server):
     # (under 0.4 s): the projected drain is at least 2 s.
     retry = {float(ra) for status, ra in results if status == 429}
     assert min(retry) >= 2.0, retry
+
+
+def test_a_long_running_server_still_refuses_an_overload_burst(long_uptime_server):
+    """Issue 21: after ~10^4 steps the old fit's constants were NaN and a long-running server
+    admitted everything. Driven through 440,000 observations before its first request, the cost
+    model is finite and priced at the last law it saw (3 ms + 0.3 ms/row: 0.39 ms an output token),
+    and the issue's burst (120 x max_tokens 2000, ignore_eos) still gets 429s with Retry-After."""
+    srv = long_uptime_server
+    _wait_idle(srv)
+    m = srv.metrics()
+    # finite, and fitted to the last law it saw (the old fit ends at its clamp, 0.0125, or NaN)
+    assert 0.3 < m["ringserve_cost_decode_ms"] < 0.5, m["ringserve_cost_decode_ms"]
+    assert m["ringserve_cost_model_resets_total"] == 0
+    body = {"prompt": "Tell me a long story about a river.", "max_tokens": 2000, "ignore_eos": True}
+    results = asyncio.run(_open_all(srv.url, [body] * 120, read=False))
+    counts = _statuses(results)
+    assert set(counts) == {200, 429} and counts[429] >= 30, counts
+    retry = [ra for status, ra in results if status == 429]
+    assert all(ra is not None and 1 <= int(ra) <= 60 for ra in retry), retry
 
 
 @pytest.mark.parametrize("model_fixture", REAL_SIZE_MODELS)

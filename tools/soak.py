@@ -11,6 +11,9 @@ mid-stream, then stops the load and checks:
 - file descriptors: each server process holds no more than at the start of the soak (+ `--fd-slack`);
 - shared memory: the instance's segments under /dev/shm are the same set throughout, and none is
   left after the server stops;
+- the admission cost model: its constants are finite and were never reset, and the median ratio of
+  measured to estimated step time over the soak (one sample a second) is within [1/2, 2], so the
+  2 s queue limit still means about 2 s of work after hours of uptime (issue 21);
 - RSS (`rss_trend.py`): growth must plateau: over the second half of the soak each process's RSS
   may rise at most `--rss-slope` MiB/min (or `--rss-floor` MiB in all), and its last quarter stays
   within `--rss-growth` (a fraction) or 32 MiB of its first.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import signal
@@ -102,6 +106,34 @@ def shm_segments(directory: str, supervisor_pid: int) -> set[str]:
         return set()
 
 
+_SOAK_METRICS = (
+    "ringserve_kv_blocks_free",
+    "ringserve_kv_blocks_total",
+    "ringserve_queue_depth",
+    "ringserve_cost_prefill_ms",
+    "ringserve_cost_decode_ms",
+    "ringserve_cost_model_resets_total",
+    "ringserve_forward_ms",
+    "ringserve_forward_est_ms",
+    "ringserve_steps_total",
+)
+
+
+def cost_model_check(samples: list[tuple[float, float]], m: dict[str, float]) -> tuple[bool, str]:
+    """The cost model after a soak: finite constants, no reset, and the median of measured /
+    estimated step time over `samples` ((forward_ms, forward_est_ms) pairs) within [1/2, 2]."""
+    c_p, c_d = m.get("ringserve_cost_prefill_ms", math.nan), m.get("ringserve_cost_decode_ms", math.nan)
+    resets = m.get("ringserve_cost_model_resets_total", math.nan)
+    ratios = sorted(ms / est for ms, est in samples if ms > 0 and est > 0)
+    median = ratios[len(ratios) // 2] if ratios else math.nan
+    ok = math.isfinite(c_p) and math.isfinite(c_d) and c_p > 0 and c_d > 0 and resets == 0 and 0.5 <= median <= 2.0
+    detail = (
+        f"c_prefill {c_p:.4g} ms, c_decode {c_d:.4g} ms, {resets:g} resets; measured/estimated step "
+        f"median {median:.3g} over {len(ratios)} samples"
+    )
+    return ok, detail
+
+
 def _metrics(url: str) -> dict[str, float]:
     with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
         text = resp.read().decode()
@@ -110,7 +142,7 @@ def _metrics(url: str) -> dict[str, float]:
     out = parse_metrics(text)
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name in ("ringserve_kv_blocks_free", "ringserve_kv_blocks_total", "ringserve_queue_depth"):
+            if s.name in _SOAK_METRICS:
                 out[s.name] = s.value
     return out
 
@@ -247,10 +279,17 @@ def soak(args) -> tuple[bool, list[tuple[str, bool, str]], dict]:
         segs0 = shm_segments(args.shm_dir, proc.pid)
         rss: dict[int, list[tuple[float, int]]] = {pid: [] for pid in pids}
         seg_changes: list[str] = []
+        steps: list[tuple[float, float]] = []  # (measured, estimated) ms of the step last run at each tick
         t_load = time.monotonic()
 
         def tick() -> None:
             now = time.monotonic() - t_load
+            try:
+                m = _metrics(url)
+            except OSError:
+                m = {}
+            if m.get("ringserve_steps_total") and m.get("ringserve_forward_ms"):
+                steps.append((m["ringserve_forward_ms"], m.get("ringserve_forward_est_ms", 0.0)))
             for pid in pids:
                 r = rss_bytes(pid)
                 if r is not None:
@@ -279,6 +318,7 @@ def soak(args) -> tuple[bool, list[tuple[str, bool, str]], dict]:
         m = _metrics(url)
         free, total = m.get("ringserve_kv_blocks_free"), m.get("ringserve_kv_blocks_total")
         checks.append(("KV blocks all free", free == total and total is not None, f"{free:g} of {total:g} free"))
+        checks.append(("cost model fitted", *cost_model_check(steps, m)))
         for pid in pids:
             now, before = fd_count(pid), fds0[pid]
             if now is None or before is None:

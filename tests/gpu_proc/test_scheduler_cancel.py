@@ -158,13 +158,16 @@ def test_queued_work_over_limit_is_429_with_retry_after():
 def test_requests_that_can_start_now_are_never_refused_for_load():
     """An idle 32-row server takes 32 long requests at once, however costly each is priced; the
     33rd is the first waiting work and is admitted too (nothing waited before it); the work
-    behind it is refused. After a pass the 32 run and the queue holds only what waits."""
+    behind it is refused. After a pass the 32 run and the queue holds only what waits, priced at
+    all its 1,000 tokens (EOS ignored, no stop ids: it will generate them all)."""
     h = make_harness(num_blocks=4096, queue_limit_s=0.5, max_rows=32)
     decisions = [h.sched.admit(make_request(i, 100, max_tokens=1000, ignore_eos=True)) for i in range(40)]
     assert [d.status for d in decisions] == [200] * 33 + [429] * 7
     h.step()
     s = h.sched.stats()
-    assert (s.running_rows, s.queue_depth) == (32, 1) and abs(s.queued_gpu_seconds - 0.385) < 1e-9
+    assert (s.running_rows, s.queue_depth) == (32, 1) and abs(
+        s.queued_gpu_seconds - (100 * 0.1 + 1000 * 1.25) / 1000
+    ) < 1e-9
 
 
 def test_duplicate_key_is_refused():

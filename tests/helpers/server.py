@@ -18,7 +18,7 @@ class ServerProcess:
 
     Extra keyword arguments become `--flag value` options of `ringserve serve`. Shared memory goes
     to a private directory so a test never touches another server's segments. `rlimit_nofile`
-    (soft, hard) starts the server with that open-file limit.
+    (soft, hard) starts the server with that open-file limit; `env` adds environment variables.
     """
 
     def __init__(
@@ -28,6 +28,7 @@ class ServerProcess:
         *,
         ready_timeout_s: float = 120.0,
         rlimit_nofile: tuple[int, int] | None = None,
+        env: dict[str, str] | None = None,
         **options,
     ) -> None:
         self.port = free_port()
@@ -50,6 +51,7 @@ class ServerProcess:
         for name, value in options.items():
             self.args += ["--" + name.replace("_", "-"), str(value)]
         self.rlimit_nofile = rlimit_nofile
+        self.env = None if env is None else dict(os.environ, **env)
         self.proc: subprocess.Popen | None = None
         self.log_path = Path(self.shm_dir) / "server.log"
 
@@ -63,7 +65,12 @@ class ServerProcess:
                 resource.setrlimit(resource.RLIMIT_NOFILE, limit)
 
         self.proc = subprocess.Popen(
-            self.args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=set_limit
+            self.args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=set_limit,
+            env=self.env,
         )
         deadline = time.monotonic() + self.ready_timeout_s
         while True:

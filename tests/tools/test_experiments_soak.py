@@ -31,12 +31,27 @@ def test_shm_segments_are_matched_by_supervisor_pid(tmp_path):
     assert soak.shm_segments(str(tmp_path), 123) == {"ringserve.123-456.control", "ringserve.123-456.ring0"}
 
 
+def test_cost_model_check_fails_on_what_issue_21_saw():
+    """NaN constants, a reset, or estimates far from the measured steps each fail the check."""
+    good = {
+        "ringserve_cost_prefill_ms": 0.05,
+        "ringserve_cost_decode_ms": 0.2,
+        "ringserve_cost_model_resets_total": 0.0,
+    }
+    steps = [(3.0, 2.5), (3.2, 3.0), (2.9, 3.1)]
+    assert soak.cost_model_check(steps, good)[0]
+    assert not soak.cost_model_check(steps, good | {"ringserve_cost_decode_ms": float("nan")})[0]
+    assert not soak.cost_model_check(steps, good | {"ringserve_cost_model_resets_total": 1.0})[0]
+    assert not soak.cost_model_check([(3.0, 0.3)] * 3, good)[0]
+    assert not soak.cost_model_check([], good)[0]
+
+
 def test_short_soak_passes_every_check(tiny_model_dir, capsys):
     """Three seconds of load with 20 % hang-ups: blocks, fds, segments and RSS all hold."""
     code = soak.main(["--duration", "3", "--rate", "15", "--model", str(tiny_model_dir), "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0, report
     names = [c["check"] for c in report["checks"]]
-    assert names[0] == "KV blocks all free" and names[-1] == "no shm segments left after stop"
+    assert names[:2] == ["KV blocks all free", "cost model fitted"] and names[-1] == "no shm segments left after stop"
     assert sum(n.startswith("fds of pid") for n in names) == 3  # supervisor, GPU process, one worker
     assert report["load"]["sent"] > 10
