@@ -13,9 +13,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ringserve.gpu_proc.cost_model import AnswerLengths, CostModel
 from ringserve.rules import CONTEXT_LENGTH_EXCEEDED, context_error
+
+if TYPE_CHECKING:
+    from ringserve.gpu_proc.request import Request
 
 # NOTE: the openai and httpx-based clients ignore a Retry-After over 60 s and fall back to their own
 # short backoff, so a longer projection would bring retries sooner, not later; a client retrying
@@ -94,9 +98,10 @@ class AdmissionController:
     ) -> Decision:
         """400 when the request can never run, 429 when the waiting work is over its limit, else 200.
 
-        `queued_ms` is the estimated GPU work waiting: work that cannot start now (the scheduler
-        passes 0 for a request that can join at the next pass, which is not waiting). Nothing waiting always
-        admits, so a single request costlier than the limit is slow, not impossible.
+        `queued_ms` is the estimated GPU work waiting ahead of this request: work that cannot
+        start now, as `AdmissionLedger.ahead_ms` counts it for the request's tenant (the scheduler
+        passes 0 for a request that can join at the next pass, which is not waiting). Nothing
+        ahead always admits, so a single request costlier than the limit is slow, not impossible.
 
         Retry-After is the projected time for the queue ahead to drain: until a row frees
         (`row_wait_ms()`, asked only on refusal), then the waiting work, priced at a full batch,
@@ -135,8 +140,9 @@ class AdmissionController:
                 est_gpu_ms=est,
                 code="overloaded",
                 retry_after_s=float(retry),
-                message=f"{queued_ms / 1000:.2f} s of GPU work is waiting for a row (limit "
-                f"{self.queue_limit_ms / 1000:.2f} s); retry after {retry} s",
+                message=f"{queued_ms / 1000:.2f} s of GPU work is waiting ahead of this request (this key's "
+                f"queue and the others' up to as much; limit {self.queue_limit_ms / 1000:.2f} s); "
+                f"retry after {retry} s",
             )
         return Decision(200, est_gpu_ms=est)
 
@@ -156,3 +162,85 @@ def _retry_after_s(drain_ms: float) -> int:
     if not drain_ms < math.inf:  # infinite or NaN
         return RETRY_AFTER_MAX_S
     return min(max(1, math.ceil(drain_ms / 1000.0)), RETRY_AFTER_MAX_S)
+
+
+class AdmissionLedger:
+    """The waiting work admission bounds, per tenant, and the rows and blocks that requests
+    admitted to start at the next pass have reserved (`docs/design.md#admission`).
+
+    A waiting request is charged its estimate to its tenant until it joins or ends. Under fair
+    sharing, the work that runs before a new request of tenant T starts is T's own queue plus, from
+    every other tenant, at most as much as T has queued (each gets its share of the GPU meanwhile):
+    `ahead_ms(T) = sum over tenants j of min(W_j, W_T)`. With one tenant that is its queue, as
+    before; a tenant with nothing queued has nothing ahead of it (fair preemption starts its head
+    request within `fair_preempt_steps + 1` passes), so another tenant's flood never refuses it.
+    """
+
+    __slots__ = ("_waiting", "_counts", "_reserved", "reserved_blocks")
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, float] = {}  # tenant -> ms of its waiting requests' estimates
+        self._counts: dict[str, int] = {}  # tenant -> waiting requests with a charge
+        self._reserved: dict[Request, int] = {}  # admitted to start now, not joined yet -> blocks
+        self.reserved_blocks = 0
+
+    # -- waiting work ----------------------------------------------------------------------------
+
+    def charge(self, req: Request, ms: float) -> None:
+        """`req` waits: its `ms` count as its tenant's waiting work until it joins or ends."""
+        t = req.tenant
+        req.queued_est_ms = ms
+        self._waiting[t] = self._waiting.get(t, 0.0) + ms
+        self._counts[t] = self._counts.get(t, 0) + 1
+
+    def uncharge(self, req: Request) -> None:
+        if not req.queued_est_ms:
+            return
+        t, ms = req.tenant, req.queued_est_ms
+        req.queued_est_ms = 0.0
+        self._counts[t] -= 1
+        if self._counts[t]:
+            self._waiting[t] -= ms
+        else:  # NOTE: no float residue once nothing of the tenant's waits
+            del self._counts[t], self._waiting[t]
+
+    @property
+    def any_waiting(self) -> bool:
+        return bool(self._counts)
+
+    @property
+    def total_ms(self) -> float:
+        return sum(self._waiting.values())
+
+    def ahead_ms(self, tenant: str) -> float:
+        """Waiting work that runs before a new request of `tenant` would start (class docstring)."""
+        mine = self._waiting.get(tenant, 0.0)
+        if not mine:
+            return 0.0
+        return sum(min(w, mine) for w in self._waiting.values())
+
+    def waiting_by_tenant(self) -> dict[str, tuple[float, int]]:
+        """tenant -> (waiting ms, charged requests), for the integrity check."""
+        return {t: (self._waiting[t], self._counts[t]) for t in self._counts}
+
+    # -- reservations ----------------------------------------------------------------------------
+
+    def reserve(self, req: Request, blocks: int) -> None:
+        """`req` was admitted as able to start at the next pass: its row and `blocks` are held."""
+        req.starts_now = True
+        self._reserved[req] = blocks
+        self.reserved_blocks += blocks
+
+    def release(self, req: Request) -> None:
+        """`req` joined or ended (or waits after all): its reservation ends."""
+        if req.starts_now:
+            req.starts_now = False
+            self.reserved_blocks -= self._reserved.pop(req)
+
+    @property
+    def starting(self) -> list[Request]:
+        return list(self._reserved)
+
+    @property
+    def reserved_rows(self) -> int:
+        return len(self._reserved)

@@ -11,7 +11,9 @@ Pure bookkeeping, no torch: the GPU-process loop calls
 Rules (`docs/design.md#scheduler-pass`):
 - Admit (`#admission`): a request that can join at the next pass (a free row, blocks for its
   tokens plus the margin, nothing else waiting) is not waiting work and is never refused for load;
-  the rest is priced, and refused with 429 once the waiting work passes `queue_limit_s`. A Submit
+  the rest is priced, and refused with 429 once the work waiting ahead of it passes
+  `queue_limit_s` (its tenant's queue and, of each other tenant's, up to as much:
+  `AdmissionLedger.ahead_ms`), so one tenant's flood never refuses another. A Submit
   with `n` samples becomes `n` sibling requests.
 - Leave: requests that sampled a stop token or reached max_tokens leave in `update` the moment
   they sample; cancelled requests and passed deadlines leave at the start of the next pass, queued
@@ -29,8 +31,8 @@ Rules (`docs/design.md#scheduler-pass`):
   max_rows // decode_rows)`, never below `prefill_budget`, so the total stall the chunk imposes on
   decoding users (rows x extra step time) stays what it is at a full batch.
 - Preempt (`#preemption`): when a decoding request needs a block and none is free, the most
-  recently admitted running request is preempted: its blocks are freed and it goes to the front of
-  its tenant's queue. It is recomputed later (prompt plus tokens already produced) and resumes
+  recently admitted running request of the tenant holding the most blocks is preempted: its blocks
+  are freed and it goes to the front of its tenant's queue. It is recomputed later (prompt plus tokens already produced) and resumes
   sampling where it stopped, so nothing is re-emitted and, with a seed, the output is unchanged.
 - Prompt logprobs (`#sampling`): a request that asks for them scores its prompt in the prefill
   chunks it runs anyway, at most `PROMPT_LOGPROB_TOKENS_PER_STEP` prompt tokens per step for all
@@ -53,7 +55,7 @@ from dataclasses import dataclass, fields
 from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING
 
-from ringserve.gpu_proc.admission import AdmissionController, Decision
+from ringserve.gpu_proc.admission import AdmissionController, AdmissionLedger, Decision
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.fairness import FairQueue
 from ringserve.gpu_proc.kv_manager import KVCacheManager
@@ -137,10 +139,7 @@ class Scheduler:
         self._live: dict[WorkerRid, list[Request]] = {}  # every sample of a Submit until all have ended
         self._running: list[Request] = []  # ascending admit_seq: the newest is last
         self.siblings = Siblings(self.block_size, config.prefix_caching)
-        self._starting: list[Request] = []  # admitted as able to start now, not joined yet
-        self._reserved_blocks = 0  # blocks those will take (their rows: len(_starting))
-        self._queued_ms = 0.0  # waiting work: the queued_est_ms of every waiting request
-        self._charged = 0  # waiting requests with a cost (the others start at the next pass)
+        self.ledger = AdmissionLedger()  # waiting work per tenant, and what starts at the next pass
         self._deadlines: list[tuple[float, int, Request]] = []
         self._deadlines_kept = 0  # heap size after the last compaction (_compact_deadlines)
         self._cancels: list[Request] = []
@@ -174,7 +173,7 @@ class Scheduler:
             req.prompt_len,
             req.max_tokens,
             req.n,
-            0.0 if starts else self._queued_ms,
+            0.0 if starts else self.ledger.ahead_ms(req.tenant),
             pool_fits=worst <= self.bm.num_blocks,
             row_wait_ms=self._row_wait_ms,
             floor_tokens=req.sure_tokens,
@@ -213,17 +212,18 @@ class Scheduler:
         """Whether `n` samples of `prompt_len` tokens would join at the next pass: nothing waits
         ahead of them, and rows and blocks (without cache hits, plus the margin) are free after
         what the requests already admitted to start now will take."""
-        if self._charged:
+        ledger = self.ledger
+        if ledger.any_waiting:
             return False
-        rows = len(self._running) + len(self._starting) + n
-        blocks = self._reserved_blocks + n * self.kv.blocks_for(prompt_len)
+        rows = len(self._running) + ledger.reserved_rows + n
+        blocks = ledger.reserved_blocks + n * self.kv.blocks_for(prompt_len)
         margin = self.margin_blocks if rows > n else 0
         return rows <= self.max_rows and blocks + margin <= self.kv.num_free
 
     def _row_wait_ms(self) -> float:
         """Projected ms until a row frees (for Retry-After): 0 with one free, else until the
         running (or starting) request expected to end first ends, at the fitted step time."""
-        holders = self._running + self._starting
+        holders = self._running + self.ledger.starting
         if len(holders) < self.max_rows:
             return 0.0
         expected = self.admission.answers.mean
@@ -233,18 +233,17 @@ class Scheduler:
     def _queue_samples(self, samples: list[Request], est_ms: float, starts: bool) -> None:
         """Queue a Submit's samples, as `siblings.hold` says: all now, or sample 0 first."""
         self._live[samples[0].key] = samples
+        blocks = self.kv.blocks_for(samples[0].prompt_len)
         for s in samples:
             s.est_gpu_ms = est_ms / len(samples)
-            s.starts_now = starts
             s.queued_pass = self._pass
-            if not starts:
-                self._charge(s, s.est_gpu_ms)
+            if starts:
+                self.ledger.reserve(s, blocks)
+            else:
+                self.ledger.charge(s, s.est_gpu_ms)
             heappush(self._deadlines, (s.deadline_ts, s.seq_id, s))
         if len(self._deadlines) > 2 * self._deadlines_kept + 64:
             self._compact_deadlines()
-        if starts:
-            self._starting += samples
-            self._reserved_blocks += len(samples) * self.kv.blocks_for(samples[0].prompt_len)
         for s in self.siblings.hold(samples):
             self.queue.push(s)
 
@@ -260,17 +259,11 @@ class Scheduler:
     def _settle_starting(self) -> None:
         """After the join: requests admitted to start now that did not (held siblings aside) are
         waiting work after all; reservations end."""
-        keep: list[Request] = []
-        for req in self._starting:
-            if not req.is_waiting:
-                continue
-            if self.siblings.is_held(req):
-                keep.append(req)
-                continue
-            req.starts_now = False
-            self._charge(req, req.est_gpu_ms)
-        self._starting = keep
-        self._reserved_blocks = sum(self.kv.blocks_for(r.prompt_len) for r in keep)
+        ledger = self.ledger
+        for req in ledger.starting:
+            if not self.siblings.is_held(req):
+                ledger.release(req)
+                ledger.charge(req, req.est_gpu_ms)
 
     # -- the pass --------------------------------------------------------------------------------
 
@@ -325,7 +318,7 @@ class Scheduler:
         if req.is_waiting:
             if not self.siblings.discard(req):
                 self.queue.remove(req)
-            self._unqueue_cost(req)
+            self.ledger.uncharge(req)
         else:
             self.kv.free(req)
             self._running.remove(req)
@@ -342,7 +335,7 @@ class Scheduler:
         while (req := queue.peek()) is not None:
             if not self._start(req, now) and not self._fair_preempt(req):
                 break
-        if self._starting:
+        if self.ledger.reserved_rows:
             self._settle_starting()
 
     def _start(self, req: Request, now: float) -> bool:
@@ -357,11 +350,8 @@ class Scheduler:
             return False
         self.queue.rows_started(req.tenant, 1)  # first, so the tenant stays active across pop()
         self.queue.pop(req)
-        self._unqueue_cost(req)
-        if req.starts_now:
-            self._starting.remove(req)
-            self._reserved_blocks -= self.kv.blocks_for(req.prompt_len)
-            req.starts_now = False
+        self.ledger.uncharge(req)
+        self.ledger.release(req)
         if req.admit_seq < 0:
             req.admit_seq = self._next_admit_seq
             self._next_admit_seq += 1
@@ -386,20 +376,6 @@ class Scheduler:
         self._preempt(victim)
         self.fair_preemptions += 1
         return True
-
-    def _charge(self, req: Request, ms: float) -> None:
-        """`req` waits: its `ms` count as waiting work until it joins or ends."""
-        req.queued_est_ms = ms
-        self._queued_ms += ms
-        self._charged += 1
-
-    def _unqueue_cost(self, req: Request) -> None:
-        if req.queued_est_ms:
-            self._queued_ms -= req.queued_est_ms
-            req.queued_est_ms = 0.0
-            self._charged -= 1
-            if not self._charged:
-                self._queued_ms = 0.0  # NOTE: no float residue once nothing waits
 
     def _insert_running(self, req: Request) -> None:
         running = self._running
@@ -443,7 +419,8 @@ class Scheduler:
     def _grow_decode_rows(self) -> tuple[list[Request], list[Request]]:
         """The running requests that decode this step, each now holding a slot for its next token,
         and those still prefilling, both oldest first. While a decoding request finds no free
-        block the newest running request is preempted, possibly itself (then nothing follows it)."""
+        block, the newest request of the tenant holding the most blocks is preempted (possibly
+        itself): memory pressure falls on the tenant that makes it, not on whoever joined last."""
         running, kv = self._running, self.kv
         decoding: list[Request] = []
         prefilling: list[Request] = []
@@ -455,13 +432,24 @@ class Scheduler:
             elif kv.allocate_slots(req, req.num_computed + 1) is not None:
                 decoding.append(req)
             else:
-                victim = running[-1]
+                victim = self._memory_victim()
+                k = running.index(victim)
                 self._preempt(victim)
-                if victim is req:
-                    break
-                continue  # the same request again, with the victim's blocks free
+                if k < i:  # already placed in this step: take it out again
+                    (decoding if victim in decoding else prefilling).remove(victim)
+                    i -= 1
+                continue  # the same request again with the victim's blocks free (or, if it was
+                # the victim, the next one, now at index i)
             i += 1
         return decoding, prefilling
+
+    def _memory_victim(self) -> Request:
+        """The newest running request of the tenant whose rows hold the most blocks."""
+        held: dict[str, int] = {}
+        for r in self._running:
+            held[r.tenant] = held.get(r.tenant, 0) + len(r.block_ids)
+        tenant = max(held, key=held.__getitem__)
+        return next(r for r in reversed(self._running) if r.tenant == tenant)
 
     def _prefill_chunks(
         self,
@@ -530,7 +518,7 @@ class Scheduler:
         req.num_computed = 0
         req.state = RequestState.PREEMPTED
         req.queued_pass = self._pass
-        self._charge(
+        self.ledger.charge(
             req, self.admission.estimate_ms(req.prompt_len, req.max_tokens, 1, len(req.generated), req.sure_tokens)
         )
         self.queue.push_front(req)
@@ -605,9 +593,7 @@ class Scheduler:
                 max(0.0, ttft),
             )
         )
-        if req.starts_now:
-            self._starting.remove(req)
-            self._reserved_blocks -= self.kv.blocks_for(req.prompt_len)
+        self.ledger.release(req)
         if req.index == 0 and self.siblings:
             self._queue_first(self.siblings.release(req))
         if all(s.is_finished for s in self._live[req.key]):
@@ -628,7 +614,7 @@ class Scheduler:
         cache = self.kv.cache
         return SchedulerStats(
             queue_depth=len(self.queue) + len(self.siblings),
-            queued_gpu_seconds=max(self._queued_ms, 0.0) / 1000.0,
+            queued_gpu_seconds=max(self.ledger.total_ms, 0.0) / 1000.0,
             running_rows=len(self._running),
             kv_blocks_free=self.bm.num_free,
             kv_blocks_total=self.bm.num_blocks,
@@ -652,10 +638,7 @@ class Scheduler:
             queued=tuple(self.queue.waiting()),
             held=tuple(self.siblings),
             live={k: tuple(v) for k, v in self._live.items()},
-            starting=tuple(self._starting),
-            reserved_blocks=self._reserved_blocks,
-            queued_ms=self._queued_ms,
-            charged=self._charged,
+            ledger=self.ledger,
             max_rows=self.max_rows,
             kv=self.kv,
             queue=self.queue,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ringserve.gpu_proc.admission import AdmissionController
+    from ringserve.gpu_proc.admission import AdmissionController, AdmissionLedger
     from ringserve.gpu_proc.fairness import FairQueue
     from ringserve.gpu_proc.kv_manager import KVCacheManager
     from ringserve.gpu_proc.request import Request, WorkerRid
@@ -29,10 +29,7 @@ class SchedulerSnapshot:
     queued: tuple[Request, ...]  # in the fair queue
     held: tuple[Request, ...]  # siblings waiting for sample 0's prompt blocks
     live: Mapping[WorkerRid, tuple[Request, ...]]  # every sample of every live Submit
-    starting: tuple[Request, ...]  # admitted as able to start now, not joined yet
-    reserved_blocks: int
-    queued_ms: float
-    charged: int  # waiting requests with a cost in queued_ms
+    ledger: AdmissionLedger  # waiting work per tenant; rows and blocks reserved to start now
     max_rows: int
     kv: KVCacheManager
     queue: FairQueue
@@ -82,19 +79,27 @@ def _check_waiting(snap: SchedulerSnapshot) -> None:
         len(waiting) + len(snap.running) == len(unfinished) == len({id(r) for r in unfinished}),
         "live requests are neither queued, held nor running (or in two places)",
     )
-    queued = sum(r.queued_est_ms for r in waiting)
-    _require(
-        math.isfinite(snap.queued_ms) and abs(queued - snap.queued_ms) <= 1e-6 * max(1.0, queued),
-        "queued_gpu_ms drifted from its requests",
-    )
-    _require(snap.charged == sum(1 for r in waiting if r.queued_est_ms), "count of waiting requests with a cost is off")
-    for req in snap.starting:
+    want: dict[str, tuple[float, int]] = {}
+    for r in waiting:
+        if r.queued_est_ms:
+            ms, count = want.get(r.tenant, (0.0, 0))
+            want[r.tenant] = (ms + r.queued_est_ms, count + 1)
+    books = snap.ledger.waiting_by_tenant()
+    _require(set(books) == set(want), f"tenants with waiting work {sorted(books)}, their requests say {sorted(want)}")
+    for tenant, (ms, count) in books.items():
+        _require(
+            math.isfinite(ms) and abs(ms - want[tenant][0]) <= 1e-6 * max(1.0, ms) and count == want[tenant][1],
+            f"tenant {tenant!r}: waiting work {ms} ms over {count} requests, its requests say {want[tenant]}",
+        )
+    starting = snap.ledger.starting
+    for req in starting:
         _require(
             req.starts_now and req.is_waiting and req.queued_est_ms == 0.0,
             f"{req.key}#{req.index} is reserved to start but is not a waiting request at no cost",
         )
-    want = sum(snap.kv.blocks_for(r.prompt_len) for r in snap.starting)
-    _require(snap.reserved_blocks == want, f"{snap.reserved_blocks} blocks reserved, starting requests need {want}")
+    blocks = sum(snap.kv.blocks_for(r.prompt_len) for r in starting)
+    reserved = snap.ledger.reserved_blocks
+    _require(reserved == blocks, f"{reserved} blocks reserved, starting requests need {blocks}")
 
 
 def _check_cached_tables(snap: SchedulerSnapshot) -> None:
