@@ -80,8 +80,8 @@ def _report(name: str, b: list[tuple[int, float | None]], a_statuses: list[int])
     a_refused = sum(s == 429 for s in a_statuses)
     print(
         f"{name}: B {sum(st == 200 for st, _ in b)}/{len(b)} admitted, p95 TTFT "
-        f"{percentile(ttft, 95) * 1000:.0f} ms, max {max(ttft) * 1000:.0f} ms; A {len(a_statuses)} requests, "
-        f"{a_refused} refused with 429"
+        f"{percentile(ttft, 95) * 1000:.0f} ms, max {max(ttft) * 1000:.0f} ms; A {len(a_statuses)} answered "
+        f"in the window, {a_refused} of them 429"
     )
     assert [status for status, _ in b] == [200] * len(b), b
     assert len(ttft) == len(b)
