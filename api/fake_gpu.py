@@ -31,8 +31,10 @@ from ringserve.rules import finish_reason
 from ringserve.shm.messages import (
     Accepted,
     Cancel,
+    CancelReason,
     Error,
     Finish,
+    FinishReason,
     Message,
     PromptLogprobs,
     Rejected,
@@ -59,7 +61,7 @@ class _Row:
     arrival: float
     first_token: float | None = None
     stop_token_ids: frozenset[int] = frozenset()
-    cancelled: dict[int, str] = field(default_factory=dict)  # sample -> finish, cancelled one by one
+    cancelled: dict[int, FinishReason] = field(default_factory=dict)  # sample -> finish, cancelled one by one
 
 
 @dataclass
@@ -80,7 +82,7 @@ class FakeGpu:
     cancels: list[Cancel] = field(default_factory=list)
     finished: dict[str, int] = field(default_factory=dict)
     _rows: dict[int, _Row] = field(default_factory=dict)
-    _cancelled: dict[int, str] = field(default_factory=dict)  # rid -> finish of the whole request
+    _cancelled: dict[int, FinishReason] = field(default_factory=dict)  # rid -> finish of the whole request
     _deliver: Callable[[Message], None] | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _timer: asyncio.Handle | None = None
@@ -114,7 +116,7 @@ class FakeGpu:
         else:
             self.cancels.append(msg)
             row = self._rows.get(msg.rid)
-            reason = "stop" if msg.reason == "stop" else "cancelled"  # as the GPU process finishes it
+            reason = CancelReason(msg.reason).finish  # as the GPU process finishes it
             if row is not None and msg.index is not None:
                 row.cancelled[msg.index] = reason
             elif row is not None:
@@ -229,7 +231,7 @@ class FakeGpu:
         self._post(StepOutput(step=self._step, tokens=tokens, finishes=finishes, prompt_logprobs=prompts))
         self._wake()
 
-    def _finish(self, row: _Row, i: int, reason: str, now: float) -> Finish:
+    def _finish(self, row: _Row, i: int, reason: FinishReason, now: float) -> Finish:
         row.live[i] = False
         self.finished[reason] = self.finished.get(reason, 0) + 1
         first = row.first_token if row.first_token is not None else now

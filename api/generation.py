@@ -28,10 +28,7 @@ from ringserve.api.protocol import OutputOptions
 from ringserve.api.sse import Encoder
 from ringserve.api.stop_strings import StopMatcher
 from ringserve.api.tokenizer import TextCodec
-from ringserve.shm.messages import Error, Finish, Token
-
-# GPU finish reasons as the client sees them (the API promises stop | length | cancelled).
-_CLIENT_REASON = {"stop": "stop", "length": "length", "cancelled": "cancelled", "deadline": "cancelled"}
+from ringserve.shm.messages import Error, Finish, FinishReason, Token
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,8 +176,8 @@ class Generation:
         self.gpu_ttft_ms = item.ttft_ms if self.gpu_ttft_ms is None else min(self.gpu_ttft_ms, item.ttft_ms)
         if s.reason is not None:
             return
-        reason = _CLIENT_REASON.get(item.reason)
-        if reason is None:  # "error": the GPU process failed this request's row
+        finish = FinishReason(item.reason)
+        if finish is FinishReason.ERROR:  # the GPU process failed this request's row
             self._fail(
                 Error(
                     code="gpu_error", rid=item.rid, message="the GPU process could not finish this request; retry it"
@@ -190,7 +187,7 @@ class Generation:
             return
         if self.echo is not None and not s.echoed:
             self._echo(s, item.index, out)
-        self._finish(s, item.index, self._tail(s), reason, out)
+        self._finish(s, item.index, self._tail(s), finish.client, out)
 
     def _prompt_scores(self, item: PromptScores) -> None:
         if self.prompt_scores is None:

@@ -36,6 +36,7 @@ from ringserve.api.errors import ApiError, error_type
 from ringserve.shm.messages import (
     Accepted,
     Cancel,
+    CancelReason,
     Error,
     Finish,
     Message,
@@ -241,12 +242,12 @@ class GpuClient:
         message = answer.message if kind != "server_error" else f"The GPU process failed: {answer.message}"
         raise ApiError(503, message, code=answer.code, type_=kind, retry_after_s=1.0, extra={"tokens_streamed": 0})
 
-    def cancel(self, rid: int, reason: str = "cancelled", index: int | None = None) -> None:
+    def cancel(self, rid: int, reason: str = CancelReason.CANCELLED, index: int | None = None) -> None:
         """End the request on the GPU, or only its sample `index` (the others keep running)."""
         stream = self._streams.get(rid)
         if stream is not None and index is None:
             stream.cancelled = True
-        self._send(Cancel(rid=rid, reason=reason, index=index))
+        self._send(Cancel(rid=rid, reason=CancelReason(reason), index=index))
 
     def release(self, stream: RequestStream) -> None:
         """Forget a finished request; records that still arrive for it are dropped."""
@@ -416,7 +417,7 @@ class GpuClient:
             stream.resubmits += 1
             stream.submit = submit = msgspec.structs.replace(submit, rid=rid)
             self.resubmitted += 1
-            self._send(Cancel(rid=old_rid, reason="cancelled"))
+            self._send(Cancel(rid=old_rid, reason=CancelReason.CANCELLED))
             self._send(submit)
         if held:
             log.info("worker %d: resubmitted %d requests to the restarted GPU process", self.worker, self.resubmitted)

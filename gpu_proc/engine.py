@@ -51,6 +51,7 @@ class Engine:
     def step(self, batch: StepBatch) -> SampleOutput | None:
         """One forward pass and the samples of its sampling rows, with the prompt logprobs of its
         scoring rows (None when no row samples or scores)."""
+        self.release(batch.finished)
         logits = self.runner.execute(batch)
         rows = batch.sampling_seqs
         out = self.controls.sample(logits[: len(rows)], rows) if rows else None
@@ -58,6 +59,11 @@ class Engine:
             out = out or SampleOutput([], [], [])
             out.prompt_logprobs = score(logits[len(rows) :], batch)
         return out
+
+    def release(self, seq_ids: list[int]) -> None:
+        """Free the per-sequence state of sequences that ended (the batch names them)."""
+        if seq_ids:
+            self.controls.forget(seq_ids)
 
 
 def _load_cpu_kernels(progress: Callable[[], None] | None) -> bool:

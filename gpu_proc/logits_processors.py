@@ -20,7 +20,9 @@ State. The penalties need each sequence's output token counts and the set of its
 They live on the device, one row of a slab per sequence (by seq id), updated with the one token a
 sequence sampled since its last step; a row whose count does not match its output (it was evicted
 after a long wait, or is new) is rebuilt from the request's token lists, which the scheduler owns
-(`RowControls` holds them by reference). Slots unused for `EVICT_AFTER_STEPS` steps are reused.
+(`RowControls` holds them by reference). A sequence's slot is freed the step after it ends (the
+batch names it, `forget`); one that waits unused for `EVICT_AFTER_STEPS` steps (preempted, held
+behind others) is freed too and rebuilt when it returns.
 Bad-word prefixes are matched on the host against each row's last output tokens (bounded by
 `shm.messages.MAX_BAD_WORDS` words of `MAX_BAD_WORD_TOKENS` tokens).
 """
@@ -174,6 +176,13 @@ class ControlsState:
         seq.counted = n
         seq.last_step = self._step
         return seq.slot
+
+    def forget(self, seq_ids: list[int]) -> None:
+        """Sequences that ended: their slots are free for others now."""
+        for k in seq_ids:
+            seq = self.seqs.pop(k, None)
+            if seq is not None:
+                self._free.append(seq.slot)
 
     def _allocate(self) -> int:
         if not self._free:

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
-from ringserve.gpu_proc.request import FinishEvent, Request, TokenEvent
+from ringserve.gpu_proc.request import Request
 from ringserve.gpu_proc.scheduler import Scheduler
 from ringserve.rules import repetition_penalty_error, vocabulary_error
 from ringserve.shm import layout as L
@@ -147,7 +147,7 @@ class GpuLoop:
             if key[0] == slot and (keep is None or M.rid_generation(key[1]) != keep)
         ]
         for key in dropped:
-            self.scheduler.cancel(key, "cancelled")
+            self.scheduler.cancel(key, M.CancelReason.CANCELLED)
         box = self.outboxes[slot]
         box.backlog.clear()
         box.tokens.clear()
@@ -170,22 +170,21 @@ class GpuLoop:
             events = sched.update(samples)
             self.step_no += 1
         else:
+            self.engine.release(batch.finished)
             events = sched.update(None)
         self._route(events)
         return bool(batch.seqs)
 
     def _route(self, events) -> None:
         boxes = self.outboxes
-        for ev in events:
-            slot, rid = ev.key
-            if isinstance(ev, TokenEvent):
-                boxes[slot].tokens.append(M.Token(rid, ev.index, ev.token_id, ev.logprob, ev.top_logprobs))
-            elif isinstance(ev, FinishEvent):
-                boxes[slot].finishes.append(
-                    M.Finish(rid, ev.index, ev.reason, ev.prompt_tokens, ev.completion_tokens, ev.queue_ms, ev.ttft_ms)
-                )
+        for slot, record in events:
+            box = boxes[slot]
+            if type(record) is M.Token:
+                box.tokens.append(record)
+            elif type(record) is M.Finish:
+                box.finishes.append(record)
             else:
-                boxes[slot].prompts.append(M.PromptLogprobs(rid, ev.start, ev.logprobs, ev.ranks, ev.top))
+                box.prompts.append(record)
         for slot, box in enumerate(boxes):
             if box.tokens or box.finishes or box.prompts:
                 box.send(

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ringserve.gpu_proc.request import Request
-    from ringserve.gpu_proc.step import SeqStep
 
 HashFn = Callable[[int, Hashable], int]
 RootKey = tuple[str, str | None]  # ("root", salt): the parent of every chain's first block
@@ -222,17 +221,17 @@ def cached_prefix(cache: PrefixCache, req: Request) -> list[int]:
     return cache.match(hashes[:limit], req.tokens, req.cache_salt)
 
 
-def register_filled(cache: PrefixCache, filled: list[tuple[SeqStep, Request]]) -> None:
-    """Register every block a step fills up: `filled` holds each such step entry with its request.
-    NOTE: safe before the step runs, since a later request can read a registered block only in a
-    later step, after these writes."""
+def register_filled(cache: PrefixCache, filled: list[tuple[Request, int, int]]) -> None:
+    """Register every block a step fills up: `filled` holds each request with the token range
+    `[start, end)` the step computes for it. NOTE: safe before the step runs, since a later request
+    can read a registered block only in a later step, after these writes."""
     bs = cache.block_size
-    for s, req in filled:
-        first, last = s.start_pos // bs, (s.start_pos + len(s.token_ids)) // bs
+    for req, start, end in filled:
+        first, last = start // bs, end // bs
         hashes, tokens, salt = req.block_hashes, req.tokens, req.cache_salt
         if len(hashes) < first:
             cache.extend_hashes(hashes, tokens, first, salt)
-        table = s.block_table
+        table = req.block_ids
         for j in range(first, last):
             block_tokens = tuple(tokens(j * bs, (j + 1) * bs))  # one tuple for the hash and the entry
             if len(hashes) == j:

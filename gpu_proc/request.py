@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from ringserve.gpu_proc.step import LogitsControls, RowSampling
+from ringserve.shm.messages import CancelReason
 
 WorkerRid = tuple[int, int]  # (worker slot, rid): how a worker names its Submit on its ring
 
@@ -88,7 +89,7 @@ class Request:
     # Prefix-cache chain hashes of the full token blocks so far (a pure function of the tokens and
     # the salt, kept so a recompute or a repeated lookup does not rehash).
     block_hashes: list[int] = field(default_factory=list)
-    cancel_reason: str | None = None
+    cancel_reason: CancelReason | None = None
     prompt_scored: int = 1  # the next prompt token to score (token 0 has no logprob)
     first_join_ts: float | None = None
     first_token_ts: float | None = None
@@ -205,38 +206,3 @@ class Request:
         if start >= plen:
             return self.generated[start - plen : end - plen]
         return prompt[start:] + self.generated[: end - plen]
-
-
-@dataclass(slots=True)
-class TokenEvent:
-    """A sampled token for one sample, to stream to the request's worker."""
-
-    key: WorkerRid
-    index: int
-    token_id: int
-    logprob: float
-    top_logprobs: list[tuple[int, float]] | None = None
-
-
-@dataclass(slots=True)
-class PromptLogprobsEvent:
-    """Logprobs of prompt tokens `start, start + 1, ...` of a Submit (scored by its sample 0)."""
-
-    key: WorkerRid
-    start: int
-    logprobs: list[float]
-    ranks: list[int]
-    top: list[list[tuple[int, float]]] | None
-
-
-@dataclass(slots=True)
-class FinishEvent:
-    """A sample ended; `reason` is one of shm.messages.FINISH_REASONS."""
-
-    key: WorkerRid
-    index: int
-    reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    queue_ms: float
-    ttft_ms: float

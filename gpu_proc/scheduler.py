@@ -5,7 +5,7 @@ Pure bookkeeping, no torch: the GPU-process loop calls
     decision = sched.admit(request)         # per Submit: 400 / 429 / accepted (est_gpu_ms)
     sched.cancel(key, reason, index)        # per Cancel: a flag, read at the next step boundary
     batch = sched.schedule(now)             # a StepBatch for the runner (may be empty)
-    events = sched.update(sample_output)    # TokenEvents and FinishEvents for the workers
+    events = sched.update(sample_output)    # (worker slot, Token | Finish | PromptLogprobs) wire records
     sched.observe_step_time(ms)             # feeds the admission cost model
 
 Rules (`docs/design.md#scheduler-pass`):
@@ -20,34 +20,33 @@ Rules (`docs/design.md#scheduler-pass`):
   or running. Their blocks go back to the free list.
 - Join: while a row is free and the free blocks cover the next request's tokens plus
   `admission_margin` of the pool (5 %), admit the fair choice (`fairness.py`). The KV manager
-  (`kv_manager.py`) gives it every block its current tokens need, prefix-cache hits first
-  (`#prefix-cache`); it then grows one block every 16 tokens.
+  (`kv_manager.py`: the only owner of blocks; this file never sees a block size) gives it every
+  block its current tokens need, prefix-cache hits first (`#prefix-cache`); each step then asks
+  it for the slots of the tokens it feeds the request.
 - Fair preemption (`#fairness`): when the fair choice cannot join, its tenant is below its fair
   share of rows and it has waited more than `fair_preempt_steps` passes, the newest request of the
   tenant most over its share is preempted for it. So the head request of a tenant below its share
   joins at most `fair_preempt_steps + 1` passes after it arrives, however the batch is held.
-- Build: one token per decoding request, then prompt chunks (oldest request first) up to the
-  prefill budget as one flat list. The budget rises when few rows decode: `prefill_budget * min(8,
-  max_rows // decode_rows)`, never below `prefill_budget`, so the total stall the chunk imposes on
-  decoding users (rows x extra step time) stays what it is at a full batch.
+- Build: one token per decoding request, then prompt chunks (oldest request first) as one flat
+  list, all drawn from the step's budget (`step_budget.py`: the prefill budget rises when few
+  rows decode). The batch names the sequences that ended since the last one, so the engine
+  frees their per-sequence state at once.
 - Preempt (`#preemption`): when a decoding request needs a block and none is free, the most
   recently admitted running request of the tenant holding the most blocks is preempted: its blocks
   are freed and it goes to the front of its tenant's queue. It is recomputed later (prompt plus tokens already produced) and resumes
   sampling where it stopped, so nothing is re-emitted and, with a seed, the output is unchanged.
-- Prompt logprobs (`#sampling`): a request that asks for them scores its prompt in the prefill
-  chunks it runs anyway, at most `PROMPT_LOGPROB_TOKENS_PER_STEP` prompt tokens per step for all
-  rows together (a chunk is cut where that runs out), and takes no prefix-cache hits until its
-  prompt is scored (a cached block has no logits). A recompute never scores a token twice.
+- Prompt logprobs (`#sampling`, `prompt_chunks.py`): a request that asks for them scores its
+  prompt in the prefill chunks it runs anyway, within the step budget's scoring allowance, and
+  takes no prefix-cache hits until its prompt is scored (a cached block has no logits).
 - Siblings (`#sampling`, `siblings.py`): sample 0 of an n > 1 Submit joins first; the others are
   queued once its prompt's full blocks are registered, and find them in the prefix cache, so the
-  prompt is computed once. Blocks a step fills are registered when the step is built: its writes
-  land before any later step reads them.
+  prompt is computed once. Blocks a step fills are registered when the step is built
+  (`kv.commit()`): its writes land before any later step reads them.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import random
 import time
 from collections.abc import Callable
@@ -59,19 +58,21 @@ from ringserve.gpu_proc.admission import AdmissionController, AdmissionLedger, D
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.fairness import FairQueue
 from ringserve.gpu_proc.kv_manager import KVCacheManager
-from ringserve.gpu_proc.request import FinishEvent, PromptLogprobsEvent, Request, RequestState, TokenEvent, WorkerRid
+from ringserve.gpu_proc.prompt_chunks import PromptScorer
+from ringserve.gpu_proc.request import Request, RequestState, WorkerRid
 from ringserve.gpu_proc.scheduler_checks import SchedulerIntegrityError, SchedulerSnapshot, check_scheduler
 from ringserve.gpu_proc.siblings import Siblings
-from ringserve.gpu_proc.step import PromptScoring, SeqStep, StepBatch
-from ringserve.rules import PROMPT_LOGPROB_TOKENS_PER_STEP, finish_reason
+from ringserve.gpu_proc.step import SeqStep, StepBatch
+from ringserve.gpu_proc.step_budget import StepBudget, prefill_tokens_for
+from ringserve.rules import finish_reason
+from ringserve.shm.messages import CancelReason, Finish, FinishReason, PromptLogprobs, Token
 
 if TYPE_CHECKING:
     from ringserve.config import Config
 
 __all__ = ["Scheduler", "SchedulerIntegrityError", "SchedulerStats"]
 
-Event = TokenEvent | FinishEvent | PromptLogprobsEvent
-_WASTED = ("cancelled", "deadline")  # finish reasons whose generated tokens count as cancelled_tokens
+Event = tuple[int, Token | Finish | PromptLogprobs]  # (worker slot, the record for its StepOutput)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,20 +118,18 @@ class Scheduler:
         admission: AdmissionController | None = None,
     ) -> None:
         """`config` is a `ringserve.config.Config` (or any object with its scheduler fields)."""
-        if block_manager.block_size != config.block_size:
+        if block_manager.block_size != config.block_size:  # NOTE: the one look at a block size here
             raise ValueError(
                 f"block manager has {block_manager.block_size}-token blocks, config says {config.block_size}"
             )
         self.kv = KVCacheManager(
             block_manager, caching=config.prefix_caching, namespace=config.model_name or config.model or ""
         )
-        self.bm = block_manager
-        self.block_size = block_manager.block_size
         self.max_rows = config.max_rows
         self.prefill_budget = config.prefill_budget
         self.context_limit = config.context_limit
         self.fair_preempt_steps = config.fair_preempt_steps
-        self.margin_blocks = math.ceil(config.admission_margin * block_manager.num_blocks)
+        self.margin_blocks = self.kv.margin(config.admission_margin)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.queue = FairQueue(config.key_row_cap, config.output_token_weight, max_rows=config.max_rows)
         self.admission = admission or AdmissionController.from_config(config)
@@ -138,14 +137,15 @@ class Scheduler:
         self._rng = rng or random.Random()
         self._live: dict[WorkerRid, list[Request]] = {}  # every sample of a Submit until all have ended
         self._running: list[Request] = []  # ascending admit_seq: the newest is last
-        self.siblings = Siblings(self.block_size, config.prefix_caching)
+        self.siblings = Siblings(self.kv, config.prefix_caching)
         self.ledger = AdmissionLedger()  # waiting work per tenant, and what starts at the next pass
         self._deadlines: list[tuple[float, int, Request]] = []
         self._deadlines_kept = 0  # heap size after the last compaction (_compact_deadlines)
         self._cancels: list[Request] = []
         self._events: list[Event] = []
         self._sampling: list[Request] = []  # requests sampling in the last batch, in batch order
-        self._scoring: list[tuple[Request, int]] = []  # (request, first prompt token) scored, in batch order
+        self._scorer = PromptScorer()  # the last batch's chunks that score prompt tokens
+        self._ended_seqs: list[int] = []  # seq ids that ended since the last batch was built
         self._pass = 0
         self._seq_ids = itertools.count(1)
         self._next_admit_seq = 0
@@ -164,17 +164,13 @@ class Scheduler:
         waiting work over its limit)."""
         if req.key in self._live:
             return Decision(400, code="duplicate_request", message=f"request {req.key} is already live")
-        kv, full = self.kv, req.prompt_len // self.block_size
-        # Most blocks the samples can hold at once: the prompt's full blocks once, then each
-        # sample's own tail up to the context it may reach.
-        worst = full + req.n * (kv.blocks_for(req.prompt_len + req.max_tokens) - full)
         starts = self._starts_now(req.n, req.prompt_len)
         decision = self.admission.decide(
             req.prompt_len,
             req.max_tokens,
             req.n,
             0.0 if starts else self.ledger.ahead_ms(req.tenant),
-            pool_fits=worst <= self.bm.num_blocks,
+            pool_fits=self.kv.fits_pool(req.prompt_len, req.max_tokens, req.n),
             row_wait_ms=self._row_wait_ms,
             floor_tokens=req.sure_tokens,
         )
@@ -183,7 +179,7 @@ class Scheduler:
             self._queue_samples(self.siblings.fan_out(req, seed, self._seq_ids), decision.est_gpu_ms, starts)
         return decision
 
-    def cancel(self, key: WorkerRid, reason: str = "cancelled", index: int | None = None) -> bool:
+    def cancel(self, key: WorkerRid, reason: CancelReason = CancelReason.CANCELLED, index: int | None = None) -> bool:
         """Flag every sample of a Submit (or only sample `index`) to leave at the next step
         boundary; False if none is live and not already ending."""
         samples = self._live.get(key, [])
@@ -192,7 +188,7 @@ class Scheduler:
         flagged = False
         for req in samples:
             if not req.is_finished and req.cancel_reason is None:
-                req.cancel_reason = reason
+                req.cancel_reason = CancelReason(reason)
                 self._cancels.append(req)
                 flagged = True
         return flagged
@@ -216,9 +212,8 @@ class Scheduler:
         if ledger.any_waiting:
             return False
         rows = len(self._running) + ledger.reserved_rows + n
-        blocks = ledger.reserved_blocks + n * self.kv.blocks_for(prompt_len)
         margin = self.margin_blocks if rows > n else 0
-        return rows <= self.max_rows and blocks + margin <= self.kv.num_free
+        return rows <= self.max_rows and self.kv.fits(n, prompt_len, margin, ledger.reserved_blocks)
 
     def _row_wait_ms(self) -> float:
         """Projected ms until a row frees (for Retry-After): 0 with one free, else until the
@@ -275,6 +270,7 @@ class Scheduler:
         self._leave(now)
         self._join(now)
         batch = self._build()
+        self.kv.commit()
         if self.siblings:
             self._queue_first(self.siblings.ready(self._live))
         return batch
@@ -286,8 +282,8 @@ class Scheduler:
         return every event since the last call, including the finishes the pass's leave phase made
         for cancelled and expired requests. Call it after every `schedule()`, even an empty one."""
         rows, self._sampling = self._sampling, []
-        if self._scoring:
-            self._apply_prompt_logprobs(getattr(samples, "prompt_logprobs", None))
+        if self._scorer:
+            self._events += self._scorer.results(getattr(samples, "prompt_logprobs", None))
         if samples is None:
             if rows:
                 raise ValueError(f"the last batch has {len(rows)} sampling rows but no samples were given")
@@ -305,15 +301,15 @@ class Scheduler:
         if self._cancels:
             cancels, self._cancels = self._cancels, []
             for req in cancels:
-                if not req.is_finished:
-                    self._end(req, "stop" if req.cancel_reason == "stop" else "cancelled", now)
+                if not req.is_finished and req.cancel_reason is not None:
+                    self._end(req, req.cancel_reason.finish, now)
         heap = self._deadlines
         while heap and heap[0][0] <= now:
             req = heappop(heap)[2]
             if not req.is_finished:
-                self._end(req, "deadline", now)
+                self._end(req, FinishReason.DEADLINE, now)
 
-    def _end(self, req: Request, reason: str, now: float) -> None:
+    def _end(self, req: Request, reason: FinishReason, now: float) -> None:
         """Remove a queued, held or running request for good."""
         if req.is_waiting:
             if not self.siblings.discard(req):
@@ -323,7 +319,7 @@ class Scheduler:
             self.kv.free(req)
             self._running.remove(req)
             self.queue.rows_ended(req.tenant, 1)
-        if reason in _WASTED:
+        if reason.wasted:
             self.cancelled_tokens += len(req.generated)
         self._finish(req, reason, now)
 
@@ -346,7 +342,7 @@ class Scheduler:
         # NOTE: an idle server admits a request that fits without the margin; otherwise a pool
         # smaller than one request plus the margin could never serve it.
         reserve = self.margin_blocks if self._running else 0
-        if self.kv.allocate_slots(req, req.num_tokens, self.kv.lookup(req), reserve) is None:
+        if not self.kv.join(req, reserve):
             return False
         self.queue.rows_started(req.tenant, 1)  # first, so the tenant stays active across pop()
         self.queue.pop(req)
@@ -395,26 +391,21 @@ class Scheduler:
     def _build(self) -> StepBatch:
         decoding, prefilling = self._grow_decode_rows()
         seqs: list[SeqStep] = []
-        filled: list[tuple[SeqStep, Request]] = []  # entries that fill a block up
         self._sampling = sampling = list(decoding)
-        bs = self.block_size
         for req in decoding:
             p = req.num_computed
             gen = req.generated
-            s = SeqStep(req.seq_id, [gen[-1] if gen else req.prompt_ids[-1]], p, req.block_ids, req.row_sampling)
-            seqs.append(s)
-            if (p + 1) % bs == 0:
-                filled.append((s, req))
+            seqs.append(
+                SeqStep(req.seq_id, [gen[-1] if gen else req.prompt_ids[-1]], p, req.block_ids, req.row_sampling)
+            )
             req.num_computed = p + 1
+        budget = StepBudget.for_step(self.prefill_budget, self.max_rows, len(seqs))
         self.last_decode_rows = len(seqs)
-        self.last_prefill_tokens = self._prefill_chunks(
-            prefilling, self.prefill_budget_for(len(seqs)), seqs, sampling, filled
-        )
-        if filled:
-            self.kv.register_filled(filled)
+        self.last_prefill_tokens = self._prefill_chunks(prefilling, budget, seqs, sampling)
+        ended, self._ended_seqs = self._ended_seqs, []
         # NOTE: `sampling` was appended in lockstep with `seqs`, so it is in batch.sampling_seqs
         # order, which is the order of the runner's logits and the sampler's output.
-        return StepBatch(seqs=seqs, scores_prompts=bool(self._scoring))
+        return StepBatch(seqs=seqs, scores_prompts=bool(self._scorer), finished=ended)
 
     def _grow_decode_rows(self) -> tuple[list[Request], list[Request]]:
         """The running requests that decode this step, each now holding a slot for its next token,
@@ -429,7 +420,7 @@ class Scheduler:
             req = running[i]
             if req.num_tokens - req.num_computed != 1:
                 prefilling.append(req)
-            elif kv.allocate_slots(req, req.num_computed + 1) is not None:
+            elif kv.allocate_slots(req, 1) is not None:
                 decoding.append(req)
             else:
                 victim = self._memory_victim()
@@ -452,59 +443,44 @@ class Scheduler:
         return next(r for r in reversed(self._running) if r.tenant == tenant)
 
     def _prefill_chunks(
-        self,
-        prefilling: list[Request],
-        budget: int,
-        seqs: list[SeqStep],
-        sampling: list[Request],
-        filled: list[tuple[SeqStep, Request]],
+        self, prefilling: list[Request], budget: StepBudget, seqs: list[SeqStep], sampling: list[Request]
     ) -> int:
-        """Prompt (or recompute) chunks, oldest request first, up to `budget` tokens; the tokens used."""
-        bs, charge, used = self.block_size, self.queue.charge, 0
-        scoring_left = PROMPT_LOGPROB_TOKENS_PER_STEP
+        """Prompt (or recompute) chunks, oldest request first, within `budget`; the tokens used."""
+        charge, kv, used = self.queue.charge, self.kv, 0
         for req in prefilling:
-            if budget <= used:
+            if not budget.prefill_left:
                 break
             start, total = req.num_computed, req.num_tokens
-            end = min(total, start + budget - used)
+            end = min(total, start + budget.prefill_left)
             scoring = None
             if req.scores_prompt:
-                end, scoring = self._score_chunk(req, start, end, scoring_left)
+                end, scoring = self._scorer.cut(req, start, end, budget)
                 if end == start:
                     continue  # this step's scoring allowance is spent; the chunk waits a step
-                if scoring is not None:
-                    scoring_left -= len(scoring.targets)
+            if kv.allocate_slots(req, end - start) is None:  # NOTE: the join took these blocks
+                raise SchedulerIntegrityError(f"{req.key}#{req.index} lost the blocks of its prompt")
             samples = end == total
-            s = SeqStep(
-                req.seq_id, req.tokens(start, end), start, req.block_ids, req.row_sampling if samples else None, scoring
+            seqs.append(
+                SeqStep(
+                    req.seq_id,
+                    req.tokens(start, end),
+                    start,
+                    req.block_ids,
+                    req.row_sampling if samples else None,
+                    scoring,
+                )
             )
-            seqs.append(s)
-            if end // bs > start // bs:
-                filled.append((s, req))
             if samples:
                 sampling.append(req)
             req.num_computed = end
+            budget.take_prefill(end - start)
             used += end - start
             charge(req.tenant, end - start, 0)
         return used
 
-    def _score_chunk(self, req: Request, start: int, end: int, allowance: int) -> tuple[int, PromptScoring | None]:
-        """The chunk `[start, end)` of a request owed prompt logprobs, cut so it scores at most
-        `allowance` tokens and leaves none unscored behind it, and what it scores. The logits at
-        position q score prompt token q + 1; tokens before `prompt_scored` were scored already."""
-        lo = max(start + 1, req.prompt_scored)
-        hi = min(end, req.prompt_len - 1, lo + allowance - 1)  # the last prompt token it scores
-        if hi < min(end, req.prompt_len - 1):
-            end = max(start, hi)  # stop where scoring stops, or score nothing and compute nothing
-        if lo > hi:
-            return end, None
-        req.prompt_scored = hi + 1
-        self._scoring.append((req, lo))
-        return end, PromptScoring(lo - 1 - start, req.prompt_ids[lo : hi + 1], req.prompt_logprobs or 0)
-
     def prefill_budget_for(self, decode_rows: int) -> int:
-        """Prompt tokens allowed in a step with `decode_rows` decoding rows (see module doc)."""
-        return self.prefill_budget * max(1, min(8, self.max_rows // max(decode_rows, 1)))
+        """Prompt tokens allowed in a step with `decode_rows` decoding rows (`step_budget.py`)."""
+        return prefill_tokens_for(self.prefill_budget, self.max_rows, decode_rows)
 
     # -- preemption ------------------------------------------------------------------------------
 
@@ -527,16 +503,6 @@ class Scheduler:
 
     # -- samples ---------------------------------------------------------------------------------
 
-    def _apply_prompt_logprobs(self, scored) -> None:
-        rows, self._scoring = self._scoring, []
-        if scored is None or len(scored) != len(rows):
-            raise ValueError(
-                f"the last batch scored {len(rows)} prompt chunks but "
-                f"{0 if scored is None else len(scored)} results were given"
-            )
-        for (req, start), (logprobs, ranks, top) in zip(rows, scored):
-            self._events.append(PromptLogprobsEvent(req.key, start, logprobs, ranks, top))
-
     def _apply_samples(self, rows: list[Request], token_ids, logprobs, tops) -> None:
         now = self.clock()
         events = self._events
@@ -550,8 +516,9 @@ class Scheduler:
                 req.state = RequestState.DECODE
                 if req.first_token_ts is None:
                     req.first_token_ts = now  # TTFT ends here; a recompute does not restart it
+            slot, rid = req.key
             events.append(
-                TokenEvent(req.key, req.index, tok, float(logprobs[k]), tops[k] if req.logprobs is not None else None)
+                (slot, Token(rid, req.index, tok, float(logprobs[k]), tops[k] if req.logprobs is not None else None))
             )
             charge(req.tenant, 0, 1)
             sp = req.sampling
@@ -569,7 +536,7 @@ class Scheduler:
             if reason is not None:
                 self._row_done(req, reason, now)
 
-    def _row_done(self, req: Request, reason: str, now: float) -> None:
+    def _row_done(self, req: Request, reason: FinishReason, now: float) -> None:
         """A request sampled its last token: its blocks go back now."""
         self.kv.free(req)
         self._running.remove(req)
@@ -577,22 +544,23 @@ class Scheduler:
         self.admission.observe_answer(len(req.generated))
         self._finish(req, reason, now)
 
-    def _finish(self, req: Request, reason: str, now: float) -> None:
+    def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
         """Record the end of one sample; the Submit is forgotten once all its samples have ended."""
-        req.state = RequestState.CANCELLED if reason in _WASTED else RequestState.DONE
+        req.state = RequestState.CANCELLED if reason.wasted else RequestState.DONE
         joined = req.first_join_ts if req.first_join_ts is not None else now
         ttft = (req.first_token_ts - req.arrival_ts) * 1000.0 if req.first_token_ts is not None else 0.0
-        self._events.append(
-            FinishEvent(
-                req.key,
-                req.index,
-                reason,
-                req.prompt_len,
-                len(req.generated),
-                max(0.0, (joined - req.arrival_ts) * 1000.0),
-                max(0.0, ttft),
-            )
+        slot, rid = req.key
+        finish = Finish(
+            rid,
+            req.index,
+            reason,
+            req.prompt_len,
+            len(req.generated),
+            max(0.0, (joined - req.arrival_ts) * 1000.0),
+            max(0.0, ttft),
         )
+        self._events.append((slot, finish))
+        self._ended_seqs.append(req.seq_id)
         self.ledger.release(req)
         if req.index == 0 and self.siblings:
             self._queue_first(self.siblings.release(req))
@@ -611,14 +579,14 @@ class Scheduler:
         return list(self._live)
 
     def stats(self) -> SchedulerStats:
-        cache = self.kv.cache
+        kv = self.kv.stats()
         return SchedulerStats(
             queue_depth=len(self.queue) + len(self.siblings),
             queued_gpu_seconds=max(self.ledger.total_ms, 0.0) / 1000.0,
             running_rows=len(self._running),
-            kv_blocks_free=self.bm.num_free,
-            kv_blocks_total=self.bm.num_blocks,
-            kv_blocks_cached=self.bm.num_cached,
+            kv_blocks_free=kv.free,
+            kv_blocks_total=kv.total,
+            kv_blocks_cached=kv.cached,
             preemptions=self.preemptions,
             fair_preemptions=self.fair_preemptions,
             cancelled_tokens=self.cancelled_tokens,
@@ -627,8 +595,8 @@ class Scheduler:
             c_prefill_ms=self.admission.costs.c_prefill_ms,
             c_decode_ms=self.admission.costs.c_decode_ms,
             cost_model_resets=self.admission.costs.resets,
-            prefix_cache_queries=cache.queries,
-            prefix_cache_hits=cache.hits,
+            prefix_cache_queries=kv.queries,
+            prefix_cache_hits=kv.hits,
         )
 
     def snapshot(self) -> SchedulerSnapshot:

@@ -12,18 +12,22 @@ request shares their blocks.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from ringserve.gpu_proc.request import Request, WorkerRid
 from ringserve.gpu_proc.step import RowControls, RowSampling
+
+if TYPE_CHECKING:
+    from ringserve.gpu_proc.kv_manager import KVCacheManager
 
 
 class Siblings:
     """The fan-out, and the samples held until their sample 0's prompt blocks are registered."""
 
-    __slots__ = ("block_size", "caching", "_held", "_groups")
+    __slots__ = ("kv", "caching", "_held", "_groups")
 
-    def __init__(self, block_size: int, caching: bool) -> None:
-        self.block_size = block_size
+    def __init__(self, kv: KVCacheManager, caching: bool) -> None:
+        self.kv = kv
         self.caching = caching  # the config's prefix_caching
         self._held: dict[WorkerRid, list[Request]] = {}
         self._groups = 0
@@ -46,7 +50,7 @@ class Siblings:
     def hold(self, samples: list[Request]) -> list[Request]:
         """The samples to queue now: all when the prompt has no full block to share, else sample 0
         (the others are held)."""
-        if len(samples) == 1 or samples[0].prompt_len < self.block_size:
+        if len(samples) == 1 or not self.kv.has_shared_prefix(samples[0].prompt_len):
             return samples
         self._held[samples[0].key] = samples[1:]
         return samples[:1]
@@ -55,7 +59,7 @@ class Siblings:
         """Held samples whose sample 0 has its prompt's full blocks registered (or has ended), in
         index order; they are no longer held."""
         out: list[Request] = []
-        for key in [k for k, _ in self._held.items() if _registered(live[k][0], self.block_size)]:
+        for key in [k for k, _ in self._held.items() if self.kv.prompt_registered(live[k][0])]:
             out += self._held.pop(key)
         return out
 
@@ -89,8 +93,3 @@ class Siblings:
     def __iter__(self) -> Iterator[Request]:
         for held in self._held.values():
             yield from held
-
-
-def _registered(first: Request, block_size: int) -> bool:
-    """Sample 0's prompt blocks are all registered: the step computing them has been built."""
-    return first.is_finished or first.num_computed >= first.prompt_len // block_size * block_size

@@ -113,6 +113,7 @@ class SeqStep:
 class StepBatch:
     seqs: list[SeqStep] = field(default_factory=list)
     scores_prompts: bool = False  # some row has `scoring` (checked once per step, not per row)
+    finished: list[int] = field(default_factory=list)  # seq ids that ended since the last batch: free their state
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ringserve.shm.messages import FinishReason
+
 
 def finish_reason(
     token_id: int,
@@ -21,8 +23,8 @@ def finish_reason(
     ignore_eos: bool = False,
     max_tokens: int,
     context_limit: int,
-) -> str | None:
-    """`"stop"`, `"length"` or None for a sequence that just sampled `token_id`.
+) -> FinishReason | None:
+    """`STOP`, `LENGTH` or None for a sequence that just sampled `token_id`.
 
     `num_generated` and `context_len` already count `token_id`. Both id sets are frozensets: this
     runs for every sampled token of every row, so a lookup must not cost the set's size (a request
@@ -31,9 +33,9 @@ def finish_reason(
     `stop_token_ids`. Reaching `max_tokens` or the context limit is `length`.
     """
     if token_id in stop_token_ids or (not ignore_eos and token_id in eos_token_ids):
-        return "stop"
+        return FinishReason.STOP
     if num_generated >= max_tokens or context_len >= context_limit:
-        return "length"
+        return FinishReason.LENGTH
     return None
 
 

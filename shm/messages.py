@@ -12,6 +12,8 @@ GPU process drops exactly the dead worker's requests (`rid_generation`).
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import msgspec
 
 _RID_GENERATION_SHIFT = 32
@@ -27,7 +29,50 @@ def rid_generation(rid: int) -> int:
     return rid >> _RID_GENERATION_SHIFT
 
 
-FINISH_REASONS = ("stop", "length", "cancelled", "deadline", "error")
+class FinishReason(StrEnum):
+    """Why a sample ended: on the wire (`shm.messages.Finish`), in the metrics' labels, and, through
+    `client`, what the API reports as the choice's `finish_reason`."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    CANCELLED = "cancelled"  # the client went away, DELETE, a slow reader, a worker restart
+    DEADLINE = "deadline"  # the request's deadline passed
+    ERROR = "error"  # the GPU process failed it
+
+    @property
+    def client(self) -> str:
+        """The OpenAI `finish_reason` (a passed deadline reads as cancelled, as on vLLM)."""
+        return _CLIENT_REASON[self]
+
+    @property
+    def wasted(self) -> bool:
+        """Its generated tokens count as `cancelled_tokens`: nobody reads them to the end."""
+        return self in (FinishReason.CANCELLED, FinishReason.DEADLINE)
+
+
+_CLIENT_REASON = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "cancelled",
+    FinishReason.DEADLINE: "cancelled",
+    FinishReason.ERROR: "error",
+}
+
+
+class CancelReason(StrEnum):
+    """Why a worker cancels a request (`shm.messages.Cancel`); `finish` is how the sample ends."""
+
+    CANCELLED = "cancelled"  # DELETE /v1/requests/{id}, a worker restart, a full output ring
+    STOP = "stop"  # a stop string matched in the worker
+    DISCONNECT = "disconnect"  # the client closed its connection
+    SLOW_READER = "slow_reader"  # the client read nothing for the slow-reader timeout
+
+    @property
+    def finish(self) -> FinishReason:
+        return FinishReason.STOP if self is CancelReason.STOP else FinishReason.CANCELLED
+
+
+FINISH_REASONS = tuple(FinishReason)
 
 # Per-request limits both sides enforce (docs/design.md#limits-and-timeouts): the worker refuses
 # a request over them with a 400, and the GPU process refuses a Submit over them.
@@ -83,7 +128,7 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
 
 class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel"):
     rid: int
-    reason: str = "cancelled"  # cancelled | stop (a stop string matched) | disconnect | slow_reader
+    reason: CancelReason = CancelReason.CANCELLED
     index: int | None = None  # one sample of an n > 1 request (a stop string ended it); None: all
 
 
@@ -113,7 +158,7 @@ class Token(msgspec.Struct, frozen=True, array_like=True):
 class Finish(msgspec.Struct, frozen=True, array_like=True):
     rid: int
     index: int
-    reason: str  # one of FINISH_REASONS
+    reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     queue_ms: float

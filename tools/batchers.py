@@ -24,9 +24,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ringserve.gpu_proc.block_manager import BlockManager
-from ringserve.gpu_proc.request import FinishEvent, Request, SamplingSpec
+from ringserve.gpu_proc.request import Request, SamplingSpec
 from ringserve.gpu_proc.scheduler import Scheduler
 from ringserve.gpu_proc.step import RowSampling, SeqStep, StepBatch
+from ringserve.shm.messages import Finish
 
 NEVER_S = 1e9  # deadline / queue limit that never binds in a benchmark
 
@@ -95,8 +96,8 @@ class ContinuousPolicy:
     def update(self, samples, now: float) -> list[tuple[int, bool, bool]]:
         self._now = now
         out = []
-        for ev in self.sched.update(samples):
-            out.append((ev.key[1], not isinstance(ev, FinishEvent), isinstance(ev, FinishEvent)))
+        for _, ev in self.sched.update(samples):
+            out.append((ev.rid, not isinstance(ev, Finish), isinstance(ev, Finish)))
         return out
 
     def flush(self) -> None:

@@ -72,7 +72,7 @@ class _Bench:
     def drive(self, sched, arrivals: list) -> dict:
         """Admit `arrivals[k]` before step k (then the rest as steps go on) and run to idle.
         Per request key: wall seconds from admission to its first token; plus streams and wall time."""
-        from ringserve.gpu_proc.request import TokenEvent
+        from ringserve.shm.messages import Token
 
         admitted: dict = {}
         ttft: dict = {}
@@ -88,10 +88,11 @@ class _Bench:
             batch = sched.schedule()
             samples = self.engine.step(batch) if batch.seqs else None
             now = time.perf_counter()
-            for ev in sched.update(samples):
-                if isinstance(ev, TokenEvent):
-                    ttft.setdefault(ev.key, now - admitted[ev.key])
-                    streams.setdefault((ev.key, ev.index), []).append(ev.token_id)
+            for slot, ev in sched.update(samples):
+                if isinstance(ev, Token):
+                    key = (slot, ev.rid)
+                    ttft.setdefault(key, now - admitted[key])
+                    streams.setdefault((key, ev.index), []).append(ev.token_id)
         return {"wall_s": time.perf_counter() - t0, "ttft": ttft, "streams": streams, "stats": sched.stats()}
 
 

@@ -15,7 +15,7 @@ import sys
 import time
 
 from ringserve.shm.instance import ShmInstance
-from ringserve.shm.messages import Accepted, Cancel, Finish, StepOutput, Submit, Token, decode, encode
+from ringserve.shm.messages import Accepted, Cancel, Finish, FinishReason, StepOutput, Submit, Token, decode, encode
 
 
 class _Row:
@@ -61,7 +61,7 @@ def run(instance: str, bell_fds: list[int], directory: str) -> int:
                             Finish(
                                 msg.rid,
                                 i,
-                                "cancelled",
+                                FinishReason.CANCELLED,
                                 len(row.submit.prompt_ids),
                                 row.submit.max_tokens - row.left,
                                 0.0,
@@ -81,7 +81,7 @@ def run(instance: str, bell_fds: list[int], directory: str) -> int:
                 if row.left == 0:
                     del rows[rid]
                     finishes += [
-                        Finish(rid, i, "length", len(row.submit.prompt_ids), row.submit.max_tokens, 0.1, 1.0)
+                        Finish(rid, i, FinishReason.LENGTH, len(row.submit.prompt_ids), row.submit.max_tokens, 0.1, 1.0)
                         for i in range(row.submit.n)
                     ]
             news.append(StepOutput(step=step, tokens=tokens, finishes=finishes))

@@ -31,7 +31,7 @@ def _run(model_dir, num_blocks: int, prompts: list[list[int]], max_tokens: int):
         assert sched.admit(req).accepted
     streams: dict[tuple[int, int], list[int]] = {}
     serve_until_idle(sched, engine, streams)
-    assert sched.bm.num_free == num_blocks
+    assert sched.kv.bm.num_free == num_blocks
     return {rid: streams[(rid, 0)] for rid in range(len(prompts))}, sched.preemptions
 
 

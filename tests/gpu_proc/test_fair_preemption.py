@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ringserve.gpu_proc.request import FinishEvent
+from ringserve.shm.messages import Finish
 from tests.helpers.scheduler_fakes import Harness, make_harness, make_request
 
 K = 4  # fair_preempt_steps (the default)
@@ -67,7 +67,7 @@ def _run(tenants: list[Tenant], passes: int, **config) -> tuple[Harness, float, 
             rows[t.name].append(sum(1 for q in batch.seqs if tenant_of[q.seq_id] == t.name))
         for (key, _), fin in list(h.finishes.items()):
             t = by_key.pop(key, None)
-            if t is not None and isinstance(fin, FinishEvent):
+            if t is not None and isinstance(fin, Finish):
                 t.tokens += fin.completion_tokens
                 t.pending.append(p + 1 + t.gap)
     for key, t in by_key.items():  # unfinished: count what they streamed

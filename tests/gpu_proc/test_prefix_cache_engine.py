@@ -51,7 +51,7 @@ def _serve(model_dir, prefix_caching: bool, temperature: float, num_blocks: int 
     for i in range(1, 6):
         submit(i, n=2 if i % 3 == 0 else 1)
     serve_until_idle(sched, engine, out, max_steps=500)
-    assert sched.bm.num_free == num_blocks
+    assert sched.kv.bm.num_free == num_blocks
     return out, sched.stats()
 
 

@@ -34,12 +34,12 @@ def test_repeat_prompt_reuses_full_blocks_and_prefills_only_the_rest():
     h = make_harness(num_blocks=8, block_size=4)
     a = make_request(1, P, max_tokens=3, ignore_eos=True, seed=1)
     _serve(h, a)
-    assert h.sched.bm.free_order() == [3, 4, 5, 6, 7, 2, 1, 0]  # a's table freed tail first, all full
+    assert h.sched.kv.bm.free_order() == [3, 4, 5, 6, 7, 2, 1, 0]  # a's table freed tail first, all full
     b = make_request(2, P, max_tokens=3, ignore_eos=True, seed=2)
     assert h.sched.admit(b).accepted
     batch = h.step()
     assert _first_seq(batch, b) == (8, 2, [0, 1, 3])
-    assert h.sched.bm.free_order() == [4, 5, 6, 7, 2]
+    assert h.sched.kv.bm.free_order() == [4, 5, 6, 7, 2]
     h.run_until_idle()
     assert h.tokens[(b.key, 0)] == expected_stream(h, b)[0]
     s = h.sched.stats()
@@ -80,11 +80,11 @@ def test_running_requests_share_cached_blocks_in_use():
     h.step()
     b = make_request(2, P, max_tokens=6, ignore_eos=True, seed=2)
     assert h.sched.admit(b).accepted
-    free_before = h.sched.bm.num_free
+    free_before = h.sched.kv.bm.num_free
     batch = h.step()
     assert _first_seq(batch, b) == (8, 2, [0, 1, 3])
-    assert (h.sched.bm.ref_count(0), h.sched.bm.ref_count(1)) == (2, 2)
-    assert h.sched.bm.num_free == free_before - 1
+    assert (h.sched.kv.bm.ref_count(0), h.sched.kv.bm.ref_count(1)) == (2, 2)
+    assert h.sched.kv.bm.num_free == free_before - 1
     h.run_until_idle()
     for r in (a, b):
         assert h.tokens[(r.key, 0)] == expected_stream(h, r)[0]
@@ -101,10 +101,10 @@ def test_cancelling_a_sharer_keeps_the_other_requests_blocks():
     h.step()
     assert h.sched.cancel(b.key)
     h.step()
-    assert b.state == RequestState.CANCELLED and h.sched.bm.ref_count(0) == 1
+    assert b.state == RequestState.CANCELLED and h.sched.kv.bm.ref_count(0) == 1
     h.run_until_idle()
     assert h.tokens[(a.key, 0)] == expected_stream(h, a)[0]
-    assert h.sched.bm.num_free == 8
+    assert h.sched.kv.bm.num_free == 8
 
 
 def test_preempted_request_recomputes_from_its_own_cached_blocks():
@@ -117,7 +117,7 @@ def test_preempted_request_recomputes_from_its_own_cached_blocks():
     for _ in range(5):
         h.step()
     batch = h.step()  # a needs a block at position 8: b is preempted, its block 1 parked
-    assert b.state == RequestState.PREEMPTED and h.sched.bm.cache.is_registered(1)
+    assert b.state == RequestState.PREEMPTED and h.sched.kv.bm.cache.is_registered(1)
     batch = h.step()  # b rejoins: block 1 is a hit, 5 of its 9 tokens are recomputed
     assert _first_seq(batch, b) == (4, 5, [1, 3, 2])
     h.run_until_idle()
@@ -228,7 +228,7 @@ def test_with_caching_off_siblings_still_share_their_prompt_and_nobody_else_does
     assert _first_seq(h.step(), r)[:2] == (0, 10)
     batch = h.step()
     assert [_first_seq(batch, s)[:2] for s in samples[1:]] == [(8, 2), (8, 2)]
-    assert [s.block_ids[:2] for s in samples] == [[0, 1]] * 3 and h.sched.bm.ref_count(0) == 3
+    assert [s.block_ids[:2] for s in samples] == [[0, 1]] * 3 and h.sched.kv.bm.ref_count(0) == 3
     other = make_request(2, P, max_tokens=2, ignore_eos=True)
     assert h.sched.admit(other).accepted
     assert _first_seq(h.step(), other)[:2] == (0, 10)

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from ringserve.config import Config
-from ringserve.gpu_proc import scheduler as scheduler_module
+from ringserve.gpu_proc import step_budget as step_budget_module
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.engine import build_engine
-from ringserve.gpu_proc.request import PromptLogprobsEvent, Request, SamplingSpec, TokenEvent
+from ringserve.gpu_proc.request import Request, SamplingSpec
 from ringserve.gpu_proc.scheduler import Scheduler
 from ringserve.gpu_proc.step import LogitsControls
+from ringserve.shm.messages import PromptLogprobs, Token
 
 TOP = 3
 
@@ -66,13 +67,13 @@ def _serve(
         if not sched.has_work:
             break
         batch = sched.schedule()
-        for ev in sched.update(engine.step(batch) if batch.seqs else None):
-            if isinstance(ev, PromptLogprobsEvent):
-                scores.setdefault(ev.key, []).append(ev)
-            elif isinstance(ev, TokenEvent):
-                tokens.setdefault(ev.key, []).append(ev.token_id)
+        for slot, ev in sched.update(engine.step(batch) if batch.seqs else None):
+            if isinstance(ev, PromptLogprobs):
+                scores.setdefault((slot, ev.rid), []).append(ev)
+            elif isinstance(ev, Token):
+                tokens.setdefault((slot, ev.rid), []).append(ev.token_id)
         sched.check_integrity()
-    assert not sched.has_work and sched.bm.num_free == num_blocks
+    assert not sched.has_work and sched.kv.bm.num_free == num_blocks
     return scores, tokens, sched
 
 
@@ -92,7 +93,7 @@ def _request(
     )
 
 
-def _check(events: list[PromptLogprobsEvent], prompt: list[int], ref: torch.Tensor) -> None:
+def _check(events: list[PromptLogprobs], prompt: list[int], ref: torch.Tensor) -> None:
     """Every prompt token from 1 on is scored exactly once, in order, as transformers scores it."""
     starts = [e.start for e in events]
     assert starts == sorted(starts) and starts[0] == 1
@@ -114,7 +115,7 @@ def test_prompt_logprobs_equal_transformers_across_chunks(tiny_model_dir, hf_log
     step, in chunks cut to it) scores every token as the full-sequence forward does; a short
     request beside it is unaffected."""
     if allowance is not None:
-        monkeypatch.setattr(scheduler_module, "PROMPT_LOGPROB_TOKENS_PER_STEP", allowance)
+        monkeypatch.setattr(step_budget_module, "PROMPT_LOGPROB_TOKENS_PER_STEP", allowance)
     prompt = _prompt(300)
     scores, tokens, _ = _serve(tiny_model_dir, [_request(1, prompt), _request(2, _prompt(20, 5), prompt_logprobs=None)])
     _check(scores[(0, 1)], prompt, hf_logprobs(prompt))
@@ -139,9 +140,7 @@ def test_prompt_logprobs_skip_the_prefix_cache(tiny_model_dir, hf_logprobs):
         while sched.has_work:
             batch = sched.schedule()
             events += [
-                e
-                for e in sched.update(engine.step(batch) if batch.seqs else None)
-                if isinstance(e, PromptLogprobsEvent)
+                e for _, e in sched.update(engine.step(batch) if batch.seqs else None) if isinstance(e, PromptLogprobs)
             ]
         if plp:
             _check(events, prompt, hf_logprobs(prompt))
@@ -153,7 +152,7 @@ def test_prompt_logprobs_skip_the_prefix_cache(tiny_model_dir, hf_logprobs):
 def test_prompt_logprobs_across_preemption_are_sent_once(tiny_model_dir, hf_logprobs, monkeypatch):
     """A request preempted in the middle of its prompt (scored 12 tokens a step) is recomputed from
     the start: no token is scored twice, the values are the same, and so are its seeded tokens."""
-    monkeypatch.setattr(scheduler_module, "PROMPT_LOGPROB_TOKENS_PER_STEP", 12)
+    monkeypatch.setattr(step_budget_module, "PROMPT_LOGPROB_TOKENS_PER_STEP", 12)
     prompt = _prompt(90, 4)
     config = Config(num_blocks=64, max_rows=8, prefill_budget=16, context_limit=1024)
     engine = build_engine(config, tiny_model_dir)
@@ -168,10 +167,10 @@ def test_prompt_logprobs_across_preemption_are_sent_once(tiny_model_dir, hf_logp
                 sched._preempt(req)  # what a decoding row short of a block does to the newest request
                 preempted = True
             batch = sched.schedule()
-            for ev in sched.update(engine.step(batch) if batch.seqs else None):
-                if isinstance(ev, PromptLogprobsEvent):
+            for slot, ev in sched.update(engine.step(batch) if batch.seqs else None):
+                if isinstance(ev, PromptLogprobs):
                     events.append(ev)
-                elif isinstance(ev, TokenEvent) and ev.key == (0, 1):
+                elif isinstance(ev, Token) and (slot, ev.rid) == (0, 1):
                     tokens.append(ev.token_id)
             sched.check_integrity()
         assert preempted == (preempt_at is not None)

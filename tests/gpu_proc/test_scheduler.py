@@ -23,10 +23,10 @@ def test_join_allocates_prompt_blocks_and_decode_grows_one_block_per_boundary():
     assert r.block_ids == [0, 1]
     b = h.step()  # position 8 crosses into a third block
     assert b.seqs[0].start_pos == 8 and b.seqs[0].block_table == [0, 1, 2]
-    assert h.sched.bm.num_free == 5
+    assert h.sched.kv.bm.num_free == 5
     h.run_until_idle()
     assert h.tokens[(r.key, 0)] == expected_stream(h, r)[0]
-    assert h.finishes[(r.key, 0)].reason == "length" and h.sched.bm.num_free == 8
+    assert h.finishes[(r.key, 0)].reason == "length" and h.sched.kv.bm.num_free == 8
 
 
 def test_prompt_is_prefilled_in_budget_chunks_and_samples_only_at_the_end():
@@ -91,7 +91,7 @@ def test_newest_request_is_preempted_and_resumes_without_re_emitting():
     h.run_until_idle()
     for r in (a, b):
         assert h.tokens[(r.key, 0)] == expected_stream(h, r)[0]
-    assert h.sched.bm.num_free == 4
+    assert h.sched.kv.bm.num_free == 4
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -106,7 +106,7 @@ def test_preempted_seeded_outputs_equal_an_unpreempted_run(n):
             assert h.sched.admit(r).accepted
         h.run_until_idle()
         streams = {(r.key, i): h.tokens[(r.key, i)] for r in reqs for i in range(n)}
-        return streams, h.sched.stats().preemptions, h.sched.bm.num_free
+        return streams, h.sched.stats().preemptions, h.sched.kv.bm.num_free
 
     roomy, p0, free0 = run(200)
     tight, p1, free1 = run(12 * n)
@@ -137,12 +137,12 @@ def test_n_samples_share_full_prompt_blocks_and_compute_their_own_tail():
     assert _tables(b) == [(r.seq_id, 0, 6, [0, 1], True)]
     b = h.step()
     assert _tables(b) == [(r.seq_id, 6, 1, [0, 1], True), (second.seq_id, 4, 2, [0, 2], True)]
-    assert h.sched.bm.ref_count(0) == 2
+    assert h.sched.kv.bm.ref_count(0) == 2
     h.run_until_idle()
     streams = [h.tokens[(r.key, i)] for i in range(2)]
     assert streams == [expected_stream(h, r, i)[0] for i in range(2)]
     assert streams[0] != streams[1]
-    assert h.sched.bm.num_free == 8
+    assert h.sched.kv.bm.num_free == 8
 
 
 def test_n_samples_with_block_aligned_prefix_compute_only_the_last_token():
@@ -156,7 +156,7 @@ def test_n_samples_with_block_aligned_prefix_compute_only_the_last_token():
     assert (r.block_ids, second.block_ids) == ([0, 1], [0, 2])
     assert [(s.start_pos, len(s.token_ids)) for s in b.seqs] == [(5, 1), (4, 1)]
     h.run_until_idle()
-    assert h.sched.bm.num_free == 8
+    assert h.sched.kv.bm.num_free == 8
 
 
 def test_short_prompt_samples_join_together():
@@ -182,7 +182,7 @@ def test_stop_token_and_max_tokens_finish_rows():
         assert h.tokens[(r.key, 0)] == want and h.finishes[(r.key, 0)].reason == reason
         reasons.add(reason)
     assert reasons == {"stop", "length"}
-    assert h.sched.bm.num_free == 16
+    assert h.sched.kv.bm.num_free == 16
 
 
 def test_row_cap_holds_back_joins():
@@ -261,7 +261,7 @@ def test_newest_request_needing_a_block_preempts_itself_and_leaves_the_step():
     assert b.state == RequestState.PREEMPTED and len(h.tokens[(b.key, 0)]) == 1
     h.run_until_idle()
     assert [h.tokens[(r.key, 0)] for r in (a, b)] == [expected_stream(h, r)[0] for r in (a, b)]
-    assert h.sched.bm.num_free == 3
+    assert h.sched.kv.bm.num_free == 3
 
 
 def test_preemption_takes_a_newer_request_mid_prefill():
@@ -277,7 +277,7 @@ def test_preemption_takes_a_newer_request_mid_prefill():
     assert b.block_ids == [1, 2, 3, 4] and b.num_computed == 2 and len(batch.seqs) == 2
     h.step()  # a at 3; b to 4
     batch = h.step()  # a at 4 takes the last free block; b to 6
-    assert a.block_ids == [0, 5] and h.sched.bm.num_free == 0
+    assert a.block_ids == [0, 5] and h.sched.kv.bm.num_free == 0
     for _ in range(3):
         h.step()  # a at 5..7; b to 12
     assert b.num_computed == 12 and b.generated == []
@@ -286,7 +286,7 @@ def test_preemption_takes_a_newer_request_mid_prefill():
     assert _tables(batch) == [(a.seq_id, 8, 1, [0, 5, 1], True)]
     h.run_until_idle()
     assert [h.tokens[(r.key, 0)] for r in (a, b)] == [expected_stream(h, r)[0] for r in (a, b)]
-    assert h.sched.bm.num_free == 6
+    assert h.sched.kv.bm.num_free == 6
 
 
 def test_finished_requests_are_released_before_their_deadline():

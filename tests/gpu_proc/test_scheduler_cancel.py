@@ -82,7 +82,7 @@ def test_cancel_ends_every_sample_of_an_n_request():
     assert [h.finishes[(r.key, i)].reason for i in range(3)] == ["cancelled"] * 3
     streamed = [len(h.tokens[(r.key, i)]) for i in range(3)]
     assert streamed == [3, 2, 2]  # sample 0 prefilled first; 1 and 2 joined on its cached blocks
-    assert h.sched.stats().cancelled_tokens == sum(streamed) and h.sched.bm.num_free == 64
+    assert h.sched.stats().cancelled_tokens == sum(streamed) and h.sched.kv.bm.num_free == 64
 
 
 def test_cancel_of_one_sample_ends_only_that_sample():
@@ -102,7 +102,7 @@ def test_cancel_of_one_sample_ends_only_that_sample():
     h.run_until_idle()
     assert [h.finishes[(r.key, i)].reason for i in (0, 2)] == ["length", "length"]
     assert h.tokens[(r.key, 1)] == expected_stream(h, r, 1)[0][:2]
-    assert h.sched.stats().cancelled_tokens == 0 and h.sched.bm.num_free == 64
+    assert h.sched.stats().cancelled_tokens == 0 and h.sched.kv.bm.num_free == 64
 
 
 def test_passed_deadline_removes_running_and_queued_requests():
@@ -118,7 +118,7 @@ def test_passed_deadline_removes_running_and_queued_requests():
     for _ in range(3):
         h.step()  # + 0.05: a leaves
     assert h.finishes[(a.key, 0)].reason == "deadline" and len(h.tokens[(a.key, 0)]) == 4
-    assert not h.sched.has_work and h.sched.bm.num_free == 16
+    assert not h.sched.has_work and h.sched.kv.bm.num_free == 16
 
 
 def test_over_context_limit_is_400_and_never_queued():

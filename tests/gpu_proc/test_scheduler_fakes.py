@@ -61,4 +61,4 @@ def test_harness_event_streams_match_reference():
         want, reason = expected_stream(h, r)
         assert h.tokens[(r.key, 0)] == want
         assert h.finishes[(r.key, 0)].reason == reason
-    assert h.sched.bm.num_free == 32
+    assert h.sched.kv.bm.num_free == 32

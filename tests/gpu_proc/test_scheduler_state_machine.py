@@ -91,7 +91,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self):
         h = self.h
         h.run_until_idle(max_steps=5000)
-        assert h.sched.bm.num_free == NUM_BLOCKS
+        assert h.sched.kv.bm.num_free == NUM_BLOCKS
         s = h.sched.stats()
         assert (s.running_rows, s.queue_depth, s.queued_gpu_seconds) == (0, 0, 0)
         for req in self.accepted:
@@ -146,7 +146,7 @@ def test_state_machine_shared_prefixes_hit_the_cache():
         h.step()
     h.run_until_idle()
     s = h.sched.stats()
-    assert s.prefix_cache_hits > 0 and s.preemptions > 0 and h.sched.bm.num_free == NUM_BLOCKS
+    assert s.prefix_cache_hits > 0 and s.preemptions > 0 and h.sched.kv.bm.num_free == NUM_BLOCKS
 
 
 def test_state_machine_forces_preemptions():
@@ -155,4 +155,4 @@ def test_state_machine_forces_preemptions():
     for i in range(6):
         assert h.sched.admit(make_request(i, 10, max_tokens=20, ignore_eos=True, n=1 + i % 2, seed=i)).accepted
     h.run_until_idle()
-    assert h.sched.stats().preemptions > 0 and h.sched.bm.num_free == NUM_BLOCKS
+    assert h.sched.stats().preemptions > 0 and h.sched.kv.bm.num_free == NUM_BLOCKS

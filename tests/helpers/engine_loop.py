@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ringserve.gpu_proc.request import TokenEvent
+from ringserve.shm.messages import Token
 
 
 def serve_until_idle(sched, engine, out: dict[tuple[int, int], list[int]], max_steps: int = 2000) -> None:
@@ -13,8 +13,8 @@ def serve_until_idle(sched, engine, out: dict[tuple[int, int], list[int]], max_s
             return
         batch = sched.schedule()
         samples = engine.step(batch) if batch.seqs else None
-        for ev in sched.update(samples):
-            if isinstance(ev, TokenEvent):
-                out.setdefault((ev.key[1], ev.index), []).append(ev.token_id)
+        for _, ev in sched.update(samples):
+            if isinstance(ev, Token):
+                out.setdefault((ev.rid, ev.index), []).append(ev.token_id)
         sched.check_integrity()
     raise AssertionError(f"still busy after {max_steps} steps")

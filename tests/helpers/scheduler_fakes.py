@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
-from ringserve.gpu_proc.request import Request, SamplingSpec, TokenEvent
+from ringserve.gpu_proc.request import Request, SamplingSpec
 from ringserve.gpu_proc.scheduler import Scheduler
 from ringserve.gpu_proc.step import StepBatch
 from ringserve.rules import finish_reason
+from ringserve.shm.messages import Token
 
 VOCAB = 40
 EOS = 0
@@ -127,15 +128,16 @@ class Harness:
         self.now += dt
         batch = self.sched.schedule(self.now)
         samples = self.engine.run(batch) if batch.seqs else None
-        for ev in self.sched.update(samples):
-            if isinstance(ev, TokenEvent):
-                if (ev.key, ev.index) in self.finishes:
-                    raise AssertionError(f"token after finish for {ev.key}#{ev.index}")
-                self.tokens.setdefault((ev.key, ev.index), []).append(ev.token_id)
+        for slot, ev in self.sched.update(samples):
+            key = (slot, ev.rid)
+            if isinstance(ev, Token):
+                if (key, ev.index) in self.finishes:
+                    raise AssertionError(f"token after finish for {key}#{ev.index}")
+                self.tokens.setdefault((key, ev.index), []).append(ev.token_id)
             else:
-                if (ev.key, ev.index) in self.finishes:
-                    raise AssertionError(f"second finish for {ev.key}#{ev.index}")
-                self.finishes[(ev.key, ev.index)] = ev
+                if (key, ev.index) in self.finishes:
+                    raise AssertionError(f"second finish for {key}#{ev.index}")
+                self.finishes[(key, ev.index)] = ev
         self.batches.append(batch)
         self.sched.check_integrity()
         return batch
