@@ -43,6 +43,7 @@ class Engine:
     device: torch.device
     dtype: torch.dtype
     warmup: WarmupReport | None = None
+    attention: dict = field(default_factory=dict)  # the backend per op and its start-up check (facts)
     controls: ControlsState = field(init=False)  # the logits controls' per-sequence state
 
     def __post_init__(self) -> None:
@@ -104,12 +105,64 @@ def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype)
     return plan.num_blocks
 
 
-def build_engine(config: Config, model_dir: str | Path, progress: Callable[[], None] | None = None) -> Engine:
+def choose_attention(config: Config, model, device: torch.device, kernels=None, progress=None) -> dict:
+    """Pick the attention backend `--attention-backend` asks for and, for the CuPy kernels (or
+    `kernels`, launchers on another executor: the CPU harness in tests), verify every op on the
+    device against the torch reference before serving with it (`attention/self_check.py`). Sets the
+    model's backend; returns what the GPU process publishes about it."""
+    from ringserve.gpu_proc.attention import kernels_backend, reference_backend
+    from ringserve.gpu_proc.attention.self_check import OPS, KernelCheckFatal, verify
+
+    def unchecked(backend) -> dict:
+        model.setup(device, backend)
+        return {"backend": backend.name, "ops": dict.fromkeys(OPS, backend.name), "checked": False, "failures": []}
+
+    want = config.attention_backend
+    if want == "reference":
+        return unchecked(reference_backend())
+    if kernels is None:
+        if device.type != "cuda":
+            if want == "cupy":
+                raise RuntimeError("--attention-backend cupy needs a CUDA device (this one is the CPU)")
+            return unchecked(model.backend)  # the compiled CPU kernels or the reference, as loaded
+        try:
+            import cupy  # noqa: F401
+
+            from ringserve.gpu_proc.attention import cupy_backend
+        except ImportError as exc:
+            if want == "cupy" or config.require_kernels:
+                raise RuntimeError(f"the CuPy attention kernels need CuPy, which does not import ({exc})") from None
+            log.warning("CuPy does not import (%s): serving attention with the torch reference (slower)", exc)
+            return unchecked(reference_backend())
+        kernels = cupy_backend.default_kernels()
+    from ringserve.gpu_proc.attention.cupy_backend import op_kernels
+
+    args = model.args
+    shape = (model.dtype, args.head_dim, args.num_heads, args.num_kv_heads)
+    backend = kernels_backend(kernels)
+    # NOTE: compiled here (the warm-up then finds them compiled), so a check never times a compile.
+    kernels.compile(*shape, device, progress)
+    names = op_kernels(*shape, kernels.executor.capability(device))
+    served, report = verify(backend, kernels, *shape, device, names, progress)
+    if report.failed and config.require_kernels:
+        worst = report.failed[0]
+        raise KernelCheckFatal(
+            f"--require-kernels: the {worst.op} kernel check failed ({', '.join(worst.kernels)}: worst error "
+            f"{worst.worst_error:.3g} on {worst.shape}{'; ' + worst.error if worst.error else ''})"
+        )
+    model.setup(device, served)
+    return {"backend": served.name, "checked": True, **report.facts()}
+
+
+def build_engine(
+    config: Config, model_dir: str | Path, progress: Callable[[], None] | None = None, kernels=None
+) -> Engine:
     """Load the model, size and allocate the KV pool, build or compile the kernels and run the
     warm-up steps. `progress()`, if given, is called as loading advances (per tensor read, per
     phase, while the CPU kernels build the first time, between kernel compiles), never more than a
     few seconds apart: the GPU process beats its heartbeat from it, so a load that stops making
-    progress is caught by the watchdog."""
+    progress is caught by the watchdog. `kernels`: the attention launchers to verify and serve with
+    instead of CuPy's (tests run them on the CPU harness)."""
     progress = progress or (lambda: None)
     device = resolve_device(config.device)
     progress()
@@ -120,6 +173,7 @@ def build_engine(config: Config, model_dir: str | Path, progress: Callable[[], N
         cpu_kernels = config.cpu_kernels and _load_cpu_kernels(progress)
     model = load_model(model_dir, device, config.dtype, config.load_format, progress=progress, cpu_kernels=cpu_kernels)
     dtype = next(model.parameters()).dtype
+    attention = choose_attention(config, model, device, kernels, progress)
     special = read_special_tokens(model_dir)
     args = model.args
     num_blocks = _num_blocks(config, model, device, dtype)
@@ -128,10 +182,13 @@ def build_engine(config: Config, model_dir: str | Path, progress: Callable[[], N
     progress()
     runner = ModelRunner(model, pool)
     report = warm_up(runner, progress)
-    if device.type == "cuda" and config.cuda_graphs:
+    # NOTE: the reference attention reads the step's lengths back to the host: not capturable.
+    if device.type == "cuda" and config.cuda_graphs and model.backend.name == "cupy":
         from ringserve.gpu_proc.cuda_graphs import DecodeGraphs
 
         limit = min(config.context_limit, args.max_position_embeddings)
         runner.graphs = DecodeGraphs(runner, config.max_rows, limit)
         runner.graphs.capture_all(progress)
-    return Engine(runner, special.eos_token_ids, args.vocab_size, num_blocks, device, dtype, report)
+    elif device.type == "cuda" and config.cuda_graphs:
+        log.warning("CUDA graphs off: attention is served by %s, not the CuPy kernels alone", model.backend.name)
+    return Engine(runner, special.eos_token_ids, args.vocab_size, num_blocks, device, dtype, report, attention)

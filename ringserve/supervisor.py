@@ -514,7 +514,11 @@ def _parser() -> argparse.ArgumentParser:
             if kind == "bool"
             else str
         )
-        p.add_argument(flag, type=typ, default=None, help=f"(default {f.default}; env RINGSERVE_{f.name.upper()})")
+        # A bool flag alone means on (`--require-kernels`); `--cuda-graphs off` gives the value.
+        bare = {"nargs": "?", "const": True} if kind == "bool" else {}
+        p.add_argument(
+            flag, type=typ, default=None, help=f"(default {f.default}; env RINGSERVE_{f.name.upper()})", **bare
+        )
     return p
 
 

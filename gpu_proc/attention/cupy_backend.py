@@ -100,17 +100,28 @@ def decode_group(num_heads: int, num_kv_heads: int) -> int:
     return next(g for g in DECODE_GROUPS if per_kv % g == 0)
 
 
+def op_kernels(
+    dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, capability: tuple[int, int]
+) -> dict[str, tuple[str, ...]]:
+    """The kernels each op of a model with these attention shapes launches on a GPU of
+    `capability` (the ops the start-up check verifies one by one, `self_check.py`)."""
+    tc = uses_tensor_cores(dtype, num_heads, num_kv_heads, capability)
+    return {
+        "write_kv": (KV_APPEND,),
+        "decode": (
+            decode_kernel(dtype, head_dim, decode_group(num_heads, num_kv_heads)),
+            merge_kernel(dtype, head_dim),
+        ),
+        "prefill": ((prefill_tc_kernel if tc else prefill_kernel)(dtype, head_dim),),
+    }
+
+
 def model_kernels(
     dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, capability: tuple[int, int]
 ) -> list[str]:
     """Every kernel a model with these attention shapes launches on a GPU of `capability`."""
-    tc = uses_tensor_cores(dtype, num_heads, num_kv_heads, capability)
-    return [
-        KV_APPEND,
-        decode_kernel(dtype, head_dim, decode_group(num_heads, num_kv_heads)),
-        merge_kernel(dtype, head_dim),
-        (prefill_tc_kernel if tc else prefill_kernel)(dtype, head_dim),
-    ]
+    ops = op_kernels(dtype, head_dim, num_heads, num_kv_heads, capability)
+    return [name for names in ops.values() for name in names]
 
 
 def entry_points() -> list[str]:
