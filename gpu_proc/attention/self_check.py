@@ -48,7 +48,7 @@ BLOCK = 16
 DECODE_SPECS = ((0, 1), (15, 1), (16, 1), (47, 1), (130, 1), (299, 1))
 MIXED_SPECS = ((0, 33), (20, 17), (47, 1), (5, 1), (64, 40))
 DECODE_SPLITS = 3  # forced, so the merge kernel runs whatever the planner would choose
-ERROR_CHARS = 200  # of an exception's text kept in the report (the model facts hold ~2 KB)
+ERROR_CHARS = 120  # of an exception's text kept in the report (the model facts hold 2 KB in all)
 
 
 class KernelCheckFatal(RuntimeError):
