@@ -14,7 +14,7 @@ import torch
 from ringserve.config import Config
 from ringserve.gpu_proc.cpu_tuning import tune_cpu_process
 from ringserve.gpu_proc.kv_pool import KVPool
-from ringserve.gpu_proc.kv_sizing import estimate_activation_bytes, kv_block_bytes, plan_kv_blocks_on_device
+from ringserve.gpu_proc.kv_sizing import GIB, device_memory, kv_block_bytes, memory_plan_lines, plan_for_model
 from ringserve.gpu_proc.logits_processors import ControlsState
 from ringserve.gpu_proc.model.loader import load_model, read_special_tokens
 from ringserve.gpu_proc.model_runner import ModelRunner
@@ -76,32 +76,55 @@ def _load_cpu_kernels(progress: Callable[[], None] | None) -> bool:
     return True
 
 
+def weights_bytes(model) -> int:
+    """Bytes the model's weights take (tied weights and fused views counted once)."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    return sum(storages.values())
+
+
 def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype) -> int:
-    if config.num_blocks:
-        return config.num_blocks
-    if device.type != "cuda":
-        return config.cpu_kv_blocks
+    """The KV pool's size: --num-blocks, the CPU default, or what the GPU's memory leaves (the plan
+    goes to the log)."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    if config.num_blocks or device.type != "cuda":
+        num_blocks = config.num_blocks or config.cpu_kv_blocks
+        args = model.args
+        block = kv_block_bytes(
+            num_layers=args.num_layers,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            block_size=config.block_size,
+            dtype_bytes=dtype.itemsize,
+        )
+        log.info(
+            "memory plan: weights %.2f GiB (%s); KV cache %d blocks x %.2f MiB = %.2f GiB, %d tokens",
+            weights_bytes(model) / GIB,
+            dtype_name,
+            num_blocks,
+            block / 2**20,
+            num_blocks * block / GIB,
+            num_blocks * config.block_size,
+        )
+        return num_blocks
     args = model.args
-    dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    block_bytes = kv_block_bytes(
+    free, total = device_memory(device)
+    plan = plan_for_model(
+        total_bytes=total,
+        free_bytes=free,
+        utilization=config.gpu_memory_utilization,
         num_layers=args.num_layers,
         num_kv_heads=args.num_kv_heads,
         head_dim=args.head_dim,
-        block_size=config.block_size,
-        dtype_bytes=dtype_bytes,
-    )
-    reserve = estimate_activation_bytes(
-        max_step_tokens=config.max_rows + config.prefill_budget * 8,
-        max_rows=config.max_rows,
         hidden_size=args.hidden_size,
         intermediate_size=args.intermediate_size,
         vocab_size=args.vocab_size,
-        dtype_bytes=dtype_bytes,
+        dtype_bytes=dtype.itemsize,
+        block_size=config.block_size,
+        max_rows=config.max_rows,
+        prefill_budget=config.prefill_budget,
     )
-    plan = plan_kv_blocks_on_device(
-        device, utilization=config.gpu_memory_utilization, block_bytes=block_bytes, activation_reserve_bytes=reserve
-    )
-    log.info("KV pool: %s", plan.describe())
+    for line in memory_plan_lines(plan, weights_bytes(model), dtype_name):
+        log.info("%s", line)
     return plan.num_blocks
 
 
