@@ -83,20 +83,20 @@ class _SnapshotCollector:
 
     def _attention(self) -> Iterator[Metric]:
         """Which backend serves each attention op (the start-up kernel check's outcome)."""
-        ops = self.snap.attention.get("ops") or {}
+        ops = self.snap.attention.get("ops")
         info = GaugeMetricFamily(
             "ringserve_attention_backend_info",
             "The attention backend serving each op (1): the kernels, or the reference where their check failed.",
             labels=["op", "backend"],
         )
-        for op, backend in dict(ops).items():
+        for op, backend in ops.items() if isinstance(ops, dict) else ():
             info.add_metric([str(op), str(backend)], 1.0)
         yield info
-        failures = self.snap.attention.get("failures") or []
+        failures = self.snap.attention.get("failures")
         yield GaugeMetricFamily(
             "ringserve_attention_check_failures",
             "Attention ops whose start-up kernel check failed (served by the torch reference).",
-            value=float(len(list(failures))),
+            value=float(len(failures)) if isinstance(failures, list) else 0.0,
         )
 
     def _gateway(self, gpu: Mapping[str, float]) -> Iterator[Metric]:

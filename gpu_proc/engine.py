@@ -205,13 +205,14 @@ def build_engine(
     progress()
     runner = ModelRunner(model, pool)
     report = warm_up(runner, progress)
+    served_by = model.backend.name if model.backend is not None else "none"
     # NOTE: the reference attention reads the step's lengths back to the host: not capturable.
-    if device.type == "cuda" and config.cuda_graphs and model.backend.name == "cupy":
+    if device.type == "cuda" and config.cuda_graphs and served_by == "cupy":
         from ringserve.gpu_proc.cuda_graphs import DecodeGraphs
 
         limit = min(config.context_limit, args.max_position_embeddings)
         runner.graphs = DecodeGraphs(runner, config.max_rows, limit)
         runner.graphs.capture_all(progress)
     elif device.type == "cuda" and config.cuda_graphs:
-        log.warning("CUDA graphs off: attention is served by %s, not the CuPy kernels alone", model.backend.name)
+        log.warning("CUDA graphs off: attention is served by %s, not the CuPy kernels alone", served_by)
     return Engine(runner, special.eos_token_ids, args.vocab_size, num_blocks, device, dtype, report, attention)

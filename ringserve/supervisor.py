@@ -546,10 +546,11 @@ def _parser() -> argparse.ArgumentParser:
             else str
         )
         # A bool flag alone means on (`--require-kernels`); `--cuda-graphs off` gives the value.
-        bare = {"nargs": "?", "const": True} if kind == "bool" else {}
-        p.add_argument(
-            flag, type=typ, default=None, help=f"(default {f.default}; env RINGSERVE_{f.name.upper()})", **bare
-        )
+        doc = f"(default {f.default}; env RINGSERVE_{f.name.upper()})"
+        if kind == "bool":
+            p.add_argument(flag, type=typ, default=None, nargs="?", const=True, help=doc)
+        else:
+            p.add_argument(flag, type=typ, default=None, help=doc)
     return p
 
 
