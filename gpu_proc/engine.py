@@ -134,7 +134,7 @@ def choose_attention(config: Config, model, device: torch.device, kernels=None, 
     device against the torch reference before serving with it (`attention/self_check.py`). Sets the
     model's backend; returns what the GPU process publishes about it."""
     from ringserve.gpu_proc.attention import kernels_backend, reference_backend
-    from ringserve.gpu_proc.attention.self_check import OPS, KernelCheckFatal, verify
+    from ringserve.gpu_proc.attention.self_check import ERROR_CHARS, OPS, KernelCheckFatal, verify
 
     def unchecked(backend) -> dict:
         model.setup(device, backend)
@@ -164,7 +164,14 @@ def choose_attention(config: Config, model, device: torch.device, kernels=None, 
     shape = (model.dtype, args.head_dim, args.num_heads, args.num_kv_heads)
     backend = kernels_backend(kernels)
     # NOTE: compiled here (the warm-up then finds them compiled), so a check never times a compile.
-    kernels.compile(*shape, device, progress)
+    try:
+        kernels.compile(*shape, device, progress)
+    except Exception as exc:  # NVRTC refused the source: nothing to check, the reference serves
+        if config.require_kernels:
+            raise KernelCheckFatal(f"--require-kernels: the attention kernels do not compile: {exc}") from exc
+        log.error("attention kernels do not compile, serving with the torch reference: %s", exc)
+        error = f"{type(exc).__name__}: {exc}"[:ERROR_CHARS]
+        return {**unchecked(reference_backend()), "failures": [{"op": "compile", "error": error}]}
     names = op_kernels(*shape, kernels.executor.capability(device))
     served, report = verify(backend, kernels, *shape, device, names, progress)
     if report.failed and config.require_kernels:

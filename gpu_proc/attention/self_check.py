@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..step import SeqStep, StepBatch
 from . import AttentionBackend, reference
 from .metadata import build_step_inputs
 
@@ -102,8 +103,6 @@ def _case(specs, num_heads: int, num_kv_heads: int, head_dim: int, dtype, device
     need = sum(-(-(c + n) // BLOCK) for c, n in specs) + 1
     ids = list(range(need))
     rng.shuffle(ids)
-    from ..step import SeqStep, StepBatch
-
     steps, slots = [], []
     for i, (cached, new) in enumerate(specs):
         table = [ids.pop() for _ in range(-(-(cached + new) // BLOCK))]

@@ -114,6 +114,23 @@ def test_a_launch_that_raises_falls_back_with_the_error_named(tiny_model_dir, re
     assert _tokens(engine.runner, engine.vocab_size) == reference_tokens
 
 
+class NoCompiler(HarnessExecutor):
+    def compile(self, names, device, progress=None):
+        raise RuntimeError("NVRTC_ERROR_COMPILATION (planted)")
+
+
+def test_kernels_that_do_not_compile_leave_the_reference_serving(tiny_model_dir, reference_tokens):
+    """A compile failure is no crash loop: the reference serves every op and the error is published."""
+    engine = build_engine(CONFIG, tiny_model_dir, kernels=AttentionKernels(NoCompiler()))
+    assert set(engine.attention["ops"].values()) == {"reference"}
+    assert engine.attention["failures"] == [
+        {"op": "compile", "error": "RuntimeError: NVRTC_ERROR_COMPILATION (planted)"}
+    ]
+    assert _tokens(engine.runner, engine.vocab_size) == reference_tokens
+    with pytest.raises(KernelCheckFatal, match="do not compile"):
+        build_engine(CONFIG.replace(require_kernels=True), tiny_model_dir, kernels=AttentionKernels(NoCompiler()))
+
+
 def test_require_kernels_makes_a_failed_check_fatal(tiny_model_dir):
     """With --require-kernels a wrong kernel stops the start, naming the op and the kernel."""
     config = CONFIG.replace(require_kernels=True)
