@@ -58,6 +58,7 @@ def init_app(
     chat_template: ChatTemplate | None = None,
     model_aliases: frozenset[str] = frozenset(),
     eos_token_ids: Callable[[], frozenset[int]] | None = None,
+    health: Callable[[], dict] | None = None,
 ) -> web.Application:
     """Build a worker's app. `ready()` says whether the GPU process is ready (control block);
     `stats_source(state)` returns the server-wide stats snapshot for /metrics (default: this
@@ -68,7 +69,8 @@ def init_app(
     `restart_status()` the supervisor's restart status, quoted while the GPU process is down;
     `chat_template` formats /v1/chat/completions messages (None: that route answers 400);
     `model_aliases` are other names a request may give the model (the path it was served from);
-    `eos_token_ids()` the model's EOS ids (the GPU process's published facts)."""
+    `eos_token_ids()` the model's EOS ids (the GPU process's published facts); `health()` what
+    /health adds to its status (the attention backend and its kernel check, from the facts)."""
     guard = ConnectionGuard(config)
     app = web.Application(
         client_max_size=config.max_body_bytes, middlewares=[_error_middleware, guard.middleware, _auth_middleware]
@@ -95,6 +97,8 @@ def init_app(
         state.restart_status = restart_status
     if eos_token_ids is not None:
         state.eos_token_ids = eos_token_ids
+    if health is not None:
+        state.health = health
     app[STATE] = state
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_post("/v1/chat/completions", handle_chat_completions)
@@ -203,7 +207,11 @@ async def _handle_version(request: web.Request) -> web.Response:
 
 
 async def _handle_health(request: web.Request) -> web.Response:
-    return _json({"status": "ok"})
+    try:
+        detail = request.app[STATE].health()
+    except Exception:  # a torn control-block read must not turn "alive" into a 500
+        detail = {}
+    return _json({"status": "ok", **detail})
 
 
 async def _handle_ready(request: web.Request) -> web.Response:

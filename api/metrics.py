@@ -33,6 +33,7 @@ class StatsSnapshot:
     gpu: Mapping[str, float] = field(default_factory=dict)
     workers: Sequence[Mapping[str, float]] = ()
     block_size: int = 0  # from the model facts; 0 while unknown
+    attention: Mapping[str, object] = field(default_factory=dict)  # model facts: backend per op, check failures
 
 
 # name, help, key in the worker regions (summed over workers)
@@ -77,7 +78,26 @@ class _SnapshotCollector:
             finished.add_metric([reason], workers.get(f"finished_{reason}", 0.0))
         yield finished
         yield from _histograms(workers)
+        yield from self._attention()
         yield from self._gateway(gpu)
+
+    def _attention(self) -> Iterator[Metric]:
+        """Which backend serves each attention op (the start-up kernel check's outcome)."""
+        ops = self.snap.attention.get("ops")
+        info = GaugeMetricFamily(
+            "ringserve_attention_backend_info",
+            "The attention backend serving each op (1): the kernels, or the reference where their check failed.",
+            labels=["op", "backend"],
+        )
+        for op, backend in ops.items() if isinstance(ops, dict) else ():
+            info.add_metric([str(op), str(backend)], 1.0)
+        yield info
+        failures = self.snap.attention.get("failures")
+        yield GaugeMetricFamily(
+            "ringserve_attention_check_failures",
+            "Attention ops whose start-up kernel check failed (served by the torch reference).",
+            value=float(len(failures)) if isinstance(failures, list) else 0.0,
+        )
 
     def _gateway(self, gpu: Mapping[str, float]) -> Iterator[Metric]:
         """The Gateway API Inference Extension's model-server names, vLLM-spelled."""
@@ -157,4 +177,5 @@ def from_control(control) -> StatsSnapshot:
         gpu=control.gpu_stats.read(),
         workers=[control.worker_stats(i).read() for i in range(control.n_workers)],
         block_size=int(facts.get("block_size", 0)),
+        attention=facts.get("attention") or {},
     )

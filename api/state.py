@@ -54,6 +54,8 @@ class ApiState:
     reload_s: Callable[[], float] = lambda: DEFAULT_RELOAD_S
     # The supervisor's restart status (control block): last GPU error, next attempt; None: none.
     restart_status: Callable[[], dict | None] = lambda: None
+    # What /health reports beyond "ok": the GPU process's attention backend and its kernel check.
+    health: Callable[[], dict] = lambda: {}
     # The model's chat template (None: the model has none, /v1/chat/completions answers 400).
     chat_template: ChatTemplate | None = None
     # Other names a request's `model` may use: the path the model was served from (vLLM's id).

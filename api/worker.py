@@ -129,6 +129,7 @@ def run_worker(
     first_rid: int = 1,
     model_aliases: frozenset[str] = frozenset(),
     eos_token_ids: Callable[[], frozenset[int]] | None = None,
+    health: Callable[[], dict] | None = None,
 ) -> int:
     """The worker process's main: runs until SIGTERM (drain) or SIGINT."""
     # A SIGTERM while still starting (nothing to drain yet) is a clean exit; the event loop's own
@@ -171,6 +172,7 @@ def run_worker(
             chat_template=chat_template,
             model_aliases=model_aliases,
             eos_token_ids=eos_token_ids,
+            health=health,
         )
         await serve(config, app, sock, stop)
 
@@ -234,6 +236,7 @@ def run_attached(
             first_rid=first_rid(generation),
             model_aliases=model_aliases,
             eos_token_ids=_published_eos(control),
+            health=lambda: {"attention": (control.model_facts() or {}).get("attention")},
         )
     finally:
         shm.close()

@@ -14,7 +14,7 @@ import torch
 from ringserve.config import Config
 from ringserve.gpu_proc.cpu_tuning import tune_cpu_process
 from ringserve.gpu_proc.kv_pool import KVPool
-from ringserve.gpu_proc.kv_sizing import estimate_activation_bytes, kv_block_bytes, plan_kv_blocks_on_device
+from ringserve.gpu_proc.kv_sizing import GIB, device_memory, kv_block_bytes, memory_plan_lines, plan_for_model
 from ringserve.gpu_proc.logits_processors import ControlsState
 from ringserve.gpu_proc.model.loader import load_model, read_special_tokens
 from ringserve.gpu_proc.model_runner import ModelRunner
@@ -43,6 +43,7 @@ class Engine:
     device: torch.device
     dtype: torch.dtype
     warmup: WarmupReport | None = None
+    attention: dict = field(default_factory=dict)  # the backend per op and its start-up check (facts)
     controls: ControlsState = field(init=False)  # the logits controls' per-sequence state
 
     def __post_init__(self) -> None:
@@ -81,41 +82,123 @@ def _load_cpu_kernels(progress: Callable[[], None] | None) -> bool:
     return True
 
 
+def weights_bytes(model) -> int:
+    """Bytes the model's weights take (tied weights and fused views counted once)."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    return sum(storages.values())
+
+
 def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype) -> int:
-    if config.num_blocks:
-        return config.num_blocks
-    if device.type != "cuda":
-        return config.cpu_kv_blocks
+    """The KV pool's size: --num-blocks, the CPU default, or what the GPU's memory leaves (the plan
+    goes to the log)."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    if config.num_blocks or device.type != "cuda":
+        num_blocks = config.num_blocks or config.cpu_kv_blocks
+        args = model.args
+        block = kv_block_bytes(
+            num_layers=args.num_layers,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            block_size=config.block_size,
+            dtype_bytes=dtype.itemsize,
+        )
+        log.info(
+            "memory plan: weights %.2f GiB (%s); KV cache %d blocks x %.2f MiB = %.2f GiB, %d tokens",
+            weights_bytes(model) / GIB,
+            dtype_name,
+            num_blocks,
+            block / 2**20,
+            num_blocks * block / GIB,
+            num_blocks * config.block_size,
+        )
+        return num_blocks
     args = model.args
-    dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    block_bytes = kv_block_bytes(
+    free, total = device_memory(device)
+    plan = plan_for_model(
+        total_bytes=total,
+        free_bytes=free,
+        utilization=config.gpu_memory_utilization,
         num_layers=args.num_layers,
         num_kv_heads=args.num_kv_heads,
         head_dim=args.head_dim,
-        block_size=config.block_size,
-        dtype_bytes=dtype_bytes,
-    )
-    reserve = estimate_activation_bytes(
-        max_step_tokens=config.max_rows + config.prefill_budget * 8,
-        max_rows=config.max_rows,
         hidden_size=args.hidden_size,
         intermediate_size=args.intermediate_size,
         vocab_size=args.vocab_size,
-        dtype_bytes=dtype_bytes,
+        dtype_bytes=dtype.itemsize,
+        block_size=config.block_size,
+        max_rows=config.max_rows,
+        prefill_budget=config.prefill_budget,
     )
-    plan = plan_kv_blocks_on_device(
-        device, utilization=config.gpu_memory_utilization, block_bytes=block_bytes, activation_reserve_bytes=reserve
-    )
-    log.info("KV pool: %s", plan.describe())
+    for line in memory_plan_lines(plan, weights_bytes(model), dtype_name):
+        log.info("%s", line)
     return plan.num_blocks
 
 
-def build_engine(config: Config, model_dir: str | Path, progress: Callable[[], None] | None = None) -> Engine:
+def choose_attention(config: Config, model, device: torch.device, kernels=None, progress=None) -> dict:
+    """Pick the attention backend `--attention-backend` asks for and, for the CuPy kernels (or
+    `kernels`, launchers on another executor: the CPU harness in tests), verify every op on the
+    device against the torch reference before serving with it (`attention/self_check.py`). Sets the
+    model's backend; returns what the GPU process publishes about it."""
+    from ringserve.gpu_proc.attention import kernels_backend, reference_backend
+    from ringserve.gpu_proc.attention.self_check import ERROR_CHARS, OPS, KernelCheckFatal, verify
+
+    def unchecked(backend) -> dict:
+        model.setup(device, backend)
+        return {"backend": backend.name, "ops": dict.fromkeys(OPS, backend.name), "checked": False, "failures": []}
+
+    want = config.attention_backend
+    if want == "reference":
+        return unchecked(reference_backend())
+    if kernels is None:
+        if device.type != "cuda":
+            if want == "cupy":
+                raise RuntimeError("--attention-backend cupy needs a CUDA device (this one is the CPU)")
+            return unchecked(model.backend)  # the compiled CPU kernels or the reference, as loaded
+        try:
+            import cupy  # noqa: F401
+
+            from ringserve.gpu_proc.attention import cupy_backend
+        except ImportError as exc:
+            if want == "cupy" or config.require_kernels:
+                raise RuntimeError(f"the CuPy attention kernels need CuPy, which does not import ({exc})") from None
+            log.warning("CuPy does not import (%s): serving attention with the torch reference (slower)", exc)
+            return unchecked(reference_backend())
+        kernels = cupy_backend.default_kernels()
+    from ringserve.gpu_proc.attention.cupy_backend import op_kernels
+
+    args = model.args
+    shape = (model.dtype, args.head_dim, args.num_heads, args.num_kv_heads)
+    backend = kernels_backend(kernels)
+    # NOTE: compiled here (the warm-up then finds them compiled), so a check never times a compile.
+    try:
+        kernels.compile(*shape, device, progress)
+    except Exception as exc:  # NVRTC refused the source: nothing to check, the reference serves
+        if config.require_kernels:
+            raise KernelCheckFatal(f"--require-kernels: the attention kernels do not compile: {exc}") from exc
+        log.error("attention kernels do not compile, serving with the torch reference: %s", exc)
+        error = f"{type(exc).__name__}: {exc}"[:ERROR_CHARS]
+        return {**unchecked(reference_backend()), "failures": [{"op": "compile", "error": error}]}
+    names = op_kernels(*shape, kernels.executor.capability(device))
+    served, report = verify(backend, kernels, *shape, device, names, progress)
+    if report.failed and config.require_kernels:
+        worst = report.failed[0]
+        raise KernelCheckFatal(
+            f"--require-kernels: the {worst.op} kernel check failed ({', '.join(worst.kernels)}: worst error "
+            f"{worst.worst_error:.3g} on {worst.shape}{'; ' + worst.error if worst.error else ''})"
+        )
+    model.setup(device, served)
+    return {"backend": served.name, "checked": True, **report.facts()}
+
+
+def build_engine(
+    config: Config, model_dir: str | Path, progress: Callable[[], None] | None = None, kernels=None
+) -> Engine:
     """Load the model, size and allocate the KV pool, build or compile the kernels and run the
     warm-up steps. `progress()`, if given, is called as loading advances (per tensor read, per
     phase, while the CPU kernels build the first time, between kernel compiles), never more than a
     few seconds apart: the GPU process beats its heartbeat from it, so a load that stops making
-    progress is caught by the watchdog."""
+    progress is caught by the watchdog. `kernels`: the attention launchers to verify and serve with
+    instead of CuPy's (tests run them on the CPU harness)."""
     progress = progress or (lambda: None)
     device = resolve_device(config.device)
     progress()
@@ -126,6 +209,7 @@ def build_engine(config: Config, model_dir: str | Path, progress: Callable[[], N
         cpu_kernels = config.cpu_kernels and _load_cpu_kernels(progress)
     model = load_model(model_dir, device, config.dtype, config.load_format, progress=progress, cpu_kernels=cpu_kernels)
     dtype = next(model.parameters()).dtype
+    attention = choose_attention(config, model, device, kernels, progress)
     special = read_special_tokens(model_dir)
     args = model.args
     num_blocks = _num_blocks(config, model, device, dtype)
@@ -134,10 +218,14 @@ def build_engine(config: Config, model_dir: str | Path, progress: Callable[[], N
     progress()
     runner = ModelRunner(model, pool)
     report = warm_up(runner, progress)
-    if device.type == "cuda" and config.cuda_graphs:
+    served_by = model.backend.name if model.backend is not None else "none"
+    # NOTE: the reference attention reads the step's lengths back to the host: not capturable.
+    if device.type == "cuda" and config.cuda_graphs and served_by == "cupy":
         from ringserve.gpu_proc.cuda_graphs import DecodeGraphs
 
         limit = min(config.context_limit, args.max_position_embeddings)
         runner.graphs = DecodeGraphs(runner, config.max_rows, limit)
         runner.graphs.capture_all(progress)
-    return Engine(runner, special.eos_token_ids, args.vocab_size, num_blocks, device, dtype, report)
+    elif device.type == "cuda" and config.cuda_graphs:
+        log.warning("CUDA graphs off: attention is served by %s, not the CuPy kernels alone", served_by)
+    return Engine(runner, special.eos_token_ids, args.vocab_size, num_blocks, device, dtype, report, attention)

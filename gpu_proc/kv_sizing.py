@@ -6,8 +6,8 @@ the weights (and anything else already allocated) and an activation reserve.
 
 `used_now` is `total - free` as the driver reports it after the weights are loaded, so it counts
 the weights, torch's cached allocations, the CUDA context and any other process on the device.
-The arithmetic is a pure function (`plan_kv_blocks`), tested on CPU with the numbers of docs/design.md#sizing; only
-`gpu_memory_info` touches torch.cuda.
+The arithmetic is a pure function (`plan_kv_blocks`, `plan_for_model`), tested on CPU with the numbers of
+docs/design.md#sizing and of an H200; only `gpu_memory_info` touches torch.cuda.
 """
 
 from __future__ import annotations
@@ -34,18 +34,36 @@ class KVPlan:
     used_bytes: int
     activation_reserve_bytes: int
     utilization: float
+    block_size: int = 16
 
     @property
     def pool_bytes(self) -> int:
         return self.num_blocks * self.block_bytes
 
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
     def describe(self) -> str:
         return (
             f"KV pool: {self.num_blocks} blocks x {self.block_bytes / 2**20:.2f} MiB = "
-            f"{self.pool_bytes / GIB:.2f} GiB (GPU {self.total_bytes / GIB:.1f} GiB x "
+            f"{self.pool_bytes / GIB:.2f} GiB, {self.tokens} tokens (GPU {self.total_bytes / GIB:.1f} GiB x "
             f"{self.utilization:g}, in use {self.used_bytes / GIB:.2f} GiB, activation reserve "
             f"{self.activation_reserve_bytes / GIB:.2f} GiB)"
         )
+
+
+def memory_plan_lines(plan: KVPlan, weights_bytes: int, dtype_name: str) -> list[str]:
+    """The start-up log's memory plan: where the device's memory goes, one line each."""
+    other = max(0, plan.used_bytes - weights_bytes)
+    return [
+        f"memory plan: GPU {plan.total_bytes / GIB:.1f} GiB, {plan.utilization:g} of it for the server",
+        f"memory plan: weights {weights_bytes / GIB:.2f} GiB ({dtype_name}); CUDA context, allocator and other "
+        f"processes {other / GIB:.2f} GiB",
+        f"memory plan: activation reserve {plan.activation_reserve_bytes / GIB:.2f} GiB",
+        f"memory plan: KV cache {plan.num_blocks} blocks x {plan.block_bytes / 2**20:.2f} MiB = "
+        f"{plan.pool_bytes / GIB:.2f} GiB ({dtype_name}), {plan.tokens} tokens",
+    ]
 
 
 def kv_block_bytes(*, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int) -> int:
@@ -79,7 +97,13 @@ def estimate_activation_bytes(
 
 
 def plan_kv_blocks(
-    *, total_bytes: int, free_bytes: int, utilization: float, block_bytes: int, activation_reserve_bytes: int
+    *,
+    total_bytes: int,
+    free_bytes: int,
+    utilization: float,
+    block_bytes: int,
+    activation_reserve_bytes: int,
+    block_size: int = 16,
 ) -> KVPlan:
     """Blocks the pool gets. Call after the weights are on the device, before the pool exists."""
     if not 0.0 < utilization <= 1.0:
@@ -100,6 +124,7 @@ def plan_kv_blocks(
         used_bytes=used,
         activation_reserve_bytes=activation_reserve_bytes,
         utilization=utilization,
+        block_size=block_size,
     )
     if num_blocks == 0:
         raise KVSizingError(
@@ -118,17 +143,55 @@ def gpu_memory_info(device) -> tuple[int, int]:
     return int(free), int(total)
 
 
-def plan_kv_blocks_on_device(device, *, utilization: float, block_bytes: int, activation_reserve_bytes: int) -> KVPlan:
-    """`plan_kv_blocks` with the device's current free/total memory (empties torch's cache first,
-    so memory torch holds but does not use counts as free)."""
+def plan_for_model(
+    *,
+    total_bytes: int,
+    free_bytes: int,
+    utilization: float,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    hidden_size: int,
+    intermediate_size: int,
+    vocab_size: int,
+    dtype_bytes: int,
+    block_size: int,
+    max_rows: int,
+    prefill_budget: int,
+) -> KVPlan:
+    """The pool a model of this shape gets on a device with `free_bytes` free after its weights:
+    the engine's sizing, a pure function (tests feed it the design's and an H200's numbers). The
+    reserve covers the largest step the scheduler can build: every row decoding plus the prefill
+    budget at its highest (8x when few rows decode, docs/design.md#scheduler-pass)."""
+    block_bytes = kv_block_bytes(
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype_bytes=dtype_bytes,
+    )
+    reserve = estimate_activation_bytes(
+        max_step_tokens=max_rows + prefill_budget * 8,
+        max_rows=max_rows,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        dtype_bytes=dtype_bytes,
+    )
+    return plan_kv_blocks(
+        total_bytes=total_bytes,
+        free_bytes=free_bytes,
+        utilization=utilization,
+        block_bytes=block_bytes,
+        activation_reserve_bytes=reserve,
+        block_size=block_size,
+    )
+
+
+def device_memory(device) -> tuple[int, int]:
+    """(free, total) bytes on a CUDA device now, after emptying torch's cache (memory torch holds
+    but does not use counts as free)."""
     import torch
 
     torch.cuda.empty_cache()
-    free, total = gpu_memory_info(device)
-    return plan_kv_blocks(
-        total_bytes=total,
-        free_bytes=free,
-        utilization=utilization,
-        block_bytes=block_bytes,
-        activation_reserve_bytes=activation_reserve_bytes,
-    )
+    return gpu_memory_info(device)

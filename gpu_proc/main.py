@@ -311,6 +311,7 @@ def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
             "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."),
             "load_s": round(time.monotonic() - t0, 3),
+            "attention": engine.attention,
         }
     )
     loop.publish(0.0)

@@ -34,6 +34,16 @@ class Config:
     cpu_threads: int = 1
     # Replay decode-only steps from CUDA graphs captured at load (ignored on the CPU).
     cuda_graphs: bool = True
+    # Attention on CUDA: auto = the CuPy kernels where CuPy imports, each op checked against the torch
+    # reference on the device before READY and served by the reference where its check fails;
+    # cupy = the same, but CuPy must import; reference = the torch reference, no kernels.
+    attention_backend: str = "auto"
+    # A failed kernel check (or CuPy missing) ends the start instead of falling back to the reference.
+    require_kernels: bool = False
+    # The marker probe (ringserve/probe.py): a greedy request every N s that must repeat a code from
+    # its prompt; two failures in a row restart the GPU process. 0: off; -1 (auto): every 60 s on
+    # CUDA with real weights, off on the CPU and for --load-format dummy.
+    probe_interval_s: float = -1.0
     # bind the GPU process to its first cpu_threads CPUs (the API workers then run on the others),
     # as vLLM CPU does by default; off: servers started side by side would share the first CPU
     cpu_pin: bool = False
@@ -131,6 +141,10 @@ class Config:
             raise ConfigError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.probe_interval_s < 0 and self.probe_interval_s != -1:
+            raise ConfigError(f"probe_interval_s must be >= 0 (0: off) or -1 (auto), got {self.probe_interval_s}")
+        if self.attention_backend not in ("auto", "cupy", "reference"):
+            raise ConfigError(f"attention_backend must be auto, cupy or reference, got {self.attention_backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
 

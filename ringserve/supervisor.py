@@ -42,6 +42,7 @@ from pathlib import Path
 from ringserve import models
 from ringserve.config import Config, ConfigError, parse_bool
 from ringserve.port_claim import PortInUse, claim_port
+from ringserve.probe import AUTO_INTERVAL_S, MarkerProbe, first_key
 from ringserve.restart_policy import RestartPolicy
 from ringserve.rules import PROMPT_LOGPROB_TOKENS_PER_STEP
 from ringserve.sdnotify import Notifier, watchdog_interval_s
@@ -116,6 +117,7 @@ class Supervisor:
         self._last_extend = 0.0
         self._last_watchdog = 0.0
         self._watchdog_every = watchdog_interval_s()
+        self.probe: MarkerProbe | None = None  # set once the first GPU process is ready (probe_interval)
 
     @property
     def shm(self) -> ShmInstance:
@@ -233,6 +235,8 @@ class Supervisor:
             self._watch_workers(now)
         if not self.announced and self.workers_started_at is not None:
             self._announce_when_listening(now, self.workers_started_at)
+        if self.announced and not self.gpu_loading and self.gpu is not None and not self.stopping:
+            self._watch_probe(now)
         if self._watchdog_every is not None and now - self._last_watchdog >= self._watchdog_every:
             self.notifier.watchdog()
             self._last_watchdog = now
@@ -261,6 +265,8 @@ class Supervisor:
                 )
                 if self.last_gpu_error is not None:
                     self._publish_restart("ready", None)
+                if self.probe is not None:
+                    self.probe.reset(now)
                 if self.announced:
                     self._status(self._serving_status())
             elif stalled > self.config.watchdog_timeout_s:
@@ -279,6 +285,31 @@ class Supervisor:
             # NOTE: the GPU loop beats every pass and every IDLE_WAIT_S while idle, so a stale
             # heartbeat means a hang (SIGSTOP, a stuck kernel, a deadlock), never mere idleness.
             self._kill_gpu(now, f"sent no heartbeat for {age:.1f} s (watchdog {self.config.watchdog_timeout_s} s)")
+
+    def probe_interval_s(self, facts: dict) -> float:
+        """Seconds between marker probes; 0 when off (auto: on CUDA with real weights)."""
+        interval = self.config.probe_interval_s
+        if interval >= 0:
+            return interval
+        real = self.config.load_format != "dummy" and str(facts.get("device", "")).startswith("cuda")
+        return AUTO_INTERVAL_S if real else 0.0
+
+    def _watch_probe(self, now: float) -> None:
+        """The marker probe's verdicts: two failures in a row take the GPU process out of service."""
+        if self.probe is None:
+            interval = self.probe_interval_s(self.shm.control.model_facts() or {})
+            if interval <= 0:
+                return
+            host = "127.0.0.1" if self.config.host in ("", "0.0.0.0", "::") else self.config.host
+            key = first_key(self.config.api_keys_file)
+            self.probe = MarkerProbe(f"http://{host}:{self.config.port}", self.model_name, key, interval)
+            self.probe.reset(now)
+        result = self.probe.poll(now)
+        if result is None or result.ok:
+            return
+        log.warning("marker probe failed (%d in a row): %s", self.probe.failures, result.detail)
+        if self.probe.should_act:
+            self._kill_gpu(now, f"failed the marker probe {self.probe.failures} times in a row ({result.detail})")
 
     def _load_stalled_s(self, now: float) -> float:
         """Seconds since the loading GPU process last showed progress (a heartbeat; its spawn
@@ -514,7 +545,12 @@ def _parser() -> argparse.ArgumentParser:
             if kind == "bool"
             else str
         )
-        p.add_argument(flag, type=typ, default=None, help=f"(default {f.default}; env RINGSERVE_{f.name.upper()})")
+        # A bool flag alone means on (`--require-kernels`); `--cuda-graphs off` gives the value.
+        doc = f"(default {f.default}; env RINGSERVE_{f.name.upper()})"
+        if kind == "bool":
+            p.add_argument(flag, type=typ, default=None, nargs="?", const=True, help=doc)
+        else:
+            p.add_argument(flag, type=typ, default=None, help=doc)
     return p
 
 

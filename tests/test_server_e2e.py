@@ -204,7 +204,13 @@ def test_metrics_and_probes(server):
         assert name in m
     assert any(k.startswith("vllm:cache_config_info{") for k in m)
     assert m["ringserve_requests_total"] > 0
-    assert http_json(server.url + "/health")[0] == 200
+    status, health, _ = http_json(server.url + "/health")
+    # The CPU engine's compiled kernels serve every attention op (the start-up check is CUDA's).
+    assert status == 200 and health["attention"]["ops"] == dict.fromkeys(
+        ("write_kv", "decode", "prefill", "mixed"), "cpu"
+    )
+    assert m['ringserve_attention_backend_info{backend="cpu",op="decode"}'] == 1.0
+    assert m["ringserve_attention_check_failures"] == 0
     assert http_json(server.url + "/ready")[0] == 200
     status, models, _ = http_json(server.url + "/v1/models")
     assert status == 200 and models["data"][0]["id"]

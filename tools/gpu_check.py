@@ -1,20 +1,27 @@
 """`ringserve gpu-check [--out FILE]`: everything about the CUDA path that needs a GPU, in one run.
 
-Writes one JSON (default `bench-results/gpu-check.json`) and prints a short table. Sections, each
-in its own process so one's GPU memory is gone before the next starts, each with a time limit so
-the whole run stays under eight minutes on one H200:
+Writes one JSON (default `bench-results/gpu-check.json`), rewritten after every section so a run cut
+off still returns what ran, and prints a short table. Sections in order of importance, each in its
+own process (so one's GPU memory is gone before the next starts) with a time limit inside one
+budget (`--budget-s`, 450 s), so the whole run, install included, fits eight minutes on one H200:
 
-1. `tests/gpu`: the kernel sweep and the CUDA engine tests (needs the repository checkout);
-2. kernels: decode attention bandwidth as % of the device's peak at batch 1/8/32/128 x context
+1. `tests/gpu`: correctness first: the kernels against the float64 oracle and the torch reference
+   on the device, the CUDA engine's tokens against the CPU engine's (parity); `ok` only when every
+   test ran (none skipped) and passed;
+2. `bench step` on the Llama-3-8B shape with random weights (`--load-format dummy`), decode steps
+   eager and replayed from CUDA graphs (the start-up kernel check runs in its load);
+3. kernels: decode attention bandwidth as % of the device's peak at batch 1/8/32/128 x context
    512/2k/8k, and prefill-kernel TFLOP/s at 512/2k/8k tokens (Llama-3-8B heads: 32 / 8 KV, 128);
-3. `bench step` on the Llama-3-8B shape with random weights (`--load-format dummy`), decode steps
-   eager and replayed from CUDA graphs;
 4. a load test through the real server (supervisor, workers, rings) on that model;
 5. transformers' own continuous batching (`generate_batch`, or `generate` where it is missing) on
-   the same weights and the same request lengths, for the throughput ratio.
+   the same weights and the same request lengths, for the throughput ratio;
+6. the kernels' registers and spills (NVRTC or nvcc; no GPU needed).
 
-On a machine without CUDA it runs what it can (the kernels' ptxas resources when nvcc exists),
-says so and exits 2; a failed section makes it exit 1.
+The device image lacks some wheels and has no network: `--prepare DIR` gathers them here (Python
+3.12, manylinux; `gpu_check_wheels.py`) and `--wheels DIR` installs them offline first
+(`tools/device_check.sh` does both installs and the run). Every module the run needs is imported
+before anything runs (`--dry-run` stops there); without a CUDA device it says so and exits 2; a
+failed section makes it exit 1.
 """
 
 from __future__ import annotations
@@ -82,17 +89,31 @@ def environment() -> dict:
     return env
 
 
-def gpu_tests() -> dict:
+def tests_status(rc: int, output: str) -> dict:
+    """pytest's verdict, strict: ok only when it exited 0 with tests passed and none skipped (a run
+    whose CUDA tests all skipped, or that collected nothing, proves nothing about the GPU)."""
+    last = next((line for line in reversed(output.splitlines()) if re.search(r"\d+ (passed|failed|skipped)", line)), "")
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", last)}
+    counts.setdefault("passed", 0)
+    counts.setdefault("skipped", 0)
+    why = None
+    if rc != 0:
+        why = f"pytest exited {rc}"
+    elif counts["passed"] == 0:
+        why = "no test passed"
+    elif counts["skipped"]:
+        why = f"{counts['skipped']} skipped: every GPU test must run"
+    return {"status": "failed" if why else "ok", **({"why": why} if why else {}), **counts}
+
+
+def gpu_tests(timeout_s: float = 200) -> dict:
     if not (REPO / "tests" / "gpu").is_dir():
-        return {"status": "skipped", "why": "tests/gpu not found: run gpu-check from a repository checkout"}
-    rc, out, s = _run([sys.executable, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider"], 240)
-    counts = {
-        k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error)", out.splitlines()[-1] if out else "")
-    }
-    return {"status": "ok" if rc == 0 else "failed", "seconds": round(s, 1), **counts, "tail": out[-3000:]}
+        return {"status": "failed", "why": "tests/gpu not found: run gpu-check from a repository checkout"}
+    rc, out, s = _run([sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider"], timeout_s)
+    return {**tests_status(rc, out), "seconds": round(s, 1), "tail": out[-3000:]}
 
 
-def kernels() -> dict:
+def kernels(timeout_s: float = 100) -> dict:
     cmd = [
         sys.executable,
         "-m",
@@ -110,13 +131,13 @@ def kernels() -> dict:
         "--prefill-tokens",
         "512,2048,8192",
     ]
-    rc, out, s = _run(cmd, 150)
+    rc, out, s = _run(cmd, timeout_s)
     if rc != 0:
         return {"status": "failed", "seconds": round(s, 1), "tail": out[-3000:]}
     return {"status": "ok", "seconds": round(s, 1), **_last_json(out)}
 
 
-def step(model_dir: str) -> dict:
+def step(model_dir: str, timeout_s: float = 150) -> dict:
     out: dict = {"status": "ok"}
     for graphs in ("off", "on"):
         cmd = [
@@ -139,7 +160,7 @@ def step(model_dir: str) -> dict:
             "--cuda-graphs",
             graphs,
         ]
-        rc, text, s = _run(cmd, 120)
+        rc, text, s = _run(cmd, timeout_s / 2)
         if rc != 0:
             out["status"] = "failed"
             out[f"graphs_{graphs}"] = {"tail": text[-3000:]}
@@ -166,7 +187,7 @@ def _trace_file(tmp: str) -> str:
     return str(path)
 
 
-def load_test(model_dir: str, tmp: str) -> dict:
+def load_test(model_dir: str, tmp: str, timeout_s: float = 200) -> dict:
     """The server on the dummy 8B, every request of the trace sent at once (the throughput run)."""
     import urllib.request
 
@@ -199,7 +220,8 @@ def load_test(model_dir: str, tmp: str) -> dict:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
+        started = time.monotonic()
+        deadline = started + timeout_s / 2
         while True:
             try:
                 with urllib.request.urlopen(url + "/ready", timeout=2) as r:
@@ -233,7 +255,7 @@ def load_test(model_dir: str, tmp: str) -> dict:
             "--drain-s",
             "120",
         ]
-        rc, out, s = _run(cmd, 200)
+        rc, out, s = _run(cmd, max(30.0, timeout_s - (time.monotonic() - started)))
         if rc != 0:
             return {"status": "failed", "tail": out[-3000:]}
         report = _last_json(out)
@@ -247,8 +269,8 @@ def load_test(model_dir: str, tmp: str) -> dict:
             server.wait()
 
 
-def hf_baseline(model_dir: str) -> dict:
-    rc, out, s = _run([sys.executable, "-m", "ringserve.tools.gpu_check", "--hf-only", model_dir], 200)
+def hf_baseline(model_dir: str, timeout_s: float = 150) -> dict:
+    rc, out, s = _run([sys.executable, "-m", "ringserve.tools.gpu_check", "--hf-only", model_dir], timeout_s)
     if rc != 0:
         return {"status": "failed", "tail": out[-3000:]}
     return {"status": "ok", "seconds": round(s, 1), **_last_json(out)}
@@ -358,36 +380,121 @@ def _table(report: dict) -> str:
     return "\n".join(lines)
 
 
+# Every module the GPU run imports (its sections' processes, the server's three kinds of process).
+GPU_RUN_MODULES = (
+    "torch",
+    "cupy",
+    "msgspec",
+    "gguf",
+    "transformers",
+    "pytest",
+    "hypothesis",
+    "ringserve.supervisor",
+    "ringserve.api.worker",
+    "ringserve.gpu_proc.main",
+    "ringserve.gpu_proc.engine",
+    "ringserve.gpu_proc.cuda_graphs",
+    "ringserve.gpu_proc.attention.cupy_backend",
+    "ringserve.gpu_proc.attention.self_check",
+    "ringserve.tools.bench_kernels",
+    "ringserve.tools.bench_step",
+    "ringserve.tools.loadtest",
+    "ringserve.tools.make_dummy_model",
+    "ringserve.tools.kernel_resources",
+)
+# Sections in order of importance (correctness first), each with the seconds it may take; the
+# report is rewritten after each, so a run cut off still returns the ones before.
+SECTION_LIMITS = {"gpu_tests": 200, "step": 150, "kernels": 100, "load": 200, "hf": 150}
+BUDGET_S = 450  # of the 8 minutes a lent H200 gives, the rest for the install and the start-up
+
+
+def import_all() -> list[str]:
+    """Import every module the GPU run needs; the ones that failed, with why."""
+    import importlib
+
+    failed = []
+    for name in GPU_RUN_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # an ImportError, or a library that fails while loading
+            failed.append(f"{name}: {type(exc).__name__}: {exc}")
+    return failed
+
+
+def _write(out: Path, report: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(out)
+
+
+def _sections(report: dict, out: Path, budget_s: float) -> None:
+    from ringserve.tools.make_dummy_model import build_dummy_model
+
+    sections = report["sections"]
+    deadline = time.monotonic() + budget_s
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(build_dummy_model(SHAPE, Path(tmp) / SHAPE))
+        runs = {
+            "gpu_tests": gpu_tests,
+            "step": lambda limit: step(model_dir, limit),
+            "kernels": kernels,
+            "load": lambda limit: load_test(model_dir, tmp, limit),
+            "hf": lambda limit: hf_baseline(model_dir, limit),
+        }
+        for name, run in runs.items():
+            left = deadline - time.monotonic()
+            if left < 30:
+                sections[name] = {"status": "skipped", "why": f"out of time ({budget_s:.0f} s budget)"}
+            else:
+                sections[name] = run(min(SECTION_LIMITS[name], left))
+            _write(out, report)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ringserve gpu-check", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench-results/gpu-check.json", help="where to write the JSON")
-    p.add_argument("--skip-resources", action="store_true", help="skip the nvcc register/occupancy section")
+    p.add_argument("--prepare", metavar="DIR", help="download the wheels the device image lacks into DIR, then exit")
+    p.add_argument("--python-version", default="3.12", help="the device's Python, for --prepare (default 3.12)")
+    p.add_argument("--wheels", metavar="DIR", help="install the wheels --prepare gathered, offline, first")
+    p.add_argument("--dry-run", action="store_true", help="import everything the GPU run needs, then stop")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="seconds for the GPU sections together")
+    p.add_argument("--skip-resources", action="store_true", help="skip the register/occupancy section")
     p.add_argument("--hf-only", metavar="DIR", help=argparse.SUPPRESS)  # the transformers section's own process
     args = p.parse_args(argv)
     if args.hf_only:
         print(json.dumps(_hf_only(args.hf_only)))
         return 0
+    if args.prepare:
+        from ringserve.tools.gpu_check_wheels import prepare
+
+        pins = prepare(Path(args.prepare), args.python_version)
+        print(f"gathered {len(pins)} wheels for Python {args.python_version} in {args.prepare}: {' '.join(pins)}")
+        return 0
+    if args.wheels:
+        from ringserve.tools.gpu_check_wheels import install
+
+        install(Path(args.wheels))
+    failed = import_all()
+    if failed:
+        print(
+            "ringserve gpu-check: modules the GPU run needs do not import:\n  " + "\n  ".join(failed), file=sys.stderr
+        )
+        return 1
+    print(f"ringserve gpu-check: imported the {len(GPU_RUN_MODULES)} modules the GPU run needs")
     t0 = time.monotonic()
+    out = Path(args.out)
     report: dict = {"env": environment(), "sections": {}}
     sections = report["sections"]
-    sections["resources"] = {"status": "skipped", "why": "--skip-resources"} if args.skip_resources else resources()
     if not report["env"]["cuda_available"]:
-        for name in ("gpu_tests", "kernels", "step", "load", "hf"):
+        for name in SECTION_LIMITS:
             sections[name] = {"status": "skipped", "why": "no CUDA device"}
-    else:
-        from ringserve.tools.make_dummy_model import build_dummy_model
-
-        sections["gpu_tests"] = gpu_tests()
-        sections["kernels"] = kernels()
-        with tempfile.TemporaryDirectory() as tmp:
-            model_dir = str(build_dummy_model(SHAPE, Path(tmp) / SHAPE))
-            sections["step"] = step(model_dir)
-            sections["load"] = load_test(model_dir, tmp)
-            sections["hf"] = hf_baseline(model_dir)
+    elif not args.dry_run:
+        _sections(report, out, args.budget_s)
+    if not args.dry_run:
+        sections["resources"] = {"status": "skipped", "why": "--skip-resources"} if args.skip_resources else resources()
     report["seconds"] = round(time.monotonic() - t0, 1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    _write(out, report)
     print(_table(report))
     print(f"wrote {out} in {report['seconds']:.0f} s")
     if not report["env"]["cuda_available"]:

@@ -1,10 +1,11 @@
 """`ringserve kernel-resources [--arch sm_90] [--json]`: what each attention kernel costs the SM.
 
-Compiles the exact kernel source (every entry point instantiated) with `nvcc -cubin -Xptxas -v`
-and reports per kernel: registers, spill stores/loads, static shared memory, resident CTAs per SM
+Compiles the exact kernel source (every entry point instantiated) with NVRTC, the compiler CuPy runs
+on the device (from the `nvidia-cuda-nvrtc` wheel; `--compiler nvcc` for `nvcc -cubin`; register
+counts differ between the two), with ptxas' `-v` report, and reports per kernel: registers, spill stores/loads, static shared memory, resident CTAs per SM
 and occupancy (the occupancy calculator's arithmetic, `cupy_executor.resident_ctas`, at the
 backend's block size), and, when `cuobjdump` (with `nvdisasm`) is on PATH, the count of tensor-core
-(HMMA) and global-load (LDG) instructions in the SASS. Needs nvcc, not a GPU.
+(HMMA) and global-load (LDG) instructions in the SASS. Needs NVRTC or nvcc, not a GPU.
 """
 
 from __future__ import annotations
@@ -20,10 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ringserve.gpu_proc.attention import cupy_backend
-from ringserve.gpu_proc.attention.cupy_executor import NVRTC_OPTIONS, resident_ctas
-
-# CuPy appends this to every NVRTC compile; the resources must be those of what runs.
-CUPY_ADDED_OPTIONS = ("-ftz=true",)
+from ringserve.gpu_proc.attention.cupy_executor import NVRTC_OPTIONS, SmLimits, resident_ctas
+from ringserve.tools.nvrtc import CUPY_ADDED_OPTIONS
 
 
 @dataclass
@@ -89,36 +88,14 @@ def _sass_counts(cubin: Path) -> dict[str, tuple[int, int]]:
     return {k: (v[0], v[1]) for k, v in counts.items()}
 
 
-def measure(arch: str = "sm_90") -> list[KernelResources]:
-    nvcc = nvcc_path()
-    if nvcc is None:
-        raise RuntimeError("nvcc not found (install the CUDA toolkit)")
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "attention.cu"
-        src.write_text(instantiated_source())
-        cubin = Path(tmp) / "attention.cubin"
-        proc = subprocess.run(
-            [
-                nvcc,
-                "-cubin",
-                f"-arch={arch}",
-                *NVRTC_OPTIONS,
-                *CUPY_ADDED_OPTIONS,
-                "-Xptxas",
-                "-v",
-                "-o",
-                str(cubin),
-                str(src),
-            ],
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(proc.stderr)
-        sass = _sass_counts(cubin)
+SM_LIMITS = {"sm_80": SmLimits(shared_bytes=167936), "sm_90": SmLimits()}  # 164 KiB / 228 KiB per SM
+
+
+def _ptxas_rows(log: str) -> dict[str, dict]:
+    """mangled name -> registers, spills and static shared memory, from ptxas' `-v` report."""
     rows: dict[str, dict] = {}
     current = None
-    for line in proc.stderr.splitlines():
+    for line in log.splitlines():
         m = re.search(r"Compiling entry function '(\S+)'", line)
         if m:
             current = rows.setdefault(m.group(1), {"spill_stores": 0, "spill_loads": 0, "shared_bytes": 0})
@@ -131,14 +108,59 @@ def measure(arch: str = "sm_90") -> list[KernelResources]:
         m = re.search(r"Used (\d+) registers", line)
         if m:
             current["registers"] = int(m.group(1))
-            s = re.search(r"(\d+) bytes smem", line)
-            current["shared_bytes"] = int(s.group(1)) if s else 0
+            sm = re.search(r"(\d+) bytes smem", line)
+            current["shared_bytes"] = int(sm.group(1)) if sm else 0
+    return rows
+
+
+def _compile_nvcc(arch: str, tmp: Path) -> tuple[str, Path]:
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise RuntimeError("neither NVRTC (pip install nvidia-cuda-nvrtc) nor nvcc found")
+    src = tmp / "attention.cu"
+    src.write_text(instantiated_source())
+    cubin = tmp / "attention.cubin"
+    cmd = [nvcc, "-cubin", f"-arch={arch}", *NVRTC_OPTIONS, *CUPY_ADDED_OPTIONS, "-Xptxas", "-v", "-o", str(cubin)]
+    proc = subprocess.run([*cmd, str(src)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr)
+    return proc.stderr, cubin
+
+
+def _compile_nvrtc(arch: str, tmp: Path) -> tuple[str, Path] | None:
+    from ringserve.tools import nvrtc
+
+    lib = nvrtc.load()
+    if lib is None:
+        return None
+    options = (*NVRTC_OPTIONS, *CUPY_ADDED_OPTIONS, f"-arch={arch}", "-Xptxas=-v")
+    out = nvrtc.compile_source(lib, cupy_backend.kernel_source(), cupy_backend.entry_points(), options)
+    if not out.ok:
+        raise RuntimeError(out.log)
+    cubin = tmp / "attention.cubin"
+    cubin.write_bytes(out.cubin)
+    return out.log, cubin
+
+
+def measure(arch: str = "sm_90", compiler: str = "auto") -> list[KernelResources]:
+    """Every entry point's resources on `arch`, compiled by NVRTC (the compiler CuPy runs on the
+    device: `auto` takes it when loadable) or nvcc. Register counts differ between the two."""
+    if compiler not in ("auto", "nvrtc", "nvcc"):
+        raise ValueError(f"compiler must be auto, nvrtc or nvcc, got {compiler!r}")
+    with tempfile.TemporaryDirectory() as tmp:
+        built = _compile_nvrtc(arch, Path(tmp)) if compiler != "nvcc" else None
+        if built is None and compiler == "nvrtc":
+            raise RuntimeError("no NVRTC library loadable (pip install nvidia-cuda-nvrtc)")
+        log, cubin = built or _compile_nvcc(arch, Path(tmp))
+        sass = _sass_counts(cubin)
+    rows = _ptxas_rows(log)
     names = _demangle(list(rows))
+    limits = SM_LIMITS.get(arch, SmLimits())
     out = []
     for mangled, r in rows.items():
         name = names[mangled]
         threads = _threads(name)
-        ctas = resident_ctas(r["registers"], r["shared_bytes"], threads)
+        ctas = resident_ctas(r["registers"], r["shared_bytes"], threads, limits)
         hmma, ldg = sass.get(mangled, (None, None))
         out.append(
             KernelResources(
@@ -160,10 +182,11 @@ def measure(arch: str = "sm_90") -> list[KernelResources]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ringserve kernel-resources", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--compiler", default="auto", choices=("auto", "nvrtc", "nvcc"), help="auto: NVRTC if loadable")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     try:
-        rows = measure(args.arch)
+        rows = measure(args.arch, args.compiler)
     except RuntimeError as e:
         print(f"ringserve kernel-resources: {e}", file=sys.stderr)
         return 2

@@ -46,8 +46,9 @@ KERNEL_FILES = ("kv_append.cu", "paged_decode.cu", "paged_prefill.cu", "paged_pr
 TRAITS = {torch.float16: "RsF16", torch.bfloat16: "RsBF16", torch.float32: "RsF32"}
 
 # Query heads per decode CTA. A group of 8 needs more registers than fit without spilling (see
-# paged_decode.cu), so a GQA-8 model runs two CTAs of 4 heads per KV head.
-DECODE_GROUPS = (4, 2, 1)
+# paged_decode.cu), so a GQA-8 model runs two CTAs of 4 heads per KV head; 3 serves GQA 3 and 6
+# (SmolLM2's 9 / 3 heads) without streaming a KV head once per query head.
+DECODE_GROUPS = (4, 3, 2, 1)
 DECODE_THREADS = 128
 PREFILL_ROWS = 32
 PREFILL_THREADS = 128
@@ -100,17 +101,28 @@ def decode_group(num_heads: int, num_kv_heads: int) -> int:
     return next(g for g in DECODE_GROUPS if per_kv % g == 0)
 
 
+def op_kernels(
+    dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, capability: tuple[int, int]
+) -> dict[str, tuple[str, ...]]:
+    """The kernels each op of a model with these attention shapes launches on a GPU of
+    `capability` (the ops the start-up check verifies one by one, `self_check.py`)."""
+    tc = uses_tensor_cores(dtype, num_heads, num_kv_heads, capability)
+    return {
+        "write_kv": (KV_APPEND,),
+        "decode": (
+            decode_kernel(dtype, head_dim, decode_group(num_heads, num_kv_heads)),
+            merge_kernel(dtype, head_dim),
+        ),
+        "prefill": ((prefill_tc_kernel if tc else prefill_kernel)(dtype, head_dim),),
+    }
+
+
 def model_kernels(
     dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, capability: tuple[int, int]
 ) -> list[str]:
     """Every kernel a model with these attention shapes launches on a GPU of `capability`."""
-    tc = uses_tensor_cores(dtype, num_heads, num_kv_heads, capability)
-    return [
-        KV_APPEND,
-        decode_kernel(dtype, head_dim, decode_group(num_heads, num_kv_heads)),
-        merge_kernel(dtype, head_dim),
-        (prefill_tc_kernel if tc else prefill_kernel)(dtype, head_dim),
-    ]
+    ops = op_kernels(dtype, head_dim, num_heads, num_kv_heads, capability)
+    return [name for names in ops.values() for name in names]
 
 
 def entry_points() -> list[str]:
@@ -126,8 +138,11 @@ def entry_points() -> list[str]:
 
 
 def plan_decode_splits(num_ctas: int, max_seq_len: int, sm_count: int, ctas_per_sm: int) -> int:
-    """Number of KV splits so the decode grid fills one wave of resident CTAs (`sm_count *
-    ctas_per_sm`, from the kernel's real occupancy), never cutting a split under 16 blocks."""
+    """Number of KV splits so the decode work (`num_ctas`: one-token rows x head groups) fills one
+    wave of resident CTAs (`sm_count * ctas_per_sm`, from the kernel's real occupancy), never
+    cutting a split under 16 blocks. Each row's splits share out its own blocks (in the kernel), so
+    a short row under a long `max_seq_len` (a CUDA graph's, planned for the context limit) keeps
+    all its splits busy."""
     max_blocks = max(1, math.ceil(max_seq_len / BLOCK_SIZE))
     slots = sm_count * ctas_per_sm
     if num_ctas >= slots or max_blocks < 2 * MIN_BLOCKS_PER_SPLIT:
@@ -257,11 +272,17 @@ class AttentionKernels:
         group = decode_group(num_heads, num_kv_heads)
         chunks = num_heads // group
         name = decode_kernel(q.dtype, head_dim, group)
+        min_blocks = 1  # forced splits (tests, benchmarks) cut where they are told
         if num_splits is None:
             ex = self.executor
+            rows = t if meta.single_rows < 0 else meta.single_rows  # a mixed step's chunk tokens exit at once
             num_splits = plan_decode_splits(
-                t * chunks, meta.max_seq_len, ex.sm_count(device), ex.ctas_per_sm(name, device, DECODE_THREADS)
+                max(1, rows) * chunks,
+                meta.max_seq_len,
+                ex.sm_count(device),
+                ex.ctas_per_sm(name, device, DECODE_THREADS),
             )
+            min_blocks = MIN_BLOCKS_PER_SPLIT
         max_blocks = math.ceil(meta.max_seq_len / BLOCK_SIZE)
         blocks_per_split = math.ceil(max_blocks / num_splits)
         num_splits = math.ceil(max_blocks / blocks_per_split)  # drop splits that would all be empty
@@ -289,7 +310,7 @@ class AttentionKernels:
                 _i32(num_heads),
                 _i32(num_kv_heads),
                 _f32(scale * _LOG2E),
-                _i32(blocks_per_split),
+                _i32(min_blocks),
                 single_qsl,
                 out,
                 part_acc,

@@ -28,7 +28,9 @@ class AttentionMetadata:
     positions       int64[T]   absolute position of each new token
     token_seq       int64[T]   sequence index (0..S-1) of each new token
 
-    `reference_plan` is the torch reference attention's grouping of this step's rows
+    `single_rows` counts the one-token sequences, known on the host when the step is built: the
+    decode kernel's split planner sizes a mixed step's decode work from it (its chunk tokens' CTAs
+    exit at once). `reference_plan` is the torch reference attention's grouping of this step's rows
     (`reference_plan.ReferencePlan`), built by its first layer and reused by the others; other
     backends leave it None. `checked_num_blocks` lets the kernel launchers check the tables'
     values once per step rather than in every layer (`cupy_checks.check_block_tables`).
@@ -43,6 +45,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int = 16
+    single_rows: int = -1  # sequences with one new token (decode rows); -1: every sequence
     reference_plan: object | None = None
     checked_num_blocks: int = 0  # pool size the CUDA launchers' value checks passed for (once per step)
 
@@ -155,5 +158,6 @@ def build_step_inputs(batch: StepBatch, block_size: int, device: torch.device) -
         max_query_len=max_q,
         max_seq_len=max_len,
         block_size=block_size,
+        single_rows=ns if max_q == 1 else lens.count(1),
     )
     return StepInputs(input_ids=flat[:t], logits_indices=flat[4 * t :], meta=meta)

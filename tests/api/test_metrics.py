@@ -122,3 +122,20 @@ def test_every_declared_gpu_stat_is_published_rendered_and_faked(control):
         name = stat.metric + ("_total" if stat.kind == "counter" else "")
         assert s[(name, ())] == i + 1, stat
     assert set(FakeGpu().stats()) == set(GPU_STAT_NAMES)
+
+
+def test_attention_backend_and_check_failures_from_the_model_facts(control):
+    """The backend serving each attention op and the failed kernel checks render from the facts,
+    and the largest report the start-up check can publish fits the facts region."""
+    from ringserve.gpu_proc.attention.self_check import ERROR_CHARS, OPS, CheckReport, OpCheck, served_by
+
+    kernels = ("rs_paged_decode<RsBF16, 128, 4>", "rs_decode_merge<RsBF16, 128>")
+    shape = "chunks [(0, 33), (20, 17), (47, 1), (5, 1), (64, 40)], heads 128/8, head_dim 128, bfloat16"
+    checks = tuple(OpCheck(op, kernels, shape, False, float("nan"), "-", "E" * ERROR_CHARS) for op in OPS)
+    report = CheckReport(checks, 0.5, served_by({}, "cupy"))
+    facts = {"model": "m" * 200, "block_size": 16, "eos_token_ids": list(range(8)), "device": "cuda:0"}
+    control.set_model_facts({**facts, "attention": {"backend": "reference", "checked": True, **report.facts()}})
+    samples = _samples(metrics.render(metrics.from_control(control)))
+    for op in OPS:
+        assert samples[("ringserve_attention_backend_info", (("backend", "reference"), ("op", op)))] == 1.0
+    assert samples[("ringserve_attention_check_failures", ())] == len(OPS)

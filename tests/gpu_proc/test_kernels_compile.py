@@ -1,31 +1,30 @@
 """CPU CI for the CUDA kernels: every kernel compiles for sm_80 and sm_90 from the exact source and
 options the backend hands NVRTC, and the backend imports without CUDA or CuPy.
 
-`nvcc -ptx` runs when nvcc is on PATH (or at /usr/local/cuda/bin); where an NVRTC library can be
-loaded too (the `nvidia-cuda-nvrtc-cu12` wheel torch's CUDA builds depend on, or a system CUDA),
-the source also goes through NVRTC itself, the compiler that runs in production, with every entry
-point added as a name expression as CuPy adds them. The kernels are templates: `nvcc` instantiates
-them through a host-side table of their addresses appended to the source.
+NVRTC, the compiler that runs in production, compiles the source in every run of `make test`: the
+test extra installs NVIDIA's `nvidia-cuda-nvrtc` wheel (a host library, no GPU), and the checks
+compile as CuPy does on a device (`-arch=sm_80` / `sm_90`, `-ftz=true`, every entry point added as a
+name expression) and read ptxas' resource report from that compile: no spills, static shared memory
+within sm_80's limits. `nvcc -ptx` runs too where nvcc is on PATH (or at /usr/local/cuda/bin); the
+kernels are templates, so `nvcc` instantiates them through a host-side table of their addresses.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from ringserve.gpu_proc.attention import cupy_backend
+from ringserve.gpu_proc.attention.cupy_executor import resident_ctas
+from ringserve.tools import kernel_resources, nvrtc
 from ringserve.tools.kernel_resources import instantiated_source
 
 ARCHS = ("sm_80", "sm_90")
-# CuPy appends these to every NVRTC compile (cupy/cuda/compiler.py), so the checks do too.
-CUPY_ADDED_OPTIONS = ("-ftz=true",)
+CUPY_ADDED_OPTIONS = nvrtc.CUPY_ADDED_OPTIONS
 
 
 def _nvcc() -> str | None:
@@ -35,26 +34,6 @@ def _nvcc() -> str | None:
     for candidate in ("/usr/local/cuda/bin/nvcc",):
         if os.access(candidate, os.X_OK):
             return candidate
-    return None
-
-
-def _nvrtc() -> ctypes.CDLL | None:
-    candidates = []
-    try:
-        import nvidia.cuda_nvrtc as pkg  # the pip wheel torch's CUDA builds pull in
-
-        lib_dir = Path(list(pkg.__path__)[0]) / "lib"
-        candidates += sorted(str(p) for p in lib_dir.glob("libnvrtc.so*") if "alt" not in p.name)
-    except ImportError:
-        pass
-    found = ctypes.util.find_library("nvrtc")
-    if found:
-        candidates.append(found)
-    for path in candidates:
-        try:
-            return ctypes.CDLL(path)
-        except OSError:
-            continue
     return None
 
 
@@ -108,32 +87,51 @@ def test_nvcc_ptx_compiles_every_entry_point(arch, tmp_path):
     assert not _missing(entries), f"entry points missing from the PTX: {_missing(entries)}"
 
 
-@pytest.mark.parametrize("arch", ("compute_80", "compute_90"))
-def test_nvrtc_compiles_every_entry_point(arch):
-    """NVRTC itself (what CuPy runs on the GPU machine) compiles the source with the backend's options."""
-    lib = _nvrtc()
-    if lib is None:
-        pytest.skip("no NVRTC library loadable (pip install nvidia-cuda-nvrtc-cu12 to run this check)")
-    prog = ctypes.c_void_p()
-    source = cupy_backend.kernel_source().encode()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"ringserve_attention.cu", 0, None, None) == 0
-    try:
-        for name in cupy_backend.entry_points():
-            assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0
-        options = [o.encode() for o in (*cupy_backend.NVRTC_OPTIONS, *CUPY_ADDED_OPTIONS, f"-arch={arch}")]
-        rc = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        assert rc == 0, log.value.decode(errors="replace")
-        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
-        ptx = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetPTX(prog, ptx)
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    entries = _ptx_entries(ptx.value.decode())
+@pytest.fixture(scope="module", params=ARCHS)
+def nvrtc_build(request):
+    """The backend's source compiled by NVRTC for one arch exactly as CuPy compiles it on a device of
+    that arch (its options, `-arch=sm_XX`, every entry point a name expression), with ptxas' report."""
+    lib = nvrtc.load()
+    assert lib is not None, "no NVRTC library: the test extra installs nvidia-cuda-nvrtc (make install)"
+    arch = request.param
+    options = (*cupy_backend.NVRTC_OPTIONS, *nvrtc.CUPY_ADDED_OPTIONS, f"-arch={arch}", "-Xptxas=-v")
+    out = nvrtc.compile_source(lib, cupy_backend.kernel_source(), cupy_backend.entry_points(), options)
+    assert out.ok, out.log
+    return arch, out
+
+
+def test_nvrtc_compiles_every_entry_point(nvrtc_build):
+    """NVRTC (what CuPy runs on the GPU machine) compiles every instantiation to a cubin for the arch."""
+    arch, out = nvrtc_build
+    assert out.cubin, f"no cubin for {arch}"
+    entries = _ptx_entries(out.ptx)
+    assert len(entries) == len(cupy_backend.entry_points())
     assert not _missing(entries), f"entry points missing from the PTX: {_missing(entries)}"
+
+
+# Static shared memory per block is capped at 48 KiB; an sm_80 SM has 164 KiB for its CTAs.
+STATIC_SMEM_LIMIT = 48 * 1024
+
+
+def test_no_kernel_spills_and_shared_memory_fits_sm80(nvrtc_build):
+    """ptxas (inside NVRTC, as on the device): no kernel spills registers, none exceeds the static
+    shared-memory limit, and every kernel keeps two CTAs resident on an sm_80 SM (164 KiB)."""
+    arch, out = nvrtc_build
+    rows = kernel_resources._ptxas_rows(out.log)
+    assert len(rows) == len(cupy_backend.entry_points())
+    names = kernel_resources._demangle(list(rows))
+    spills = {
+        names[m]: (r["spill_stores"], r["spill_loads"])
+        for m, r in rows.items()
+        if r["spill_stores"] or r["spill_loads"]
+    }
+    assert not spills, f"{arch}: kernels spilling (stores, loads bytes): {spills}"
+    sm80 = kernel_resources.SM_LIMITS["sm_80"]
+    for mangled, r in rows.items():
+        name = names[mangled]
+        assert r["shared_bytes"] <= STATIC_SMEM_LIMIT, f"{name}: {r['shared_bytes']} bytes of static shared memory"
+        ctas = resident_ctas(r["registers"], r["shared_bytes"], kernel_resources._threads(name), sm80)
+        assert ctas >= 2, f"{name} ({arch}): {r['registers']} registers, {r['shared_bytes']} B shared: {ctas} CTA/SM"
 
 
 def test_backend_imports_without_cupy_or_cuda():

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ringserve.gpu_proc.kv_pool import KVPool
-from ringserve.gpu_proc.model.loader import CheckpointError, load_model, read_special_tokens
+from ringserve.gpu_proc.model.loader import CheckpointError, load_model, read_special_tokens, resolve_dtype
 from ringserve.gpu_proc.model_runner import ModelRunner
 from ringserve.gpu_proc.step import RowSampling, SeqStep, StepBatch
 
@@ -62,6 +62,25 @@ def test_auto_dtype_uses_float32_for_half_checkpoints_on_cpu(ckpt):
     """`auto` takes the checkpoint's dtype, except half precision on CPU, which runs in float32."""
     _edit_config(ckpt, torch_dtype="bfloat16")
     assert load_model(ckpt, dtype="auto").dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "checkpoint,bf16,want",
+    [
+        ("float32", True, torch.bfloat16),  # every GGUF we convert is stored float32
+        (None, True, torch.bfloat16),
+        ("float32", False, torch.float16),  # a GPU without bfloat16 (before sm_80)
+        ("bfloat16", False, torch.float16),
+        ("float16", True, torch.float16),
+        ("bfloat16", True, torch.bfloat16),
+    ],
+)
+def test_auto_dtype_on_cuda_is_half_precision(checkpoint, bf16, want):
+    """`auto` on a CUDA device serves half precision: bfloat16 where the GPU has it, else float16,
+    whatever the checkpoint is stored in (the device type is faked: no GPU needed)."""
+    cfg = {} if checkpoint is None else {"torch_dtype": checkpoint}
+    assert resolve_dtype("auto", cfg, torch.device("cuda"), cuda_bf16=bf16) == want
+    assert resolve_dtype("float32", cfg, torch.device("cuda"), cuda_bf16=bf16) == torch.float32  # asked for
 
 
 def test_special_tokens(tiny_model_dir):

@@ -11,6 +11,8 @@ same argument tuples) with CPU tensors. Each launch:
    random order) and maps it read-only when the parameter points to const;
 3. runs the grid on the harness runtime, then copies the non-const buffers back.
 
+A tensor over DIRECT_BYTES (a production-sized KV pool) is passed by its own address instead.
+
 Errors (a fault with the buffer and offset named, a barrier or shuffle violation, a deadlock, a
 bad argument) raise `KernelFault` with source lines mapped to `file.cu:line`.
 """
@@ -31,6 +33,7 @@ from ringserve.gpu_proc.attention import cupy_backend
 from .build import Build, build
 
 ORDERS = {"forward": 0, "reverse": 1, "random": 2}
+DIRECT_BYTES = 1 << 32  # tensors above this are passed without a guarded copy (see _buffer)
 _KINDS = {0: "pointer", 1: "integer", 2: "float"}
 
 
@@ -252,6 +255,10 @@ class HarnessExecutor:
         if t.device.type != "cpu":
             raise KernelFault(f"{name}: `{p.name}` is on {t.device}; the harness runs on CPU tensors")
         nbytes = _span_bytes(t)
+        if nbytes > DIRECT_BYTES:
+            # NOTE: a pool of production size (tests map it sparse, MAP_NORESERVE) is passed as it is:
+            # a guarded copy would touch every page. Its accesses are checked by the comparison.
+            return t.data_ptr()
         at_end = {"forward": 1, "reverse": 0}.get(self.order, self.rng.getrandbits(1))
         lib = self.module.lib
         addr = lib.rs_buffer_new(nbytes, t.data_ptr() % 16, at_end, p.name.encode())

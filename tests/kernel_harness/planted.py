@@ -75,8 +75,8 @@ PLANTED = [
     Planted(
         "decode: block-table over-read past the context",
         "paged_decode.cu",
-        "const int b_end = min(num_blocks, b_begin + blocks_per_split);",
-        "const int b_end = b_begin + blocks_per_split;",
+        "const int b_end = min(num_blocks, b_begin + per_split);",
+        "const int b_end = b_begin + per_split;",
     ),
     Planted(
         "decode: running max reduced over half the warp",

@@ -164,3 +164,15 @@ def test_large_logits_stay_accurate_in_half_precision():
     got = _kernels(9).paged_decode(q, kc, vc, meta, 0.125)
     err = (got.double() - want).abs().max().item()
     assert err <= TOL[F16][0] + TOL[F16][1] * want.abs().max().item()
+
+
+def test_a_mixed_step_splits_its_decode_rows_by_their_own_count():
+    """The split planner counts a mixed step's one-token rows, not its chunk's tokens: 6 long decode
+    rows beside a 256-token chunk are split (the merge kernel runs), and the answer is exact."""
+    specs = [(599, 1)] * 6 + [(0, 256)]
+    q, kc, vc, meta, dense = make_case(specs, 4, 2, 32, F16, seed=21)
+    assert meta.single_rows == 6
+    executor = HarnessExecutor(order="random", seed=21, sm_count=16, ctas_per_sm=4)
+    got = AttentionKernels(executor).paged_attention(q, kc, vc, meta, 32**-0.5)
+    assert_close(got, oracle(q, meta, dense, 32**-0.5), F16, "mixed step, split decode rows")
+    assert any(name.startswith("rs_decode_merge") for name in executor.launches)

@@ -14,26 +14,31 @@
 // with more than one new token exits at once; the prefill kernel covers those tokens, skipping the
 // one-token sequences, so each output row is written by exactly one of the two launches.
 //
-// Split-KV (long contexts at small batch): grid.z = number of splits, each CTA covers
-// blocks_per_split blocks and writes its unnormalised accumulator plus (max, sum-exp) to fp32
-// scratch; rs_decode_merge combines the splits. With one split the CTA writes the output.
+// Split-KV (long contexts at small batch): grid.z = number of splits. Each row shares out its own
+// blocks among them (ceil(blocks / splits), at least min_blocks_per_split each), so a short row
+// under a grid planned for a longer context (a CUDA graph's) still uses every split; each CTA writes
+// its unnormalised accumulator plus (max, sum-exp) to fp32 scratch, and rs_decode_merge combines
+// the splits (an empty one writes max -inf, sum 0). With one split the CTA writes the output.
 //
-// Resources (`ringserve kernel-resources`, ptxas for sm_90): the 27 variants use 54-168
-// registers; fp16 D = 128 takes 72 / 117 / 167 registers for groups 1 / 2 / 4 (7 / 4 / 3 CTAs per
-// SM), each lane keeping eight 16-byte loads in flight. Some group-1 variants spill 4-12 bytes
-// (fp16 D = 128, bf16 D = 64), which stays in L1. A group of 8 would need more than 255 registers,
-// so a GQA-8 model runs two CTAs of 4 heads per KV head; the second reads the same blocks, mostly
-// from L2.
+// Resources (`ringserve kernel-resources`: NVRTC 13.0, sm_90): fp16 D = 128 takes 82 / 113 / 162
+// registers for groups 1 / 2 / 4, each lane keeping eight 16-byte loads in flight. A group of 8
+// would need more than 255 registers, so a GQA-8 model runs two CTAs of 4 heads per KV head; the
+// second reads the same blocks, mostly from L2. Groups of 3 (SmolLM2: 9 query heads on 3 KV heads)
+// read each KV head once.
 
 #define RS_DEC_WARPS 4
+// Resident CTAs asked of ptxas: without a floor it settles some variants at 64 or 96 registers
+// and spills 4-32 bytes (NVRTC 13.0); with 4 (3 for groups of 4 or more, which need more
+// registers) no half-precision variant spills on sm_80 or sm_90 (`ringserve kernel-resources`).
+#define RS_DEC_MIN_CTAS(GROUP) ((GROUP) >= 4 ? 3 : 4)
 
 template <typename T, int D, int GROUP>
-__global__ void __launch_bounds__(RS_DEC_WARPS * RS_WARP) rs_paged_decode(
+__global__ void __launch_bounds__(RS_DEC_WARPS * RS_WARP, RS_DEC_MIN_CTAS(GROUP)) rs_paged_decode(
     const typename T::storage* __restrict__ q, const long long q_row_stride, const long long q_head_stride,
     const typename T::storage* __restrict__ k_cache, const typename T::storage* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int max_blocks,
     const long long* __restrict__ positions, const long long* __restrict__ token_seq,
-    const int num_heads, const int num_kv_heads, const float scale_log2, const int blocks_per_split,
+    const int num_heads, const int num_kv_heads, const float scale_log2, const int min_blocks_per_split,
     const int* __restrict__ single_qsl,
     typename T::storage* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
     constexpr int TPT = D / 8;             // lanes per token
@@ -66,8 +71,9 @@ __global__ void __launch_bounds__(RS_DEC_WARPS * RS_WARP) rs_paged_decode(
 
     const long long ctx = positions[t] + 1;               // keys 0..positions[t] are visible
     const int num_blocks = (int)((ctx + RS_BLOCK_SIZE - 1) / RS_BLOCK_SIZE);
-    const int b_begin = split * blocks_per_split;
-    const int b_end = min(num_blocks, b_begin + blocks_per_split);
+    const int per_split = max(min_blocks_per_split, (num_blocks + (int)gridDim.z - 1) / (int)gridDim.z);
+    const int b_begin = split * per_split;
+    const int b_end = min(num_blocks, b_begin + per_split);
     const int* table = block_tables + token_seq[t] * (long long)max_blocks;
 
     float qr[GROUP][8];

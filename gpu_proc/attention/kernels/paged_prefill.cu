@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(RS_PF_THREADS) rs_paged_prefill(
     // +1 padding: the score loop reads 16 different K rows (and 2 Q rows) at one channel per warp.
     __shared__ float sq[RS_PF_ROWS][D + 1];
     __shared__ float sk[RS_BLOCK_SIZE][D + 1];
-    __shared__ float sv[RS_BLOCK_SIZE][D];
+    __shared__ float sv[RS_BLOCK_SIZE][D + 1];  // padded like sk: staging rows start on other banks
     __shared__ float sp[RS_PF_ROWS][RS_BLOCK_SIZE + 1];
     __shared__ float sm_m[RS_PF_ROWS];
     __shared__ float sm_l[RS_PF_ROWS];

@@ -21,6 +21,7 @@
 
 #define RS_TC_ROWS 64
 #define RS_TC_KEYS 64
+static_assert(RS_TC_ROWS <= RS_TC_KEYS, "the Q tile is staged in sk, which holds RS_TC_KEYS rows");
 #define RS_TC_THREADS 128
 #define RS_TC_PAD 8
 
