@@ -110,7 +110,7 @@ class GpuLoop:
     def _submit(self, slot: int, msg: M.Submit) -> None:
         try:
             _check_limits(msg, self.engine.vocab_size)
-            req = Request.from_submit(slot, msg)
+            req = Request.from_submit(slot, msg, cache_per_tenant=not self.config.prefix_cache_across_tenants)
         except ValueError as exc:
             self.outboxes[slot].send(M.Rejected(rid=msg.rid, status=400, code="invalid_request", message=str(exc)))
             return

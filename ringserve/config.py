@@ -60,6 +60,9 @@ class Config:
     fair_preempt_steps: int = 4
     output_token_weight: float = 12.0
     prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
+    # Reuse another tenant's cached blocks too. Off: the tenant (API key) salts the cache, so no key
+    # can learn from timing or /metrics whether another sent a prompt; on only for one tenant's server.
+    prefix_cache_across_tenants: bool = False
     # admission
     queue_limit_s: float = 2.0
     c_prefill_ms: float = 0.1
