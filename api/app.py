@@ -2,10 +2,10 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, DELETE /v1/requests/{request_id},
 GET /v1/models, /v1/models/{id}, /version, /health, /ready, /metrics; vLLM's POST /tokenize and
-/detokenize. Three middlewares: errors in the OpenAI shape (with
-x-request-id when one was assigned), the connection guard (the connection is busy; the body must
-arrive within body_timeout_s), then authentication (deny by default; /health, /ready and /metrics
-are open). Background work — the GPU client's transport, the tokenizer thread pool, the
+/detokenize. Four middlewares, in order: errors in the OpenAI shape (with x-request-id when one
+was assigned); the connection guard (the connection is busy); authentication (deny by default;
+/health and /ready are open, /metrics too unless metrics keys are set); then the body, read within
+body_timeout_s, so no body is read or inflated before its key is checked. Background work — the GPU client's transport, the tokenizer thread pool, the
 slow-reader watchdog and the connection guard's sweep — is owned by `cleanup_ctx`, so it starts and
 stops with the app.
 """
@@ -20,7 +20,7 @@ import msgspec
 from aiohttp import web
 
 from ringserve import __version__
-from ringserve.api.auth import PUBLIC_PATHS, Authenticator
+from ringserve.api.auth import METRICS_PATH, PUBLIC_PATHS, Authenticator
 from ringserve.api.availability import gpu_not_ready
 from ringserve.api.chat import handle_chat_completions
 from ringserve.api.chat_template import ChatTemplate
@@ -71,7 +71,8 @@ def init_app(
     `eos_token_ids()` the model's EOS ids (the GPU process's published facts)."""
     guard = ConnectionGuard(config)
     app = web.Application(
-        client_max_size=config.max_body_bytes, middlewares=[_error_middleware, guard.middleware, _auth_middleware]
+        client_max_size=config.max_body_bytes,
+        middlewares=[_error_middleware, guard.middleware, _auth_middleware, guard.read_body],
     )
     source = stats_source or (lambda st: StatsSnapshot(workers=[st.stats.as_dict()]))
     state = ApiState(
@@ -141,9 +142,15 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
 
 @web.middleware
 async def _auth_middleware(request: web.Request, handler) -> web.StreamResponse:
-    if request.path in PUBLIC_PATHS:
-        return await handler(request)
-    request[TENANT] = request.app[STATE].auth.tenant(request)  # raises 401
+    auth = request.app[STATE].auth
+    if request.path == METRICS_PATH:
+        auth.check_metrics(request)  # raises 401 when metrics keys are set
+    elif request.path not in PUBLIC_PATHS:
+        try:
+            request[TENANT] = auth.tenant(request)
+        except ApiError as err:
+            err.close_connection = request.body_exists  # its body is never read, nor inflated
+            raise
     return await handler(request)
 
 

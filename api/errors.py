@@ -95,12 +95,25 @@ class ApiError(Exception):
         headers = self.headers()
         if extra_headers:
             headers.update(extra_headers)
-        resp = web.Response(
+        kind = _ClosingResponse if self.close_connection else web.Response
+        return kind(
             status=self.status, body=msgspec.json.encode(self.body()), content_type="application/json", headers=headers
         )
-        if self.close_connection:
-            resp.force_close()
-        return resp
+
+
+class _ClosingResponse(web.Response):
+    """An answer after which the connection closes at once: the rest of the request body is never
+    read (aiohttp would read and inflate it for its lingering close, and quote its errors)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.force_close()
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        request = self._req  # (write_eof forgets it)
+        await super().write_eof(data)
+        if request is not None and request.protocol is not None:
+            request.protocol.force_close()  # the transport sends what is written, then closes
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:

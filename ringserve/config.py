@@ -41,6 +41,7 @@ class Config:
     # once per machine at start-up; false: the torch reference path
     cpu_kernels: bool = True
     api_keys_file: str | None = None
+    metrics_keys_file: str | None = None  # keys for /metrics (one per line); None: /metrics is open
     # KV pool
     block_size: int = 16
     num_blocks: int = 0  # 0: sized from memory (GPU) or cpu_kv_blocks (CPU)
