@@ -26,7 +26,7 @@ from ringserve.api.chat import handle_chat_completions
 from ringserve.api.chat_template import ChatTemplate
 from ringserve.api.completions import handle_completions
 from ringserve.api.connections import ConnectionGuard
-from ringserve.api.errors import ApiError, from_http_exception
+from ringserve.api.errors import ApiError, from_http_exception, quoted
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.metrics import CONTENT_TYPE, StatsSnapshot, render
 from ringserve.api.peer_cancel import PeerCancel
@@ -97,17 +97,20 @@ def init_app(
     if eos_token_ids is not None:
         state.eos_token_ids = eos_token_ids
     app[STATE] = state
-    app.router.add_post("/v1/completions", handle_completions)
-    app.router.add_post("/v1/chat/completions", handle_chat_completions)
-    app.router.add_delete("/v1/requests/{request_id}", _handle_delete)
-    app.router.add_get("/v1/models", _handle_models)
-    app.router.add_get("/v1/models/{model_id:.+}", _handle_model)
-    app.router.add_post("/tokenize", handle_tokenize)
-    app.router.add_post("/detokenize", handle_detokenize)
-    app.router.add_get("/version", _handle_version)
-    app.router.add_get("/health", _handle_health)
-    app.router.add_get("/ready", _handle_ready)
-    app.router.add_get("/metrics", _handle_metrics)
+    for method, path, handler in (
+        ("POST", "/v1/completions", handle_completions),
+        ("POST", "/v1/chat/completions", handle_chat_completions),
+        ("DELETE", "/v1/requests/{request_id}", _handle_delete),
+        ("GET", "/v1/models", _handle_models),
+        ("GET", "/v1/models/{model_id:.+}", _handle_model),
+        ("POST", "/tokenize", handle_tokenize),
+        ("POST", "/detokenize", handle_detokenize),
+        ("GET", "/version", _handle_version),
+        ("GET", "/health", _handle_health),
+        ("GET", "/ready", _handle_ready),
+        ("GET", "/metrics", _handle_metrics),
+    ):
+        app.router.add_route(method, path, handler, expect_handler=_expect_handler)
     app.cleanup_ctx.append(_gpu_client_ctx)
     app.cleanup_ctx.append(_executor_ctx)
     app.cleanup_ctx.append(_slow_reader_ctx)
@@ -154,6 +157,48 @@ async def _auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     return await handler(request)
 
 
+async def _expect_handler(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue`: the client waits for our go before it sends the body, so the checks
+    that need no body come first: its declared size, then its key. Any other expectation is a 417
+    (RFC 9110) in the OpenAI shape. An answer here skips the middlewares and closes the connection
+    (the body is never read)."""
+    expect = request.headers.get("Expect", "")
+    if expect.lower() != "100-continue":
+        error = ApiError(
+            417,
+            f"Unsupported Expect header {quoted(expect)}: only '100-continue' is understood; leave it out.",
+            code="expectation_failed",
+        )
+    else:
+        st = request.app[STATE]
+        try:
+            _check_declared_size(request, st.config.max_body_bytes)
+            if request.path == METRICS_PATH:
+                st.auth.check_metrics(request)
+            elif request.path not in PUBLIC_PATHS:
+                st.auth.tenant(request)
+        except ApiError as err:
+            error = err
+        else:
+            if request.version >= (1, 1):
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                request.writer.output_size = 0  # the interim answer is not the response
+            return None
+    error.close_connection = True
+    return error.response()
+
+
+def _check_declared_size(request: web.Request, limit: int) -> None:
+    length = request.content_length
+    if length is not None and length > limit:
+        raise ApiError(
+            413,
+            f"Request body too large: Content-Length {length:,} bytes is over the limit of {limit:,} "
+            "bytes (--max-body-bytes). Send a shorter prompt.",
+            code="request_too_large",
+        )
+
+
 # handlers -------------------------------------------------------------------------------------
 async def _handle_delete(request: web.Request) -> web.Response:
     """Cancel a request; only the tenant that submitted it may, others get 404 (not 403, which
@@ -171,7 +216,7 @@ async def _handle_delete(request: web.Request) -> web.Response:
     if entry is not None or remote:
         return _json({"id": request_id, "object": "request.cancelled", "cancelled": True})
     raise ApiError(
-        404, f"No open request {request_id!r} for this API key.", param="request_id", code="request_not_found"
+        404, f"No open request {quoted(request_id)} for this API key.", param="request_id", code="request_not_found"
     )
 
 
@@ -181,7 +226,7 @@ def _model_card(st: ApiState) -> dict:
         "object": "model",
         "created": 0,
         "owned_by": "ringserve",
-        "root": next(iter(sorted(st.model_aliases)), st.model_name),
+        "root": st.model_name,  # (vLLM shows the path it serves from: not a client's business)
         "max_model_len": st.config.context_limit,
     }
 
@@ -198,7 +243,7 @@ async def _handle_model(request: web.Request) -> web.Response:
     if model_id != st.model_name and model_id not in st.model_aliases and "/" + model_id not in st.model_aliases:
         raise ApiError(
             404,
-            f"The model {model_id!r} does not exist; this server serves {st.model_name!r}.",
+            f"The model {quoted(model_id)} does not exist; this server serves {st.model_name!r}.",
             param="model",
             code="model_not_found",
         )

@@ -21,6 +21,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    417: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -114,6 +115,17 @@ class _ClosingResponse(web.Response):
         await super().write_eof(data)
         if request is not None and request.protocol is not None:
             request.protocol.force_close()  # the transport sends what is written, then closes
+
+
+QUOTE_CHARS = 64  # how much of a client's value an error message quotes
+
+
+def quoted(value: str) -> str:
+    """A client's value as an error message quotes it: its repr, cut to QUOTE_CHARS characters (a
+    1 MB `model` or `role` is not echoed back whole)."""
+    if len(value) <= QUOTE_CHARS:
+        return repr(value)
+    return f"{value[:QUOTE_CHARS]!r}... ({len(value):,} characters)"
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
