@@ -23,6 +23,7 @@ from ringserve.api.availability import gpu_not_ready
 from ringserve.api.errors import ApiError
 from ringserve.api.generation import Generation
 from ringserve.api.gpu_client import GpuClient, Inbox, RequestStream
+from ringserve.api.job_limits import check_controls, check_response_size
 from ringserve.api.logprobs import COMPLETION_LOGPROBS, LogprobFormat
 from ringserve.api.protocol import OutputOptions, SamplingFields, check_model
 from ringserve.api.registry import OpenRequest
@@ -135,6 +136,16 @@ async def tokenizing(st: ApiState, work: Awaitable[T]) -> T:
 
 
 async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> web.StreamResponse:
+    check_controls(job.sampling, st.eos_token_ids(), st.codec.vocab_size)
+    check_response_size(
+        list(map(len, job.prompts)),
+        job.max_tokens,
+        job.n,
+        job.logprobs,
+        echo=job.echo is not None,
+        prompt_logprobs=job.show_prompt_logprobs,
+        limit=st.config.max_response_logprobs,
+    )
     request_id = st.registry.new_id(request.headers.get("x-request-id") or job.request_id, request[TENANT])
     request[REQUEST_ID] = request_id  # the error middleware puts it on error responses too
     arrival = time.time()

@@ -72,6 +72,9 @@ class Config:
     slow_reader_s: float = 30.0
     request_timeout_s: float = 600.0  # deadline for a request from its arrival
     max_body_bytes: int = 4 * 1024 * 1024
+    # The logprob entries one response may carry (a token and its alternatives, echoed and prompt
+    # tokens included, all choices): what a request may make a worker build (api/job_limits.py).
+    max_response_logprobs: int = 500_000
     # connections (docs/design.md#limits-and-timeouts): every state has a time limit
     header_timeout_s: float = 10.0  # a new connection's first request head must arrive within this
     body_timeout_s: float = 30.0  # a request body must arrive within this once its head has
@@ -100,6 +103,7 @@ class Config:
             "key_row_cap",
             "ring_bytes",
             "max_body_bytes",
+            "max_response_logprobs",
             "cpu_kv_blocks",
             "cpu_threads",
             "watchdog_timeout_s",
