@@ -193,8 +193,8 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
             score_only=job.score_only,
             scored=job.prompt_logprobs is not None,
             continuous_usage=job.continuous_usage,
+            show_prompt_logprobs=job.show_prompt_logprobs,
         )
-        gen.show_prompt_logprobs = job.show_prompt_logprobs
         flow = _Flow(request, st, entry, streams, gen, job.n)
         if job.stream:
             gen.encoder = output.encoder(request_id, st.model_name, int(arrival), job.include_usage)
@@ -338,7 +338,31 @@ async def _complete(flow: _Flow, output: Output) -> web.Response:
         )
     await _settle(flow)
     body = output.body(entry.request_id, st.model_name, gen)
-    return web.Response(body=msgspec.json.encode(body), content_type="application/json", headers=flow.headers())
+    return web.Response(body=await _encode(body), content_type="application/json", headers=flow.headers())
+
+
+ENCODE_SLICE = 2048  # list items encoded between two turns of the event loop
+ENCODE_WALK = 64  # a list of at most this many objects is walked into, item by item
+
+
+async def _encode(value: Any) -> bytes:
+    """The JSON of a response body, a slice at a time with the event loop let run between slices:
+    a body with logprobs can be tens of MB (`job_limits`), and every other stream of the worker
+    waits while the encoder holds the loop. Objects and short lists are walked into; a long list
+    is encoded `ENCODE_SLICE` items at a time, a short one of objects (the choices) an item at a time."""
+    if isinstance(value, dict):
+        return msgspec.json.encode({k: msgspec.Raw(await _encode(v)) for k, v in value.items()})
+    if not isinstance(value, list) or not value:
+        return msgspec.json.encode(value)
+    if len(value) > ENCODE_SLICE:
+        parts = []
+        for i in range(0, len(value), ENCODE_SLICE):
+            parts.append(msgspec.json.encode(value[i : i + ENCODE_SLICE])[1:-1])
+            await asyncio.sleep(0)
+        return b"[" + b",".join(parts) + b"]"
+    if len(value) <= ENCODE_WALK and isinstance(value[0], (dict, list)):  # e.g. the choices
+        return b"[" + b",".join([await _encode(v) for v in value]) + b"]"
+    return msgspec.json.encode(value)
 
 
 async def _settle(flow: _Flow) -> None:

@@ -49,6 +49,7 @@ class TextCodec:
         self.max_token_bytes = _max_token_bytes(backend, spec, self.byte_table)
         self._with_specials: list[bytes] | None = None
         self._plain: tokenizers.Tokenizer | None = None
+        self._texts: list[str | None] = [None] * self.vocab_size
 
     @property
     def byte_table_with_specials(self) -> list[bytes] | None:
@@ -110,6 +111,17 @@ class TextCodec:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as `decode([token_id])` gives it, from a table filled as tokens are
+        met: logprobs show tens of thousands of tokens per response, each a tokenizer call."""
+        texts = self._texts
+        if 0 <= token_id < len(texts):
+            text = texts[token_id]
+            if text is None:
+                text = texts[token_id] = self.tokenizer.decode([token_id])
+            return text
+        return self.tokenizer.decode([token_id])
 
 
 def _build_byte_table(tok: tokenizers.Tokenizer, spec: dict, special_ids: frozenset[int]) -> list[bytes] | None:
