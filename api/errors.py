@@ -29,8 +29,9 @@ _TYPES = {
 
 
 # Failures a client should tell apart from a generic server error get their own `type` (and the
-# same `code`): the GPU process restarted under the request, or the server is shutting down.
-_OWN_TYPES = frozenset({"gpu_process_restart", "server_shutdown"})
+# same `code`): the GPU process or the API worker restarted under the request, or the server is
+# shutting down.
+_OWN_TYPES = frozenset({"gpu_process_restart", "server_shutdown", "worker_restart"})
 
 
 def error_type(code: str | None, default: str = "server_error") -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,9 @@ class OpenRequest:
     transport: Any  # the client connection's asyncio transport (None once it closed)
     write_since: float = 0.0  # loop.time() when a still-blocked write started; 0: not writing
     ended_by: str | None = None  # "delete" | "slow_reader" | "disconnect" once it ended early
+    # Once its SSE has begun: (code, message) -> the bytes that end the stream with that error
+    # (an error event and [DONE], framed as the response is); see `last_words`.
+    farewell: Callable[[str, str], bytes] | None = None
 
     def end(self, reason: str) -> None:
         """End the request from the worker's side: "delete" or "slow_reader"."""

@@ -20,7 +20,7 @@ import msgspec
 from aiohttp import web
 
 from ringserve.api.availability import gpu_not_ready
-from ringserve.api.errors import ApiError
+from ringserve.api.errors import ApiError, error_object, error_type
 from ringserve.api.generation import Generation
 from ringserve.api.gpu_client import GpuClient, Inbox, RequestStream
 from ringserve.api.job_limits import check_controls, check_response_size
@@ -276,6 +276,7 @@ async def _stream(flow: _Flow) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     try:
         await resp.prepare(request)
+        entry.farewell = _farewell(encoder, gen, resp.headers.get("Transfer-Encoding") == "chunked")
         opening = encoder.start(len(gen.samples))
         if opening:
             await resp.write(opening)
@@ -299,6 +300,18 @@ async def _stream(flow: _Flow) -> web.StreamResponse:
         # the caller's finally cancels the rows. Nothing more can be sent.
         _count_gone(st, entry)
     return resp
+
+
+def _farewell(encoder: Encoder, gen: Generation, chunked: bool) -> Callable[[str, str], bytes]:
+    """How this stream ends with an error outside the event loop (`last_words`): an error event
+    with the tokens streamed so far, [DONE], and the end of the chunked body."""
+
+    def bytes_for(code: str, message: str) -> bytes:
+        body = error_object(message, code, type_=error_type(code), extra={"tokens_streamed": gen.tokens})
+        data = encoder.error(body) + DONE
+        return b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data) if chunked else data
+
+    return bytes_for
 
 
 def _record(st: ApiState, gen: Generation) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import uvloop
 from aiohttp import web
 
-from ringserve.api import log_filter
+from ringserve.api import last_words, log_filter
 from ringserve.api.app import init_app
 from ringserve.api.auth import Authenticator, load_keys
 from ringserve.api.chat_template import ChatTemplate, ChatTemplateError
@@ -177,6 +177,7 @@ def run_worker(
             model_aliases=model_aliases,
             eos_token_ids=eos_token_ids,
         )
+        last_words.install(app[STATE].registry)  # the supervisor's SIGUSR1 before it kills us
         await serve(config, app, sock, stop)
 
     uvloop.run(main())
