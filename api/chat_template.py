@@ -149,7 +149,11 @@ class ChatTemplate:
         """`render`, as pieces for `TextCodec.encode_pieces`: the template's text at even positions,
         a client's copy of a special token's text at odd ones (see the module docstring)."""
         if not self.special_texts:
-            return (self.render(messages, add_generation_prompt, extra=extra, continue_final_message=continue_final_message),)
+            return (
+                self.render(
+                    messages, add_generation_prompt, extra=extra, continue_final_message=continue_final_message
+                ),
+            )
         nonce = secrets.token_hex(8)
         index = {text: k for k, text in enumerate(self.special_texts)}
         pattern = re.compile("|".join(map(re.escape, self.special_texts)))

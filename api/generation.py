@@ -214,8 +214,10 @@ class Generation:
         lp = None
         if self.want_logprobs is not None:
             # NOTE: a request that echoes with logprobs is scored, so it has its sheets.
-            sheet = self.sheets[s.prompt] if self.sheets is not None else PromptSheet(
-                self.codec, self.prompts[s.prompt], self.logprob_format, self.want_logprobs, None
+            sheet = (
+                self.sheets[s.prompt]
+                if self.sheets is not None
+                else PromptSheet(self.codec, self.prompts[s.prompt], self.logprob_format, self.want_logprobs, None)
             )
             s.offset = sheet.echo_width
             if self.encoder is not None:

@@ -40,7 +40,7 @@ class PromptSheet:
     def add(self, rec: PromptLogprobs) -> None:
         """The scores of prompt tokens `rec.start`, ... (one step's chunk)."""
         ids = self.ids[rec.start : rec.start + len(rec.logprobs)]
-        tops = rec.top or [None] * len(ids)
+        tops: list = rec.top or [None] * len(ids)
         if self.echo_logprobs is not None:
             for tid, logprob, top in zip(ids, rec.logprobs, tops):
                 self._echo(tid, logprob, top)
@@ -61,8 +61,6 @@ class PromptSheet:
         return self._event
 
     def _echo(self, token_id: int, logprob: float | None, top) -> None:
-        entry, width = self.fmt.entry(
-            self.codec, token_id, logprob, top, self.echo_logprobs or 0, self.echo_width
-        )
+        entry, width = self.fmt.entry(self.codec, token_id, logprob, top, self.echo_logprobs or 0, self.echo_width)
         self.echo_entries.append(entry)
         self.echo_width += width
