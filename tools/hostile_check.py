@@ -86,7 +86,11 @@ class Server:
             if self.rlimit:
                 resource.setrlimit(resource.RLIMIT_NOFILE, self.rlimit)
 
-        self.proc = subprocess.Popen(self.args, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, preexec_fn=pre)
+        # NOTE: run from the server's own directory: `python -m ringserve` from a checkout would
+        # import that checkout's `ringserve/` rather than the interpreter's (--python) build.
+        self.proc = subprocess.Popen(
+            self.args, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, preexec_fn=pre, cwd=self.dir
+        )
         if wait:
             self.wait_ready()
         return self
@@ -652,7 +656,12 @@ def tenant_case(name, **opts):
                 metrics_key="metrics-key" if "--metrics-keys-file" in HELP else None,
                 worker_pid=lambda: worker_pid(srv),
             )
+            missed = len(CHECKS.misses)
             run(target, CHECKS)
+            if len(CHECKS.misses) > missed:  # what the server said about it
+                errors = [line for line in srv.log.read_text(errors="replace").splitlines() if " ERROR " in line]
+                for line in errors[-8:]:
+                    out(name, "  server log", line[:240])
         finally:
             srv.stop()
 
@@ -691,11 +700,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown cases {unknown}; choose from {', '.join(CASES)}")
     PYTHON = args.python or sys.executable
-    HELP = subprocess.run([PYTHON, "-m", "ringserve", "serve", "--help"], capture_output=True, text=True).stdout
+    HELP = subprocess.run(
+        [PYTHON, "-m", "ringserve", "serve", "--help"], capture_output=True, text=True, cwd="/"
+    ).stdout
     with tempfile.TemporaryDirectory(prefix="ringserve-hostile-") as tmp:
         WORK = Path(tmp)
         if args.model:
-            MODEL = args.model
+            MODEL = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
         else:
             from ringserve.tools.make_tiny_model import build_tiny_model
 
