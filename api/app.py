@@ -2,10 +2,10 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, DELETE /v1/requests/{request_id},
 GET /v1/models, /v1/models/{id}, /version, /health, /ready, /metrics; vLLM's POST /tokenize and
-/detokenize. Three middlewares: errors in the OpenAI shape (with
-x-request-id when one was assigned), the connection guard (the connection is busy; the body must
-arrive within body_timeout_s), then authentication (deny by default; /health, /ready and /metrics
-are open). Background work — the GPU client's transport, the tokenizer thread pool, the
+/detokenize. Four middlewares, in order: errors in the OpenAI shape (with x-request-id when one
+was assigned); the connection guard (the connection is busy); authentication (deny by default;
+/health and /ready are open, /metrics too unless metrics keys are set); then the body, read within
+body_timeout_s, so no body is read or inflated before its key is checked. Background work — the GPU client's transport, the tokenizer thread pool, the
 slow-reader watchdog and the connection guard's sweep — is owned by `cleanup_ctx`, so it starts and
 stops with the app.
 """
@@ -20,13 +20,13 @@ import msgspec
 from aiohttp import web
 
 from ringserve import __version__
-from ringserve.api.auth import PUBLIC_PATHS, Authenticator
+from ringserve.api.auth import METRICS_PATH, PUBLIC_PATHS, Authenticator
 from ringserve.api.availability import gpu_not_ready
 from ringserve.api.chat import handle_chat_completions
 from ringserve.api.chat_template import ChatTemplate
 from ringserve.api.completions import handle_completions
 from ringserve.api.connections import ConnectionGuard
-from ringserve.api.errors import ApiError, from_http_exception
+from ringserve.api.errors import ApiError, from_http_exception, quoted
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.metrics import CONTENT_TYPE, StatsSnapshot, render
 from ringserve.api.peer_cancel import PeerCancel
@@ -73,7 +73,8 @@ def init_app(
     /health adds to its status (the attention backend and its kernel check, from the facts)."""
     guard = ConnectionGuard(config)
     app = web.Application(
-        client_max_size=config.max_body_bytes, middlewares=[_error_middleware, guard.middleware, _auth_middleware]
+        client_max_size=config.max_body_bytes,
+        middlewares=[_error_middleware, guard.middleware, _auth_middleware, guard.read_body],
     )
     source = stats_source or (lambda st: StatsSnapshot(workers=[st.stats.as_dict()]))
     state = ApiState(
@@ -100,17 +101,20 @@ def init_app(
     if health is not None:
         state.health = health
     app[STATE] = state
-    app.router.add_post("/v1/completions", handle_completions)
-    app.router.add_post("/v1/chat/completions", handle_chat_completions)
-    app.router.add_delete("/v1/requests/{request_id}", _handle_delete)
-    app.router.add_get("/v1/models", _handle_models)
-    app.router.add_get("/v1/models/{model_id:.+}", _handle_model)
-    app.router.add_post("/tokenize", handle_tokenize)
-    app.router.add_post("/detokenize", handle_detokenize)
-    app.router.add_get("/version", _handle_version)
-    app.router.add_get("/health", _handle_health)
-    app.router.add_get("/ready", _handle_ready)
-    app.router.add_get("/metrics", _handle_metrics)
+    for method, path, handler in (
+        ("POST", "/v1/completions", handle_completions),
+        ("POST", "/v1/chat/completions", handle_chat_completions),
+        ("DELETE", "/v1/requests/{request_id}", _handle_delete),
+        ("GET", "/v1/models", _handle_models),
+        ("GET", "/v1/models/{model_id:.+}", _handle_model),
+        ("POST", "/tokenize", handle_tokenize),
+        ("POST", "/detokenize", handle_detokenize),
+        ("GET", "/version", _handle_version),
+        ("GET", "/health", _handle_health),
+        ("GET", "/ready", _handle_ready),
+        ("GET", "/metrics", _handle_metrics),
+    ):
+        app.router.add_route(method, path, handler, expect_handler=_expect_handler)
     app.cleanup_ctx.append(_gpu_client_ctx)
     app.cleanup_ctx.append(_executor_ctx)
     app.cleanup_ctx.append(_slow_reader_ctx)
@@ -145,10 +149,58 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
 
 @web.middleware
 async def _auth_middleware(request: web.Request, handler) -> web.StreamResponse:
-    if request.path in PUBLIC_PATHS:
-        return await handler(request)
-    request[TENANT] = request.app[STATE].auth.tenant(request)  # raises 401
+    auth = request.app[STATE].auth
+    if request.path == METRICS_PATH:
+        auth.check_metrics(request)  # raises 401 when metrics keys are set
+    elif request.path not in PUBLIC_PATHS:
+        try:
+            request[TENANT] = auth.tenant(request)
+        except ApiError as err:
+            err.close_connection = request.body_exists  # its body is never read, nor inflated
+            raise
     return await handler(request)
+
+
+async def _expect_handler(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue`: the client waits for our go before it sends the body, so the checks
+    that need no body come first: its declared size, then its key. Any other expectation is a 417
+    (RFC 9110) in the OpenAI shape. An answer here skips the middlewares and closes the connection
+    (the body is never read)."""
+    expect = request.headers.get("Expect", "")
+    if expect.lower() != "100-continue":
+        error = ApiError(
+            417,
+            f"Unsupported Expect header {quoted(expect)}: only '100-continue' is understood; leave it out.",
+            code="expectation_failed",
+        )
+    else:
+        st = request.app[STATE]
+        try:
+            _check_declared_size(request, st.config.max_body_bytes)
+            if request.path == METRICS_PATH:
+                st.auth.check_metrics(request)
+            elif request.path not in PUBLIC_PATHS:
+                st.auth.tenant(request)
+        except ApiError as err:
+            error = err
+        else:
+            if request.version >= (1, 1):
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                request.writer.output_size = 0  # the interim answer is not the response
+            return None
+    error.close_connection = True
+    return error.response()
+
+
+def _check_declared_size(request: web.Request, limit: int) -> None:
+    length = request.content_length
+    if length is not None and length > limit:
+        raise ApiError(
+            413,
+            f"Request body too large: Content-Length {length:,} bytes is over the limit of {limit:,} "
+            "bytes (--max-body-bytes). Send a shorter prompt.",
+            code="request_too_large",
+        )
 
 
 # handlers -------------------------------------------------------------------------------------
@@ -168,7 +220,7 @@ async def _handle_delete(request: web.Request) -> web.Response:
     if entry is not None or remote:
         return _json({"id": request_id, "object": "request.cancelled", "cancelled": True})
     raise ApiError(
-        404, f"No open request {request_id!r} for this API key.", param="request_id", code="request_not_found"
+        404, f"No open request {quoted(request_id)} for this API key.", param="request_id", code="request_not_found"
     )
 
 
@@ -178,7 +230,7 @@ def _model_card(st: ApiState) -> dict:
         "object": "model",
         "created": 0,
         "owned_by": "ringserve",
-        "root": next(iter(sorted(st.model_aliases)), st.model_name),
+        "root": st.model_name,  # (vLLM shows the path it serves from: not a client's business)
         "max_model_len": st.config.context_limit,
     }
 
@@ -195,7 +247,7 @@ async def _handle_model(request: web.Request) -> web.Response:
     if model_id != st.model_name and model_id not in st.model_aliases and "/" + model_id not in st.model_aliases:
         raise ApiError(
             404,
-            f"The model {model_id!r} does not exist; this server serves {st.model_name!r}.",
+            f"The model {quoted(model_id)} does not exist; this server serves {st.model_name!r}.",
             param="model",
             code="model_not_found",
         )

@@ -5,6 +5,9 @@ path but /health, /ready and /metrics needs `Authorization: Bearer <key>` naming
 are compared in constant time, all of them every time. The tenant the scheduler shares the GPU
 between is the key. Without keys the tenant is the bearer token when one is sent, else one shared
 tenant. Tenants travel as a short hash, so no key is ever written to shared memory or logs.
+
+/metrics is open (a scraper needs no tenant key) unless `--metrics-keys-file FILE` names keys of its
+own: then it needs `Authorization: Bearer <metrics key>`, and no tenant key opens it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from aiohttp import web
 
 from ringserve.api.errors import ApiError
 
-PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
+METRICS_PATH = "/metrics"
+PUBLIC_PATHS = frozenset({"/health", "/ready", METRICS_PATH})
 SHARED_TENANT = "shared"
 
 
@@ -44,11 +48,13 @@ def tenant_of(token: str) -> str:
 
 
 class Authenticator:
-    """Maps a request to its tenant, raising 401 when keys are configured and it has none valid."""
+    """Maps a request to its tenant, raising 401 when keys are configured and it has none valid;
+    guards /metrics with the metrics keys, when there are any."""
 
-    def __init__(self, keys: frozenset[str] | None = None) -> None:
+    def __init__(self, keys: frozenset[str] | None = None, metrics_keys: frozenset[str] | None = None) -> None:
         # Compare fixed-length digests so neither a key's length nor its position leaks through time.
-        self._digests = tuple(hashlib.sha256(k.encode()).digest() for k in keys or ())
+        self._digests = _digests(keys)
+        self._metrics_digests = _digests(metrics_keys)
         self.enabled = bool(keys)
 
     def tenant(self, request: web.Request) -> str:
@@ -57,13 +63,33 @@ class Authenticator:
             return tenant_of(token) if token else SHARED_TENANT
         if token is None:
             raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="missing_api_key")
-        digest = hashlib.sha256(_token_bytes(token)).digest()
-        found = False
-        for d in self._digests:  # no early exit: the time does not depend on which key matched
-            found |= hmac.compare_digest(d, digest)
-        if not found:
+        if not _matches(self._digests, token):
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
         return tenant_of(token)
+
+    def check_metrics(self, request: web.Request) -> None:
+        """401 unless /metrics is open or the request carries a metrics key."""
+        if not self._metrics_digests:
+            return
+        token = _bearer(request)
+        if token is None or not _matches(self._metrics_digests, token):
+            raise ApiError(
+                401,
+                "/metrics needs a metrics key on this server: send 'Authorization: Bearer <metrics key>'.",
+                code="invalid_metrics_key",
+            )
+
+
+def _digests(keys: frozenset[str] | None) -> tuple[bytes, ...]:
+    return tuple(hashlib.sha256(k.encode()).digest() for k in keys or ())
+
+
+def _matches(digests: tuple[bytes, ...], token: str) -> bool:
+    digest = hashlib.sha256(_token_bytes(token)).digest()
+    found = False
+    for d in digests:  # no early exit: the time does not depend on which key matched
+        found |= hmac.compare_digest(d, digest)
+    return found
 
 
 def _bearer(request: web.Request) -> str | None:

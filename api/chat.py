@@ -72,7 +72,7 @@ async def _prompt_ids(st: ApiState, template: ChatTemplate, req: ChatRequest) ->
     """Render, then tokenize as a prompt is (refused by its byte length before tokenizing when it
     cannot fit; a long one off the event loop)."""
     try:
-        text = template.render(
+        text = template.render_pieces(
             req.messages,
             req.add_generation_prompt,
             extra=req.template_kwargs,
@@ -82,7 +82,8 @@ async def _prompt_ids(st: ApiState, template: ChatTemplate, req: ChatRequest) ->
         raise bad_request(
             f"The model's chat template refused the messages: {exc}", "messages", code="chat_template_error"
         ) from None
-    # The rendered text holds the template's special tokens (BOS, turn markers) already.
+    # The rendered text holds the template's special tokens (BOS, turn markers) already; the
+    # client's text is plain text, whatever it spells (chat_template.render_pieces).
     ids = await encode_prompt(
         st.codec,
         text,

@@ -50,7 +50,7 @@ class ChatLogprobs:
         return {
             "token": text,
             "logprob": max(logprob, LOGPROB_FLOOR) if logprob is not None else None,
-            "bytes": list(raw if raw is not None else codec.decode([token_id]).encode()),
+            "bytes": list(raw if raw is not None else codec.token_text(token_id).encode()),
         }
 
 
@@ -118,5 +118,5 @@ def chat_body(request_id: str, model: str, gen: Generation) -> dict:
         "request_id": request_id,
     }
     if gen.show_prompt_logprobs is not None:  # vLLM's field, on the response
-        body["prompt_logprobs"] = gen.prompt_logprobs(0, gen.show_prompt_logprobs)
+        body["prompt_logprobs"] = gen.prompt_logprobs(0)
     return body

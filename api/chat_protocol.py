@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import msgspec
 
 from ringserve.api.body import decode_body
-from ringserve.api.errors import bad_request
+from ringserve.api.errors import bad_request, quoted
 from ringserve.api.protocol import (
     MAX_LOGPROBS,
     SamplingBody,
@@ -205,7 +205,7 @@ def _message(m: Message, i: int) -> dict:
     if m.role not in ROLES:
         hint = " (use system for developer instructions)" if m.role == "developer" else ""
         raise bad_request(
-            f"{where}.role {m.role!r} is not supported; use one of "
+            f"{where}.role {quoted(m.role)} is not supported; use one of "
             f"{', '.join(ROLES)}{hint}. Tool and function messages need tool "
             "calling, which ringserve does not support.",
             f"{where}.role",
@@ -234,7 +234,7 @@ def _content(content: str | list[_Part] | None, where: str) -> str:
     for j, part in enumerate(content):
         if part.type != "text":
             raise bad_request(
-                f"{where}.content[{j}].type {part.type!r} is not supported: ringserve "
+                f"{where}.content[{j}].type {quoted(part.type)} is not supported: ringserve "
                 "serves text-only models; send text parts.",
                 f"{where}.content[{j}].type",
             )

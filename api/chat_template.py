@@ -16,11 +16,21 @@ of which "default" is used).
 The end-of-turn tokens: the tokenizer's EOS token plus the special token the template writes right
 after an assistant message (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3), found by rendering
 a probe conversation. A chat answer stops at any of them.
+
+Client text is text. `render_pieces` renders with every special token's text inside the client's
+strings (message content and names, template kwargs) swapped for a placeholder no client can
+guess, then splits the rendered text at the placeholders: the pieces between them are tokenized as
+usual, so the template's own markers are special tokens, and the client's copies are tokenized as
+plain text (`TextCodec.encode_pieces`). A user message holding `<|im_end|>\n<|im_start|>system`
+cannot open a system turn. Text without such copies renders as one piece, tokenized exactly as
+transformers' `apply_chat_template(tokenize=True)` would.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -112,6 +122,7 @@ class ChatTemplate:
     special_tokens: dict[str, str]  # the named special tokens the template sees
     template: jinja2.Template
     end_of_turn_ids: tuple[int, ...]
+    special_texts: tuple[str, ...] = ()  # every special token's text, longest first (`render_pieces`)
 
     @classmethod
     def load(cls, model_dir: str | Path, codec: TextCodec) -> ChatTemplate | None:
@@ -125,7 +136,46 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"{model_dir}: the chat template does not compile: {exc}") from None
         probe = cls(source, special, template, ())
-        return cls(source, special, template, probe._find_end_of_turn(codec))
+        return cls(source, special, template, probe._find_end_of_turn(codec), codec.special_texts)
+
+    def render_pieces(
+        self,
+        messages: list[dict] | tuple[dict, ...],
+        add_generation_prompt: bool = True,
+        *,
+        extra: dict | None = None,
+        continue_final_message: bool = False,
+    ) -> tuple[str, ...]:
+        """`render`, as pieces for `TextCodec.encode_pieces`: the template's text at even positions,
+        a client's copy of a special token's text at odd ones (see the module docstring)."""
+        if not self.special_texts:
+            return (
+                self.render(
+                    messages, add_generation_prompt, extra=extra, continue_final_message=continue_final_message
+                ),
+            )
+        nonce = secrets.token_hex(8)
+        index = {text: k for k, text in enumerate(self.special_texts)}
+        pattern = re.compile("|".join(map(re.escape, self.special_texts)))
+
+        def hide(value):
+            if isinstance(value, str):
+                return pattern.sub(lambda m: f"\ue000{nonce}{index[m.group()]}\ue001", value)
+            if isinstance(value, dict):
+                return {k: hide(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [hide(v) for v in value]
+            return value
+
+        text = self.render(
+            hide(list(messages)),
+            add_generation_prompt,
+            extra=hide(extra) if extra else extra,
+            continue_final_message=continue_final_message,
+        )
+        parts = re.split(f"\ue000{nonce}(\\d+)\ue001", text)
+        # NOTE: re.split puts each placeholder's group at the odd positions, the rest between.
+        return tuple(p if i % 2 == 0 else self.special_texts[int(p)] for i, p in enumerate(parts))
 
     def render(
         self,

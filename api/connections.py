@@ -180,33 +180,46 @@ class ConnectionGuard:
     # request lifecycle -----------------------------------------------------------------------
     @web.middleware
     async def middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        """Marks the connection busy while its request is handled and reads the request body
-        within body_timeout_s (handlers then get it from aiohttp's cache)."""
+        """Marks the connection busy while its request is handled."""
         protocol = request.protocol
         tracked = self._idle.pop(protocol, None) is not None  # not tracked: a test server's
         if tracked:
             self._busy.add(protocol)
         try:
-            if request.body_exists:
-                await self._read_body(request)
             return await handler(request)
         finally:
             if tracked and protocol in self._busy:  # (not if it closed meanwhile)
                 self._busy.discard(protocol)
                 self._idle[protocol] = _Conn(True, asyncio.get_running_loop().time())
 
-    async def _read_body(self, request: web.Request) -> None:
-        limit = self.config.body_timeout_s
-        try:
-            async with asyncio.timeout(limit):
-                await request.read()
-        except TimeoutError:
-            raise ApiError(
-                408,
-                f"The request body did not arrive within {limit:g} s (body_timeout_s); send it at once.",
-                code="body_timeout",
-                close_connection=True,
-            ) from None
+    @web.middleware
+    async def read_body(self, request: web.Request, handler) -> web.StreamResponse:
+        """Reads the request body within body_timeout_s (handlers then get it from aiohttp's
+        cache). It runs after authentication: no body is read, nor inflated, for a request
+        without a valid key. A body that does not decode (bad gzip) is a 400, not a 500."""
+        if request.body_exists:
+            limit = self.config.body_timeout_s
+            try:
+                async with asyncio.timeout(limit):
+                    await request.read()
+            except TimeoutError:
+                raise ApiError(
+                    408,
+                    f"The request body did not arrive within {limit:g} s (body_timeout_s); send it at once.",
+                    code="body_timeout",
+                    close_connection=True,
+                ) from None
+            except web.RequestPayloadError:
+                encoding = request.headers.get("Content-Encoding", "identity")[:32]
+                raise ApiError(
+                    400,
+                    f"The request body could not be read: it does not decode as its Content-Encoding "
+                    f"({encoding!r}) says, or its chunked framing is broken. Send it uncompressed, or "
+                    "gzip or deflate compressed whole.",
+                    code="invalid_body_encoding",
+                    close_connection=True,
+                ) from None
+        return await handler(request)
 
     # time limits -----------------------------------------------------------------------------
     async def sweep_forever(self) -> None:

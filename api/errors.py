@@ -21,6 +21,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    417: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -28,8 +29,9 @@ _TYPES = {
 
 
 # Failures a client should tell apart from a generic server error get their own `type` (and the
-# same `code`): the GPU process restarted under the request, or the server is shutting down.
-_OWN_TYPES = frozenset({"gpu_process_restart", "server_shutdown"})
+# same `code`): the GPU process or the API worker restarted under the request, or the server is
+# shutting down.
+_OWN_TYPES = frozenset({"gpu_process_restart", "server_shutdown", "worker_restart"})
 
 
 def error_type(code: str | None, default: str = "server_error") -> str:
@@ -95,12 +97,36 @@ class ApiError(Exception):
         headers = self.headers()
         if extra_headers:
             headers.update(extra_headers)
-        resp = web.Response(
+        kind = _ClosingResponse if self.close_connection else web.Response
+        return kind(
             status=self.status, body=msgspec.json.encode(self.body()), content_type="application/json", headers=headers
         )
-        if self.close_connection:
-            resp.force_close()
-        return resp
+
+
+class _ClosingResponse(web.Response):
+    """An answer after which the connection closes at once: the rest of the request body is never
+    read (aiohttp would read and inflate it for its lingering close, and quote its errors)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.force_close()
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        request = self._req  # (write_eof forgets it)
+        await super().write_eof(data)
+        if request is not None and request.protocol is not None:
+            request.protocol.force_close()  # the transport sends what is written, then closes
+
+
+QUOTE_CHARS = 64  # how much of a client's value an error message quotes
+
+
+def quoted(value: str) -> str:
+    """A client's value as an error message quotes it: its repr, cut to QUOTE_CHARS characters (a
+    1 MB `model` or `role` is not echoed back whole)."""
+    if len(value) <= QUOTE_CHARS:
+        return repr(value)
+    return f"{value[:QUOTE_CHARS]!r}... ({len(value):,} characters)"
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:

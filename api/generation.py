@@ -24,6 +24,7 @@ from ringserve.api.detokenizer import Detokenizer
 from ringserve.api.errors import error_object, error_type
 from ringserve.api.gpu_client import PromptScores
 from ringserve.api.logprobs import COMPLETION_LOGPROBS, LogprobFormat
+from ringserve.api.prompt_scores import PromptSheet
 from ringserve.api.protocol import OutputOptions
 from ringserve.api.sse import Encoder
 from ringserve.api.stop_strings import StopMatcher
@@ -72,11 +73,14 @@ class Generation:
         score_only: bool = False,
         scored: bool = False,
         continuous_usage: bool = False,
+        show_prompt_logprobs: int | None = None,
     ) -> None:
         """`encoder` writes the route's SSE events (None: not streaming); `logprobs` is the
         request's setting (None: no logprobs objects), shown as `logprob_format` says; `stop_ids`
         the request's stop token ids (their text is not shown); `echo` each prompt's text to show
-        first; `scored`: the GPU sends the prompts' logprobs (echo with logprobs, prompt_logprobs)."""
+        first; `scored`: the GPU sends the prompts' logprobs (echo with logprobs, prompt_logprobs);
+        `show_prompt_logprobs`: vLLM's `prompt_logprobs` field on the body, with that many
+        alternatives (None: not shown)."""
         self.codec = codec
         self.n = n
         self.prompts = prompts
@@ -100,9 +104,14 @@ class Generation:
         self.echo = echo
         self.score_only = score_only
         self.continuous_usage = continuous_usage
-        self.show_prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` field on the body
-        # Per prompt: (token id, logprob, rank, top) of prompt tokens 1, 2, ... as they arrive.
-        self.prompt_scores: list[list[tuple]] | None = [[] for _ in prompts] if scored else None
+        self.show_prompt_logprobs = show_prompt_logprobs
+        # Per prompt: what the response shows of its scores, built as they arrive.
+        echo_logprobs = logprobs if echo is not None else None
+        self.sheets: list[PromptSheet] | None = (
+            [PromptSheet(codec, p, logprob_format, echo_logprobs, show_prompt_logprobs) for p in prompts]
+            if scored
+            else None
+        )
         self.error: Error | None = None
         self.queue_ms: float | None = None  # from the GPU process's Finish records
         self.gpu_ttft_ms: float | None = None
@@ -190,12 +199,8 @@ class Generation:
         self._finish(s, item.index, self._tail(s), finish.client, out)
 
     def _prompt_scores(self, item: PromptScores) -> None:
-        if self.prompt_scores is None:
-            return
-        rec = item.record
-        ids = self.prompts[item.prompt][rec.start : rec.start + len(rec.logprobs)]
-        tops: list[list[tuple[int, float]] | None] = list(rec.top) if rec.top else [None] * len(ids)
-        self.prompt_scores[item.prompt] += zip(ids, rec.logprobs, rec.ranks, tops)
+        if self.sheets is not None:
+            self.sheets[item.prompt].add(item.record)
 
     def _echo(self, s: Sample, index: int, out: list[bytes]) -> None:
         """Show the choice's prompt before its first token (or its finish)."""
@@ -205,11 +210,17 @@ class Generation:
         text = self.echo[s.prompt]
         lp = None
         if self.want_logprobs is not None:
-            prompt = self.prompts[s.prompt]
-            scores = self.prompt_scores[s.prompt] if self.prompt_scores is not None else []
-            entries = [self._entry(s, prompt[0], None, None)]
-            entries += [self._entry(s, tid, logprob, top) for tid, logprob, _, top in scores]
-            lp = self.logprob_format.event(entries)
+            # NOTE: a request that echoes with logprobs is scored, so it has its sheets.
+            sheet = (
+                self.sheets[s.prompt]
+                if self.sheets is not None
+                else PromptSheet(self.codec, self.prompts[s.prompt], self.logprob_format, self.want_logprobs, None)
+            )
+            s.offset = sheet.echo_width
+            if self.encoder is not None:
+                lp = sheet.echo_event()
+            elif s.logprobs is not None:
+                s.logprobs += sheet.echo_entries
         if self.encoder is not None:
             out.append(self.encoder.text(index, text, lp))
         else:
@@ -301,28 +312,18 @@ class Generation:
         ]
         if self.show_prompt_logprobs is not None:
             for choice, s in zip(choices, self.samples):
-                choice["prompt_logprobs"] = self.prompt_logprobs(s.prompt, self.show_prompt_logprobs)
+                choice["prompt_logprobs"] = self.prompt_logprobs(s.prompt)
         return choices
 
     def sample_logprobs(self, s: Sample) -> dict | None:
         """A non-streamed sample's logprobs object, None when the request did not ask for one."""
         return None if s.logprobs is None else self.logprob_format.collect(s.logprobs)
 
-    def prompt_logprobs(self, prompt: int, want: int) -> list[dict | None] | None:
+    def prompt_logprobs(self, prompt: int) -> list[dict | None] | None:
         """vLLM's `prompt_logprobs` of a prompt: None for its first token, then per token
-        `{token id: {"logprob", "rank", "decoded_token"}}` holding the token and its `want` most
-        probable alternatives."""
-        if self.prompt_scores is None:
-            return None
-        decode = self.codec.decode
-        out: list[dict | None] = [None]
-        for tid, logprob, rank, top in self.prompt_scores[prompt]:
-            entry = {tid: {"logprob": logprob, "rank": rank, "decoded_token": decode([tid])}}
-            for k, (alt, alt_lp) in enumerate((top or ())[:want]):
-                if alt not in entry:
-                    entry[alt] = {"logprob": alt_lp, "rank": k + 1, "decoded_token": decode([alt])}
-            out.append(entry)
-        return out
+        `{token id: {"logprob", "rank", "decoded_token"}}` holding the token and its
+        `show_prompt_logprobs` most probable alternatives (one list, shared by its choices)."""
+        return self.sheets[prompt].vllm if self.sheets is not None else None
 
     # ------------------------------------------------------------------------------------------
     def _tail(self, s: Sample) -> str:

@@ -43,7 +43,7 @@ class LogprobFormat(Protocol):
 def token_text(codec: TextCodec, token_id: int, as_id: bool) -> str:
     """A token as the logprobs show it: its text, or `token_id:<id>` (vLLM's
     `return_tokens_as_token_ids`, for tokens whose text is not valid UTF-8 on its own)."""
-    return f"token_id:{token_id}" if as_id else codec.decode([token_id])
+    return f"token_id:{token_id}" if as_id else codec.token_text(token_id)
 
 
 class CompletionLogprobs:

@@ -45,7 +45,7 @@ def check_fits(
 
 async def encode_prompt(
     codec: TextCodec,
-    text: str,
+    text: str | tuple[str, ...],
     *,
     max_tokens: int | None,
     context_limit: int,
@@ -58,9 +58,11 @@ async def encode_prompt(
     """The prompt's token ids, refusing a prompt too long to fit before tokenizing it (unless it is
     to be truncated). Prompts up to `inline_chars` characters are tokenized inline (a thread hop
     costs more than they do). `add_special_tokens=False` for text that holds them already (a
-    rendered chat template). `max_tokens` None: up to the context (at least one token)."""
+    rendered chat template, given as `TextCodec.encode_pieces` pieces). `max_tokens` None: up to the
+    context (at least one token)."""
     if truncate is None:
-        check_fits(min_prompt_tokens(codec, text), max_tokens or 1, context_limit, at_least=True, param=param)
+        whole = text if isinstance(text, str) else "".join(text)
+        check_fits(min_prompt_tokens(codec, whole), max_tokens or 1, context_limit, at_least=True, param=param)
     ids = await tokenize(
         codec, text, executor=executor, inline_chars=inline_chars, add_special_tokens=add_special_tokens
     )
@@ -68,12 +70,23 @@ async def encode_prompt(
 
 
 async def tokenize(
-    codec: TextCodec, text: str, *, executor: Executor | None, inline_chars: int, add_special_tokens: bool = True
+    codec: TextCodec,
+    text: str | tuple[str, ...],
+    *,
+    executor: Executor | None,
+    inline_chars: int,
+    add_special_tokens: bool = True,
 ) -> list[int]:
-    """`text`'s ids: inline when short, else in a worker thread, off the event loop."""
-    if len(text) <= inline_chars or executor is None:
-        return codec.encode(text, add_special_tokens)
-    return await asyncio.get_running_loop().run_in_executor(executor, codec.encode_unlocked, text, add_special_tokens)
+    """`text`'s ids (a string, or `TextCodec.encode_pieces` pieces): inline when short, else in a
+    worker thread, off the event loop."""
+    loop = asyncio.get_running_loop()
+    if isinstance(text, str):
+        if len(text) <= inline_chars or executor is None:
+            return codec.encode(text, add_special_tokens)
+        return await loop.run_in_executor(executor, codec.encode_unlocked, text, add_special_tokens)
+    if sum(map(len, text)) <= inline_chars or executor is None:
+        return codec.encode_pieces(text, add_special_tokens)
+    return await loop.run_in_executor(executor, codec.encode_pieces, text, add_special_tokens)
 
 
 def fit_ids(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ringserve.api.errors import ApiError, bad_request
+from ringserve.api.errors import ApiError, bad_request, quoted
 from ringserve.rules import repetition_penalty_error
 from ringserve.shm.messages import (
     MAX_ALLOWED_TOKEN_IDS,
@@ -210,7 +210,7 @@ def check_model(requested: str | None, served: str, aliases: frozenset[str] = fr
     if requested is not None and requested != served and requested not in aliases:
         raise ApiError(
             404,
-            f"The model {requested!r} does not exist; this server serves {served!r}.",
+            f"The model {quoted(requested)} does not exist; this server serves {served!r}.",
             param="model",
             code="model_not_found",
         )
@@ -291,10 +291,10 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         try:
             token = int(key)
         except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}.", "logit_bias") from None
+            raise bad_request(f"logit_bias keys must be token ids, got {quoted(key)}.", "logit_bias") from None
         if not 0 <= token <= MAX_ID or not math.isfinite(value):
             raise bad_request(
-                f"logit_bias maps token ids (0 and up) to finite numbers; got {key!r}: {value}.", "logit_bias"
+                f"logit_bias maps token ids (0 and up) to finite numbers; got {quoted(key)}: {value}.", "logit_bias"
             )
         out[token] = min(100.0, max(-100.0, value))
     return tuple(sorted(out.items()))
@@ -324,7 +324,7 @@ def _bad_words(given: list[str] | None) -> tuple[str, ...]:
 def _truncate(body: SamplingBody) -> tuple[int, str] | None:
     side = body.truncation_side
     if side not in (None, "left", "right"):
-        raise bad_request(f"truncation_side must be 'left' or 'right', got {side!r}.", "truncation_side")
+        raise bad_request(f"truncation_side must be 'left' or 'right', got {quoted(str(side))}.", "truncation_side")
     keep = body.truncate_prompt_tokens
     if keep is None:
         return None

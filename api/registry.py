@@ -3,13 +3,15 @@
 A client-chosen x-request-id names a request within its API key's tenant only: another tenant
 choosing the same id, on this worker or another, neither gets a different id (which would tell it
 the id is in use) nor hides the first request from its owner's DELETE. Generated ids carry the
-worker index and a random part, so they are unique server-wide.
+worker index and 64 random bits each, so they are unique server-wide and one tenant's id says
+nothing about another's (a counter would let it guess the ids around its own).
 """
 
 from __future__ import annotations
 
-import os
 import re
+import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,9 @@ class OpenRequest:
     transport: Any  # the client connection's asyncio transport (None once it closed)
     write_since: float = 0.0  # loop.time() when a still-blocked write started; 0: not writing
     ended_by: str | None = None  # "delete" | "slow_reader" | "disconnect" once it ended early
+    # Once its SSE has begun: (code, message) -> the bytes that end the stream with that error
+    # (an error event and [DONE], framed as the response is); see `last_words`.
+    farewell: Callable[[str, str], bytes] | None = None
 
     def end(self, reason: str) -> None:
         """End the request from the worker's side: "delete" or "slow_reader"."""
@@ -50,16 +55,13 @@ class Registry:
     def __init__(self, worker: int) -> None:
         self.worker = worker
         self._open: dict[tuple[str, str], OpenRequest] = {}
-        self._counter = 0
-        self._salt = os.urandom(4).hex()
 
     def new_id(self, client_id: str | None, tenant: str) -> str:
         """The client's x-request-id when it is well-formed and not open for this tenant here,
         else a fresh one."""
         if client_id and _CLIENT_ID.match(client_id) and (tenant, client_id) not in self._open:
             return client_id
-        self._counter += 1
-        return f"cmpl-{self.worker}-{self._salt}{self._counter:x}"
+        return f"cmpl-{self.worker}-{secrets.token_hex(8)}"
 
     def add(self, entry: OpenRequest) -> None:
         self._open[(entry.tenant, entry.request_id)] = entry

@@ -20,9 +20,10 @@ import msgspec
 from aiohttp import web
 
 from ringserve.api.availability import gpu_not_ready
-from ringserve.api.errors import ApiError
+from ringserve.api.errors import ApiError, error_object, error_type
 from ringserve.api.generation import Generation
 from ringserve.api.gpu_client import GpuClient, Inbox, RequestStream
+from ringserve.api.job_limits import check_controls, check_response_size
 from ringserve.api.logprobs import COMPLETION_LOGPROBS, LogprobFormat
 from ringserve.api.protocol import OutputOptions, SamplingFields, check_model
 from ringserve.api.registry import OpenRequest
@@ -135,6 +136,16 @@ async def tokenizing(st: ApiState, work: Awaitable[T]) -> T:
 
 
 async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> web.StreamResponse:
+    check_controls(job.sampling, st.eos_token_ids(), st.codec.vocab_size)
+    check_response_size(
+        list(map(len, job.prompts)),
+        job.max_tokens,
+        job.n,
+        job.logprobs,
+        echo=job.echo is not None,
+        prompt_logprobs=job.show_prompt_logprobs,
+        limit=st.config.max_response_logprobs,
+    )
     request_id = st.registry.new_id(request.headers.get("x-request-id") or job.request_id, request[TENANT])
     request[REQUEST_ID] = request_id  # the error middleware puts it on error responses too
     arrival = time.time()
@@ -182,8 +193,8 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
             score_only=job.score_only,
             scored=job.prompt_logprobs is not None,
             continuous_usage=job.continuous_usage,
+            show_prompt_logprobs=job.show_prompt_logprobs,
         )
-        gen.show_prompt_logprobs = job.show_prompt_logprobs
         flow = _Flow(request, st, entry, streams, gen, job.n)
         if job.stream:
             gen.encoder = output.encoder(request_id, st.model_name, int(arrival), job.include_usage)
@@ -265,6 +276,7 @@ async def _stream(flow: _Flow) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     try:
         await resp.prepare(request)
+        entry.farewell = _farewell(encoder, gen, resp.headers.get("Transfer-Encoding") == "chunked")
         opening = encoder.start(len(gen.samples))
         if opening:
             await resp.write(opening)
@@ -288,6 +300,18 @@ async def _stream(flow: _Flow) -> web.StreamResponse:
         # the caller's finally cancels the rows. Nothing more can be sent.
         _count_gone(st, entry)
     return resp
+
+
+def _farewell(encoder: Encoder, gen: Generation, chunked: bool) -> Callable[[str, str], bytes]:
+    """How this stream ends with an error outside the event loop (`last_words`): an error event
+    with the tokens streamed so far, [DONE], and the end of the chunked body."""
+
+    def bytes_for(code: str, message: str) -> bytes:
+        body = error_object(message, code, type_=error_type(code), extra={"tokens_streamed": gen.tokens})
+        data = encoder.error(body) + DONE
+        return b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data) if chunked else data
+
+    return bytes_for
 
 
 def _record(st: ApiState, gen: Generation) -> None:
@@ -327,7 +351,31 @@ async def _complete(flow: _Flow, output: Output) -> web.Response:
         )
     await _settle(flow)
     body = output.body(entry.request_id, st.model_name, gen)
-    return web.Response(body=msgspec.json.encode(body), content_type="application/json", headers=flow.headers())
+    return web.Response(body=await _encode(body), content_type="application/json", headers=flow.headers())
+
+
+ENCODE_SLICE = 2048  # list items encoded between two turns of the event loop
+ENCODE_WALK = 64  # a list of at most this many objects is walked into, item by item
+
+
+async def _encode(value: Any) -> bytes:
+    """The JSON of a response body, a slice at a time with the event loop let run between slices:
+    a body with logprobs can be tens of MB (`job_limits`), and every other stream of the worker
+    waits while the encoder holds the loop. Objects and short lists are walked into; a long list
+    is encoded `ENCODE_SLICE` items at a time, a short one of objects (the choices) an item at a time."""
+    if isinstance(value, dict):
+        return msgspec.json.encode({k: msgspec.Raw(await _encode(v)) for k, v in value.items()})
+    if not isinstance(value, list) or not value:
+        return msgspec.json.encode(value)
+    if len(value) > ENCODE_SLICE:
+        parts = []
+        for i in range(0, len(value), ENCODE_SLICE):
+            parts.append(msgspec.json.encode(value[i : i + ENCODE_SLICE])[1:-1])
+            await asyncio.sleep(0)
+        return b"[" + b",".join(parts) + b"]"
+    if len(value) <= ENCODE_WALK and isinstance(value[0], (dict, list)):  # e.g. the choices
+        return b"[" + b",".join([await _encode(v) for v in value]) + b"]"
+    return msgspec.json.encode(value)
 
 
 async def _settle(flow: _Flow) -> None:

@@ -2,8 +2,9 @@
 
 /tokenize takes a completion-style `prompt` (special tokens added unless `add_special_tokens` is
 false) or chat-style `messages` (rendered with the model's template, as /v1/chat/completions
-renders them: no special tokens added unless asked), and answers `{"count", "max_model_len",
-"tokens"}` (plus `token_strs`, the vocabulary's pieces, with `return_token_strs`). /detokenize
+renders them: no special tokens added unless asked), capped like a completion prompt (at most
+the context limit of tokens, a longer text refused by its length before it is tokenized), and
+answers `{"count", "max_model_len", "tokens"}` (plus `token_strs`, the vocabulary's pieces, with `return_token_strs`). /detokenize
 takes `{"tokens": [...]}` and answers `{"prompt": text}`, special tokens included. Neither touches
 the GPU process. vLLM's benchmark client aligns its prompts to the server's tokenizer with them.
 """
@@ -17,7 +18,7 @@ from ringserve.api.body import decode_body
 from ringserve.api.chat_protocol import Message, parse_messages
 from ringserve.api.chat_template import ChatTemplateError
 from ringserve.api.errors import bad_request
-from ringserve.api.prompt_limits import tokenize
+from ringserve.api.prompt_limits import check_fits, min_prompt_tokens, tokenize
 from ringserve.api.protocol import check_model, check_neutral, token_ids
 from ringserve.api.state import STATE, ignored_header, note_ignored
 
@@ -53,13 +54,21 @@ async def handle_tokenize(request: web.Request) -> web.Response:
     check_neutral({"chat_template": body.chat_template is None, "tools": not body.tools})
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Send exactly one of 'prompt' and 'messages'.", "prompt")
+    param = "prompt" if body.prompt is not None else "messages"
+    text: str | tuple[str, ...]
     if body.prompt is not None:
         text, special = body.prompt, body.add_special_tokens is not False
     else:
         text, special = _render(st, body), bool(body.add_special_tokens)
+    # Capped like a completion prompt: text too long for the context is refused by its length
+    # before tokenizing (a 4 MB prompt costs a length check), and so are the ids after it.
+    limit = st.config.context_limit
+    whole = text if isinstance(text, str) else "".join(text)
+    check_fits(min_prompt_tokens(st.codec, whole), 0, limit, at_least=True, param=param)
     ids = await tokenize(
         st.codec, text, executor=st.executor, inline_chars=st.tokenize_inline_chars, add_special_tokens=special
     )
+    check_fits(len(ids), 0, limit, param=param)
     out = {"count": len(ids), "max_model_len": st.config.context_limit, "tokens": ids}
     if body.return_token_strs:
         out["token_strs"] = [st.codec.tokenizer.id_to_token(i) for i in ids]
@@ -79,7 +88,7 @@ async def handle_detokenize(request: web.Request) -> web.Response:
     return _json(request, {"prompt": st.codec.decode(list(ids), skip_special_tokens=False)})
 
 
-def _render(st, body: _TokenizeBody) -> str:
+def _render(st, body: _TokenizeBody) -> tuple[str, ...]:
     if st.chat_template is None:
         raise bad_request(
             f"The model {st.model_name!r} has no chat template, so it cannot format messages; send a prompt.",
@@ -92,7 +101,7 @@ def _render(st, body: _TokenizeBody) -> str:
             "continue_final_message and add_generation_prompt cannot both be true.", "continue_final_message"
         )
     try:
-        return st.chat_template.render(
+        return st.chat_template.render_pieces(
             parse_messages(body.messages),
             add_generation,
             extra=body.chat_template_kwargs or None,

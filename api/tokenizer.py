@@ -48,6 +48,8 @@ class TextCodec:
         self.byte_table = _build_byte_table(backend, spec, self.special_ids)
         self.max_token_bytes = _max_token_bytes(backend, spec, self.byte_table)
         self._with_specials: list[bytes] | None = None
+        self._plain: tokenizers.Tokenizer | None = None
+        self._texts: list[str | None] = [None] * self.vocab_size
 
     @property
     def byte_table_with_specials(self) -> list[bytes] | None:
@@ -77,8 +79,49 @@ class TextCodec:
         (`encode` does not), so the event loop keeps running beside it."""
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def encode_pieces(self, pieces: tuple[str, ...], add_special_tokens: bool = False) -> list[int]:
+        """Ids of text in pieces that alternate: pieces at even positions are encoded as `encode`
+        does (a special token's text there is that token), pieces at odd positions as plain text
+        (a special token's text there is ordinary tokens: `<`, `|`, `im`, ...). A rendered chat
+        template's own markers stay special; a client's copy of one does not. Runs in a worker
+        thread (`encode_batch` releases the GIL)."""
+        if len(pieces) == 1:
+            return self.encode_unlocked(pieces[0], add_special_tokens)
+        special = self.tokenizer.encode_batch(list(pieces[0::2]), add_special_tokens=False)
+        plain = self._plain_text().encode_batch(list(pieces[1::2]), add_special_tokens=False)
+        merged = [e for pair in zip(special, plain) for e in pair] + special[len(plain) :]
+        encoding = tokenizers.Encoding.merge(merged, growing_offsets=True)
+        if add_special_tokens:
+            encoding = self.tokenizer.post_process(encoding, add_special_tokens=True)
+        return encoding.ids
+
+    def _plain_text(self) -> tokenizers.Tokenizer:
+        """A copy of the tokenizer that reads special tokens' text as text."""
+        if self._plain is None:
+            plain = tokenizers.Tokenizer.from_str(self.tokenizer.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
+
+    @property
+    def special_texts(self) -> tuple[str, ...]:
+        """The special tokens' text, longest first (a longer one may hold a shorter one)."""
+        added = self.tokenizer.get_added_tokens_decoder()
+        return tuple(sorted((added[i].content for i in self.special_ids), key=len, reverse=True))
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as `decode([token_id])` gives it, from a table filled as tokens are
+        met: logprobs show tens of thousands of tokens per response, each a tokenizer call."""
+        texts = self._texts
+        if 0 <= token_id < len(texts):
+            text = texts[token_id]
+            if text is None:
+                text = texts[token_id] = self.tokenizer.decode([token_id])
+            return text
+        return self.tokenizer.decode([token_id])
 
 
 def _build_byte_table(tok: tokenizers.Tokenizer, spec: dict, special_ids: frozenset[int]) -> list[bytes] | None:

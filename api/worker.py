@@ -23,6 +23,7 @@ from collections.abc import Callable
 import uvloop
 from aiohttp import web
 
+from ringserve.api import last_words, log_filter
 from ringserve.api.app import init_app
 from ringserve.api.auth import Authenticator, load_keys
 from ringserve.api.chat_template import ChatTemplate, ChatTemplateError
@@ -138,9 +139,13 @@ def run_worker(
     before, now = raise_open_file_limit()
     if now != before:
         log.info("open-file limit raised from %d to %d (each connection is a file)", before, now)
+    log_filter.install()  # before serving: no aiohttp record may quote a request
     codec = TextCodec.from_dir(tokenizer_dir)
     chat_template = _load_chat_template(tokenizer_dir, codec)
-    auth = Authenticator(load_keys(config.api_keys_file) if config.api_keys_file else None)
+    auth = Authenticator(
+        load_keys(config.api_keys_file) if config.api_keys_file else None,
+        metrics_keys=load_keys(config.metrics_keys_file) if config.metrics_keys_file else None,
+    )
     sock = sock or listen_socket(config.host, config.port, config.listen_backlog)
 
     async def main() -> None:
@@ -174,6 +179,7 @@ def run_worker(
             eos_token_ids=eos_token_ids,
             health=health,
         )
+        last_words.install(app[STATE].registry)  # the supervisor's SIGUSR1 before it kills us
         await serve(config, app, sock, stop)
 
     uvloop.run(main())

@@ -258,12 +258,14 @@ class ControlsPlan:
         raw = logits.index_select(0, self.rows).float()  # [Rc, V]
         masks = self.keep is not None or self.ban is not None
         z = raw.clone() if masks or self.bias is not None else raw  # raw stays unchanged
+        fallback = raw  # what a row whose masks leave nothing samples from
         if self.keep is not None:
             keep_rows, keep_at = self.keep
             keep = torch.ones_like(z, dtype=torch.bool)
             keep[keep_rows] = False
             keep.view(-1)[keep_at] = True
             z.masked_fill_(~keep, _NEG_INF)
+            fallback = z.clone()
         if self.ban is not None:
             z.view(-1)[self.ban] = _NEG_INF
         if self.bias is not None:
@@ -275,9 +277,10 @@ class ControlsPlan:
             minp_rows, shift = self.min_p
             z = self._rows_replaced(z, raw, minp_rows, lambda part: _min_p(part, shift))
         if masks:
-            # NOTE: a row whose controls mask every token (allowed ids all banned) samples from
-            # its raw logits rather than from nothing; only masks can do that (min_p keeps the top).
-            z = torch.where(torch.isneginf(z.amax(-1, keepdim=True)), raw, z)
+            # NOTE: the API and the Submit check refuse controls that could mask every token
+            # (`rules.constraints_error`); should a row still have none left, it samples from its
+            # allowed tokens alone (from its raw logits without such a set), never outside them.
+            z = torch.where(torch.isneginf(z.amax(-1, keepdim=True)), fallback, z)
         logits.index_copy_(0, self.rows, z.to(logits.dtype))
         return raw
 

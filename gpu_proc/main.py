@@ -26,7 +26,7 @@ from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.request import Request
 from ringserve.gpu_proc.scheduler import Scheduler
-from ringserve.rules import repetition_penalty_error, vocabulary_error
+from ringserve.rules import constraints_error, repetition_penalty_error, vocabulary_error
 from ringserve.shm import layout as L
 from ringserve.shm import messages as M
 from ringserve.shm.instance import ShmInstance
@@ -110,8 +110,8 @@ class GpuLoop:
 
     def _submit(self, slot: int, msg: M.Submit) -> None:
         try:
-            _check_limits(msg, self.engine.vocab_size)
-            req = Request.from_submit(slot, msg)
+            _check_limits(msg, self.engine.vocab_size, self.engine.eos_token_ids)
+            req = Request.from_submit(slot, msg, cache_per_tenant=not self.config.prefix_cache_across_tenants)
         except ValueError as exc:
             self.outboxes[slot].send(M.Rejected(rid=msg.rid, status=400, code="invalid_request", message=str(exc)))
             return
@@ -236,9 +236,11 @@ class GpuLoop:
             was_idle = idle
 
 
-def _check_limits(msg: M.Submit, vocab_size: int) -> None:
-    """The per-request limits of `shm/messages.py` and the vocabulary, which the worker checked
-    too: a Submit over them is refused (an id outside the vocabulary would index past the logits)."""
+def _check_limits(msg: M.Submit, vocab_size: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
+    """The per-request limits of `shm/messages.py`, the vocabulary and the logits controls' rule
+    (`rules.constraints_error`), which the worker checked too: a Submit over them is refused (an id
+    outside the vocabulary would index past the logits; controls that mask every token would have
+    to break one)."""
     sp = msg.sampling
     for name, value, limit in (
         ("stop_token_ids", len(sp.stop_token_ids), M.MAX_STOP_TOKEN_IDS),
@@ -265,6 +267,16 @@ def _check_limits(msg: M.Submit, vocab_size: int) -> None:
         outside = vocabulary_error(group, vocab_size, name)
         if outside is not None:
             raise ValueError(outside)
+    masked = constraints_error(
+        allowed_token_ids=sp.allowed_token_ids,
+        stop_token_ids=sp.stop_token_ids,
+        eos_token_ids=eos_token_ids,
+        min_tokens=sp.min_tokens,
+        bad_words=sp.bad_words,
+        vocab_size=vocab_size,
+    )
+    if masked is not None:
+        raise ValueError(masked)
 
 
 @contextmanager

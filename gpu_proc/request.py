@@ -56,6 +56,12 @@ class SamplingSpec:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+def tenant_cache_salt(tenant: str, salt: str | None) -> str:
+    """The prefix-cache salt of a tenant's request: its own `cache_salt` within the tenant's space.
+    NOTE: NUL cannot occur in a tenant (a key hash), so no pair of (tenant, salt) collides."""
+    return f"tenant\x00{tenant}\x00{salt or ''}"
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """One sample's request record. Built from a worker's `Submit`; owned by the scheduler.
@@ -105,8 +111,10 @@ class Request:
             raise ValueError(f"sample index {self.index} is outside 0..{self.n - 1}")
 
     @classmethod
-    def from_submit(cls, worker: int, msg) -> Request:
-        """Build from a worker's `shm.messages.Submit` (duck-typed: this core imports no shm)."""
+    def from_submit(cls, worker: int, msg, *, cache_per_tenant: bool = True) -> Request:
+        """Build from a worker's `shm.messages.Submit` (duck-typed: this core imports no shm).
+        `cache_per_tenant` (the config's default): the tenant salts the prefix cache too, so one
+        tenant never reuses, and so can never time or count, another's cached prompt blocks."""
         sp = msg.sampling
         controls = LogitsControls(
             presence_penalty=sp.presence_penalty,
@@ -138,7 +146,7 @@ class Request:
             deadline_ts=msg.deadline_ts,
             n=msg.n,
             logprobs=msg.logprobs,
-            cache_salt=msg.cache_salt,
+            cache_salt=tenant_cache_salt(msg.tenant, msg.cache_salt) if cache_per_tenant else msg.cache_salt,
             prompt_logprobs=msg.prompt_logprobs,
         )
 

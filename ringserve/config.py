@@ -51,6 +51,7 @@ class Config:
     # once per machine at start-up; false: the torch reference path
     cpu_kernels: bool = True
     api_keys_file: str | None = None
+    metrics_keys_file: str | None = None  # keys for /metrics (one per line); None: /metrics is open
     # KV pool
     block_size: int = 16
     num_blocks: int = 0  # 0: sized from memory (GPU) or cpu_kv_blocks (CPU)
@@ -70,6 +71,9 @@ class Config:
     fair_preempt_steps: int = 4
     output_token_weight: float = 12.0
     prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
+    # Reuse another tenant's cached blocks too. Off: the tenant (API key) salts the cache, so no key
+    # can learn from timing or /metrics whether another sent a prompt; on only for one tenant's server.
+    prefix_cache_across_tenants: bool = False
     # admission
     queue_limit_s: float = 2.0
     c_prefill_ms: float = 0.1
@@ -78,6 +82,9 @@ class Config:
     slow_reader_s: float = 30.0
     request_timeout_s: float = 600.0  # deadline for a request from its arrival
     max_body_bytes: int = 4 * 1024 * 1024
+    # The logprob entries one response may carry (a token and its alternatives, echoed and prompt
+    # tokens included, all choices): what a request may make a worker build (api/job_limits.py).
+    max_response_logprobs: int = 500_000
     # connections (docs/design.md#limits-and-timeouts): every state has a time limit
     header_timeout_s: float = 10.0  # a new connection's first request head must arrive within this
     body_timeout_s: float = 30.0  # a request body must arrive within this once its head has
@@ -106,6 +113,7 @@ class Config:
             "key_row_cap",
             "ring_bytes",
             "max_body_bytes",
+            "max_response_logprobs",
             "cpu_kv_blocks",
             "cpu_threads",
             "watchdog_timeout_s",

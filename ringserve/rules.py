@@ -81,3 +81,39 @@ def vocabulary_error(token_ids: Iterable[int], vocab_size: int, what: str = "pro
     if bad is None:
         return None
     return f"{what} holds token id {bad}, outside the vocabulary (0..{vocab_size - 1})."
+
+
+def constraints_error(
+    *,
+    allowed_token_ids: Iterable[int],
+    stop_token_ids: Iterable[int],
+    eos_token_ids: Iterable[int],
+    min_tokens: int,
+    bad_words: Iterable[Iterable[int]],
+    vocab_size: int,
+) -> str | None:
+    """Why a request's logits controls could mask every token (None: one is always left).
+
+    The masks: only `allowed_token_ids` (empty: every token); never the last token of a bad word
+    (always for a one-token word, after its other tokens for a longer one); never a stop token or
+    EOS before `min_tokens` tokens. A request for which no token escapes every mask at once could
+    reach a step with nothing to sample, and a constraint would have to break; it is refused
+    instead (sound, and strict only for bad words longer than one token).
+    """
+    banned = {words_[-1] for words_ in map(tuple, bad_words) if words_}
+    if min_tokens > 0:
+        banned |= set(stop_token_ids) | set(eos_token_ids)
+    allowed = set(allowed_token_ids)
+    if allowed:
+        if allowed - banned:
+            return None
+        what = "allowed_token_ids"
+    elif len({t for t in banned if 0 <= t < vocab_size}) < vocab_size:
+        return None
+    else:
+        what = "the vocabulary"
+    return (
+        f"these constraints leave no token to sample: every token of {what} is a stop token or EOS "
+        f"(banned until min_tokens ({min_tokens}) tokens are out) or the last token of one of bad_words. "
+        "Allow a token that is neither, or drop min_tokens or those bad_words."
+    )

@@ -13,7 +13,8 @@ Then it watches its children every POLL_S:
   `restart_limit` does it give up, after that many crashes in `restart_window_s`, exiting 1;
 * a worker exits, or its heartbeat goes stale (a stuck event loop): it is restarted in its slot
   after a backoff (a new slot generation at once, so the GPU process drops the dead worker's rows
-  and frees their blocks);
+  and frees their blocks); a stale one gets SIGUSR1 first and SIGKILL `LAST_WORDS_S` later, so it
+  can end its open streams with an error event (`api/last_words.py`);
 * SIGTERM / SIGINT: drain (workers refuse new requests, open streams get up to drain_timeout_s),
   stop the GPU process, unlink the shared memory, exit 0.
 
@@ -60,6 +61,7 @@ LOAD_TIMEOUT_S = 900.0  # a GPU process still loading after this long is killed,
 EXTEND_EVERY_S = 10.0  # EXTEND_TIMEOUT_USEC cadence while the first model load runs
 WORKER_START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 5.0  # beyond the drain: how long a child has to exit after SIGTERM
+LAST_WORDS_S = 1.0  # a stale worker's time, after SIGUSR1, to end its streams before SIGKILL
 
 
 def default_workers() -> int:
@@ -107,6 +109,7 @@ class Supervisor:
         self.last_gpu_error: str | None = None  # how the last GPU process ended, for the workers
         self.workers: list[subprocess.Popen | None] = [None] * self.n_workers
         self.worker_restart_at: list[float | None] = [None] * self.n_workers
+        self.worker_kill_at: list[float | None] = [None] * self.n_workers  # SIGKILL due (after SIGUSR1)
         self.worker_policies = [
             RestartPolicy(config.restart_limit, config.restart_window_s) for _ in range(self.n_workers)
         ]
@@ -176,6 +179,7 @@ class Supervisor:
 
     def start_worker(self, slot: int) -> None:
         self.worker_restart_at[slot] = None
+        self.worker_kill_at[slot] = None
         proc = self._spawn(
             "ringserve.api.worker",
             [
@@ -399,12 +403,26 @@ class Supervisor:
                 # A worker beats every 0.25 s from its event loop; a stale beat means the loop is
                 # stuck (or the process stopped), and its clients are stuck with it.
                 age = control.worker_slot(slot)["heartbeat_age_s"]
-                if self.announced and age is not None and age > self.config.watchdog_timeout_s:
-                    log.error("API worker %d (pid %d) sent no heartbeat for %.1f s; killing it", slot, proc.pid, age)
-                    proc.kill()
-                    proc.wait()
-                else:
+                if not self.announced or age is None or age <= self.config.watchdog_timeout_s:
                     continue
+                kill_at = self.worker_kill_at[slot]
+                if kill_at is None:
+                    log.error(
+                        "API worker %d (pid %d) sent no heartbeat for %.1f s; telling it to end its "
+                        "streams with an error, killing it in %.1f s",
+                        slot,
+                        proc.pid,
+                        age,
+                        LAST_WORDS_S,
+                    )
+                    proc.send_signal(signal.SIGUSR1)
+                    self.worker_kill_at[slot] = now + LAST_WORDS_S
+                    continue
+                if now < kill_at:
+                    continue
+                log.error("API worker %d (pid %d) is still unresponsive; killing it", slot, proc.pid)
+                proc.kill()
+                proc.wait()
             if not self.announced:
                 raise SupervisorError(
                     f"API worker {slot} exited with status {proc.returncode} at "

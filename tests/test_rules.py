@@ -53,3 +53,29 @@ def test_vocabulary_error_names_the_first_bad_id():
     assert vocabulary_error([0, 5, 9], 10) is None
     assert "id 10" in vocabulary_error([3, 10, -1], 10) and "0..9" in vocabulary_error([10], 10)
     assert vocabulary_error([-1], 10).startswith("prompt holds token id -1")
+
+
+def test_constraints_error_refuses_controls_that_could_mask_every_token():
+    """Allowed ids that are all stop tokens under min_tokens, or all the last tokens of bad words,
+    are refused; one token that escapes every mask is enough; without allowed ids, only a ban of
+    the whole vocabulary is refused."""
+    from ringserve.rules import constraints_error
+
+    def err(allowed=(), stops=(), min_tokens=0, bad=(), vocab=100):
+        return constraints_error(
+            allowed_token_ids=allowed,
+            stop_token_ids=stops,
+            eos_token_ids={1},
+            min_tokens=min_tokens,
+            bad_words=bad,
+            vocab_size=vocab,
+        )
+
+    assert err(allowed=(1,), min_tokens=5) is not None  # the only allowed token is EOS
+    assert err(allowed=(1,)) is None  # no min_tokens: EOS may end the answer
+    assert err(allowed=(7,), bad=((7,),)) is not None
+    assert err(allowed=(7,), bad=((3, 7),)) is not None  # after a 3, nothing would be left
+    assert err(allowed=(7, 8), bad=((7,),), stops=(8,), min_tokens=2) is not None
+    assert err(allowed=(7, 8), bad=((7,),)) is None
+    assert err(stops=tuple(range(100)), min_tokens=1) is not None
+    assert err(stops=tuple(range(99)), min_tokens=1) is None

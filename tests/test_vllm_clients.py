@@ -196,9 +196,10 @@ def test_penalties_through_the_openai_client(smollm2_server):
 
 
 def test_the_model_by_the_path_it_was_served_from(smollm2_server, smollm2_dir):
-    """vLLM's default model id is the served path; `ringserve serve` passes it to the workers."""
+    """vLLM's default model id is the served path; `ringserve serve` passes it to the workers. The
+    model card never shows it (a client has no business knowing the server's filesystem)."""
     client = _client(smollm2_server)
     path = str(smollm2_dir)
-    assert client.models.retrieve(MODEL).root == path and client.models.retrieve(path).id == MODEL
+    assert client.models.retrieve(MODEL).root == MODEL and client.models.retrieve(path).id == MODEL
     out = client.completions.create(model=path, prompt="The capital of France is", max_tokens=2, temperature=0)
     assert out.model == MODEL and out.choices[0].text

@@ -1,14 +1,19 @@
 """Hostile and unlucky clients, scaled down, against real `ringserve serve` instances on loopback.
 
-    python -m ringserve.tools.hostile_check [--model DIR] [case ...]
-        cases: prompt http stops ids disconnects slowloris fdlimit slowread second giveup
-               crashloop loadhang (default: all; about 10 minutes on a small CPU machine)
+    python -m ringserve.tools.hostile_check [--model DIR] [--python PY] [case ...]
+        issue 15: prompt http stops ids disconnects slowloris fdlimit slowread second giveup
+                  crashloop loadhang
+        issue 22 (tools/hostile_tenants.py, key A attacks key B): response restart logs tenancy
+                  markers tokenize gzip allowed expect
+        (default: all; about 12 minutes on a small CPU machine)
 
 Each case starts its own server (the built-in tiny model unless --model), runs one scaled-down
-attack or fault from issue 15 and prints one line per measurement: what a client saw, how long,
-what the server logged. Flags the server does not know are left out, so the same command measures
-an older build for a before/after table (docs/BENCHMARKS.md). Loopback only; every server is
-stopped before the next case.
+attack or fault and prints one line per measurement: what a client saw, how long, what the server
+logged, and, where the outcome is specified, what was expected and whether it held. The exit
+status is 1 when any expected outcome missed or any case raised, so a regression fails the run.
+Flags the server does not know are left out, so the same command measures an older build for a
+before/after table (docs/BENCHMARKS.md). Loopback only; every server is stopped before the next
+case.
 """
 
 from __future__ import annotations
@@ -27,11 +32,15 @@ import time
 import urllib.request
 from pathlib import Path
 
+from ringserve.tools import hostile_tenants
 from ringserve.tools.drill import attach_control, find_instance
+from ringserve.tools.hostile_tenants import Checks, Target
 
 MODEL = ""  # set by main()
+PYTHON = sys.executable  # the interpreter the servers run under (--python: another build's)
 HELP = ""
 WORK = Path(".")
+CHECKS = Checks()
 
 
 def free_port() -> int:
@@ -51,7 +60,7 @@ class Server:
             if f.name.startswith("ringserve."):
                 f.unlink()
         self.args = [
-            sys.executable,
+            PYTHON,
             "-m",
             "ringserve",
             "serve",
@@ -77,7 +86,11 @@ class Server:
             if self.rlimit:
                 resource.setrlimit(resource.RLIMIT_NOFILE, self.rlimit)
 
-        self.proc = subprocess.Popen(self.args, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, preexec_fn=pre)
+        # NOTE: run from the server's own directory: `python -m ringserve` from a checkout would
+        # import that checkout's `ringserve/` rather than the interpreter's (--python) build.
+        self.proc = subprocess.Popen(
+            self.args, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, preexec_fn=pre, cwd=self.dir
+        )
         if wait:
             self.wait_ready()
         return self
@@ -141,7 +154,12 @@ def request(port, body, headers=None, timeout=60, raw_body=None, path="/v1/compl
 
 
 def out(case, what, value):
-    print(f"{case:12s} | {what:60s} | {value}", flush=True)
+    """A measurement without a specified outcome."""
+    CHECKS.note(case, what, value)
+
+
+def expect(case, what, value, ok, expected):
+    CHECKS.expect(case, what, value, ok, expected)
 
 
 def health_probe(port, stop, lat):
@@ -176,14 +194,24 @@ def case_prompt():
         time.sleep(1)
         stop.set()
         th.join()
-        out("1 prompt", "8 x 3.9 MB prompts (4 at a time): statuses", sorted(map(str, statuses)))
+        expect(
+            "1 prompt",
+            "8 x 3.9 MB prompts (4 at a time): statuses",
+            sorted(map(str, statuses)),
+            statuses == [400] * 8,
+            "eight 400s",
+        )
         out("1 prompt", "  time for all 8", f"{took:.1f} s")
-        out(
+        worst = max(latency for latency, _ in lat)
+        expect(
             "1 prompt",
             "  /health max latency while in flight",
-            f"{max(latency for latency, _ in lat):.2f} s ({len(lat)} probes)",
+            f"{worst:.2f} s ({len(lat)} probes)",
+            worst < 2,
+            "< 2 s",
         )
-        out("1 prompt", "  worker restarts (slot generation change)", ctl.worker_slot(0)["generation"] - gen0)
+        restarts = ctl.worker_slot(0)["generation"] - gen0
+        expect("1 prompt", "  worker restarts (slot generation change)", restarts, restarts == 0, "0")
     finally:
         srv.stop()
 
@@ -194,7 +222,7 @@ def case_http():
     try:
         deep = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
         r = request(srv.port, None, raw_body=deep)
-        out("9 http", "JSON nested 5,000 deep", f"{r[0]} {r[1]}")
+        expect("9 http", "JSON nested 5,000 deep", f"{r[0]} {r[1]}", r[0] == 400 and "json" in (r[1] or ""), "400 JSON")
         s = socket.create_connection(("127.0.0.1", srv.port))
         body = b'{"prompt": "hi", "max_tokens": 2}'
         s.sendall(
@@ -210,7 +238,13 @@ def case_http():
         s.close()
         head = resp.split(b"\r\n\r\n", 1)[0].decode(errors="replace").splitlines()
         ctype = next((line for line in head if line.lower().startswith("content-type")), "")
-        out("9 http", "non-ASCII bytes in Authorization", f"{head[0]} {ctype}")
+        expect(
+            "9 http",
+            "non-ASCII bytes in Authorization",
+            f"{head[0]} {ctype}",
+            " 500 " not in head[0] and "json" in ctype,
+            "a JSON answer, not a 500",
+        )
         s = socket.create_connection(("127.0.0.1", srv.port))
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n")
         resp = b""
@@ -224,10 +258,12 @@ def case_http():
         head, _, rest = resp.partition(b"\r\n\r\n")
         lines = head.decode(errors="replace").splitlines()
         ctype = next((line for line in lines if line.lower().startswith("content-type")), "")
-        out(
+        expect(
             "9 http",
             "malformed header line (aiohttp's own 400)",
             f"{lines[0] if lines else resp!r} {ctype} {rest[:60]!r}",
+            bool(lines) and " 400 " in lines[0] and "json" in ctype,
+            "400 JSON",
         )
     finally:
         srv.stop()
@@ -467,11 +503,13 @@ def case_second():
         t0 = time.monotonic()
         try:
             b.proc.wait(30)
-            out(
+            expect(
                 "7 second",
                 "second serve on the same port",
                 f"exited {b.proc.returncode} after {time.monotonic() - t0:.1f} s: "
                 + (b.log.read_text().strip().splitlines() or ["?"])[-1][-140:],
+                b.proc.returncode == 1,
+                "exit 1 at once",
             )
         except subprocess.TimeoutExpired:
             try:
@@ -479,7 +517,13 @@ def case_second():
                 st = ctl.gpu_state.name
             except Exception as exc:  # noqa: BLE001
                 st = repr(exc)
-            out("7 second", "second serve on the same port", f"still running after 30 s (its GPU state {st})")
+            expect(
+                "7 second",
+                "second serve on the same port",
+                f"still running after 30 s (its GPU state {st})",
+                False,
+                "exit 1",
+            )
         b.stop()
     finally:
         a.stop()
@@ -521,12 +565,14 @@ def case_giveup():
         [t.join() for t in ts]
         srv.proc.wait(30)
         explicit = sum(1 for st, b in results if st != "error" and b'"code"' in b)
-        out(
+        expect(
             "2 giveup",
             "6 held requests at give-up: explicit error answers",
             f"{explicit} of 6; {sorted(str(s) for s, _ in results)}",
+            explicit == 6,
+            "6 of 6",
         )
-        out("2 giveup", "  supervisor exit status", srv.proc.returncode)
+        expect("2 giveup", "  supervisor exit status", srv.proc.returncode, srv.proc.returncode == 1, "1")
     finally:
         srv.stop()
 
@@ -543,10 +589,11 @@ def case_crashloop():
         time.sleep(0.5)
         alive = srv.proc.poll() is None
         r = request(srv.port, {"prompt": "hi", "max_tokens": 2}, timeout=10) if alive else ("down",)
-        out("2 crashloop", "7 GPU kills (default settings): supervisor alive", alive)
+        expect("2 crashloop", "7 GPU kills (default settings): supervisor alive", alive, alive, "True")
         if alive:
             out("2 crashloop", "  completion meanwhile", f"{r[0]} Retry-After={r[3].get('Retry-After')} {r[2][:160]!r}")
-            out("2 crashloop", "  ready again after the kills stop (s)", srv.wait_ready(90))
+            ready = srv.wait_ready(90)
+            expect("2 crashloop", "  ready again after the kills stop (s)", ready, ready is not None, "within 90 s")
     finally:
         srv.stop()
 
@@ -566,13 +613,59 @@ def case_loadhang():
                 break
             time.sleep(0.01)
         ready = srv.wait_ready(40)
-        out(
+        expect(
             "8 loadhang",
             "GPU process SIGSTOPped while loading: ready again after",
             f"{ready:.1f} s" if ready else "not within 40 s",
+            ready is not None,
+            "within 40 s",
         )
     finally:
         srv.stop()
+
+
+def worker_pid(srv) -> int:
+    """The pid of the (one) API worker of `srv`, from /proc: no shared-memory layout needed, so
+    it works on another build's server too."""
+    for entry in Path("/proc").iterdir():
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"ringserve.api.worker" in args and str(srv.dir).encode() in args:
+            return int(entry.name)
+    raise RuntimeError(f"no API worker of the server in {srv.dir}")
+
+
+def tenant_case(name, **opts):
+    """An issue-22 case (`hostile_tenants.CASES`) on a server of its own with keys A and B, a
+    metrics key and one worker."""
+    run = hostile_tenants.CASES[name]
+
+    def case():
+        keys, metrics_keys = WORK / f"{name}.keys", WORK / f"{name}.metrics-keys"
+        keys.write_text("key-a\nkey-b\n")
+        metrics_keys.write_text("metrics-key\n")
+        srv = Server(name, workers=1, api_keys_file=keys, metrics_keys_file=metrics_keys, **opts).start()
+        try:
+            target = Target(
+                port=srv.port,
+                log_path=str(srv.log),
+                key_a="key-a",
+                key_b="key-b",
+                metrics_key="metrics-key" if "--metrics-keys-file" in HELP else None,
+                worker_pid=lambda: worker_pid(srv),
+            )
+            missed = len(CHECKS.misses)
+            run(target, CHECKS)
+            if len(CHECKS.misses) > missed:  # what the server said about it
+                errors = [line for line in srv.log.read_text(errors="replace").splitlines() if " ERROR " in line]
+                for line in errors[-8:]:
+                    out(name, "  server log", line[:240])
+        finally:
+            srv.stop()
+
+    return case
 
 
 CASES = {
@@ -588,6 +681,8 @@ CASES = {
     "giveup": case_giveup,
     "crashloop": case_crashloop,
     "loadhang": case_loadhang,
+    **{name: tenant_case(name) for name in hostile_tenants.CASES if name != "restart"},
+    "restart": tenant_case("restart", watchdog_timeout_s=2),
 }
 
 
@@ -595,29 +690,43 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import tempfile
 
-    global MODEL, HELP, WORK
+    global MODEL, HELP, WORK, PYTHON
     p = argparse.ArgumentParser(prog="python -m ringserve.tools.hostile_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint directory (default: the tiny model, built here)")
+    p.add_argument("--python", help="run the servers under this interpreter (another build's venv, for a before/after)")
     p.add_argument("cases", nargs="*", help=f"cases to run (default: all): {', '.join(CASES)}")
     args = p.parse_args(argv)
     unknown = [c for c in args.cases if c not in CASES]
     if unknown:
         p.error(f"unknown cases {unknown}; choose from {', '.join(CASES)}")
-    HELP = subprocess.run([sys.executable, "-m", "ringserve", "serve", "--help"], capture_output=True, text=True).stdout
+    PYTHON = args.python or sys.executable
+    HELP = subprocess.run(
+        [PYTHON, "-m", "ringserve", "serve", "--help"], capture_output=True, text=True, cwd="/"
+    ).stdout
     with tempfile.TemporaryDirectory(prefix="ringserve-hostile-") as tmp:
         WORK = Path(tmp)
         if args.model:
-            MODEL = args.model
+            MODEL = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
         else:
             from ringserve.tools.make_tiny_model import build_tiny_model
 
             MODEL = str(build_tiny_model(WORK / "tiny"))
         print(f"build: {'with' if '--header-timeout-s' in HELP else 'without'} the issue-15 limits", flush=True)
-        for name in args.cases or CASES:
-            try:
-                CASES[name]()
-            except Exception as exc:  # noqa: BLE001 - report and go on with the next case
-                out(name, "FAILED", repr(exc)[:300])
+        return run_cases(args.cases or list(CASES))
+
+
+def run_cases(names: list[str]) -> int:
+    """Run `names`; 1 if any expected outcome missed or any case raised (each listed), else 0."""
+    CHECKS.misses.clear()
+    for name in names:
+        try:
+            CASES[name]()
+        except Exception as exc:  # noqa: BLE001 - report and go on with the next case
+            CHECKS.expect(name, "the case ran to its end", f"raised {exc!r}"[:300], False, "no exception")
+    if CHECKS.misses:
+        print(f"{len(CHECKS.misses)} expected outcome(s) missed:", *CHECKS.misses, sep="\n  ", flush=True)
+        return 1
+    print("every expected outcome held", flush=True)
     return 0
 
 

@@ -68,13 +68,15 @@ async def test_detokenize(serve, codec):
 
 
 async def test_version_and_model_routes(serve):
-    """GET /version; GET /v1/models/{id} by id or by the served path; other ids are 404."""
+    """GET /version; GET /v1/models/{id} by id or by the served path, the card never showing the
+    path; other ids are 404."""
     served = await serve(app_kw={"model_aliases": frozenset({PATH})})
     assert await (await served.client.get("/version")).json() == {"version": __version__}
     for name in (MODEL, PATH):
         resp = await served.client.get(f"/v1/models/{name}")
         card = await resp.json()
-        assert resp.status == 200 and card["id"] == MODEL and card["root"] == PATH
+        assert resp.status == 200 and card["id"] == MODEL and card["root"] == MODEL
+        assert PATH not in await resp.text()
     resp = await served.client.get("/v1/models/gpt-4")
     assert resp.status == 404 and (await resp.json())["error"]["code"] == "model_not_found"
 

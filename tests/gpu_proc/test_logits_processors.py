@@ -203,3 +203,15 @@ def test_controls_change_what_is_sampled():
     ).token_ids
     biased = ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample(logits.clone(), rows).token_ids
     assert biased == [17] * 4 and plain != biased
+
+
+def test_masks_that_leave_nothing_still_keep_the_allowed_set():
+    """A row whose bad words and min_tokens ban its only allowed tokens (the API refuses such a
+    request; this is the GPU process's last line) samples among its allowed tokens, never outside."""
+    st = LogitsControls(allowed_token_ids=(EOS, 9), bad_words=((9,),), min_tokens=3)
+    for seed in range(10):
+        logits = _logits(1, seed=seed)
+        logits[0, 9] = -50.0  # neither allowed token is likely: a raw fallback would pick another
+        logits[0, EOS] = -50.0
+        out = ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample(logits, [_row(1, st, PROMPT, [], 1.0, seed=seed)])
+        assert out.token_ids[0] in (EOS, 9)

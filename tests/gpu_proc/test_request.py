@@ -91,7 +91,7 @@ def test_from_submit_maps_every_field():
         logprobs=1,
         cache_salt="tenant-salt",
     )
-    r = Request.from_submit(3, msg)
+    r = Request.from_submit(3, msg, cache_per_tenant=False)
     assert r.cache_salt == "tenant-salt"
     assert (r.key, r.request_id, r.tenant, r.prompt_ids, r.max_tokens, r.n, r.logprobs) == (
         (3, 7),
@@ -104,3 +104,27 @@ def test_from_submit_maps_every_field():
     )
     assert r.sampling == SamplingSpec(0.5, 3, 0.9, 11, (2,), True)
     assert (r.arrival_ts, r.deadline_ts, r.state) == (1.0, 2.0, RequestState.QUEUED)
+
+
+def test_from_submit_salts_the_prefix_cache_per_tenant_by_default():
+    """Two tenants sending the same prompt (and the same cache_salt, or none) get different salts,
+    so neither reuses the other's blocks; one tenant keeps one salt per cache_salt."""
+    from ringserve.shm.messages import SamplingParams, Submit
+
+    def salt(tenant: str, cache_salt: str | None) -> str | None:
+        msg = Submit(
+            rid=1,
+            request_id="r",
+            tenant=tenant,
+            prompt_ids=[4, 5],
+            max_tokens=1,
+            sampling=SamplingParams(),
+            arrival_ts=0.0,
+            deadline_ts=1.0,
+            cache_salt=cache_salt,
+        )
+        return Request.from_submit(0, msg).cache_salt
+
+    assert salt("k-a", None) != salt("k-b", None)
+    assert salt("k-a", "s") != salt("k-b", "s")
+    assert salt("k-a", None) == salt("k-a", None) != salt("k-a", "s")
