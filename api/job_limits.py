@@ -7,14 +7,11 @@ submitted (docs/operations.md#per-request-limits).
   millions: 8,000 prompt ids with `echo`, `logprobs` and `prompt_logprobs` of 20 and `n` 16 is a
   259 MB body that held the event loop (every other stream of the worker) for 6 s. Over
   `max_response_logprobs` it is a 400 that names the count, the limit and the flag.
-- The logits controls: `rules.constraints_error` (the GPU process applies the same rule).
 """
 
 from __future__ import annotations
 
 from ringserve.api.errors import bad_request
-from ringserve.rules import constraints_error
-from ringserve.shm.messages import SamplingParams
 
 
 def response_logprobs(
@@ -59,17 +56,3 @@ def check_response_size(
         "logprobs" if logprobs is not None else "prompt_logprobs",
         code="response_too_large",
     )
-
-
-def check_controls(sampling: SamplingParams, eos_token_ids: frozenset[int], vocab_size: int) -> None:
-    """400 when the logits controls could leave no token to sample (`rules.constraints_error`)."""
-    message = constraints_error(
-        allowed_token_ids=sampling.allowed_token_ids,
-        stop_token_ids=sampling.stop_token_ids,
-        eos_token_ids=eos_token_ids,
-        min_tokens=sampling.min_tokens,
-        bad_words=sampling.bad_words,
-        vocab_size=vocab_size,
-    )
-    if message is not None:
-        raise bad_request(message, "allowed_token_ids" if sampling.allowed_token_ids else "min_tokens")

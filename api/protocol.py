@@ -18,18 +18,19 @@ is treated). Three kinds:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import msgspec
 
 from ringserve.api.errors import ApiError, bad_request, quoted
-from ringserve.rules import repetition_penalty_error
+from ringserve.rules import sampling_violation
 from ringserve.shm.messages import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
     MAX_CACHE_SALT_CHARS,
     MAX_LOGIT_BIAS,
-    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID,
     MAX_TOP_LOGPROBS,
     SamplingParams,
 )
@@ -39,8 +40,6 @@ MAX_LOGPROBS = MAX_TOP_LOGPROBS
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_BAD_WORD_CHARS = 256
-_SEED_RANGE = (-(2**63), 2**64 - 1)
-MAX_ID = 2**31 - 1  # no vocabulary is larger; bigger ints would not even fit the wire format
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -107,7 +106,7 @@ class OutputOptions:
 class SamplingFields:
     """The validated shared fields (see `SamplingBody`). `bad_words` are still text (the route
     tokenizes them, `prompt_tokens.bad_word_ids`); `logit_bias` and `allowed_token_ids` are in
-    `sampling`, checked against the vocabulary by the route (`check_token_ids`)."""
+    `sampling`, checked against the vocabulary once the request is built (`check_sampling`)."""
 
     sampling: SamplingParams
     stop: tuple[str, ...]
@@ -183,16 +182,6 @@ def check_min_tokens(fields: SamplingFields, max_tokens: int) -> None:
         )
 
 
-def check_token_ids(fields: SamplingFields, vocab_size: int) -> None:
-    """logit_bias keys and allowed_token_ids must name tokens of the vocabulary (vLLM's rule)."""
-    sp = fields.sampling
-    for param, ids in (("logit_bias", [t for t, _ in sp.logit_bias]), ("allowed_token_ids", sp.allowed_token_ids)):
-        if ids and max(ids) >= vocab_size:
-            raise bad_request(
-                f"{param} holds token id {max(ids)}, outside the vocabulary (0..{vocab_size - 1}).", param
-            )
-
-
 def check_neutral(neutral: dict[str, bool]) -> None:
     """`neutral` maps a field to whether its value leaves the result unchanged; any other is 400."""
     for name, ok in neutral.items():
@@ -219,72 +208,52 @@ def check_model(requested: str | None, served: str, aliases: frozenset[str] = fr
 def token_ids(ids: list[int], param: str) -> tuple[int, ...]:
     if not ids:
         raise bad_request(f"{param} must not be empty.", param)
-    if min(ids) < 0 or max(ids) > MAX_ID:
-        raise bad_request(f"{param} must hold token ids between 0 and {MAX_ID}.", param)
+    if min(ids) < 0 or max(ids) > MAX_TOKEN_ID:
+        raise bad_request(f"{param} must hold token ids between 0 and {MAX_TOKEN_ID}.", param)
     return tuple(ids)
 
 
 def _sampling(body: SamplingBody) -> SamplingParams:
+    """The body's sampling fields as the wire type, with their defaults and vLLM's spellings
+    (-1 for off, a dict of biases), checked by the rule both sides apply (`rules.sampling_violation`)."""
     temperature = 1.0 if body.temperature is None else body.temperature
-    if not 0.0 <= temperature <= 2.0:
-        raise bad_request(f"temperature must be between 0 and 2, got {temperature}.", "temperature")
-    top_p = 1.0 if body.top_p is None else body.top_p
-    if not 0.0 < top_p <= 1.0:
-        raise bad_request(f"top_p must be in (0, 1], got {top_p}.", "top_p")
-    top_k = 0 if body.top_k is None or body.top_k == -1 else body.top_k  # -1: vLLM's "off"
-    if not 0 <= top_k <= MAX_ID:
-        raise bad_request(f"top_k must be >= 0 (0 or -1: off), got {top_k}.", "top_k")
-    if body.seed is not None and not _SEED_RANGE[0] <= body.seed <= _SEED_RANGE[1]:
-        raise bad_request("seed must fit in 64 bits.", "seed")
-    stop_ids: tuple[int, ...] = ()
-    if body.stop_token_ids:
-        if len(body.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise bad_request(
-                f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids, got {len(body.stop_token_ids)}.",
-                "stop_token_ids",
-            )
-        stop_ids = tuple(sorted(set(token_ids(body.stop_token_ids, "stop_token_ids"))))
-    presence = _in_range(body.presence_penalty, 0.0, -2.0, 2.0, "presence_penalty")
-    frequency = _in_range(body.frequency_penalty, 0.0, -2.0, 2.0, "frequency_penalty")
-    min_p = _in_range(body.min_p, 0.0, 0.0, 1.0, "min_p")
-    repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
-    message = repetition_penalty_error(repetition)
-    if message is not None:
-        raise bad_request(message, "repetition_penalty")
-    min_tokens = body.min_tokens or 0
-    if min_tokens < 0:
-        raise bad_request(f"min_tokens must be >= 0, got {min_tokens}.", "min_tokens")
+    min_p = 0.0 if body.min_p is None else body.min_p
     if temperature < 1e-5:
         min_p = 0.0  # greedy: min_p cannot change the choice (vLLM drops it too)
-    return SamplingParams(
+    sp = SamplingParams(
         temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
+        top_k=0 if body.top_k is None or body.top_k == -1 else body.top_k,  # -1: vLLM's "off"
+        top_p=1.0 if body.top_p is None else body.top_p,
         seed=body.seed,
-        stop_token_ids=stop_ids,
+        stop_token_ids=tuple(sorted(set(token_ids(body.stop_token_ids, "stop_token_ids"))))
+        if body.stop_token_ids
+        else (),
         ignore_eos=body.ignore_eos,
-        repetition_penalty=repetition,
-        min_tokens=min_tokens,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_tokens=body.min_tokens or 0,
         logit_bias=_logit_bias(body.logit_bias),
         allowed_token_ids=_allowed(body.allowed_token_ids),
-        presence_penalty=presence,
-        frequency_penalty=frequency,
+        presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
+        frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty,
         min_p=min_p,
     )
+    check_sampling(sp)
+    return sp
 
 
-def _in_range(value: float | None, default: float, lo: float, hi: float, name: str) -> float:
-    value = default if value is None else value
-    if not lo <= value <= hi:
-        raise bad_request(f"{name} must be between {lo:g} and {hi:g}, got {value}.", name)
-    return value
+def check_sampling(sp: SamplingParams, vocab_size: int | None = None, eos_token_ids: Iterable[int] = ()) -> None:
+    """400 naming the field when `sp` breaks `rules.sampling_violation` (with `vocab_size` once the
+    tokenizer is known: ids in the vocabulary, and controls that leave a token to sample)."""
+    broken = sampling_violation(sp, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
+    if broken is not None:
+        raise bad_request(broken.message, broken.param)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """`{"token id": bias}`, biases clamped to [-100, 100] as vLLM does."""
     if not bias:
         return ()
-    if len(bias) > MAX_LOGIT_BIAS:
+    if len(bias) > MAX_LOGIT_BIAS:  # NOTE: before the loop below, so a huge dict costs nothing
         raise bad_request(f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}.", "logit_bias")
     out = {}
     for key, value in bias.items():
@@ -292,7 +261,7 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
             token = int(key)
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {quoted(key)}.", "logit_bias") from None
-        if not 0 <= token <= MAX_ID or not math.isfinite(value):
+        if not 0 <= token <= MAX_TOKEN_ID or not math.isfinite(value):
             raise bad_request(
                 f"logit_bias maps token ids (0 and up) to finite numbers; got {quoted(key)}: {value}.", "logit_bias"
             )
@@ -303,7 +272,7 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
 def _allowed(ids: list[int] | None) -> tuple[int, ...]:
     if ids is None:
         return ()
-    if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+    if len(ids) > MAX_ALLOWED_TOKEN_IDS:  # NOTE: before sorting them
         raise bad_request(
             f"allowed_token_ids holds at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(ids)}.", "allowed_token_ids"
         )

@@ -23,9 +23,9 @@ from ringserve.api.availability import gpu_not_ready
 from ringserve.api.errors import ApiError, error_object, error_type
 from ringserve.api.generation import Generation
 from ringserve.api.gpu_client import GpuClient, Inbox, RequestStream
-from ringserve.api.job_limits import check_controls, check_response_size
+from ringserve.api.job_limits import check_response_size
 from ringserve.api.logprobs import COMPLETION_LOGPROBS, LogprobFormat
-from ringserve.api.protocol import OutputOptions, SamplingFields, check_model
+from ringserve.api.protocol import OutputOptions, SamplingFields, check_model, check_sampling
 from ringserve.api.registry import OpenRequest
 from ringserve.api.sse import DONE, Encoder
 from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState, ignored_header, note_ignored
@@ -136,7 +136,7 @@ async def tokenizing(st: ApiState, work: Awaitable[T]) -> T:
 
 
 async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> web.StreamResponse:
-    check_controls(job.sampling, st.eos_token_ids(), st.codec.vocab_size)
+    check_sampling(job.sampling, st.codec.vocab_size, st.eos_token_ids())
     check_response_size(
         list(map(len, job.prompts)),
         job.max_tokens,

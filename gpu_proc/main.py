@@ -26,7 +26,7 @@ from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.request import Request
 from ringserve.gpu_proc.scheduler import Scheduler
-from ringserve.rules import constraints_error, repetition_penalty_error, vocabulary_error
+from ringserve.rules import Violation, submit_violation
 from ringserve.shm import layout as L
 from ringserve.shm import messages as M
 from ringserve.shm.instance import ShmInstance
@@ -109,11 +109,16 @@ class GpuLoop:
         return n
 
     def _submit(self, slot: int, msg: M.Submit) -> None:
-        try:
-            _check_limits(msg, self.engine.vocab_size, self.engine.eos_token_ids)
-            req = Request.from_submit(slot, msg, cache_per_tenant=not self.config.prefix_cache_across_tenants)
-        except ValueError as exc:
-            self.outboxes[slot].send(M.Rejected(rid=msg.rid, status=400, code="invalid_request", message=str(exc)))
+        broken = submit_violation(msg, self.engine.vocab_size, self.engine.eos_token_ids)
+        if broken is None:
+            try:
+                req = Request.from_submit(slot, msg, cache_per_tenant=not self.config.prefix_cache_across_tenants)
+            except ValueError as exc:
+                broken = Violation("prompt", str(exc))
+        if broken is not None:
+            self.outboxes[slot].send(
+                M.Rejected(rid=msg.rid, status=400, code="invalid_request", message=broken.message)
+            )
             return
         decision = self.scheduler.admit(req)
         reply: M.Accepted | M.Rejected
@@ -234,49 +239,6 @@ class GpuLoop:
             elif not ran and any(b.backlog for b in self.outboxes):
                 time.sleep(0.0005)  # only output is pending: give the workers a moment to read
             was_idle = idle
-
-
-def _check_limits(msg: M.Submit, vocab_size: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
-    """The per-request limits of `shm/messages.py`, the vocabulary and the logits controls' rule
-    (`rules.constraints_error`), which the worker checked too: a Submit over them is refused (an id
-    outside the vocabulary would index past the logits; controls that mask every token would have
-    to break one)."""
-    sp = msg.sampling
-    for name, value, limit in (
-        ("stop_token_ids", len(sp.stop_token_ids), M.MAX_STOP_TOKEN_IDS),
-        ("logit_bias", len(sp.logit_bias), M.MAX_LOGIT_BIAS),
-        ("allowed_token_ids", len(sp.allowed_token_ids), M.MAX_ALLOWED_TOKEN_IDS),
-        ("bad_words", len(sp.bad_words), M.MAX_BAD_WORDS),
-        ("bad_words tokens", max(map(len, sp.bad_words), default=0), M.MAX_BAD_WORD_TOKENS),
-        ("logprobs", msg.logprobs or 0, M.MAX_TOP_LOGPROBS),
-        ("prompt_logprobs", msg.prompt_logprobs or 0, M.MAX_TOP_LOGPROBS),
-    ):
-        if value > limit:
-            raise ValueError(f"{name} holds {value}; at most {limit}")
-    penalty = repetition_penalty_error(sp.repetition_penalty)
-    if penalty is not None:
-        raise ValueError(penalty)
-    # NOTE: stop ids outside the vocabulary are harmless (never sampled) and stay allowed.
-    ids = (
-        msg.prompt_ids,
-        [t for t, _ in sp.logit_bias],
-        sp.allowed_token_ids,
-        [t for words in sp.bad_words for t in words],
-    )
-    for name, group in zip(("prompt", "logit_bias", "allowed_token_ids", "bad_words"), ids):
-        outside = vocabulary_error(group, vocab_size, name)
-        if outside is not None:
-            raise ValueError(outside)
-    masked = constraints_error(
-        allowed_token_ids=sp.allowed_token_ids,
-        stop_token_ids=sp.stop_token_ids,
-        eos_token_ids=eos_token_ids,
-        min_tokens=sp.min_tokens,
-        bad_words=sp.bad_words,
-        vocab_size=vocab_size,
-    )
-    if masked is not None:
-        raise ValueError(masked)
 
 
 @contextmanager

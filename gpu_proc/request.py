@@ -12,12 +12,11 @@ cancel, and they share the prompt's KV blocks through the prefix cache (`docs/de
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from ringserve.gpu_proc.step import LogitsControls, RowSampling
-from ringserve.shm.messages import CancelReason
+from ringserve.gpu_proc.step import RowSampling
+from ringserve.shm.messages import CancelReason, SamplingParams
 
 WorkerRid = tuple[int, int]  # (worker slot, rid): how a worker names its Submit on its ring
 
@@ -31,29 +30,6 @@ class RequestState(IntEnum):
     DECODE = 3
     DONE = 4
     CANCELLED = 5
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingSpec:
-    """A request's sampling settings; `seed` None means the scheduler draws one at admission."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: frozenset[int] = frozenset()  # checked for every sampled token: O(1) lookups
-    ignore_eos: bool = False
-    controls: LogitsControls | None = None  # None: no logits control asked for (never all-neutral)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.stop_token_ids, frozenset):
-            object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
-        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 def tenant_cache_salt(tenant: str, salt: str | None) -> str:
@@ -72,7 +48,7 @@ class Request:
     tenant: str  # who the fair queue shares the GPU between: the API key's owner
     prompt_ids: list[int]
     max_tokens: int
-    sampling: SamplingSpec
+    sampling: SamplingParams  # as the worker sent it (`rules.sampling_violation` checked it)
     arrival_ts: float
     deadline_ts: float
     n: int = 1  # samples the Submit asked for: this request and its n - 1 siblings
@@ -99,8 +75,11 @@ class Request:
     prompt_scored: int = 1  # the next prompt token to score (token 0 has no logprob)
     first_join_ts: float | None = None
     first_token_ts: float | None = None
+    # NOTE: derived once: every sampled token of every row is looked up in it (O(1), not O(ids))
+    stop_ids: frozenset[int] = field(init=False, default=frozenset())
 
     def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.sampling.stop_token_ids)
         if not self.prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if self.max_tokens < 1:
@@ -112,36 +91,15 @@ class Request:
 
     @classmethod
     def from_submit(cls, worker: int, msg, *, cache_per_tenant: bool = True) -> Request:
-        """Build from a worker's `shm.messages.Submit` (duck-typed: this core imports no shm).
-        `cache_per_tenant` (the config's default): the tenant salts the prefix cache too, so one
+        """Build from a worker's `shm.messages.Submit`. `cache_per_tenant` (the config's default): the tenant salts the prefix cache too, so one
         tenant never reuses, and so can never time or count, another's cached prompt blocks."""
-        sp = msg.sampling
-        controls = LogitsControls(
-            presence_penalty=sp.presence_penalty,
-            frequency_penalty=sp.frequency_penalty,
-            repetition_penalty=sp.repetition_penalty,
-            min_p=sp.min_p,
-            min_tokens=sp.min_tokens,
-            stop_token_ids=tuple(sp.stop_token_ids) if sp.min_tokens else (),
-            logit_bias=tuple(map(tuple, sp.logit_bias)),
-            allowed_token_ids=tuple(sp.allowed_token_ids),
-            bad_words=tuple(map(tuple, sp.bad_words)),
-        )
         return cls(
             key=(worker, msg.rid),
             request_id=msg.request_id,
             tenant=msg.tenant,
             prompt_ids=list(msg.prompt_ids),
             max_tokens=msg.max_tokens,
-            sampling=SamplingSpec(
-                temperature=sp.temperature,
-                top_k=sp.top_k,
-                top_p=sp.top_p,
-                seed=sp.seed,
-                stop_token_ids=frozenset(sp.stop_token_ids),
-                ignore_eos=sp.ignore_eos,
-                controls=None if controls.neutral else controls,
-            ),
+            sampling=msg.sampling,
             arrival_ts=msg.arrival_ts,
             deadline_ts=msg.deadline_ts,
             n=msg.n,
@@ -186,7 +144,7 @@ class Request:
         sp = self.sampling
         if sp.ignore_eos and not sp.stop_token_ids:
             return self.max_tokens
-        return min(sp.controls.min_tokens, self.max_tokens) if sp.controls is not None else 0
+        return min(sp.min_tokens, self.max_tokens)
 
     @property
     def scores_prompt(self) -> bool:

@@ -527,7 +527,7 @@ class Scheduler:
                 len(gen),
                 req.prompt_len + len(gen),
                 eos_token_ids=eos,
-                stop_token_ids=sp.stop_token_ids,
+                stop_token_ids=req.stop_ids,
                 ignore_eos=sp.ignore_eos,
                 max_tokens=req.max_tokens,
                 context_limit=limit,

@@ -42,7 +42,7 @@ class Siblings:
                 s.cache_salt = salt
         sp = req.sampling
         for s in samples:
-            controls = None if sp.controls is None else RowControls(sp.controls, s.prompt_ids, s.generated)
+            controls = RowControls(sp, s.prompt_ids, s.generated) if sp.controlled else None
             s.row_sampling = RowSampling(sp.temperature, sp.top_k, sp.top_p, seed, s.index, req.logprobs, controls)
             s.seq_id = next(seq_ids)
         return samples

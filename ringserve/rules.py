@@ -8,8 +8,11 @@ scheduling core decides with them when a sequence has finished.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
+from ringserve.shm import messages as M
 from ringserve.shm.messages import FinishReason
 
 
@@ -117,3 +120,117 @@ def constraints_error(
         f"(banned until min_tokens ({min_tokens}) tokens are out) or the last token of one of bad_words. "
         "Allow a token that is neither, or drop min_tokens or those bad_words."
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """A rule a request breaks: the field to name (the OpenAI error's `param`) and why."""
+
+    param: str
+    message: str
+
+
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def sampling_violation(
+    sp: M.SamplingParams, *, vocab_size: int | None = None, eos_token_ids: Iterable[int] = ()
+) -> Violation | None:
+    """The one check of a request's sampling settings (`shm.messages.SamplingParams`), or None.
+
+    The API worker runs it on the parsed body (without `vocab_size`: before tokenizing) and again
+    once the vocabulary is known; the GPU process runs it on every Submit with its own vocabulary
+    and EOS ids, because the ring is a trust boundary. Both answer with the same message.
+    """
+    checks = (
+        ("temperature", 0.0 <= sp.temperature <= 2.0, f"temperature must be between 0 and 2, got {sp.temperature}."),
+        ("top_p", 0.0 < sp.top_p <= 1.0, f"top_p must be in (0, 1], got {sp.top_p}."),
+        ("top_k", 0 <= sp.top_k <= M.MAX_TOKEN_ID, f"top_k must be >= 0 (0 or -1: off), got {sp.top_k}."),
+        ("seed", sp.seed is None or SEED_RANGE[0] <= sp.seed <= SEED_RANGE[1], "seed must fit in 64 bits."),
+        (
+            "presence_penalty",
+            -2.0 <= sp.presence_penalty <= 2.0,
+            f"presence_penalty must be between -2 and 2, got {sp.presence_penalty}.",
+        ),
+        (
+            "frequency_penalty",
+            -2.0 <= sp.frequency_penalty <= 2.0,
+            f"frequency_penalty must be between -2 and 2, got {sp.frequency_penalty}.",
+        ),
+        ("min_p", 0.0 <= sp.min_p <= 1.0, f"min_p must be between 0 and 1, got {sp.min_p}."),
+        ("min_tokens", sp.min_tokens >= 0, f"min_tokens must be >= 0, got {sp.min_tokens}."),
+        (
+            "stop_token_ids",
+            len(sp.stop_token_ids) <= M.MAX_STOP_TOKEN_IDS,
+            f"stop_token_ids holds at most {M.MAX_STOP_TOKEN_IDS} ids, got {len(sp.stop_token_ids)}.",
+        ),
+        (
+            "logit_bias",
+            len(sp.logit_bias) <= M.MAX_LOGIT_BIAS,
+            f"logit_bias holds at most {M.MAX_LOGIT_BIAS} tokens, got {len(sp.logit_bias)}.",
+        ),
+        (
+            "logit_bias",
+            all(math.isfinite(b) and -100.0 <= b <= 100.0 for _, b in sp.logit_bias),
+            "logit_bias values must be finite numbers in [-100, 100].",
+        ),
+        (
+            "allowed_token_ids",
+            len(sp.allowed_token_ids) <= M.MAX_ALLOWED_TOKEN_IDS,
+            f"allowed_token_ids holds at most {M.MAX_ALLOWED_TOKEN_IDS} ids, got {len(sp.allowed_token_ids)}.",
+        ),
+        (
+            "bad_words",
+            len(sp.bad_words) <= M.MAX_BAD_WORDS,
+            f"bad_words encode to {len(sp.bad_words)} token sequences; at most {M.MAX_BAD_WORDS}.",
+        ),
+        (
+            "bad_words",
+            all(1 <= len(w) <= M.MAX_BAD_WORD_TOKENS for w in sp.bad_words),
+            f"each of bad_words must encode to 1 to {M.MAX_BAD_WORD_TOKENS} tokens.",
+        ),
+    )
+    for param, ok, message in checks:
+        if not ok:  # NOTE: a NaN fails every range above
+            return Violation(param, message)
+    penalty = repetition_penalty_error(sp.repetition_penalty)
+    if penalty is not None:
+        return Violation("repetition_penalty", penalty)
+    limit = M.MAX_TOKEN_ID + 1 if vocab_size is None else vocab_size
+    # NOTE: stop ids outside the vocabulary are harmless (never sampled); only their range is checked.
+    groups = (
+        ("stop_token_ids", sp.stop_token_ids, M.MAX_TOKEN_ID + 1),
+        ("logit_bias", [t for t, _ in sp.logit_bias], limit),
+        ("allowed_token_ids", sp.allowed_token_ids, limit),
+        ("bad_words", [t for words in sp.bad_words for t in words], limit),
+    )
+    for param, ids, size in groups:
+        outside = vocabulary_error(ids, size, param)
+        if outside is not None:
+            return Violation(param, outside)
+    if vocab_size is not None:
+        masked = constraints_error(
+            allowed_token_ids=sp.allowed_token_ids,
+            stop_token_ids=sp.stop_token_ids,
+            eos_token_ids=eos_token_ids,
+            min_tokens=sp.min_tokens,
+            bad_words=sp.bad_words,
+            vocab_size=vocab_size,
+        )
+        if masked is not None:
+            return Violation("allowed_token_ids" if sp.allowed_token_ids else "min_tokens", masked)
+    return None
+
+
+def submit_violation(msg: M.Submit, vocab_size: int, eos_token_ids: Iterable[int]) -> Violation | None:
+    """What the GPU process checks on a Submit, whatever the worker let through: the sampling
+    rule, the logprobs limits and the prompt's vocabulary (an id outside it would index past the
+    logits; controls that mask every token would have to break one)."""
+    found = sampling_violation(msg.sampling, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
+    if found is not None:
+        return found
+    for param, value in (("logprobs", msg.logprobs), ("prompt_logprobs", msg.prompt_logprobs)):
+        if value is not None and not 0 <= value <= M.MAX_TOP_LOGPROBS:
+            return Violation(param, f"{param} must be between 0 and {M.MAX_TOP_LOGPROBS}, got {value}.")
+    outside = vocabulary_error(msg.prompt_ids, vocab_size)
+    return None if outside is None else Violation("prompt", outside)

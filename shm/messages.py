@@ -77,6 +77,7 @@ FINISH_REASONS = tuple(FinishReason)
 # Per-request limits both sides enforce (docs/design.md#limits-and-timeouts): the worker refuses
 # a request over them with a 400, and the GPU process refuses a Submit over them.
 MAX_STOP_TOKEN_IDS = 256
+MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; a bigger id would not fit the int32 the model reads
 MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 1024  # vLLM's limit
 # The logits controls (docs/design.md#sampling) that grow a Submit: entries of `logit_bias`
@@ -90,7 +91,8 @@ MAX_TOP_LOGPROBS = 20  # top alternatives per token (`logprobs`, `prompt_logprob
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """Per-request sampling; validated by the worker before it is sent."""
+    """A request's sampling settings: the one type for them, from the worker's parsing to the GPU
+    process's rows. Validated by `ringserve.rules.sampling_violation`, on both sides."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0: off
@@ -107,6 +109,22 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), sorted by id
     allowed_token_ids: tuple[int, ...] = ()  # empty: every token; sorted, distinct
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def controlled(self) -> bool:
+        """Any logits control is set (a row without one pays nothing for them)."""
+        return bool(
+            self.penalized
+            or self.min_p
+            or self.min_tokens
+            or self.logit_bias
+            or self.allowed_token_ids
+            or self.bad_words
+        )
 
 
 class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):

@@ -24,12 +24,12 @@ def test_stop_token_ids_stop_even_with_ignore_eos():
 
 
 def test_request_holds_stop_token_ids_as_a_set():
-    """However the ids arrive, a request's sampling holds them as a frozenset: the per-token
-    check costs one lookup, not a scan of every id (issue 15, break 4)."""
-    from ringserve.gpu_proc.request import SamplingSpec
+    """However the ids arrive, a request holds them as a frozenset: the per-token check costs one
+    lookup, not a scan of every id (issue 15, break 4)."""
+    from tests.helpers.scheduler_fakes import make_request
 
-    spec = SamplingSpec(stop_token_ids=(9, 7, 9))
-    assert spec.stop_token_ids == frozenset({7, 9}) and isinstance(spec.stop_token_ids, frozenset)
+    req = make_request(1, 4, stop_token_ids=(9, 7, 9))
+    assert req.stop_ids == frozenset({7, 9}) and isinstance(req.stop_ids, frozenset)
 
 
 def test_length_limits():

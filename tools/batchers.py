@@ -24,10 +24,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ringserve.gpu_proc.block_manager import BlockManager
-from ringserve.gpu_proc.request import Request, SamplingSpec
+from ringserve.gpu_proc.request import Request
 from ringserve.gpu_proc.scheduler import Scheduler
 from ringserve.gpu_proc.step import RowSampling, SeqStep, StepBatch
-from ringserve.shm.messages import Finish
+from ringserve.shm.messages import Finish, SamplingParams
 
 NEVER_S = 1e9  # deadline / queue limit that never binds in a benchmark
 
@@ -81,7 +81,7 @@ class ContinuousPolicy:
             tenant=key,
             prompt_ids=prompt_ids,
             max_tokens=output_tokens,
-            sampling=SamplingSpec(temperature=0.0, seed=0, ignore_eos=True),
+            sampling=SamplingParams(temperature=0.0, seed=0, ignore_eos=True),
             arrival_ts=now,
             deadline_ts=now + NEVER_S,
         )

@@ -43,12 +43,13 @@ def bench_sampler(rows: int, vocab: int, iters: int) -> dict[str, dict[str, floa
 
     from ringserve.gpu_proc.logits_processors import ControlsState
     from ringserve.gpu_proc.sampler import sample
-    from ringserve.gpu_proc.step import LogitsControls, RowControls, RowSampling, SeqStep
+    from ringserve.gpu_proc.step import RowControls, RowSampling, SeqStep
+    from ringserve.shm.messages import SamplingParams
 
     base = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
     prompt = [t % vocab for t in range(100, 600)]
-    penalties = LogitsControls(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3)
-    everything = LogitsControls(
+    penalties = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3)
+    everything = SamplingParams(
         repetition_penalty=1.2,
         frequency_penalty=0.5,
         presence_penalty=0.3,

@@ -26,7 +26,8 @@ from typing import Any
 
 
 def _request(key: int, prompt: list[int], max_tokens: int, seed: int):
-    from ringserve.gpu_proc.request import Request, SamplingSpec
+    from ringserve.gpu_proc.request import Request
+    from ringserve.shm.messages import SamplingParams
 
     return Request(
         key=(0, key),
@@ -36,7 +37,7 @@ def _request(key: int, prompt: list[int], max_tokens: int, seed: int):
         max_tokens=max_tokens,
         arrival_ts=0.0,
         deadline_ts=1e18,
-        sampling=SamplingSpec(temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True),
+        sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True),
     )
 
 

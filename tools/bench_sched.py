@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
-from ringserve.gpu_proc.request import Request, SamplingSpec
+from ringserve.gpu_proc.request import Request
 from ringserve.gpu_proc.scheduler import Scheduler
+from ringserve.shm.messages import SamplingParams
 
 NUM_BLOCKS = 7152
 KEYS = ("key-a", "key-b", "key-c", "key-d")
@@ -44,7 +45,7 @@ def _request(rid: int, rng: random.Random, prompt_len: int) -> Request:
         tenant=KEYS[rid % len(KEYS)],
         prompt_ids=[1 + (rid + k) % 1000 for k in range(prompt_len)],
         max_tokens=rng.randint(50, 300),
-        sampling=SamplingSpec(seed=rid),
+        sampling=SamplingParams(seed=rid),
         arrival_ts=0.0,
         deadline_ts=1e18,
     )

@@ -5,8 +5,9 @@ from __future__ import annotations
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.engine import build_engine
-from ringserve.gpu_proc.request import Request, SamplingSpec
+from ringserve.gpu_proc.request import Request
 from ringserve.gpu_proc.scheduler import Scheduler
+from ringserve.shm.messages import SamplingParams
 from tests.helpers.engine_loop import serve_until_idle
 
 
@@ -24,7 +25,7 @@ def _run(model_dir, num_blocks: int, prompts: list[list[int]], max_tokens: int):
             tenant="t",
             prompt_ids=prompt,
             max_tokens=max_tokens,
-            sampling=SamplingSpec(temperature=0.9, top_p=0.95, seed=1000 + i, ignore_eos=True),
+            sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i, ignore_eos=True),
             arrival_ts=0.0,
             deadline_ts=1e9,
         )

@@ -3,7 +3,8 @@
 import pytest
 
 from ringserve.gpu_proc.fairness import FairQueue
-from ringserve.gpu_proc.request import Request, SamplingSpec
+from ringserve.gpu_proc.request import Request
+from ringserve.shm.messages import SamplingParams
 
 
 def _req(rid, tenant, max_tokens=10):
@@ -13,7 +14,7 @@ def _req(rid, tenant, max_tokens=10):
         tenant=tenant,
         prompt_ids=[1, 2],
         max_tokens=max_tokens,
-        sampling=SamplingSpec(),
+        sampling=SamplingParams(),
         arrival_ts=0.0,
         deadline_ts=1e9,
     )

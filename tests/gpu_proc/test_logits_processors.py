@@ -10,14 +10,15 @@ import torch
 from ringserve.gpu_proc import logits_processors as lp
 from ringserve.gpu_proc.logits_processors import ControlsState
 from ringserve.gpu_proc.sampler import sample
-from ringserve.gpu_proc.step import LogitsControls, RowControls, RowSampling, SeqStep
+from ringserve.gpu_proc.step import RowControls, RowSampling, SeqStep
+from ringserve.shm.messages import SamplingParams
 
 VOCAB = 64
 EOS = 2
 
 
 def reference(
-    logits: np.ndarray, st: LogitsControls, prompt: list[int], output: list[int], temperature: float
+    logits: np.ndarray, st: SamplingParams, prompt: list[int], output: list[int], temperature: float
 ) -> np.ndarray:
     """vLLM's order: allowed ids, bad words, min_tokens, logit_bias, repetition / frequency /
     presence penalties, then min_p on the temperature-scaled distribution."""
@@ -48,7 +49,7 @@ def reference(
     return z
 
 
-def _row(seq_id: int, st: LogitsControls | None, prompt, output, temperature=1.0, seed=0, logprobs=None) -> SeqStep:
+def _row(seq_id: int, st: SamplingParams | None, prompt, output, temperature=1.0, seed=0, logprobs=None) -> SeqStep:
     controls = None if st is None else RowControls(st, list(prompt), list(output))
     tok = output[-1] if output else prompt[-1]
     sampling = RowSampling(temperature=temperature, seed=seed, logprobs=logprobs, controls=controls)
@@ -60,17 +61,17 @@ def _logits(rows: int, seed: int = 0) -> torch.Tensor:
 
 
 CASES = {
-    "repetition": LogitsControls(repetition_penalty=1.7),
-    "repetition<1": LogitsControls(repetition_penalty=0.6),
-    "frequency": LogitsControls(frequency_penalty=1.3),
-    "presence": LogitsControls(presence_penalty=-0.8),
-    "all penalties": LogitsControls(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.7),
-    "logit_bias": LogitsControls(logit_bias=((3, 9.5), (40, -100.0))),
-    "min_p": LogitsControls(min_p=0.07),
-    "min_tokens": LogitsControls(min_tokens=9, stop_token_ids=(5, 6)),
-    "allowed": LogitsControls(allowed_token_ids=(1, 4, 9, 33)),
-    "bad_words": LogitsControls(bad_words=((7,), (12, 13), (20, 21, 22), (30, 31))),
-    "everything": LogitsControls(
+    "repetition": SamplingParams(repetition_penalty=1.7),
+    "repetition<1": SamplingParams(repetition_penalty=0.6),
+    "frequency": SamplingParams(frequency_penalty=1.3),
+    "presence": SamplingParams(presence_penalty=-0.8),
+    "all penalties": SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.7),
+    "logit_bias": SamplingParams(logit_bias=((3, 9.5), (40, -100.0))),
+    "min_p": SamplingParams(min_p=0.07),
+    "min_tokens": SamplingParams(min_tokens=9, stop_token_ids=(5, 6)),
+    "allowed": SamplingParams(allowed_token_ids=(1, 4, 9, 33)),
+    "bad_words": SamplingParams(bad_words=((7,), (12, 13), (20, 21, 22), (30, 31))),
+    "everything": SamplingParams(
         repetition_penalty=1.4,
         frequency_penalty=0.2,
         presence_penalty=0.1,
@@ -141,7 +142,7 @@ def test_no_controls_no_plan():
 
 def test_logprobs_are_the_raw_distributions():
     """A greedy row's token follows the processed logits, its logprobs the raw ones (vLLM's default)."""
-    st = LogitsControls(logit_bias=((11, 100.0),))
+    st = SamplingParams(logit_bias=((11, 100.0),))
     logits = _logits(1, seed=3)
     raw = torch.log_softmax(logits[0].clone(), -1)
     row = _row(1, st, PROMPT, OUTPUT, temperature=0.0, logprobs=2)
@@ -157,7 +158,7 @@ def test_counts_follow_the_output_and_survive_eviction(monkeypatch):
     """The device counts grow by the token sampled since the last step; a sequence evicted after a
     long wait is rebuilt from its token lists, exactly."""
     monkeypatch.setattr(lp, "EVICT_AFTER_STEPS", 2)
-    st = LogitsControls(frequency_penalty=1.0, repetition_penalty=1.5)
+    st = SamplingParams(frequency_penalty=1.0, repetition_penalty=1.5)
     state = ControlsState(VOCAB, {EOS}, torch.device("cpu"))
     prompt, output = [5, 6], []
     rng = np.random.default_rng(1)
@@ -180,8 +181,8 @@ def test_counts_follow_the_output_and_survive_eviction(monkeypatch):
 def test_seeded_rows_with_controls_are_batch_invariant():
     """A seeded row with penalties samples the same token alone and among other rows with other
     controls (randomness is a function of seed, index and position only)."""
-    st = LogitsControls(repetition_penalty=1.3, presence_penalty=0.5, min_p=0.05)
-    other = LogitsControls(allowed_token_ids=(1, 2, 3))
+    st = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, min_p=0.05)
+    other = SamplingParams(allowed_token_ids=(1, 2, 3))
     alone, together = [], []
     for seed in range(20):
         logits = _logits(3, seed=100 + seed)
@@ -195,7 +196,7 @@ def test_seeded_rows_with_controls_are_batch_invariant():
 
 def test_controls_change_what_is_sampled():
     """The same seeded rows without controls sample other tokens (the controls are not a no-op)."""
-    st = LogitsControls(logit_bias=((17, 30.0),))
+    st = SamplingParams(logit_bias=((17, 30.0),))
     logits = _logits(4, seed=5)
     rows = [_row(i, st, PROMPT, OUTPUT, 1.0, seed=i) for i in range(4)]
     plain = sample(
@@ -208,7 +209,7 @@ def test_controls_change_what_is_sampled():
 def test_masks_that_leave_nothing_still_keep_the_allowed_set():
     """A row whose bad words and min_tokens ban its only allowed tokens (the API refuses such a
     request; this is the GPU process's last line) samples among its allowed tokens, never outside."""
-    st = LogitsControls(allowed_token_ids=(EOS, 9), bad_words=((9,),), min_tokens=3)
+    st = SamplingParams(allowed_token_ids=(EOS, 9), bad_words=((9,),), min_tokens=3)
     for seed in range(10):
         logits = _logits(1, seed=seed)
         logits[0, 9] = -50.0  # neither allowed token is likely: a raw fallback would pick another

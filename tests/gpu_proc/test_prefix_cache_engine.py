@@ -8,8 +8,9 @@ import pytest
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.engine import build_engine
-from ringserve.gpu_proc.request import Request, SamplingSpec
+from ringserve.gpu_proc.request import Request
 from ringserve.gpu_proc.scheduler import Scheduler
+from ringserve.shm.messages import SamplingParams
 from tests.helpers.engine_loop import serve_until_idle
 
 SYSTEM = [(5 + 7 * k) % 200 + 3 for k in range(40)]  # a shared 40-token "system prompt"
@@ -42,7 +43,7 @@ def _serve(model_dir, prefix_caching: bool, temperature: float, num_blocks: int 
             n=n,
             arrival_ts=0.0,
             deadline_ts=1e9,
-            sampling=SamplingSpec(temperature=temperature, top_p=0.95, seed=100 + i, ignore_eos=True),
+            sampling=SamplingParams(temperature=temperature, top_p=0.95, seed=100 + i, ignore_eos=True),
         )
         assert sched.admit(req).accepted
 

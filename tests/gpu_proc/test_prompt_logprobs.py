@@ -5,6 +5,7 @@ preemption; and seeded output with penalties repeating across preemption."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -12,10 +13,9 @@ from ringserve.config import Config
 from ringserve.gpu_proc import step_budget as step_budget_module
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.engine import build_engine
-from ringserve.gpu_proc.request import Request, SamplingSpec
+from ringserve.gpu_proc.request import Request
 from ringserve.gpu_proc.scheduler import Scheduler
-from ringserve.gpu_proc.step import LogitsControls
-from ringserve.shm.messages import PromptLogprobs, Token
+from ringserve.shm.messages import PromptLogprobs, SamplingParams, Token
 
 TOP = 3
 
@@ -80,13 +80,17 @@ def _serve(
 def _request(
     i: int, prompt: list[int], *, prompt_logprobs=TOP, max_tokens: int = 3, controls=None, seed: int = 0
 ) -> Request:
+    """`controls`: a `SamplingParams` whose logits controls the request takes."""
+    base = SamplingParams(temperature=0.8, seed=seed, ignore_eos=True)
     return Request(
         key=(0, i),
         request_id=str(i),
         tenant="t",
         prompt_ids=prompt,
         max_tokens=max_tokens,
-        sampling=SamplingSpec(temperature=0.8, seed=seed, ignore_eos=True, controls=controls),
+        sampling=base
+        if controls is None
+        else msgspec.structs.replace(controls, temperature=0.8, seed=seed, ignore_eos=True),
         arrival_ts=0.0,
         deadline_ts=1e9,
         prompt_logprobs=prompt_logprobs,
@@ -182,7 +186,7 @@ def test_prompt_logprobs_across_preemption_are_sent_once(tiny_model_dir, hf_logp
 def test_seeded_penalized_output_repeats_across_preemption(tiny_model_dir):
     """Penalties, bias and min_p on: seeded output alone with a roomy pool equals output under
     preemption, and differs from the same seeds without controls."""
-    controls = LogitsControls(
+    controls = SamplingParams(
         repetition_penalty=1.3,
         frequency_penalty=0.4,
         presence_penalty=0.3,

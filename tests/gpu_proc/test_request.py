@@ -2,7 +2,8 @@
 
 import pytest
 
-from ringserve.gpu_proc.request import Request, RequestState, SamplingSpec
+from ringserve.gpu_proc.request import Request, RequestState
+from ringserve.shm.messages import SamplingParams
 
 
 def _req(**kw):
@@ -12,7 +13,7 @@ def _req(**kw):
         tenant="k",
         prompt_ids=[1, 2, 3],
         max_tokens=4,
-        sampling=SamplingSpec(),
+        sampling=SamplingParams(),
         arrival_ts=0.0,
         deadline_ts=10.0,
     )
@@ -57,7 +58,8 @@ def test_tokens_span_prompt_and_generated():
 
 
 def test_invalid_requests_raise():
-    """Empty prompt, max_tokens < 1, n < 1, a sample index outside n and bad sampling raise ValueError."""
+    """Empty prompt, max_tokens < 1, n < 1 and a sample index outside n raise ValueError (bad
+    sampling is `rules.sampling_violation`'s, tested in tests/test_rules.py)."""
     with pytest.raises(ValueError):
         _req(prompt_ids=[])
     with pytest.raises(ValueError):
@@ -66,12 +68,6 @@ def test_invalid_requests_raise():
         _req(n=0)
     with pytest.raises(ValueError):
         _req(n=2, index=2)
-    with pytest.raises(ValueError):
-        SamplingSpec(temperature=-1.0)
-    with pytest.raises(ValueError):
-        SamplingSpec(top_p=0.0)
-    with pytest.raises(ValueError):
-        SamplingSpec(top_k=-1)
 
 
 def test_from_submit_maps_every_field():
@@ -102,7 +98,7 @@ def test_from_submit_maps_every_field():
         2,
         1,
     )
-    assert r.sampling == SamplingSpec(0.5, 3, 0.9, 11, (2,), True)
+    assert r.sampling is msg.sampling and r.stop_ids == frozenset({2})
     assert (r.arrival_ts, r.deadline_ts, r.state) == (1.0, 2.0, RequestState.QUEUED)
 
 

@@ -14,8 +14,9 @@ import pytest
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.engine import build_engine
-from ringserve.gpu_proc.request import Request, SamplingSpec
+from ringserve.gpu_proc.request import Request
 from ringserve.gpu_proc.scheduler import Scheduler
+from ringserve.shm.messages import SamplingParams
 from tests.helpers.engine_loop import serve_until_idle
 
 RECORDED = Path(__file__).parent / "data" / "seeded_n_samples.json"
@@ -56,7 +57,7 @@ def _serve(model_dir, prefix_caching: bool, num_blocks: int) -> tuple[dict[str, 
             n=3 if i < len(PROMPT_LENS) else 1,
             arrival_ts=0.0,
             deadline_ts=1e9,
-            sampling=SamplingSpec(temperature=0.9, top_p=0.95, seed=4242 + i, ignore_eos=True),
+            sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=4242 + i, ignore_eos=True),
         )
         assert sched.admit(req).accepted
     streams: dict[tuple[int, int], list[int]] = {}

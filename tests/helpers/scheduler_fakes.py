@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
-from ringserve.gpu_proc.request import Request, SamplingSpec
+from ringserve.gpu_proc.request import Request
 from ringserve.gpu_proc.scheduler import Scheduler
 from ringserve.gpu_proc.step import StepBatch
 from ringserve.rules import finish_reason
-from ringserve.shm.messages import Token
+from ringserve.shm.messages import SamplingParams, Token
 
 VOCAB = 40
 EOS = 0
@@ -183,7 +183,7 @@ def make_request(
         tenant=tenant,
         prompt_ids=prompt,
         max_tokens=max_tokens,
-        sampling=SamplingSpec(seed=seed, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids),
+        sampling=SamplingParams(seed=seed, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids),
         arrival_ts=arrival,
         deadline_ts=deadline,
         n=n,
