@@ -2,12 +2,12 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, DELETE /v1/requests/{request_id},
 GET /v1/models, /v1/models/{id}, /version, /health, /ready, /metrics; vLLM's POST /tokenize and
-/detokenize. Three middlewares: errors in the OpenAI shape (with
-x-request-id when one was assigned), the connection guard (the connection is busy; the body must
-arrive within body_timeout_s), then authentication (deny by default; /health, /ready and /metrics
-are open). Background work — the GPU client's transport, the tokenizer thread pool, the
-slow-reader watchdog and the connection guard's sweep — is owned by `cleanup_ctx`, so it starts and
-stops with the app.
+/detokenize. Three middlewares: errors in the OpenAI shape (with x-request-id when one was
+assigned), the connection guard (the connection is busy; the body must arrive within
+body_timeout_s), then authentication (deny by default; /health, /ready and /metrics are open).
+Generation responses carry the replica's ORCA load report header (`load_report.py`).
+Background work — the GPU client's transport, the tokenizer thread pool, the slow-reader watchdog
+and the connection guard's sweep — is owned by `cleanup_ctx`, so it starts and stops with the app.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from ringserve.api.completions import handle_completions
 from ringserve.api.connections import ConnectionGuard
 from ringserve.api.errors import ApiError, from_http_exception
 from ringserve.api.gpu_client import GpuClient
+from ringserve.api.load_report import HEADER as LOAD_REPORT_HEADER
+from ringserve.api.load_report import LoadReport
 from ringserve.api.metrics import CONTENT_TYPE, StatsSnapshot, render
 from ringserve.api.peer_cancel import PeerCancel
 from ringserve.api.registry import Registry
@@ -96,6 +98,8 @@ def init_app(
     if eos_token_ids is not None:
         state.eos_token_ids = eos_token_ids
     app[STATE] = state
+    report = LoadReport(state.stats_source, max_rows=config.max_rows, queue_limit_s=config.queue_limit_s)
+    app.on_response_prepare.append(_load_report_hook(report))
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_post("/v1/chat/completions", handle_chat_completions)
     app.router.add_delete("/v1/requests/{request_id}", _handle_delete)
@@ -145,6 +149,20 @@ async def _auth_middleware(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     request[TENANT] = request.app[STATE].auth.tenant(request)  # raises 401
     return await handler(request)
+
+
+def _load_report_hook(report: LoadReport):
+    """Every generation response, refusals included, carries the replica's ORCA load report for
+    a proxy's balancer (api/load_report.py)."""
+
+    async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+        if request.path in GENERATION_PATHS:
+            try:
+                response.headers[LOAD_REPORT_HEADER] = report.header()
+            except Exception:  # a torn stats read must not fail the response; the next one reports
+                pass
+
+    return on_prepare
 
 
 # handlers -------------------------------------------------------------------------------------

@@ -207,8 +207,10 @@ def run_attached(
     from ringserve.api.ring_transport import RingTransport
     from ringserve.shm import layout as L
     from ringserve.shm.instance import ShmInstance
+    from ringserve.shm.segment import instance_started_at
 
     shm = ShmInstance.attach(instance, bell_fds=bell_fds, **({"directory": directory} if directory else {}))
+    started_at = instance_started_at(instance)
     control = shm.control
     region = control.worker_stats(slot)
     generation = _slot_generation(control, slot)
@@ -225,7 +227,7 @@ def run_attached(
             tokenizer_dir=tokenizer_dir,
             model_name=model_name,
             ready=lambda: control.gpu_state == L.GpuState.READY,
-            stats_source=lambda st: from_control(control),
+            stats_source=lambda st: from_control(control, started_at),
             publish=publish,
             peers=PeerCancel(instance, slot, control.n_workers),
             sock=sock,
