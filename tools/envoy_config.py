@@ -121,6 +121,25 @@ def retry_policy(spec: FleetSpec) -> dict:
     }
 
 
+def _cancel_route(spec: FleetSpec) -> dict:
+    """`DELETE /v1/requests/{id}` must reach the replica that holds the request, which the proxy
+    does not know: a replica without it answers 404, so the DELETE is retried on every other one."""
+    return {
+        "match": {"prefix": "/v1/requests/", "headers": [{"name": ":method", "string_match": {"exact": "DELETE"}}]},
+        "route": {
+            "cluster": CLUSTER,
+            "timeout": _s(10),
+            "retry_policy": {
+                "retry_on": "connect-failure,reset,retriable-status-codes",
+                "retriable_status_codes": [404, 503],
+                "num_retries": max(1, len(spec.endpoints) - 1),
+                "retry_host_predicate": retry_policy(spec)["retry_host_predicate"],
+                "host_selection_retry_max_attempts": 5 * len(spec.endpoints),
+            },
+        },
+    }
+
+
 def _local_reply_config(spec: FleetSpec) -> dict:
     """Envoy's own error responses in ringserve's error shape, with a Retry-After."""
     return {
@@ -162,6 +181,10 @@ def _listener(spec: FleetSpec) -> dict:
         "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         stat_prefix=CLUSTER,
         codec_type="AUTO",
+        # A replica names its requests (cmpl-<worker>-...) unless the client chose an id; a UUID
+        # from Envoy would replace the replica's own.
+        generate_request_id=False,
+        preserve_external_request_id=True,
         stream_idle_timeout=_s(spec.stream_idle_timeout_s),
         request_headers_timeout=_s(10),
         common_http_protocol_options={"idle_timeout": _s(15)},
@@ -172,6 +195,7 @@ def _listener(spec: FleetSpec) -> dict:
                     "name": CLUSTER,
                     "domains": ["*"],
                     "routes": [
+                        _cancel_route(spec),
                         {
                             "match": {"prefix": "/"},
                             "route": {
@@ -180,7 +204,7 @@ def _listener(spec: FleetSpec) -> dict:
                                 "idle_timeout": _s(spec.stream_idle_timeout_s),
                                 "retry_policy": retry_policy(spec),
                             },
-                        }
+                        },
                     ],
                 }
             ],
