@@ -226,7 +226,7 @@ async def _handle_health(request: web.Request) -> web.Response:
 
 async def _handle_ready(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    if st.draining:
+    if st.draining or st.leaving:
         raise ApiError(503, "The server is draining.", code="server_draining", retry_after_s=5.0)
     if not st.ready():
         raise gpu_not_ready(st)

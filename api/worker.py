@@ -53,8 +53,9 @@ def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
 
 
 async def serve(config: Config, app: web.Application, sock: socket.socket, stop: asyncio.Event) -> None:
-    """Serve `app` on `sock` until `stop` is set, then drain: refuse new requests (503), let open
-    streams finish for up to `drain_timeout_s`, and shut down. Connections are accepted and timed
+    """Serve `app` on `sock` until `stop` is set, then drain: fail /ready for `unready_lead_s`
+    while still serving, refuse new requests (503), let open streams finish for up to
+    `drain_timeout_s`, and shut down. Connections are accepted and timed
     by the app's `ConnectionGuard` (api/connections.py)."""
     # handler_cancellation: a client that disconnects cancels its handler, which cancels its row.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
@@ -75,6 +76,9 @@ async def serve(config: Config, app: web.Application, sock: socket.socket, stop:
     )
     try:
         await stop.wait()
+        if config.unready_lead_s > 0:
+            state.leaving = True  # a balancer's health checks see it and stop sending first
+            await asyncio.sleep(config.unready_lead_s)
         state.draining = True
         # No GPU process will be started for a draining worker: requests held for one answer now.
         state.client.stop_holding(

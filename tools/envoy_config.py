@@ -28,6 +28,7 @@ from dataclasses import dataclass
 LB_POLICIES = ("least_request", "orca")
 CLUSTER = "ringserve"
 ORCA_HEADER = "endpoint-load-metrics"
+REPLICA_HEADER = "x-ringserve-replica"  # host:port of the replica that answered
 
 
 @dataclass(frozen=True)
@@ -208,8 +209,15 @@ def _listener(spec: FleetSpec) -> dict:
                     ],
                 }
             ],
-            # The load report is for Envoy's balancer, not for clients.
+            # The load report is for Envoy's balancer, not for clients; which replica answered is
+            # for them (and for whoever reads a log line about a request).
             "response_headers_to_remove": [ORCA_HEADER],
+            "response_headers_to_add": [
+                {
+                    "header": {"key": REPLICA_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                }
+            ],
         },
         local_reply_config=_local_reply_config(spec),
         http_filters=[

