@@ -23,6 +23,7 @@ from ringserve.tools.drill import attach_control
 from ringserve.tools.fleet import FleetError, envoy_binary
 from ringserve.tools.fleet_probe import FleetProcess, free_port_run
 from tests.helpers.fleet_load import VIOLATIONS, ClosedLoop, RouteWatch, one_request, wait_ready
+from tests.helpers.net import metrics
 
 try:
     envoy_binary()
@@ -141,6 +142,27 @@ async def test_sigkill_whole_replica(fleet):
     await _fault_and_recover(
         fleet, 2, lambda: os.killpg(_supervisor(fleet, 2), signal.SIGKILL), "SIGKILL whole replica", allow=("dropped",)
     )
+
+
+async def test_disconnect_passes_through_envoy(fleet):
+    """A client that leaves mid-stream through Envoy is seen by its replica (the row is cancelled)."""
+
+    def disconnects() -> float:
+        total = 0.0
+        for url in fleet.replica_urls():
+            total += metrics(url).get("ringserve_disconnects_total", 0.0)
+        return total
+
+    before = disconnects()
+    body = {"prompt": "leave", "max_tokens": 8000, "stream": True, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(fleet.url + "/v1/completions", json=body) as resp:
+            async for _ in resp.content:
+                break  # the first event, then hang up
+        deadline = time.monotonic() + 10
+        while disconnects() <= before:
+            assert time.monotonic() < deadline, "no replica saw the client leave"
+            await asyncio.sleep(0.1)
 
 
 async def test_rolling_restart_fails_nothing(fleet):
