@@ -5,12 +5,13 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # CPU machines get the pinned CPU build of torch (a plain `torch` pulls a multi-GB CUDA build);
-# on a GPU box set TORCH_SPEC, e.g. `make test TORCH_SPEC=torch==2.13.0 EXTRAS=test,cuda` (README).
-# A box with an NVIDIA driver also gets the `cuda` extra (CuPy for the attention kernels).
+# on a GPU box set TORCH_SPEC, e.g. `make test TORCH_SPEC=torch==2.13.0 EXTRAS=test,fleet,cuda` (README).
+# A box with an NVIDIA driver also gets the `cuda` extra (CuPy for the attention kernels); every
+# box gets `fleet` (the Envoy binary the fleet drills of `make test` run through).
 HAS_CUDA   := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 COMMA      := ,
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS     ?= $(if $(HAS_CUDA),test$(COMMA)lint$(COMMA)cuda,test$(COMMA)lint)
+EXTRAS     ?= $(if $(HAS_CUDA),test$(COMMA)lint$(COMMA)fleet$(COMMA)cuda,test$(COMMA)lint$(COMMA)fleet)
 PYTEST_ARGS ?=
 SOAK_S ?= 60
 

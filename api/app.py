@@ -5,7 +5,9 @@ GET /v1/models, /v1/models/{id}, /version, /health, /ready, /metrics; vLLM's POS
 /detokenize. Four middlewares, in order: errors in the OpenAI shape (with x-request-id when one
 was assigned); the connection guard (the connection is busy); authentication (deny by default;
 /health and /ready are open, /metrics too unless metrics keys are set); then the body, read within
-body_timeout_s, so no body is read or inflated before its key is checked. Background work — the GPU client's transport, the tokenizer thread pool, the
+body_timeout_s, so no body is read or inflated before its key is checked. Generation responses
+carry the replica's ORCA load report header (`load_report.py`). Background work — the GPU client's
+transport, the tokenizer thread pool, the
 slow-reader watchdog and the connection guard's sweep — is owned by `cleanup_ctx`, so it starts and
 stops with the app.
 """
@@ -28,6 +30,8 @@ from ringserve.api.completions import handle_completions
 from ringserve.api.connections import ConnectionGuard
 from ringserve.api.errors import ApiError, from_http_exception, quoted
 from ringserve.api.gpu_client import GpuClient
+from ringserve.api.load_report import HEADER as LOAD_REPORT_HEADER
+from ringserve.api.load_report import LoadReport
 from ringserve.api.metrics import CONTENT_TYPE, StatsSnapshot, render
 from ringserve.api.peer_cancel import PeerCancel
 from ringserve.api.registry import Registry
@@ -101,6 +105,8 @@ def init_app(
     if health is not None:
         state.health = health
     app[STATE] = state
+    report = LoadReport(state.stats_source, max_rows=config.max_rows, queue_limit_s=config.queue_limit_s)
+    app.on_response_prepare.append(_load_report_hook(report))
     for method, path, handler in (
         ("POST", "/v1/completions", handle_completions),
         ("POST", "/v1/chat/completions", handle_chat_completions),
@@ -201,6 +207,18 @@ def _check_declared_size(request: web.Request, limit: int) -> None:
             "bytes (--max-body-bytes). Send a shorter prompt.",
             code="request_too_large",
         )
+def _load_report_hook(report: LoadReport):
+    """Every generation response, refusals included, carries the replica's ORCA load report for
+    a proxy's balancer (api/load_report.py)."""
+
+    async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+        if request.path in GENERATION_PATHS:
+            try:
+                response.headers[LOAD_REPORT_HEADER] = report.header()
+            except Exception:  # a torn stats read must not fail the response; the next one reports
+                pass
+
+    return on_prepare
 
 
 # handlers -------------------------------------------------------------------------------------
@@ -268,7 +286,7 @@ async def _handle_health(request: web.Request) -> web.Response:
 
 async def _handle_ready(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    if st.draining:
+    if st.draining or st.leaving:
         raise ApiError(503, "The server is draining.", code="server_draining", retry_after_s=5.0)
     if not st.ready():
         raise gpu_not_ready(st)

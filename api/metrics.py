@@ -34,6 +34,7 @@ class StatsSnapshot:
     workers: Sequence[Mapping[str, float]] = ()
     block_size: int = 0  # from the model facts; 0 while unknown
     attention: Mapping[str, object] = field(default_factory=dict)  # model facts: backend per op, check failures
+    started_at: float = 0.0  # Unix time the server started: when its (empty) LoRA state was set
 
 
 # name, help, key in the worker regions (summed over workers)
@@ -101,19 +102,13 @@ class _SnapshotCollector:
 
     def _gateway(self, gpu: Mapping[str, float]) -> Iterator[Metric]:
         """The Gateway API Inference Extension's model-server names, vLLM-spelled."""
-        total = float(gpu.get("kv_blocks_total", 0.0))
-        free = float(gpu.get("kv_blocks_free", 0.0))
         yield GaugeMetricFamily(
             "vllm:num_requests_waiting", "Requests waiting to be scheduled.", value=float(gpu.get("queue_depth", 0.0))
         )
         yield GaugeMetricFamily(
             "vllm:num_requests_running", "Requests running on the GPU.", value=float(gpu.get("running_rows", 0.0))
         )
-        yield GaugeMetricFamily(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage, 0 to 1.",
-            value=min(1.0, max(0.0, 1.0 - free / total)) if total > 0 else 0.0,
-        )
+        yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1.", value=kv_usage(gpu))
         yield CounterMetricFamily(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in tokens.",
@@ -125,8 +120,35 @@ class _SnapshotCollector:
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "KV-cache configuration.", labels=["block_size", "num_gpu_blocks"]
         )
-        info.add_metric([str(int(self.snap.block_size)), str(int(total))], 1.0)
+        info.add_metric([str(int(self.snap.block_size)), str(int(gpu.get("kv_blocks_total", 0.0)))], 1.0)
         yield info
+        yield from _gateway_compat(gpu, self.snap.started_at)
+
+
+def kv_usage(gpu: Mapping[str, float]) -> float:
+    """The share of the KV pool in use, 0 to 1 (cached prefix blocks count as free)."""
+    total = float(gpu.get("kv_blocks_total", 0.0))
+    free = float(gpu.get("kv_blocks_free", 0.0))
+    return min(1.0, max(0.0, 1.0 - free / total)) if total > 0 else 0.0
+
+
+def _gateway_compat(gpu: Mapping[str, float], started_at: float) -> Iterator[Metric]:
+    """The protocol's names the endpoint picker also scrapes: the older KV-use name, and the LoRA
+    family (its scrape fails without it). No adapter is ever loaded, so the one series says so:
+    `max_lora="0"`, no running or waiting adapter; its value is, as the protocol asks, the Unix
+    time that state was last updated: the server's start."""
+    yield GaugeMetricFamily(
+        "vllm:gpu_cache_usage_perc",
+        "KV-cache usage, 0 to 1 (the name older gateway releases read).",
+        value=kv_usage(gpu),
+    )
+    lora = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "LoRA adapters: none are served (max_lora 0).",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    lora.add_metric(["0", "", ""], started_at)
+    yield lora
 
 
 def _sum_workers(workers: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -170,12 +192,14 @@ def render(snap: StatsSnapshot) -> bytes:
     return generate_latest(registry)
 
 
-def from_control(control) -> StatsSnapshot:
-    """Read a snapshot from a `shm.control.Control` block (every region, seqlock-consistent)."""
+def from_control(control, started_at: float = 0.0) -> StatsSnapshot:
+    """Read a snapshot from a `shm.control.Control` block (every region, seqlock-consistent);
+    `started_at` is the server's start (`shm.segment.instance_started_at`)."""
     facts = control.model_facts() or {}
     return StatsSnapshot(
         gpu=control.gpu_stats.read(),
         workers=[control.worker_stats(i).read() for i in range(control.n_workers)],
         block_size=int(facts.get("block_size", 0)),
         attention=facts.get("attention") or {},
+        started_at=started_at,
     )

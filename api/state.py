@@ -40,6 +40,7 @@ class ApiState:
     stats: WorkerStats = field(default_factory=WorkerStats)
     executor: ThreadPoolExecutor | None = None
     draining: bool = False  # set on SIGTERM: new requests get 503, open streams finish
+    leaving: bool = False  # set on SIGTERM, unready_lead_s before draining: /ready fails, requests run
     tokenize_inline_chars: int = TOKENIZE_INLINE_CHARS
     # When every sample ended early (stop string, DELETE), how long to wait for the GPU process's
     # Finish records, which carry the timing, before answering without them.

@@ -54,8 +54,9 @@ def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
 
 
 async def serve(config: Config, app: web.Application, sock: socket.socket, stop: asyncio.Event) -> None:
-    """Serve `app` on `sock` until `stop` is set, then drain: refuse new requests (503), let open
-    streams finish for up to `drain_timeout_s`, and shut down. Connections are accepted and timed
+    """Serve `app` on `sock` until `stop` is set, then drain: fail /ready for `unready_lead_s`
+    while still serving, refuse new requests (503), let open streams finish for up to
+    `drain_timeout_s`, and shut down. Connections are accepted and timed
     by the app's `ConnectionGuard` (api/connections.py)."""
     # handler_cancellation: a client that disconnects cancels its handler, which cancels its row.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
@@ -76,6 +77,9 @@ async def serve(config: Config, app: web.Application, sock: socket.socket, stop:
     )
     try:
         await stop.wait()
+        if config.unready_lead_s > 0:
+            state.leaving = True  # a balancer's health checks see it and stop sending first
+            await asyncio.sleep(config.unready_lead_s)
         state.draining = True
         # No GPU process will be started for a draining worker: requests held for one answer now.
         state.client.stop_holding(
@@ -215,8 +219,10 @@ def run_attached(
     from ringserve.api.ring_transport import RingTransport
     from ringserve.shm import layout as L
     from ringserve.shm.instance import ShmInstance
+    from ringserve.shm.segment import instance_started_at
 
     shm = ShmInstance.attach(instance, bell_fds=bell_fds, **({"directory": directory} if directory else {}))
+    started_at = instance_started_at(instance)
     control = shm.control
     region = control.worker_stats(slot)
     generation = _slot_generation(control, slot)
@@ -233,7 +239,7 @@ def run_attached(
             tokenizer_dir=tokenizer_dir,
             model_name=model_name,
             ready=lambda: control.gpu_state == L.GpuState.READY,
-            stats_source=lambda st: from_control(control),
+            stats_source=lambda st: from_control(control, started_at),
             publish=publish,
             peers=PeerCancel(instance, slot, control.n_workers),
             sock=sock,

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "drill": ("ringserve.tools.drill", "crash-and-restart drills against a running server"),
     "loadtest": ("ringserve.tools.loadtest", "open-loop load test of a /v1/completions endpoint"),
+    "fleet": ("ringserve.tools.fleet", "N replicas on this machine behind one Envoy (or its config: --print-config)"),
     "soak": ("ringserve.tools.soak", "serve under load, then check blocks, fds, shm and RSS for leaks"),
     "gpu-check": ("ringserve.tools.gpu_check", "the GPU suite, kernel and step benchmarks, load test and HF baseline"),
     "kernel-resources": (
@@ -41,6 +42,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "hf": ("ringserve.tools.hf_baseline", "the same trace through transformers generate (static batches)"),
     "prefix": ("ringserve.tools.bench_prefix", "TTFT and throughput with and without prefix caching"),
     "peers": ("ringserve.tools.bench_peers", "ringserve beside vLLM CPU: same checkpoint, client and run"),
+    "fleet": ("ringserve.tools.bench_fleet", "Envoy's least-request vs ORCA-weighted round robin on one trace"),
     "controls": (
         "ringserve.tools.bench_controls",
         "the sampler with and without vLLM's logits controls; prompt scoring",

@@ -95,6 +95,10 @@ class Config:
     ring_bytes: int = 4 * 1024 * 1024
     # failure handling
     drain_timeout_s: float = 30.0
+    # On SIGTERM, /ready fails this long before new requests are refused, so a load balancer's
+    # health checks take the replica out while it still serves (docs/design.md#fleet);
+    # 0: refuse at once (a single server, or one whose orchestrator waits first, like a preStop).
+    unready_lead_s: float = 0.0
     watchdog_timeout_s: float = 10.0
     # 0: never give up on a crashing child (restart with capped backoff; the API answers 503 with
     # the last GPU error meanwhile); N: exit 1 after N crashes within restart_window_s, for a
@@ -136,6 +140,7 @@ class Config:
             "restart_limit",
             "max_connections",
             "max_tokens_limit",
+            "unready_lead_s",
         ):  # 0 has a meaning: see the fields
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -15,7 +15,8 @@ Then it watches its children every POLL_S:
   after a backoff (a new slot generation at once, so the GPU process drops the dead worker's rows
   and frees their blocks); a stale one gets SIGUSR1 first and SIGKILL `LAST_WORDS_S` later, so it
   can end its open streams with an error event (`api/last_words.py`);
-* SIGTERM / SIGINT: drain (workers refuse new requests, open streams get up to drain_timeout_s),
+* SIGTERM / SIGINT: drain (workers fail /ready for unready_lead_s, then refuse new requests;
+  open streams get up to drain_timeout_s),
   stop the GPU process, unlink the shared memory, exit 0.
 
 At start it refuses a port another server holds (`port_claim.py`) and a ring too small for the
@@ -477,10 +478,14 @@ class Supervisor:
         self.notifier.status(text)
 
     def drain(self) -> None:
-        """SIGTERM: workers refuse new requests and let open streams finish (up to
-        drain_timeout_s); then the GPU process stops. Stragglers are killed."""
-        drain_s = self.config.drain_timeout_s
-        log.info("draining: new requests get 503, open streams have up to %.0f s", drain_s)
+        """SIGTERM: workers fail /ready for unready_lead_s, then refuse new requests and let open
+        streams finish (up to drain_timeout_s); then the GPU process stops. Stragglers are killed."""
+        drain_s = self.config.unready_lead_s + self.config.drain_timeout_s
+        log.info(
+            "draining: /ready fails now, new requests get 503 in %.1f s, open streams have up to %.0f s",
+            self.config.unready_lead_s,
+            drain_s,
+        )
         self.notifier.stopping(f"draining (up to {drain_s:.0f} s)")
         self.notifier.extend_timeout(drain_s + STOP_GRACE_S * 2)
         workers = [p for p in self.workers if p is not None and p.poll() is None]

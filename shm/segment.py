@@ -43,6 +43,14 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19])  # field 22 of the whole line
 
 
+def instance_started_at(instance: str) -> float:
+    """The Unix time the instance's owner started (boot time plus its start in clock ticks)."""
+    _, ticks = parse_instance(instance)
+    with open("/proc/stat", "rb") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def instance_id(pid: int | None = None) -> str:
     """`<pid>-<start time>` of a live process (default: this one)."""
     pid = os.getpid() if pid is None else pid

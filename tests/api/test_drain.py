@@ -65,3 +65,39 @@ async def test_drain_finishes_short_streams_and_ends_long_ones_with_the_error_ev
             server.cancel()
             await asyncio.gather(server, return_exceptions=True)
         sock.close()
+
+
+async def test_unready_lead_fails_ready_first_while_requests_still_run(codec):
+    """With unready_lead_s, SIGTERM fails /ready at once but new requests are served until the
+    lead is over; then they get 503 server_draining (a balancer has stopped sending by then)."""
+    fake = FakeGpu(step_interval_s=0.005)
+    config = Config(drain_timeout_s=1.0, unready_lead_s=0.6)
+    app = init_app(config, GpuClient(fake), codec, model_name=MODEL, ready=lambda: True)
+    sock = listen_socket("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    stop = asyncio.Event()
+    server = asyncio.create_task(serve(config, app, sock, stop))
+    body = {"prompt": "lead", "max_tokens": 2}
+    try:
+        async with aiohttp.ClientSession() as session:
+            first = asyncio.Event()
+            open_stream = asyncio.create_task(_read_stream(session, url, 1000, first))  # keeps the drain going
+            async with asyncio.timeout(10):
+                await first.wait()
+            stop.set()
+            await asyncio.sleep(0.05)
+            async with session.get(url + "/ready") as ready:
+                assert ready.status == 503
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200  # still serving during the lead
+            await asyncio.sleep(0.7)
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 503
+                assert (await resp.json())["error"]["code"] == "server_draining"
+            await asyncio.wait_for(open_stream, 10)
+        await asyncio.wait_for(server, 10)
+    finally:
+        if not server.done():
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
+        sock.close()

@@ -75,6 +75,33 @@ def test_same_snapshot_same_text(control):
     assert b"ringserve_kv_blocks_free 0.0" in first  # the catalogue renders even at zero
 
 
+def test_gateway_protocol_families_have_the_protocol_types_and_labels(control):
+    """The model-server protocol of the Gateway API Inference Extension: the queue, running and KV
+    gauges (both KV names), the cache config info and the LoRA info family, which is present with
+    max_lora "0" and no adapters, valued at the server's start."""
+    control.gpu_stats.update({"queue_depth": 2, "running_rows": 3, "kv_blocks_free": 25, "kv_blocks_total": 100})
+    control.gpu_stats.publish()
+    control.set_model_facts({"block_size": 16})
+    text = metrics.render(metrics.from_control(control, started_at=1_700_000_000.0)).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    expect = {
+        "vllm:num_requests_waiting": 2,
+        "vllm:num_requests_running": 3,
+        "vllm:kv_cache_usage_perc": 0.75,
+        "vllm:gpu_cache_usage_perc": 0.75,
+    }
+    for name, value in expect.items():
+        assert families[name].type == "gauge"
+        assert [s.value for s in families[name].samples] == [pytest.approx(value)]
+    info = families["vllm:cache_config_info"]
+    assert info.type == "gauge" and [s.labels for s in info.samples] == [{"block_size": "16", "num_gpu_blocks": "100"}]
+    lora = families["vllm:lora_requests_info"]
+    assert lora.type == "gauge"
+    assert [(s.labels, s.value) for s in lora.samples] == [
+        ({"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}, 1_700_000_000.0)
+    ]
+
+
 def test_prompt_length_histograms_are_labelled():
     """Histograms named <base>_plen_<label> render as one family labelled by prompt length."""
     worker = {
