@@ -207,6 +207,8 @@ def _check_declared_size(request: web.Request, limit: int) -> None:
             "bytes (--max-body-bytes). Send a shorter prompt.",
             code="request_too_large",
         )
+
+
 def _load_report_hook(report: LoadReport):
     """Every generation response, refusals included, carries the replica's ORCA load report for
     a proxy's balancer (api/load_report.py)."""
