@@ -27,8 +27,9 @@ Rules (`docs/design.md#scheduler-pass`):
   share of rows and it has waited more than `fair_preempt_steps` passes, the newest request of the
   tenant most over its share is preempted for it. So the head request of a tenant below its share
   joins at most `fair_preempt_steps + 1` passes after it arrives, however the batch is held.
-- Build: one token per decoding request, then prompt chunks (oldest request first) as one flat
-  list, all drawn from the step's budget (`step_budget.py`: the prefill budget rises when few
+- Build: one token per decoding request, then prompt chunks as one flat list, the chunks of
+  tenants holding fewer rows first, then oldest first (so a request that fair preemption just
+  started is not held behind another tenant's prefills), all drawn from the step's budget (`step_budget.py`: the prefill budget rises when few
   rows decode). The batch names the sequences that ended since the last one, so the engine
   frees their per-sequence state at once.
 - Preempt (`#preemption`): when a decoding request needs a block and none is free, the most
@@ -390,6 +391,9 @@ class Scheduler:
 
     def _build(self) -> StepBatch:
         decoding, prefilling = self._grow_decode_rows()
+        if len(prefilling) > 1 and len(self.queue.tenants()) > 1:
+            rows = {u.tenant: u.running_rows for u in self.queue.tenants()}
+            prefilling.sort(key=lambda r: rows[r.tenant])  # NOTE: stable: oldest first within a rank
         seqs: list[SeqStep] = []
         self._sampling = sampling = list(decoding)
         for req in decoding:
