@@ -9,9 +9,7 @@ mid-size random model and the real SmolLM2-135M-Instruct.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -21,7 +19,6 @@ from tests.helpers.server import ServerProcess
 pytestmark = pytest.mark.timeout(600)
 
 REAL_SIZE_MODELS = ["mid_model_dir", "smollm2_dir"]
-REPO = Path(__file__).resolve().parents[1]
 
 # Test only: every CostModel the server's processes build first goes through a long uptime's
 # observations (`tests/helpers/cost_sequences.py`), as if the GPU process had run for hours.
@@ -60,10 +57,9 @@ def mid_server(mid_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def long_uptime_server(tiny_model_dir, tmp_path_factory):
     """A server whose cost model has been through issue 21's sequence and the garbage."""
-    hook = tmp_path_factory.mktemp("hook")
-    (hook / "sitecustomize.py").write_text(DRIVE_COST_MODEL)
-    env = {"PYTHONPATH": os.pathsep.join([str(hook), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    with ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("shm"), workers=1, env=env) as srv:
+    with ServerProcess(
+        tiny_model_dir, tmp_path_factory.mktemp("shm"), workers=1, sitecustomize=DRIVE_COST_MODEL
+    ) as srv:
         yield srv
         assert srv.stop() == 0, srv.log()
 

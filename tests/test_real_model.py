@@ -1,6 +1,6 @@
 """The real pretrained model (SmolLM2-135M-Instruct) served end to end: greedy tokens identical to
 transformers (alone and among 32 concurrent requests), the `openai` client's chat and completions
-calls, and the marker test (200 concurrent requests, each copying its own code).
+calls (the marker test is tests/test_marker_e2e.py).
 
 The model is fetched once per machine (`smollm2_dir`); one server serves the whole module. Each
 test keeps to a few dozen tokens: a step of this model on a busy 2-CPU machine takes tens of ms.
@@ -26,12 +26,6 @@ TEXT_PROMPTS = [
     "The secret code is QX7TRM4B. Remember it: QX7TRM4B. I repeat, the secret code is",
     "The history of the lighthouse begins in antiquity. " * 12 + "In the nineteenth century,",
 ]
-# Codes the model copies reliably: eight distinct characters (a 135M model drops a doubled or
-# repeated letter now and then, which would fail the test for the wrong reason), drawn from a
-# fixed seed, so every run sends the same 200 codes, each checked to be copied.
-CODE_ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
-CODE_SEED = 12
-MARKER_PROMPT = "The secret code is {code}. Remember it: {code}. I repeat, the secret code is"
 
 
 @pytest.fixture(scope="module")
@@ -152,43 +146,3 @@ def test_openai_client_completions(server):
     assert "Paris" in out.choices[0].text
 
 
-def marker_violations(codes: list[str], answers: list[str]) -> list[str]:
-    """Every answer must contain its own code and no other request's code."""
-    problems = []
-    for i, (code, answer) in enumerate(zip(codes, answers)):
-        if code not in answer:
-            problems.append(f"request {i}: its code {code} is missing from {answer!r}")
-        problems += [
-            f"request {i}: holds {other}, another request's code"
-            for other in codes
-            if other != code and other in answer
-        ]
-    return problems
-
-
-def _code(rng: random.Random) -> str:
-    return "".join(rng.sample(CODE_ALPHABET, 8))
-
-
-def test_marker_200_concurrent_requests_each_copy_only_their_own_code(server):
-    """200 concurrent requests, each with its own random code that the model copies: every answer
-    holds its own code and none holds another's (a wrong block table or a crossed stream would)."""
-    rng = random.Random(CODE_SEED)
-    codes = list(dict.fromkeys(_code(rng) for _ in range(200)))
-
-    async def ask(session, code):
-        body = {"prompt": MARKER_PROMPT.format(code=code), "max_tokens": 10, "temperature": 0}
-        async with session.post(server.url + "/v1/completions", json=body) as resp:
-            assert resp.status == 200, await resp.text()
-            return (await resp.json())["choices"][0]["text"]
-
-    async def main():
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-            return await asyncio.gather(*[ask(s, c) for c in codes])
-
-    answers = asyncio.run(main())
-    assert len(codes) == 200
-    assert marker_violations(codes, answers) == []
-    # The check bites: two answers swapped (a crossed stream) are two missing codes and two leaks.
-    swapped = [answers[1], answers[0], *answers[2:]]
-    assert len(marker_violations(codes, swapped)) == 4

@@ -19,6 +19,8 @@ class ServerProcess:
     Extra keyword arguments become `--flag value` options of `ringserve serve`. Shared memory goes
     to a private directory so a test never touches another server's segments. `rlimit_nofile`
     (soft, hard) starts the server with that open-file limit; `env` adds environment variables.
+    `sitecustomize` (test only) is Python source every process of the server runs at start: a
+    planted fault or a pre-driven estimator, through the real processes.
     """
 
     def __init__(
@@ -29,6 +31,7 @@ class ServerProcess:
         ready_timeout_s: float = 120.0,
         rlimit_nofile: tuple[int, int] | None = None,
         env: dict[str, str] | None = None,
+        sitecustomize: str | None = None,
         **options,
     ) -> None:
         self.port = free_port()
@@ -51,7 +54,14 @@ class ServerProcess:
         for name, value in options.items():
             self.args += ["--" + name.replace("_", "-"), str(value)]
         self.rlimit_nofile = rlimit_nofile
-        self.env = None if env is None else dict(os.environ, **env)
+        env = dict(env or {})
+        if sitecustomize is not None:
+            hook = Path(self.shm_dir) / "hook"
+            hook.mkdir(parents=True, exist_ok=True)
+            (hook / "sitecustomize.py").write_text(sitecustomize)
+            repo = str(Path(__file__).resolve().parents[2])
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), repo, os.environ.get("PYTHONPATH")]))
+        self.env = dict(os.environ, **env) if env else None
         self.proc: subprocess.Popen | None = None
         self.log_path = Path(self.shm_dir) / "server.log"
 
