@@ -325,16 +325,12 @@ class GpuClient:
                 )
             elif stream.submit is not None and stream.resubmits >= MAX_RESUBMITS:
                 failed += 1
-                err = Error(
-                    code=RESTART_ERROR,
-                    rid=stream.rid,
-                    message=(
-                        "The GPU process restarted again while this request was in it; it is not "
-                        "resubmitted a second time, in case it is what makes the process fail."
-                    ),
+                self._fail_held(
+                    stream,
+                    RESTART_ERROR,
+                    "The GPU process restarted again while this request was in it; it is not "
+                    "resubmitted a second time, in case it is what makes the process fail.",
                 )
-                stream.set_admission(err)
-                stream.feed(err)
             elif stream.submit is not None:
                 self._hold(stream)
         # Messages parked for the old rings are void: their Submits are all held (none streamed),
@@ -357,6 +353,7 @@ class GpuClient:
         self._held[stream.rid] = stream
 
     def _fail_held(self, stream: RequestStream, code: str, message: str) -> None:
+        """A request that has streamed nothing ends with an error as its admission answer."""
         err = Error(code=code, rid=stream.rid, message=message)
         stream.set_admission(err)
         stream.feed(err)
@@ -376,10 +373,8 @@ class GpuClient:
                 self._fail_held(
                     stream,
                     RESTART_ERROR,
-                    (
-                        f"The GPU process failed{f' (it {why})' if why else ''} and was not back within "
-                        f"{self.hold_s:g} s; this request was not run. Retry it."
-                    ),
+                    f"The GPU process failed{f' (it {why})' if why else ''} and was not back within "
+                    f"{self.hold_s:g} s; this request was not run. Retry it.",
                 )
 
     def _resubmit_held(self) -> None:
@@ -396,16 +391,12 @@ class GpuClient:
             if self._streams.get(old_rid) is not stream or submit is None:
                 continue  # released meanwhile (a held stream always has its Submit)
             if now >= submit.deadline_ts:
-                err = Error(
-                    code=RESTART_ERROR,
-                    rid=old_rid,
-                    message=(
-                        "The GPU process restarted and the request's deadline passed before it "
-                        "could be resubmitted. Retry it."
-                    ),
+                self._fail_held(
+                    stream,
+                    RESTART_ERROR,
+                    "The GPU process restarted and the request's deadline passed before it could be resubmitted. "
+                    "Retry it.",
                 )
-                stream.set_admission(err)
-                stream.feed(err)
                 continue
             # A fresh rid: if the old Submit did reach the new process after all (pushed after it
             # adopted the rings), its row is cancelled and any records it sends are dropped.

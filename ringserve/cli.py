@@ -12,7 +12,7 @@ import sys
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("ringserve.supervisor", "run the server: supervisor, GPU process and API workers"),
+    "serve": ("ringserve.serve_cli", "run the server: supervisor, GPU process and API workers"),
     "shm": ("ringserve.tools.shm_inspect", "list ringserve shared-memory segments and ring state"),
     "fetch-model": ("ringserve.tools.fetch_model", "download and convert a model (or convert a .gguf) once"),
     "make-tiny-model": ("ringserve.tools.make_tiny_model", "build the small test Llama checkpoint"),

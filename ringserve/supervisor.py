@@ -29,7 +29,6 @@ and WATCHDOG (`sdnotify.py`). It imports no torch: it stays small and starts fas
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import logging
 import os
@@ -38,11 +37,9 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 
-from ringserve import models
-from ringserve.config import Config, ConfigError, parse_bool
+from ringserve.config import Config
 from ringserve.port_claim import PortInUse, claim_port
 from ringserve.probe import AUTO_INTERVAL_S, MarkerProbe, first_key
 from ringserve.restart_policy import RestartPolicy
@@ -544,53 +541,3 @@ class Supervisor:
         finally:
             self.stop()
             self.notifier.close()
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ringserve serve", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--model",
-        help=f"a checkpoint directory, a .gguf file, `tiny` (the random test "
-        f"model) or a model name (default: {models.DEFAULT_MODEL}, fetched once)",
-    )
-    p.add_argument("--shm-dir", default=L.DEFAULT_DIRECTORY, help=argparse.SUPPRESS)
-    for f in fields(Config):
-        if f.name == "model":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = f.type if isinstance(f.type, str) else f.type.__name__
-        typ = (
-            int
-            if kind.startswith("int")
-            else float
-            if kind.startswith("float")
-            else (lambda raw, n=flag: parse_bool(raw, n))
-            if kind == "bool"
-            else str
-        )
-        # A bool flag alone means on (`--require-kernels`); `--cuda-graphs off` gives the value.
-        doc = f"(default {f.default}; env RINGSERVE_{f.name.upper()})"
-        if kind == "bool":
-            p.add_argument(flag, type=typ, default=None, nargs="?", const=True, help=doc)
-        else:
-            p.add_argument(flag, type=typ, default=None, help=doc)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if k != "shm_dir"}
-    try:
-        config = Config.from_env(**overrides)
-    except ConfigError as exc:
-        print(f"ringserve serve: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s supervisor %(levelname)s %(message)s")
-    try:
-        # Fetching or converting (first start only) runs in a child process: no torch here.
-        model = models.ensure(config.model, config.dtype)
-    except models.ModelError as exc:
-        log.error("%s", exc)
-        return 1
-    config = config.replace(model_name=config.model_name or model.name)
-    return Supervisor(config, model.directory, args.shm_dir).run()

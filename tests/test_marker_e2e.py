@@ -59,7 +59,9 @@ def marker_violations(codes: list[str], answers: list[str]) -> list[str]:
         if code not in answer:
             problems.append(f"request {i}: its code {code} is missing from {answer!r}")
         problems += [
-            f"request {i}: holds {other}, another request's code" for other in codes if other != code and other in answer
+            f"request {i}: holds {other}, another request's code"
+            for other in codes
+            if other != code and other in answer
         ]
     return problems
 

@@ -144,5 +144,3 @@ def test_openai_client_completions(server):
     client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert "Paris" in out.choices[0].text
-
-

@@ -31,13 +31,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from ringserve.tools.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = "llama-3-8b"
@@ -171,12 +172,6 @@ def step(model_dir: str, timeout_s: float = 150) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _trace_file(tmp: str) -> str:
     path = Path(tmp) / "trace.jsonl"
     lines = [
@@ -191,7 +186,7 @@ def load_test(model_dir: str, tmp: str, timeout_s: float = 200) -> dict:
     """The server on the dummy 8B, every request of the trace sent at once (the throughput run)."""
     import urllib.request
 
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [
             sys.executable,
@@ -390,6 +385,7 @@ GPU_RUN_MODULES = (
     "pytest",
     "hypothesis",
     "ringserve.supervisor",
+    "ringserve.serve_cli",
     "ringserve.api.worker",
     "ringserve.gpu_proc.main",
     "ringserve.gpu_proc.engine",

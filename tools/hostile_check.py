@@ -35,18 +35,13 @@ from pathlib import Path
 from ringserve.tools import hostile_tenants
 from ringserve.tools.drill import attach_control, find_instance
 from ringserve.tools.hostile_tenants import Checks, Target
+from ringserve.tools.ports import free_port
 
 MODEL = ""  # set by main()
 PYTHON = sys.executable  # the interpreter the servers run under (--python: another build's)
 HELP = ""
 WORK = Path(".")
 CHECKS = Checks()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

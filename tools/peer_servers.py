@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,13 +22,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ringserve.tools.ports import free_port
+
 SERVED_NAME = "bench"  # the `model` id both servers answer to
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

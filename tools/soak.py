@@ -31,7 +31,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,14 +38,9 @@ import urllib.request
 from pathlib import Path
 
 from .loadtest import parse_metrics
+from .ports import free_port
 from .rss_trend import judge, write_report
 from .trace import builtin_mix, poisson_arrivals, scaled
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_pids(root: int) -> list[int]:
@@ -232,7 +226,7 @@ def _wait(cond, timeout_s: float, what: str) -> None:
 
 def soak(args) -> tuple[bool, list[tuple[str, bool, str]], dict]:
     """Run one soak; returns (all passed, [(check, passed, detail)], load counts)."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [
         sys.executable,

@@ -22,8 +22,9 @@ from ringserve.api.metrics import StatsSnapshot
 from ringserve.api.state import STATE
 from ringserve.api.tokenizer import TextCodec
 from ringserve.config import Config
+from ringserve.serve_cli import parser as _parser
 from ringserve.shm.instance import ShmSizes
-from ringserve.supervisor import STOP_GRACE_S, _parser
+from ringserve.supervisor import STOP_GRACE_S
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 K8S_VERSION = "1.33.0"  # the oldest release the manifests promise (preStop's sleep action is GA there)

@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ringserve.tools.ports import free_port as free_port  # re-exported: the tests import it from here
 
 
 def http_json(
