@@ -30,12 +30,13 @@ from ringserve.api.completions import handle_completions
 from ringserve.api.connections import ConnectionGuard
 from ringserve.api.errors import ApiError, from_http_exception, quoted
 from ringserve.api.gpu_client import GpuClient
+from ringserve.api.gpu_status import GpuStatus
 from ringserve.api.load_report import HEADER as LOAD_REPORT_HEADER
 from ringserve.api.load_report import LoadReport
-from ringserve.api.metrics import CONTENT_TYPE, StatsSnapshot, render
+from ringserve.api.metrics import CONTENT_TYPE, render
 from ringserve.api.peer_cancel import PeerCancel
 from ringserve.api.registry import Registry
-from ringserve.api.state import DEFAULT_RELOAD_S, REQUEST_ID, STATE, TENANT, ApiState, ignored_header
+from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState, ignored_header
 from ringserve.api.tokenize import handle_detokenize, handle_tokenize
 from ringserve.api.tokenizer import TextCodec
 from ringserve.api.worker_stats import WorkerStats
@@ -48,64 +49,42 @@ def init_app(
     config: Config,
     client: GpuClient,
     codec: TextCodec,
+    status: GpuStatus,
     *,
     model_name: str,
-    ready: Callable[[], bool],
-    stats_source: Callable[[ApiState], StatsSnapshot] | None = None,
     auth: Authenticator | None = None,
     worker: int = 0,
     peers: PeerCancel | None = None,
-    publish: Callable[[WorkerStats], None] | None = None,
     publish_every_s: float = 0.25,
-    reload_s: Callable[[], float | None] | None = None,
-    restart_status: Callable[[], dict | None] | None = None,
     chat_template: ChatTemplate | None = None,
     model_aliases: frozenset[str] = frozenset(),
-    eos_token_ids: Callable[[], frozenset[int]] | None = None,
-    health: Callable[[], dict] | None = None,
 ) -> web.Application:
-    """Build a worker's app. `ready()` says whether the GPU process is ready (control block);
-    `stats_source(state)` returns the server-wide stats snapshot for /metrics (default: this
-    worker's own counters only); `publish(stats)`, if given, runs every `publish_every_s` and at
-    shutdown to copy this worker's stats into its control-block region (and beat its heartbeat);
+    """Build a worker's app. `status` is what the worker knows of the GPU process besides its
+    rings (`api/gpu_status.py`: readiness, the server-wide stats for /metrics, the restart status,
+    the EOS ids, /health's detail), and where it publishes its own stats every `publish_every_s`;
     `peers`, if given, lets a DELETE reach the request's worker whichever worker receives it;
-    `reload_s()` is the GPU process's measured load time (None: unknown), for Retry-After;
-    `restart_status()` the supervisor's restart status, quoted while the GPU process is down;
     `chat_template` formats /v1/chat/completions messages (None: that route answers 400);
-    `model_aliases` are other names a request may give the model (the path it was served from);
-    `eos_token_ids()` the model's EOS ids (the GPU process's published facts); `health()` what
-    /health adds to its status (the attention backend and its kernel check, from the facts)."""
+    `model_aliases` are other names a request may give the model (the path it was served from)."""
     guard = ConnectionGuard(config)
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[_error_middleware, guard.middleware, _auth_middleware, guard.read_body],
     )
-    source = stats_source or (lambda st: StatsSnapshot(workers=[st.stats.as_dict()]))
     state = ApiState(
         config=config,
         client=client,
         codec=codec,
         model_name=model_name,
-        ready=ready,
-        stats_source=lambda: source(state),
+        status=status,
         auth=auth or Authenticator(),
         registry=Registry(worker),
         connections=guard,
-        publish=publish,
         remote_cancel=peers.cancel if peers is not None else None,
         chat_template=chat_template,
         model_aliases=frozenset(model_aliases) - {model_name},
     )
-    if reload_s is not None:
-        state.reload_s = lambda: _reload_or_default(reload_s)
-    if restart_status is not None:
-        state.restart_status = restart_status
-    if eos_token_ids is not None:
-        state.eos_token_ids = eos_token_ids
-    if health is not None:
-        state.health = health
     app[STATE] = state
-    report = LoadReport(state.stats_source, max_rows=config.max_rows, queue_limit_s=config.queue_limit_s)
+    report = LoadReport(state.snapshot, max_rows=config.max_rows, queue_limit_s=config.queue_limit_s)
     app.on_response_prepare.append(_load_report_hook(report))
     for method, path, handler in (
         ("POST", "/v1/completions", handle_completions),
@@ -125,8 +104,7 @@ def init_app(
     app.cleanup_ctx.append(_executor_ctx)
     app.cleanup_ctx.append(_slow_reader_ctx)
     app.cleanup_ctx.append(_connection_sweep_ctx)
-    if publish is not None:
-        app.cleanup_ctx.append(_publisher(publish, publish_every_s))
+    app.cleanup_ctx.append(_publisher(status.publish, publish_every_s))
     if peers is not None:
         app.cleanup_ctx.append(_peers_ctx(peers))
     return app
@@ -280,7 +258,7 @@ async def _handle_version(request: web.Request) -> web.Response:
 
 async def _handle_health(request: web.Request) -> web.Response:
     try:
-        detail = request.app[STATE].health()
+        detail = request.app[STATE].status.health()
     except Exception:  # a torn control-block read must not turn "alive" into a 500
         detail = {}
     return _json({"status": "ok", **detail})
@@ -290,25 +268,16 @@ async def _handle_ready(request: web.Request) -> web.Response:
     st = request.app[STATE]
     if st.draining or st.leaving:
         raise ApiError(503, "The server is draining.", code="server_draining", retry_after_s=5.0)
-    if not st.ready():
+    if not st.status.ready():
         raise gpu_not_ready(st)
     return _json({"status": "ready"})
 
 
 async def _handle_metrics(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    if st.publish is not None:
-        st.publish(st.stats)  # this worker's own numbers as of now; the others' lag <= one period
-    body = render(st.stats_source())
+    st.status.publish(st.stats)  # this worker's own numbers as of now; the others' lag <= one period
+    body = render(st.snapshot())
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
-
-
-def _reload_or_default(reload_s: Callable[[], float | None]) -> float:
-    try:
-        value = reload_s()
-    except Exception:  # a torn or missing control-block read must not turn a 503 into a 500
-        value = None
-    return value if value is not None and value > 0 else DEFAULT_RELOAD_S
 
 
 def _json(obj: dict, status: int = 200) -> web.Response:

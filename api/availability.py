@@ -18,13 +18,13 @@ def retry_after_s(st: ApiState, status: dict | None) -> float:
     retry_at = (status or {}).get("retry_at")
     if isinstance(retry_at, (int, float)):
         wait = max(0.0, retry_at - time.time())
-    return wait + st.reload_s()
+    return wait + st.status.reload_s()
 
 
 def gpu_not_ready(st: ApiState) -> ApiError:
     """503 `gpu_not_ready`, quoting the last GPU-process failure when there was one."""
     try:
-        status = st.restart_status()
+        status = st.status.restart_status()
     except Exception:  # a torn control-block read must not turn this 503 into a 500
         status = None
     status = status or {}

@@ -27,6 +27,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from ringserve.api.gpu_status import DEFAULT_RELOAD_S
+from ringserve.api.metrics import StatsSnapshot
+from ringserve.api.worker_stats import WorkerStats
 from ringserve.rules import finish_reason
 from ringserve.shm.messages import (
     Accepted,
@@ -252,3 +255,33 @@ def _round_trip(msg: Submit | Cancel) -> Submit | Cancel:
     if not isinstance(back, (Submit, Cancel)):
         raise TypeError(f"{type(msg).__name__} came back as {type(back).__name__}")
     return back
+
+
+class FakeStatus:
+    """`GpuStatus` (`api/gpu_status.py`) of a worker on the fake GPU: no control block, no restarts;
+    ready while `ready()` says so (the fake's own flag by default)."""
+
+    def __init__(self, fake: FakeGpu, ready: Callable[[], bool] | None = None) -> None:
+        self.fake = fake
+        self._ready = ready if ready is not None else (lambda: fake.ready)
+
+    def ready(self) -> bool:
+        return self._ready()
+
+    def snapshot(self, own: WorkerStats) -> StatsSnapshot:
+        return StatsSnapshot(gpu=self.fake.stats(), workers=[own.as_dict()], block_size=16)
+
+    def reload_s(self) -> float:
+        return DEFAULT_RELOAD_S
+
+    def restart_status(self) -> dict | None:
+        return None
+
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.fake.eos_token_ids
+
+    def health(self) -> dict:
+        return {}
+
+    def publish(self, own: WorkerStats) -> None:
+        """Nowhere to publish: this worker's counters are the only ones."""

@@ -136,7 +136,7 @@ async def tokenizing(st: ApiState, work: Awaitable[T]) -> T:
 
 
 async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> web.StreamResponse:
-    check_sampling(job.sampling, st.codec.vocab_size, st.eos_token_ids())
+    check_sampling(job.sampling, st.codec.vocab_size, st.status.eos_token_ids())
     check_response_size(
         list(map(len, job.prompts)),
         job.max_tokens,
@@ -216,7 +216,7 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
 def _stop_ids(st: ApiState, sampling: SamplingParams) -> frozenset[int]:
     """The tokens that end a sample with `stop` (their text is not shown unless asked)."""
     ids = frozenset(sampling.stop_token_ids)
-    return ids if sampling.ignore_eos else ids | st.eos_token_ids()
+    return ids if sampling.ignore_eos else ids | st.status.eos_token_ids()
 
 
 async def _submit(client: GpuClient, streams: list[RequestStream], submits: list[Submit]) -> None:
@@ -347,7 +347,7 @@ async def _complete(flow: _Flow, output: Output) -> web.Response:
         err = gen.error_body()["error"]
         extra = {k: v for k, v in err.items() if k not in ("message", "type", "param", "code")}
         raise ApiError(
-            503, err["message"], code=err["code"], type_=err["type"], extra=extra, retry_after_s=st.reload_s()
+            503, err["message"], code=err["code"], type_=err["type"], extra=extra, retry_after_s=st.status.reload_s()
         )
     await _settle(flow)
     body = output.body(entry.request_id, st.model_name, gen)
@@ -427,5 +427,5 @@ def check_available(st: ApiState) -> None:
             code="server_draining",
             retry_after_s=5.0,
         )
-    if not st.ready():
+    if not st.status.ready():
         raise gpu_not_ready(st)

@@ -13,6 +13,7 @@ from ringserve.api.auth import Authenticator
 from ringserve.api.chat_template import ChatTemplate
 from ringserve.api.connections import ConnectionGuard
 from ringserve.api.gpu_client import GpuClient
+from ringserve.api.gpu_status import GpuStatus
 from ringserve.api.metrics import StatsSnapshot
 from ringserve.api.registry import Registry
 from ringserve.api.tokenizer import TextCodec
@@ -22,8 +23,6 @@ from ringserve.config import Config
 # Prompts longer than this (characters) are tokenized in a thread, so a long prompt's tokenization
 # never holds up the event loop that is streaming everyone else's tokens.
 TOKENIZE_INLINE_CHARS = 2048
-# Retry-After while the GPU process is not ready, when its load time is not known yet.
-DEFAULT_RELOAD_S = 5.0
 
 
 @dataclass(slots=True)
@@ -32,8 +31,7 @@ class ApiState:
     client: GpuClient
     codec: TextCodec
     model_name: str
-    ready: Callable[[], bool]  # True while the GPU process is ready (the control block says)
-    stats_source: Callable[[], StatsSnapshot]
+    status: GpuStatus  # readiness, the server-wide stats, restarts, EOS ids: the control block or the fake
     auth: Authenticator
     registry: Registry
     connections: ConnectionGuard
@@ -49,21 +47,14 @@ class ApiState:
     # SO_REUSEPORT): (request_id, tenant) -> True if the owning worker cancelled it.
     # None: such ids are 404.
     remote_cancel: Callable[[str, str], Awaitable[bool]] | None = None
-    # Copies this worker's stats into its control-block region (None: not attached).
-    publish: Callable[[WorkerStats], None] | None = None
-    # Seconds the GPU process takes to (re)load, for Retry-After while it is not ready.
-    reload_s: Callable[[], float] = lambda: DEFAULT_RELOAD_S
-    # The supervisor's restart status (control block): last GPU error, next attempt; None: none.
-    restart_status: Callable[[], dict | None] = lambda: None
-    # What /health reports beyond "ok": the GPU process's attention backend and its kernel check.
-    health: Callable[[], dict] = lambda: {}
     # The model's chat template (None: the model has none, /v1/chat/completions answers 400).
     chat_template: ChatTemplate | None = None
     # Other names a request's `model` may use: the path the model was served from (vLLM's id).
     model_aliases: frozenset[str] = frozenset()
-    # The model's EOS ids, as the GPU process publishes them (empty until it has): a sample that
-    # ends on one does not show its text (vLLM), which matters when special tokens are shown.
-    eos_token_ids: Callable[[], frozenset[int]] = lambda: frozenset()
+
+    def snapshot(self) -> StatsSnapshot:
+        """The server-wide stats /metrics renders."""
+        return self.status.snapshot(self.stats)
 
 
 STATE: web.AppKey[ApiState] = web.AppKey("ringserve_api_state", ApiState)

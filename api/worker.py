@@ -29,11 +29,10 @@ from ringserve.api.auth import Authenticator, load_keys
 from ringserve.api.chat_template import ChatTemplate, ChatTemplateError
 from ringserve.api.connections import raise_open_file_limit
 from ringserve.api.gpu_client import GpuClient, Transport
-from ringserve.api.metrics import StatsSnapshot
+from ringserve.api.gpu_status import ControlStatus, GpuStatus
 from ringserve.api.peer_cancel import PeerCancel
 from ringserve.api.state import STATE, ApiState
 from ringserve.api.tokenizer import TextCodec
-from ringserve.api.worker_stats import WorkerStats
 from ringserve.config import Config
 from ringserve.shm.messages import first_rid
 
@@ -122,19 +121,13 @@ def run_worker(
     *,
     index: int,
     transport: Callable[[], Transport],
+    status: GpuStatus,
     tokenizer_dir: str,
     model_name: str,
-    ready: Callable[[], bool],
-    stats_source: Callable[[ApiState], StatsSnapshot] | None = None,
-    publish: Callable[[WorkerStats], None] | None = None,
     peers: PeerCancel | None = None,
     sock: socket.socket | None = None,
-    reload_s: Callable[[], float | None] | None = None,
-    restart_status: Callable[[], dict | None] = lambda: None,
     first_rid: int = 1,
     model_aliases: frozenset[str] = frozenset(),
-    eos_token_ids: Callable[[], frozenset[int]] | None = None,
-    health: Callable[[], dict] | None = None,
 ) -> int:
     """The worker process's main: runs until SIGTERM (drain) or SIGINT."""
     # A SIGTERM while still starting (nothing to drain yet) is a clean exit; the event loop's own
@@ -160,28 +153,22 @@ def run_worker(
         client = GpuClient(
             transport(),
             worker=index,
-            ready=ready,
+            ready=status.ready,
             hold_s=config.restart_hold_s,
-            down_reason=lambda: (restart_status() or {}).get("last_error"),
+            down_reason=lambda: (status.restart_status() or {}).get("last_error"),
             first_rid=first_rid,
         )
         app = init_app(
             config,
             client,
             codec,
+            status,
             model_name=model_name,
-            ready=ready,
-            stats_source=stats_source,
             auth=auth,
             worker=index,
-            publish=publish,
             peers=peers,
-            reload_s=reload_s,
-            restart_status=restart_status,
             chat_template=chat_template,
             model_aliases=model_aliases,
-            eos_token_ids=eos_token_ids,
-            health=health,
         )
         last_words.install(app[STATE].registry)  # the supervisor's SIGUSR1 before it kills us
         await serve(config, app, sock, stop)
@@ -215,40 +202,26 @@ def run_attached(
     """A worker of a supervised server: attach to the shm instance, talk to the GPU process over
     ring pair `slot`, read readiness and /metrics from the control block, publish this worker's
     stats and heartbeat into its slot."""
-    from ringserve.api.metrics import from_control
     from ringserve.api.ring_transport import RingTransport
-    from ringserve.shm import layout as L
     from ringserve.shm.instance import ShmInstance
     from ringserve.shm.segment import instance_started_at
 
     shm = ShmInstance.attach(instance, bell_fds=bell_fds, **({"directory": directory} if directory else {}))
     started_at = instance_started_at(instance)
     control = shm.control
-    region = control.worker_stats(slot)
     generation = _slot_generation(control, slot)
-
-    def publish(stats) -> None:
-        stats.publish(region)
-        control.worker_heartbeat(slot)
-
     try:
         return run_worker(
             config,
             index=slot,
             transport=lambda: RingTransport.for_slot(shm, slot),
+            status=ControlStatus(control, slot, started_at),
             tokenizer_dir=tokenizer_dir,
             model_name=model_name,
-            ready=lambda: control.gpu_state == L.GpuState.READY,
-            stats_source=lambda st: from_control(control, started_at),
-            publish=publish,
             peers=PeerCancel(instance, slot, control.n_workers),
             sock=sock,
-            reload_s=lambda: (control.model_facts() or {}).get("load_s"),
-            restart_status=control.restart_status,
             first_rid=first_rid(generation),
             model_aliases=model_aliases,
-            eos_token_ids=_published_eos(control),
-            health=lambda: {"attention": (control.model_facts() or {}).get("attention")},
         )
     finally:
         shm.close()
@@ -269,21 +242,6 @@ def _slot_generation(control, slot: int) -> int:
             )
         time.sleep(0.005)
     return info["generation"]
-
-
-def _published_eos(control) -> Callable[[], frozenset[int]]:
-    """The EOS ids the GPU process published with its model facts, read once they are there."""
-    known: list[frozenset[int]] = []
-
-    def eos() -> frozenset[int]:
-        if not known:
-            facts = control.model_facts()
-            if not facts:
-                return frozenset()
-            known.append(frozenset(facts.get("eos_token_ids", ())))
-        return known[0]
-
-    return eos
 
 
 def _config(host: str | None, port: int | None) -> Config:
@@ -342,18 +300,17 @@ def main(argv: list[str] | None = None) -> int:
             directory=args.shm_dir,
             model_aliases=frozenset(args.model_alias),
         )
-    from ringserve.api.fake_gpu import FakeGpu
+    from ringserve.api.fake_gpu import FakeGpu, FakeStatus
 
     fake = FakeGpu(step_interval_s=args.step_ms / 1000.0)
     return run_worker(
         config,
         index=0,
         transport=lambda: fake,
+        status=FakeStatus(fake),
         tokenizer_dir=args.tokenizer,
         model_name=args.model_name,
-        ready=lambda: True,
         model_aliases=frozenset(args.model_alias),
-        stats_source=lambda st: StatsSnapshot(gpu=fake.stats(), workers=[st.stats.as_dict()], block_size=16),
     )
 
 

@@ -46,7 +46,7 @@ def _worker_main(tokenizer_json: str, conn, stop_strings: bool) -> None:
     from tokenizers import Tokenizer
 
     from ringserve.api.app import init_app
-    from ringserve.api.fake_gpu import FakeGpu
+    from ringserve.api.fake_gpu import FakeGpu, FakeStatus
     from ringserve.api.gpu_client import GpuClient
     from ringserve.api.state import STATE
     from ringserve.api.tokenizer import TextCodec
@@ -63,7 +63,8 @@ def _worker_main(tokenizer_json: str, conn, stop_strings: bool) -> None:
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         config = Config(context_limit=16384, max_tokens_limit=1000)
-        app = init_app(config, GpuClient(FakeGpu(step_interval_s=0.0)), codec, model_name="bench", ready=lambda: True)
+        fake = FakeGpu(step_interval_s=0.0)
+        app = init_app(config, GpuClient(fake), codec, FakeStatus(fake), model_name="bench")
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

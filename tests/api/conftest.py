@@ -11,9 +11,8 @@ import pytest
 from ringserve.api.app import init_app
 from ringserve.api.auth import Authenticator
 from ringserve.api.chat_template import ChatTemplate
-from ringserve.api.fake_gpu import FakeGpu
+from ringserve.api.fake_gpu import FakeGpu, FakeStatus
 from ringserve.api.gpu_client import GpuClient
-from ringserve.api.metrics import StatsSnapshot
 from ringserve.api.state import STATE, ApiState
 from ringserve.api.tokenizer import TextCodec
 from ringserve.config import Config
@@ -40,13 +39,15 @@ class Served:
 
 @pytest.fixture
 def serve(aiohttp_client, codec, chat_template) -> Callable:
-    """`await serve(fake=..., keys=..., ready=..., app_kw=..., **config)` -> Served, on a fresh app."""
+    """`await serve(fake=..., keys=..., ready=..., app_kw=..., status=..., **config)` -> Served, on a
+    fresh app (`status(fake, ready)` builds its GpuStatus: a FakeStatus by default)."""
 
     async def _serve(
         fake: FakeGpu | None = None,
         keys: frozenset[str] | None = None,
         ready: Callable[[], bool] = lambda: True,
         app_kw: dict | None = None,
+        status: Callable[[FakeGpu, Callable[[], bool]], FakeStatus] = FakeStatus,
         **config,
     ) -> Served:
         fake = fake or FakeGpu()
@@ -54,10 +55,9 @@ def serve(aiohttp_client, codec, chat_template) -> Callable:
             Config(**config),
             GpuClient(fake, ready=ready),
             codec,
+            status(fake, ready),
             model_name=MODEL,
-            ready=ready,
             auth=Authenticator(keys),
-            stats_source=lambda st: StatsSnapshot(gpu=fake.stats(), workers=[st.stats.as_dict()], block_size=16),
             **{"chat_template": chat_template, **(app_kw or {})},
         )
         client = await aiohttp_client(app)

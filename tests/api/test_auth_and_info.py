@@ -93,11 +93,18 @@ async def test_metrics_scrape_parses(serve):
 
 
 async def test_worker_stats_are_published_periodically(serve):
-    """The publish hook receives this worker's stats (for its control-block region)."""
+    """The status's publish hook receives this worker's stats (for its control-block region)."""
     import asyncio
 
+    from ringserve.api.fake_gpu import FakeStatus
+
     seen = []
-    served = await serve(app_kw={"publish": lambda stats: seen.append(stats.as_dict()), "publish_every_s": 0.01})
+
+    class Publishing(FakeStatus):
+        def publish(self, own) -> None:
+            seen.append(own.as_dict())
+
+    served = await serve(status=Publishing, app_kw={"publish_every_s": 0.01})
     await served.client.post("/v1/completions", json=_BODY)
     async with asyncio.timeout(5):
         while not seen or seen[-1]["requests_total"] != 1.0:

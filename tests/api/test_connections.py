@@ -18,7 +18,7 @@ import pytest
 
 from ringserve.api.app import init_app
 from ringserve.api.connections import SWEEP_S
-from ringserve.api.fake_gpu import FakeGpu
+from ringserve.api.fake_gpu import FakeGpu, FakeStatus
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.state import STATE
 from ringserve.api.worker import listen_socket, serve
@@ -33,7 +33,8 @@ SLACK_S = 1.0  # scheduling slack on a shared machine, on top of one sweep perio
 async def running_worker(codec, fake: FakeGpu | None = None, **config):
     """A worker serving on an ephemeral loopback port; yields (port, app state)."""
     cfg = Config(**config)
-    app = init_app(cfg, GpuClient(fake or FakeGpu()), codec, model_name="m", ready=lambda: True)
+    fake = fake or FakeGpu()
+    app = init_app(cfg, GpuClient(fake), codec, FakeStatus(fake), model_name="m")
     sock = listen_socket("127.0.0.1", 0, cfg.listen_backlog)
     stop = asyncio.Event()
     task = asyncio.create_task(serve(cfg, app, sock, stop))
@@ -263,13 +264,9 @@ async def test_non_ascii_authorization_is_a_401(codec, tmp_path):
     cfg = Config()
     from ringserve.api.auth import Authenticator
 
+    fake = FakeGpu()
     app = init_app(
-        cfg,
-        GpuClient(FakeGpu()),
-        codec,
-        model_name="m",
-        ready=lambda: True,
-        auth=Authenticator(frozenset({"good-key"})),
+        cfg, GpuClient(fake), codec, FakeStatus(fake), model_name="m", auth=Authenticator(frozenset({"good-key"}))
     )
     sock = listen_socket("127.0.0.1", 0)
     stop = asyncio.Event()

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from ringserve.api.app import init_app
-from ringserve.api.fake_gpu import FakeGpu
+from ringserve.api.fake_gpu import FakeGpu, FakeStatus
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.worker import listen_socket, serve
 from ringserve.config import Config
@@ -36,7 +36,7 @@ async def test_drain_finishes_short_streams_and_ends_long_ones_with_the_error_ev
     """At the drain deadline an unfinished stream gets server_shutdown + [DONE]; a short one completes."""
     fake = FakeGpu(step_interval_s=0.02)
     config = Config(drain_timeout_s=0.5)
-    app = init_app(config, GpuClient(fake), codec, model_name=MODEL, ready=lambda: True)
+    app = init_app(config, GpuClient(fake), codec, FakeStatus(fake), model_name=MODEL)
     sock = listen_socket("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     stop = asyncio.Event()
@@ -72,7 +72,7 @@ async def test_unready_lead_fails_ready_first_while_requests_still_run(codec):
     lead is over; then they get 503 server_draining (a balancer has stopped sending by then)."""
     fake = FakeGpu(step_interval_s=0.005)
     config = Config(drain_timeout_s=1.0, unready_lead_s=0.6)
-    app = init_app(config, GpuClient(fake), codec, model_name=MODEL, ready=lambda: True)
+    app = init_app(config, GpuClient(fake), codec, FakeStatus(fake), model_name=MODEL)
     sock = listen_socket("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     stop = asyncio.Event()

@@ -10,13 +10,53 @@ import time
 import pytest
 
 from ringserve.api.errors import ApiError
-from ringserve.api.fake_gpu import FakeGpu
+from ringserve.api.fake_gpu import FakeGpu, FakeStatus
 from ringserve.api.gpu_client import RESTART_ERROR, GpuClient
 from ringserve.shm.messages import Accepted, Error, Finish, SamplingParams, Submit, Token
 from tests.helpers.fake_api import prompt_text_of
 from tests.helpers.sse import sse_events
 
 pytestmark = pytest.mark.asyncio
+
+
+def _status(reload_s: float = 5.0, restart_status: dict | None = None):
+    """A `serve(status=...)` factory: the fake's status with a measured load time and a restart
+    status, as a supervised worker reads them from the control block."""
+
+    class Scripted(FakeStatus):
+        def reload_s(self) -> float:
+            return reload_s
+
+        def restart_status(self) -> dict | None:
+            return restart_status
+
+    return Scripted
+
+
+class _Control:
+    """The control block as `ControlStatus` reads it, with facts that are missing or unreadable."""
+
+    gpu_state = 0  # not READY
+
+    def __init__(self, facts) -> None:
+        self.facts = facts
+
+    def worker_stats(self, slot: int):
+        return self  # its stats region too: publishing this worker's stats goes nowhere
+
+    def update(self, values) -> None:
+        pass
+
+    def publish(self) -> None:
+        pass
+
+    def worker_heartbeat(self, slot: int) -> None:
+        pass
+
+    def model_facts(self):
+        if isinstance(self.facts, Exception):
+            raise self.facts
+        return self.facts
 
 
 def _submit(rid: int, deadline_s: float = 60.0) -> Submit:
@@ -181,7 +221,7 @@ async def test_sse_restart_error_event_carries_type_request_id_and_tokens(serve)
 async def test_non_streaming_restart_is_503_with_the_same_error_object(serve):
     """A plain request that had tokens gets 503, the error object and Retry-After (load time)."""
     fake = FakeGpu(step_interval_s=0.005)
-    served = await serve(fake=fake, ready=lambda: fake.ready, app_kw={"reload_s": lambda: 7.2})
+    served = await serve(fake=fake, ready=lambda: fake.ready, status=_status(reload_s=7.2))
     pending = asyncio.ensure_future(served.client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 1000}))
     await _until(lambda: any(r.generated[0] > 2 for r in fake._rows.values()))
     fake.restart()
@@ -217,7 +257,7 @@ async def test_not_ready_is_503_with_retry_after_from_load_time(serve):
     """While the GPU is not ready, /ready and new requests are 503 with Retry-After ≈ load_s."""
     fake = FakeGpu()
     fake.ready = False
-    served = await serve(fake=fake, ready=lambda: fake.ready, app_kw={"reload_s": lambda: 2.4})
+    served = await serve(fake=fake, ready=lambda: fake.ready, status=_status(reload_s=2.4))
     ready = await served.client.get("/ready")
     resp = await served.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert ready.status == 503 and ready.headers["Retry-After"] == "3"
@@ -226,13 +266,12 @@ async def test_not_ready_is_503_with_retry_after_from_load_time(serve):
 
 
 async def test_retry_after_falls_back_when_load_time_unknown(serve):
-    """No published load time (None) or a failing read: Retry-After is the default, never 500."""
+    """No published load time or a failing control-block read: Retry-After is the default, never 500."""
+    from ringserve.api.gpu_status import ControlStatus
 
-    def broken():
-        raise OSError("torn")
-
-    for source in (lambda: None, broken):
-        served = await serve(ready=lambda: False, app_kw={"reload_s": source})
+    for facts in ({}, OSError("torn")):
+        control = _Control(facts)
+        served = await serve(status=lambda fake, ready, control=control: ControlStatus(control, 0, 0.0))
         resp = await served.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert resp.status == 503 and resp.headers["Retry-After"] == "5"
 
@@ -298,7 +337,7 @@ async def test_not_ready_503_quotes_the_last_error_and_the_backoff(serve):
         "failures": 4,
         "retry_at": time.time() + 10.0,
     }
-    served = await serve(ready=lambda: False, app_kw={"restart_status": lambda: status, "reload_s": lambda: 3.0})
+    served = await serve(ready=lambda: False, status=_status(reload_s=3.0, restart_status=status))
     for path, method in (("/v1/completions", "post"), ("/ready", "get")):
         resp = await getattr(served.client, method)(path, json={"prompt": "x"} if method == "post" else None)
         assert resp.status == 503

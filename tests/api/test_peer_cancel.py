@@ -8,7 +8,7 @@ import os
 import pytest
 
 from ringserve.api.app import init_app
-from ringserve.api.fake_gpu import FakeGpu
+from ringserve.api.fake_gpu import FakeGpu, FakeStatus
 from ringserve.api.generation import LocalCancel
 from ringserve.api.gpu_client import GpuClient, RequestStream
 from ringserve.api.peer_cancel import PeerCancel
@@ -59,8 +59,8 @@ async def test_same_client_id_from_another_tenant_does_not_hide_a_request(aiohtt
             Config(),
             GpuClient(fakes[slot]),
             codec,
+            FakeStatus(fakes[slot]),
             model_name="m",
-            ready=lambda: True,
             worker=slot,
             peers=PeerCancel(instance, slot, 2),
         )

@@ -236,7 +236,7 @@ async def test_the_eos_that_ends_a_sample_is_not_shown(serve, codec):
     eos = min(codec.special_ids)
     text_ids = codec.encode("hi", add_special_tokens=False)
     fake = FakeGpu(script=lambda submit, index: itertools.cycle([*text_ids, eos]), eos_token_ids=frozenset({eos}))
-    served = await serve(fake=fake, app_kw={"eos_token_ids": lambda: frozenset({eos})})
+    served = await serve(fake=fake)  # the fake's status reports the fake's EOS ids
     _, out = await _post(served, prompt="x", max_tokens=10, skip_special_tokens=False)
     assert out["choices"][0] == {"index": 0, "text": "hi", "logprobs": None, "finish_reason": "stop"}
     _, out = await _post(served, prompt="x", max_tokens=len(text_ids) + 1, skip_special_tokens=False, ignore_eos=True)

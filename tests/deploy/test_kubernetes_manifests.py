@@ -16,9 +16,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from ringserve.api.app import init_app
-from ringserve.api.fake_gpu import FakeGpu
+from ringserve.api.fake_gpu import FakeGpu, FakeStatus
 from ringserve.api.gpu_client import GpuClient
-from ringserve.api.metrics import StatsSnapshot
 from ringserve.api.state import STATE
 from ringserve.api.tokenizer import TextCodec
 from ringserve.config import Config
@@ -191,9 +190,8 @@ def app_client(aiohttp_client, tiny_model_dir):
             Config(),
             GpuClient(fake, ready=lambda: ready["value"]),
             TextCodec.from_dir(tiny_model_dir),
+            FakeStatus(fake, lambda: ready["value"]),
             model_name="tiny",
-            ready=lambda: ready["value"],
-            stats_source=lambda st: StatsSnapshot(gpu=fake.stats(), workers=[st.stats.as_dict()], block_size=16),
         )
         return await aiohttp_client(app), ready, app
 

@@ -1,0 +1,96 @@
+"""What an API worker knows about the GPU process besides its rings, behind one interface.
+
+A supervised worker reads it from the control block (`ControlStatus`); a worker on the in-process
+fake GPU (tests, `--fake`, benchmarks) from the fake (`api/fake_gpu.py`'s `FakeStatus`). Handlers
+only ever see `GpuStatus`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Protocol
+
+from ringserve.api.metrics import StatsSnapshot, from_control
+
+if TYPE_CHECKING:
+    from ringserve.api.worker_stats import WorkerStats
+    from ringserve.shm.control import Control
+
+log = logging.getLogger("ringserve.api")
+
+# Retry-After while the GPU process is not ready, when its load time is not known yet.
+DEFAULT_RELOAD_S = 5.0
+
+
+class GpuStatus(Protocol):
+    def ready(self) -> bool:
+        """The GPU process serves (503 `gpu_not_ready` otherwise)."""
+        ...
+
+    def snapshot(self, own: WorkerStats) -> StatsSnapshot:
+        """The server-wide stats /metrics renders (`own`: this worker's live counters)."""
+        ...
+
+    def reload_s(self) -> float:
+        """Seconds the GPU process takes to (re)load, for Retry-After while it is not ready."""
+        ...
+
+    def restart_status(self) -> dict | None:
+        """The supervisor's restart status: last GPU error, next attempt (None: none)."""
+        ...
+
+    def eos_token_ids(self) -> frozenset[int]:
+        """The model's EOS ids as the GPU process published them (empty until it has)."""
+        ...
+
+    def health(self) -> dict:
+        """What /health adds to "ok": the attention backend and its kernel check."""
+        ...
+
+    def publish(self, own: WorkerStats) -> None:
+        """Copy this worker's stats where the others read them, and beat its heartbeat."""
+        ...
+
+
+class ControlStatus:
+    """`GpuStatus` from a supervised server's control block (worker `slot`)."""
+
+    def __init__(self, control: Control, slot: int, started_at: float) -> None:
+        self.control = control
+        self.slot = slot
+        self.started_at = started_at
+        self._region = control.worker_stats(slot)
+        self._eos: frozenset[int] | None = None
+
+    def ready(self) -> bool:
+        from ringserve.shm import layout as L
+
+        return self.control.gpu_state == L.GpuState.READY
+
+    def snapshot(self, own: WorkerStats) -> StatsSnapshot:
+        return from_control(self.control, self.started_at)
+
+    def reload_s(self) -> float:
+        try:
+            value = (self.control.model_facts() or {}).get("load_s")
+        except Exception:  # a torn or missing control-block read must not turn a 503 into a 500
+            value = None
+        return float(value) if isinstance(value, (int, float)) and value > 0 else DEFAULT_RELOAD_S
+
+    def restart_status(self) -> dict | None:
+        return self.control.restart_status()
+
+    def eos_token_ids(self) -> frozenset[int]:
+        if self._eos is None:  # read once the GPU process has published its facts
+            facts = self.control.model_facts()
+            if not facts:
+                return frozenset()
+            self._eos = frozenset(facts.get("eos_token_ids", ()))
+        return self._eos
+
+    def health(self) -> dict:
+        return {"attention": (self.control.model_facts() or {}).get("attention")}
+
+    def publish(self, own: WorkerStats) -> None:
+        own.publish(self._region)
+        self.control.worker_heartbeat(self.slot)
