@@ -26,6 +26,17 @@ class RestartPolicy:
     window_s: float
     crashes: list[float] = field(default_factory=list)  # within window_s of the last crash
     streak: int = 0
+    restart_at: float | None = None  # while the child is down: when to start it again
+
+    def crashed(self, now: float) -> float | None:
+        """The child went down at `now`: the backoff, with `restart_at` set, or None to give up."""
+        backoff = self.record_crash(now)
+        self.restart_at = None if backoff is None else now + backoff
+        return backoff
+
+    def due(self, now: float) -> bool:
+        """The child is down and its backoff has passed."""
+        return self.restart_at is not None and now >= self.restart_at
 
     def record_crash(self, now: float) -> float | None:
         """Count a crash at `now`; the backoff before the restart, or None to give up."""

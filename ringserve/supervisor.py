@@ -101,12 +101,10 @@ class Supervisor:
         self.gpu: subprocess.Popen | None = None
         self.gpu_spawned_at = 0.0
         self.gpu_loading = False
-        self.gpu_restart_at: float | None = None  # set while the GPU process is down, in backoff
         self.gpu_policy = RestartPolicy(config.restart_limit, config.restart_window_s)
         self.gpu_exit_seq = 0  # the exit note's sequence when the GPU process started
         self.last_gpu_error: str | None = None  # how the last GPU process ended, for the workers
         self.workers: list[subprocess.Popen | None] = [None] * self.n_workers
-        self.worker_restart_at: list[float | None] = [None] * self.n_workers
         self.worker_kill_at: list[float | None] = [None] * self.n_workers  # SIGKILL due (after SIGUSR1)
         self.worker_policies = [
             RestartPolicy(config.restart_limit, config.restart_window_s) for _ in range(self.n_workers)
@@ -171,12 +169,12 @@ class Supervisor:
         self.gpu_exit_seq = control.gpu_exit()[0]
         self.gpu_spawned_at = time.monotonic()
         self.gpu_loading = True
-        self.gpu_restart_at = None
+        self.gpu_policy.restart_at = None
         log.info("GPU process started: pid %d, generation %d", self.gpu.pid, control.gpu_generation)
         self._status(f"loading {self.model_name} (GPU process generation {control.gpu_generation})")
 
     def start_worker(self, slot: int) -> None:
-        self.worker_restart_at[slot] = None
+        self.worker_policies[slot].restart_at = None
         self.worker_kill_at[slot] = None
         proc = self._spawn(
             "ringserve.api.worker",
@@ -245,7 +243,7 @@ class Supervisor:
 
     def _watch_gpu(self, now: float) -> None:
         if self.gpu is None:
-            if self.gpu_restart_at is not None and now >= self.gpu_restart_at and not self.stopping:
+            if self.gpu_policy.due(now) and not self.stopping:
                 self.start_gpu()
             return
         status = self.gpu.poll()
@@ -345,7 +343,7 @@ class Supervisor:
             log.error("GPU process %s while draining; not restarting", why)
             self._publish_restart("stopped", None)
             return
-        backoff = self.gpu_policy.record_crash(now)
+        backoff = self.gpu_policy.crashed(now)
         if backoff is None:
             self._status("GPU process crash loop: giving up")
             self._publish_restart("given_up", None)
@@ -363,7 +361,6 @@ class Supervisor:
             self.config.restart_window_s,
         )
         self._status(f"GPU process {why}; restarting (generation {gen})")
-        self.gpu_restart_at = now + backoff
         self._publish_restart("restarting", time.time() + backoff)
 
     def _publish_restart(self, state: str, retry_at: float | None) -> None:
@@ -393,8 +390,7 @@ class Supervisor:
         control = self.shm.control
         for slot, proc in enumerate(self.workers):
             if proc is None:
-                restart_at = self.worker_restart_at[slot]
-                if restart_at is not None and now >= restart_at and not self.stopping:
+                if self.worker_policies[slot].due(now) and not self.stopping:
                     self.start_worker(slot)
                 continue
             if proc.poll() is None:
@@ -427,7 +423,7 @@ class Supervisor:
                     f"start-up (is port {self.config.port} in use?)"
                 )
             policy = self.worker_policies[slot]
-            backoff = policy.record_crash(now)
+            backoff = policy.crashed(now)
             if backoff is None:
                 raise SupervisorError(
                     f"API worker {slot} failed {policy.recent} times within "
@@ -443,7 +439,6 @@ class Supervisor:
             # A new slot generation now, so the GPU process drops the dead worker's rows at once.
             control.start_worker_slot(slot, 0)
             self.workers[slot] = None
-            self.worker_restart_at[slot] = now + backoff
 
     def _announce_when_listening(self, now: float, started_at: float) -> None:
         control = self.shm.control
