@@ -3,7 +3,8 @@ client asks for constrained text, turned into one llguidance grammar, checked be
 
 The ways, all honoured the same way (none is ever ignored):
 - OpenAI's `response_format`: `{"type": "text"}` (unconstrained), `{"type": "json_object"}` (any
-  JSON object), `{"type": "json_schema", "json_schema": {"name", "schema", "strict", ...}}`;
+  JSON object), `{"type": "json_schema", "json_schema": {"name", "schema", "strict", ...}}`
+  (`strict: true` closes every object the schema leaves open, as OpenAI's strict mode requires);
 - vLLM's `structured_outputs`: one of `json` (a schema), `regex`, `choice` (a list of strings),
   `grammar` (Lark or GBNF/EBNF), `json_object`; with `whitespace_pattern`,
   `disable_any_whitespace`, `disable_additional_properties`;
@@ -110,7 +111,9 @@ def _response_format(rf: dict) -> StructuredSpec | None:
                 "response_format.json_schema",
             )
         schema = js.get("schema", {"type": "object"})  # OpenAI: a missing schema is any object
-        return StructuredSpec("json", schema, "response_format.json_schema.schema")
+        # NOTE: OpenAI's strict mode requires every object to be closed; so it is generated here
+        strict = js.get("strict") is True
+        return StructuredSpec("json", schema, "response_format.json_schema.schema", no_additional_properties=strict)
     raise bad_request(
         f"response_format type {json.dumps(kind)} is not supported; use text, json_object or json_schema.",
         "response_format.type",

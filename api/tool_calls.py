@@ -8,8 +8,8 @@
   `--tool-call-parser`, reads what it wrote), `none` (the tools are not rendered, the answer is
   text), `required` and a named function (`{"type": "function", "function": {"name"}}`): forced
   with a grammar, as vLLM does: a named function's answer is its arguments (a JSON schema, the
-  function's `parameters`), `required`'s an array of `{"name", "parameters"}` (one element
-  unless `parallel_tool_calls`).
+  function's `parameters`, its objects closed to keys they do not declare), `required`'s an array
+  of `{"name", "parameters"}` (one element unless `parallel_tool_calls`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import msgspec
 
 from ringserve.api.errors import bad_request, quoted
-from ringserve.api.structured_output import StructuredSpec
+from ringserve.api.structured_output import StructuredSpec, closed_objects
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -52,7 +52,11 @@ class ToolRequest:
     @property
     def forced(self) -> StructuredSpec | None:
         """The grammar `required` or a named function imposes (None for `auto`)."""
-        params = {t["function"]["name"]: t["function"].get("parameters") or _ANY_OBJECT for t in self.tools}
+        # NOTE: a function takes the parameters it declares: objects that leave other keys open are
+        # closed (`additionalProperties: false`), or a small model fills its call with invented keys.
+        params = {
+            t["function"]["name"]: closed_objects(t["function"].get("parameters") or _ANY_OBJECT) for t in self.tools
+        }
         if self.choice == "named" and self.name is not None:
             return StructuredSpec("json", params[self.name], "tool_choice")
         if self.choice != "required":
