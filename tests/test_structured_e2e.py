@@ -360,6 +360,33 @@ def test_streamed_tool_call_equals_the_non_streamed_one(smollm2_server):
         ]
 
 
+def test_auto_tool_choice_streams_what_the_model_wrote(smollm2_server):
+    """With tools and tool_choice auto the model answers freely and the parser reads it: here it
+    writes tool-like markup that is no call (SmolLM2 does not call tools by itself), which streams
+    as the same content the non-streamed answer has."""
+    history = [
+        {"role": "user", "content": "What is the weather in Rome?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Rome"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "20 degrees"},
+        {"role": "assistant", "content": "It is 20 degrees in Rome."},
+        {"role": "user", "content": "What is the weather in London?"},
+    ]
+    client = _client(smollm2_server)
+    kwargs = dict(model=MODEL, messages=history, tools=[WEATHER_TOOL, TIME_TOOL], max_tokens=40, temperature=0)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    text = "".join(
+        c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True) if c.choices
+    )
+    assert whole.message.tool_calls is None and whole.finish_reason in ("stop", "length")
+    assert text == whole.message.content and text
+
+
 def test_tool_history_and_the_openai_chat_surface_render(smollm2_server):
     """A history with an assistant's tool calls (content null) and the tool's answer, a developer
     message, `metadata` and `store`: accepted and answered."""
