@@ -165,18 +165,20 @@ class GrammarState:
         seq = self.seqs.get(seq_id)
         if seq is None or seq.grammar != grammar or seq.consumed > n:
             seq = self.seqs[seq_id] = _Seq(self._fresh(grammar), grammar, 0, self._step)
-        if seq.consumed < n:
-            seq.matcher.consume_tokens(output[seq.consumed :])  # type: ignore[attr-defined]
-            seq.consumed = n
+        matcher = seq.matcher
+        for token in output[seq.consumed :]:
+            # NOTE: a stopped matcher (its grammar ended and EOS was sampled) allows EOS alone
+            # from then on; what follows (with ignore_eos) is not fed to it.
+            if matcher.is_stopped():  # type: ignore[attr-defined]
+                break
+            matcher.consume_token(token)  # type: ignore[attr-defined]
+        seq.consumed = n
         seq.last_step = self._step
-        if not seq.reported and seq.matcher.is_error():  # type: ignore[attr-defined]
+        if not seq.reported and matcher.is_error():  # type: ignore[attr-defined]
             seq.reported = True
-            log.error(
-                "structured output: sequence %d left its grammar, only EOS allowed now: %s",
-                seq_id,
-                seq.matcher.get_error(),
-            )  # type: ignore[attr-defined]
-        return seq.matcher
+            why = matcher.get_error().splitlines()[:1]  # type: ignore[attr-defined]
+            log.error("structured output: sequence %d left its grammar, only EOS allowed now: %s", seq_id, why)
+        return matcher
 
     def forget(self, seq_ids: list[int]) -> None:
         """Sequences that ended: drop their matchers (after any fill still running)."""
