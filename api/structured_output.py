@@ -178,7 +178,7 @@ def to_grammar(spec: StructuredSpec) -> str:
     if spec.kind == "choice":
         if not value or len(value) > MAX_CHOICES or not all(isinstance(c, str) and c for c in value):
             raise bad_request(f"{param} must hold 1 to {MAX_CHOICES} non-empty strings.", param)
-        return llguidance.grammar_from("choice", value)  # type: ignore[arg-type]
+        return llguidance.grammar_from("choice", value)
     try:  # "grammar": Lark as llguidance reads it, or GBNF / EBNF (converted)
         return llguidance.grammar_from("grammar", value)
     except ValueError as exc:
@@ -220,7 +220,7 @@ class GrammarChecker:
             import llguidance
 
             backend = self.codec.tokenizer
-            self._tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.codec.vocab_size)  # type: ignore[attr-defined]
+            self._tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.codec.vocab_size)
         return self._tokenizer
 
     def error(self, grammar: str) -> str | None:

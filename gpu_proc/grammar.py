@@ -31,10 +31,14 @@ import logging
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from .step import SeqStep
+from .step import RowControls, SeqStep
+
+if TYPE_CHECKING:
+    import llguidance
 
 log = logging.getLogger("ringserve.gpu")
 
@@ -44,7 +48,7 @@ EVICT_AFTER_STEPS = 256  # a matcher unused this long (preempted, waiting) is fr
 
 @dataclass(slots=True)
 class _Seq:
-    matcher: object  # llguidance.LLMatcher
+    matcher: llguidance.LLMatcher
     grammar: str
     consumed: int  # output tokens the matcher has consumed
     last_step: int
@@ -97,7 +101,7 @@ class GrammarState:
         self._tokenizer: Future | None = (
             self._pool.submit(_load_tokenizer, tokenizer_file, vocab_size, self.eos) if tokenizer_file else None
         )
-        self._executor = None  # llguidance's parallel mask filler, made with the tokenizer
+        self._executor: llguidance.LLExecutor | None = None  # the parallel mask filler, made at first use
 
     # -- compile (off the loop) ------------------------------------------------------------------
 
@@ -129,16 +133,17 @@ class GrammarState:
         """Fill the masks of the constrained rows among the step's sampling `rows` in the grammar
         thread; None (and no work) when none is constrained."""
         picked: list[int] = []
+        jobs: list[tuple[int, RowControls]] = []
         for i, s in enumerate(rows):
             c = s.sampling.controls if s.sampling is not None else None
             if c is not None and c.settings.grammar is not None:
                 picked.append(i)
+                jobs.append((s.seq_id, c))
         if not picked:
             return None
         self._step += 1
         if len(picked) > self._bits.shape[0]:
             self._bits = torch.zeros(len(picked), self._words, dtype=torch.int32, pin_memory=_can_pin(self.device))
-        jobs = [(rows[i].seq_id, rows[i].sampling.controls) for i in picked]  # type: ignore[union-attr]
         future = self._pool.submit(self._fill, jobs)
         if self._step % EVICT_AFTER_STEPS == 0:
             self._pool.submit(self._evict)
@@ -169,14 +174,14 @@ class GrammarState:
         for token in output[seq.consumed :]:
             # NOTE: a stopped matcher (its grammar ended and EOS was sampled) allows EOS alone
             # from then on; what follows (with ignore_eos) is not fed to it.
-            if matcher.is_stopped():  # type: ignore[attr-defined]
+            if matcher.is_stopped():
                 break
-            matcher.consume_token(token)  # type: ignore[attr-defined]
+            matcher.consume_token(token)
         seq.consumed = n
         seq.last_step = self._step
-        if not seq.reported and matcher.is_error():  # type: ignore[attr-defined]
+        if not seq.reported and matcher.is_error():
             seq.reported = True
-            why = matcher.get_error().splitlines()[:1]  # type: ignore[attr-defined]
+            why = matcher.get_error().splitlines()[:1]
             log.error("structured output: sequence %d left its grammar, only EOS allowed now: %s", seq_id, why)
         return matcher
 

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         smol = args.smollm2 or _default_smollm2()
         if smol is not None:
             report["SmolLM2-135M"] = bench_model(smol, args.rows, args.iters, args.device)
-    report["device"] = {"name": args.device}  # type: ignore[assignment]
+    report["device"] = {"name": args.device}
     if args.json:
         print(json.dumps(report))
     else:
