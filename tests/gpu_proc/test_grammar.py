@@ -32,9 +32,12 @@ SCHEMA = llguidance.LLMatcher.grammar_from_json_schema(
 )
 
 
-def _serve(model_dir, rows: list[tuple[int, SamplingParams]], num_blocks: int = 256, max_tokens: int = 40):
+def _serve(
+    model_dir, rows: list[tuple[int, SamplingParams]], num_blocks: int = 256, max_tokens: int = 40, drop_every: int = 0
+):
     """Serve one request per (prompt length, sampling) row (the prompt is a function of its
-    length); (tokens per request, finish reasons, preemptions, the engine)."""
+    length); (tokens per request, finish reasons, preemptions, the engine). `drop_every`: forget
+    every matcher each that many steps, as an eviction does."""
     config = Config(num_blocks=num_blocks, max_rows=8, prefill_budget=16, context_limit=512)
     engine = build_engine(config, model_dir)
     sched = Scheduler(
@@ -56,9 +59,11 @@ def _serve(model_dir, rows: list[tuple[int, SamplingParams]], num_blocks: int = 
             engine.grammar.prepare(sp.grammar)
     out: dict[tuple[int, int], list[int]] = {}
     reasons: dict[int, FinishReason] = {}
-    for _ in range(4000):
+    for step in range(4000):
         if not sched.has_work:
             break
+        if drop_every and step % drop_every == drop_every - 1:
+            engine.grammar.seqs.clear()
         batch = sched.schedule()
         samples = engine.step(batch) if batch.seqs else None
         for _, ev in sched.update(samples):
@@ -113,6 +118,15 @@ def test_seeded_constrained_output_repeats_alone_batched_and_preempted(tiny_mode
     assert len(alone[0]) > 12
     assert batched[3] == alone[0] and tight[3] == alone[0]
     assert tight == batched
+
+
+def test_a_forgotten_matcher_replays_its_output(tiny_model_dir):
+    """Matchers dropped mid-answer (eviction, a restart) are rebuilt from the sequence's output: the
+    tokens are the same as when they were kept."""
+    rows = [(12, SamplingParams(temperature=1.0, seed=s, grammar=g)) for s in (1, 2) for g in (REGEX, SCHEMA)]
+    kept, _, _, _ = _serve(tiny_model_dir, rows)
+    dropped, _, _, _ = _serve(tiny_model_dir, rows, drop_every=3)
+    assert dropped == kept and all(len(t) > 3 for t in kept.values())
 
 
 def test_unconstrained_rows_are_unchanged_by_constrained_neighbours(tiny_model_dir):
