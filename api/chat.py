@@ -6,6 +6,10 @@ restart errors, metrics).
 The answer ends at the template's end-of-turn token (added to the request's stop token ids unless
 `ignore_eos` asks for a fixed length). Without `max_tokens` the answer may run to the context limit
 (capped by the server's `--max-tokens-limit` when one is set).
+
+With `tools` the template renders them, a forced `tool_choice` constrains the answer with a
+grammar (`tool_calls.py`), and the answer goes out through the tool-call parser
+(`tool_output.py`); structured output (`response_format`, ...) is a grammar as on /v1/completions.
 """
 
 from __future__ import annotations
