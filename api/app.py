@@ -37,6 +37,7 @@ from ringserve.api.metrics import CONTENT_TYPE, render
 from ringserve.api.peer_cancel import PeerCancel
 from ringserve.api.registry import Registry
 from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState, ignored_header
+from ringserve.api.structured_output import GrammarChecker
 from ringserve.api.tokenize import handle_detokenize, handle_tokenize
 from ringserve.api.tokenizer import TextCodec
 from ringserve.api.worker_stats import WorkerStats
@@ -82,7 +83,12 @@ def init_app(
         remote_cancel=peers.cancel if peers is not None else None,
         chat_template=chat_template,
         model_aliases=frozenset(model_aliases) - {model_name},
+        grammar=GrammarChecker(codec),
     )
+    if chat_template is not None:
+        state.tool_call_parser = (
+            chat_template.tool_call_parser if config.tool_call_parser == "auto" else config.tool_call_parser
+        )
     app[STATE] = state
     report = LoadReport(state.snapshot, max_rows=config.max_rows, queue_limit_s=config.queue_limit_s)
     app.on_response_prepare.append(_load_report_hook(report))

@@ -6,9 +6,15 @@ restart errors, metrics).
 The answer ends at the template's end-of-turn token (added to the request's stop token ids unless
 `ignore_eos` asks for a fixed length). Without `max_tokens` the answer may run to the context limit
 (capped by the server's `--max-tokens-limit` when one is set).
+
+With `tools` the template renders them, a forced `tool_choice` constrains the answer with a
+grammar (`tool_calls.py`), and the answer goes out through the tool-call parser
+(`tool_output.py`); structured output (`response_format`, ...) is a grammar as on /v1/completions.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import msgspec
 from aiohttp import web
@@ -20,8 +26,11 @@ from ringserve.api.errors import bad_request
 from ringserve.api.prompt_limits import check_fits, encode_prompt, resolve_max_tokens
 from ringserve.api.protocol import check_min_tokens
 from ringserve.api.request_flow import Job, Output, check_available, read_request, run, tokenizing
-from ringserve.api.sampling_tokens import finish_sampling
+from ringserve.api.sampling_tokens import constrain, finish_sampling
 from ringserve.api.state import ApiState
+from ringserve.api.tool_calls import ToolRequest
+from ringserve.api.tool_output import ToolChatEncoder, tool_chat_body
+from ringserve.api.tool_parsers import make_parser
 
 OUTPUTS = {
     as_ids: Output(encoder=ChatEventEncoder, body=chat_body, logprob_format=ChatLogprobs(as_ids))
@@ -32,8 +41,19 @@ OUTPUTS = {
 async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
     st, req = await read_request(request, parse_chat_body)
     template = _template(st)
+    if req.tools is not None and not template.renders_tools:
+        raise bad_request(
+            f"The chat template of {st.model_name!r} does not render tools, so the model cannot be told "
+            "about them; serve it with --chat-template FILE naming a template that does.",
+            "tools",
+            code="unsupported_value",
+        )
     common = req.common
     sampling = finish_sampling(common, st.codec)
+    spec = req.tools.forced if req.tools is not None else None
+    spec = spec or common.structured
+    if spec is not None:
+        sampling = await constrain(st, spec, sampling)
     check_available(st)
     prompt_ids = await tokenizing(st, _prompt_ids(st, template, req))
     max_tokens = resolve_max_tokens(
@@ -53,7 +73,10 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
         prompt_logprobs=common.prompt_logprobs,
         show_prompt_logprobs=common.prompt_logprobs,
     )
-    return await run(request, st, job, OUTPUTS[common.output.tokens_as_ids])
+    output = OUTPUTS[common.output.tokens_as_ids]
+    if req.tools is not None:
+        output = tool_output(req.tools, st.tool_call_parser, output.logprob_format)
+    return await run(request, st, job, output)
 
 
 def _template(st: ApiState) -> ChatTemplate:
@@ -71,12 +94,16 @@ def _template(st: ApiState) -> ChatTemplate:
 async def _prompt_ids(st: ApiState, template: ChatTemplate, req: ChatRequest) -> list[int]:
     """Render, then tokenize as a prompt is (refused by its byte length before tokenizing when it
     cannot fit; a long one off the event loop)."""
+    messages = req.messages
+    if not template.has_developer_role:  # OpenAI's developer role is the system role of older templates
+        messages = tuple({**m, "role": "system"} if m["role"] == "developer" else m for m in messages)
     try:
         text = template.render_pieces(
-            req.messages,
+            messages,
             req.add_generation_prompt,
             extra=req.template_kwargs,
             continue_final_message=req.continue_final_message,
+            tools=req.tools.tools if req.tools is not None else None,
         )
     except ChatTemplateError as exc:
         raise bad_request(
@@ -98,3 +125,12 @@ async def _prompt_ids(st: ApiState, template: ChatTemplate, req: ChatRequest) ->
     if not ids:
         raise bad_request("The chat template rendered these messages as an empty prompt.", "messages")
     return ids
+
+
+def tool_output(tools: ToolRequest, parser: str, logprob_format) -> Output:
+    """The response shapes of a request with tools: each choice's answer through its parser."""
+    kind = "required" if tools.choice == "required" else parser
+    new = partial(make_parser, kind, named=tools.name if tools.choice == "named" else None)
+    return Output(
+        encoder=partial(ToolChatEncoder, parser=new), body=partial(tool_chat_body, new), logprob_format=logprob_format
+    )

@@ -4,9 +4,11 @@ body, and OpenAI's chat logprobs shape.
 A stream is: one chunk per choice with the role (`delta: {"role": "assistant", "content": ""}`),
 one chunk per token (`delta: {"content": text}`), one chunk per choice with its `finish_reason`,
 then the usage chunk (`"choices": []`) only when `stream_options.include_usage` is true, then
-`[DONE]`. ringserve's own fields ride along as on /v1/completions: `request_id`, `index`, `text`,
-`token_id` and `logprob` on token chunks, `usage` (the choice's) and `timing` on finish chunks,
-`timing` on the usage chunk; with `continuous_usage_stats` every choice chunk carries the choice's
+`[DONE]`. Usage comes only on that last chunk, as OpenAI and vLLM send it: LangChain
+(`stream_usage=True`) adds up the usage of every chunk, and counted it twice when the finishing
+chunk carried it too. ringserve's own fields ride along: `request_id`, `index`, `text`,
+`token_id` and `logprob` on token chunks, `timing` on finish chunks and the usage chunk; with
+`continuous_usage_stats` every choice chunk, the finishing one included, carries the choice's
 usage so far.
 """
 
@@ -61,6 +63,7 @@ class ChatEventEncoder(EventEncoder):
     """Encodes one chat request's SSE chunks: a token's text is the choice's `delta.content`."""
 
     OBJECT = "chat.completion.chunk"
+    USAGE_ON_FINISH = False  # usage comes once, on the usage chunk (or on every chunk when continuous)
     _TEXT_OPEN = b',"delta":{"content":'
     _TEXT_CLOSE = b'},"logprobs":'
 
@@ -83,15 +86,16 @@ class ChatEventEncoder(EventEncoder):
             text=text,
         )
 
-    def finish(self, index: int, text: str, reason: str, usage: dict, timing: dict) -> bytes:
+    def finish(self, index: int, text: str, reason: str, usage: dict | None, timing: dict) -> bytes:
         """A choice's last chunk: any text still held back, its finish_reason, and (our own
-        fields) its usage and the request's timing."""
+        fields) the request's timing, and the choice's usage with `continuous_usage_stats`."""
         delta = {"content": text} if text else {}
+        extra = {"usage": usage} if usage is not None else {}
         return self._chunk(
             [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}],
             index=index,
             finish_reason=reason,
-            usage=usage,
+            **extra,
             timing=timing,
         )
 

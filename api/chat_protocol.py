@@ -1,18 +1,22 @@
 """`POST /v1/chat/completions` bodies: decoded with msgspec, validated into a frozen `ChatRequest`.
 
 The sampling fields are `protocol.SamplingBody`'s, validated by the same `parse_sampling` as
-/v1/completions. On top: `messages` (system / user / assistant; content a string or a list of text
-parts, joined with newlines as vLLM does for string-content templates), `max_tokens` /
-`max_completion_tokens` (unset or null: up to the context limit), `logprobs` + `top_logprobs`,
-vLLM's template options (`add_generation_prompt`, `continue_final_message`,
-`chat_template_kwargs`, `add_special_tokens`). OpenAI and vLLM fields we cannot honour (tools,
-audio, a request's own template, ...) are accepted only at their neutral values (unset, null,
-empty, "none", text); anything else is a 400 that names the field. Unknown fields are ignored
-and named (`body.py`).
+/v1/completions (structured output included). On top: `messages` (system, developer, user,
+assistant, tool; content a string or a list of text parts, joined with newlines as vLLM does for
+string-content templates; an assistant's content may be null, and it may carry `tool_calls`; a
+tool message names its `tool_call_id`), `tools` / `tool_choice` / `parallel_tool_calls`
+(`tool_calls.py`), `max_tokens` / `max_completion_tokens` (unset or null: up to the context
+limit), `logprobs` + `top_logprobs`, vLLM's template options (`add_generation_prompt`,
+`continue_final_message`, `chat_template_kwargs`, `add_special_tokens`), and OpenAI's `store` and
+`metadata` (accepted; nothing is stored). OpenAI and vLLM fields we cannot honour (legacy
+`functions`, audio, a request's own template, ...) are accepted only at their neutral values
+(unset, null, empty, "none", text); anything else is a 400 that names the field. Unknown fields
+are ignored and named (`body.py`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,8 +32,9 @@ from ringserve.api.protocol import (
     check_neutral,
     parse_sampling,
 )
+from ringserve.api.tool_calls import Tool, ToolRequest, parse_tools
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_MESSAGES = 4096
 
 
@@ -40,12 +45,26 @@ class _Part(msgspec.Struct, forbid_unknown_fields=True):
     text: str | None = None
 
 
+class _CalledFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str | dict = "{}"
+
+
+class _ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    """An assistant message's tool call, as the API returned it."""
+
+    function: _CalledFunction
+    id: str | None = None
+    type: str = "function"
+
+
 class Message(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[_Part] | None = None
     name: str | None = None
+    tool_calls: list[_ToolCall] | None = None  # an assistant's calls (its content may be null)
+    tool_call_id: str | None = None  # a tool message: the call it answers
     # what an assistant message returned by the API may carry back; accepted when empty
-    tool_calls: list | None = None
     function_call: dict | None = None
     refusal: str | None = None
     audio: dict | None = None
@@ -64,22 +83,23 @@ class _ChatBody(SamplingBody):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict | None = None  # extra variables for the model's template
+    # tool calling (`tool_calls.py`)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI's stored completions: accepted, nothing is stored (docs/api.md)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
     # accepted only at their neutral values
     echo: bool | None = False
     chat_template: str | None = None
     documents: list | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
     functions: list | None = None
     function_call: str | dict | None = None
-    response_format: dict | None = None
     modalities: list[str] | None = None
     audio: dict | None = None
     prediction: dict | None = None
     reasoning_effort: str | None = None
-    store: bool | None = None
-    metadata: dict | None = None
     service_tier: str | None = None
     web_search_options: dict | None = None
 
@@ -99,6 +119,7 @@ class ChatRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict | None = None
+    tools: ToolRequest | None = None  # None: no tools, or tool_choice none
 
 
 _decoder = msgspec.json.Decoder(_ChatBody)
@@ -134,11 +155,22 @@ def parse_chat_body(
         raise bad_request(
             "chat_template_kwargs keys must be identifiers not starting with '_'.", "chat_template_kwargs"
         )
+    tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    common = parse_sampling(body)
+    if tools is not None and tools.forced is not None and common.structured is not None:
+        raise bad_request(
+            f"{common.structured.param} cannot be combined with tool_choice {tools.choice!r}, which forces "
+            "the answer's structure itself.",
+            common.structured.param,
+        )
+    if body.metadata is not None and len(body.metadata) > 16:
+        raise bad_request(f"metadata holds at most 16 pairs, got {len(body.metadata)}.", "metadata")
     return ChatRequest(
         messages=messages,
         model=body.model,
         max_tokens=max_tokens,
-        common=parse_sampling(body),
+        common=common,
+        tools=tools,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         add_special_tokens=bool(body.add_special_tokens),
         add_generation_prompt=body.add_generation_prompt is not False,
@@ -148,20 +180,15 @@ def parse_chat_body(
 
 
 def _check_unsupported(body: _ChatBody) -> None:
-    """No tool calling, structured output, audio or stored completions: only their neutral values."""
+    """No legacy function calling, audio, predictions or reasoning effort: only their neutral values."""
     check_neutral(
         {
-            "tools": not body.tools,
-            "tool_choice": body.tool_choice in (None, "none"),
             "functions": not body.functions,
             "function_call": body.function_call in (None, "none"),
-            "response_format": body.response_format is None or body.response_format == {"type": "text"},
             "modalities": body.modalities in (None, ["text"]),
             "audio": body.audio is None,
             "prediction": body.prediction is None,
             "reasoning_effort": body.reasoning_effort is None,
-            "store": not body.store,
-            "metadata": not body.metadata,
             "service_tier": body.service_tier in (None, "auto", "default"),
             "web_search_options": body.web_search_options is None,
             "echo": not body.echo,
@@ -203,25 +230,46 @@ def parse_messages(messages: list[Message] | None) -> tuple[dict, ...]:
 def _message(m: Message, i: int) -> dict:
     where = f"messages[{i}]"
     if m.role not in ROLES:
-        hint = " (use system for developer instructions)" if m.role == "developer" else ""
         raise bad_request(
-            f"{where}.role {quoted(m.role)} is not supported; use one of "
-            f"{', '.join(ROLES)}{hint}. Tool and function messages need tool "
-            "calling, which ringserve does not support.",
-            f"{where}.role",
+            f"{where}.role {quoted(m.role)} is not supported; use one of {', '.join(ROLES)}.", f"{where}.role"
         )
     check_neutral(
         {
-            f"{where}.tool_calls": not m.tool_calls,
             f"{where}.function_call": m.function_call is None,
             f"{where}.refusal": not m.refusal,
             f"{where}.audio": m.audio is None,
             f"{where}.annotations": not m.annotations,
         }
     )
-    out = {"role": m.role, "content": _content(m.content, where)}
+    if m.tool_calls and m.role != "assistant":
+        raise bad_request(f"{where}.tool_calls: only an assistant message carries tool calls.", f"{where}.tool_calls")
+    if m.role == "tool" and m.tool_call_id is None:
+        raise bad_request(f"{where}.tool_call_id: a tool message names the call it answers.", f"{where}.tool_call_id")
+    # an assistant message may have no content (it called tools, or was cut): the template gets ""
+    content = "" if m.content is None and m.role == "assistant" else _content(m.content, where)
+    out: dict = {"role": m.role, "content": content}
     if m.name is not None:
         out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _template_call(call: _ToolCall) -> dict:
+    """A tool call as chat templates read it: arguments as an object where they parse as one
+    (transformers' convention; vLLM does the same), else the string as sent."""
+    args = call.function.arguments
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            parsed = None
+        args = parsed if isinstance(parsed, dict) else args
+    out: dict = {"type": "function", "function": {"name": call.function.name, "arguments": args}}
+    if call.id is not None:
+        out["id"] = call.id
     return out
 
 

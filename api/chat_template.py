@@ -5,13 +5,15 @@ Templates come with downloaded models, so they are untrusted code: the sandbox r
 access to internals and mutation of the inputs. The environment matches transformers' (trim_blocks,
 lstrip_blocks, loop controls, the `{% generation %}` tag) and so do the helpers templates call:
 `raise_exception`, `strftime_now`, a `tojson` that does not escape HTML, and `dict` / `namespace`
-that refuse underscore names. The variables are the same too: `messages`, `tools` and `documents`
-(None), `add_generation_prompt`, and the tokenizer's named special tokens (`bos_token`,
+that refuse underscore names. The variables are the same too: `messages`, `tools` (the request's
+tool definitions, None without), `documents` (None), `add_generation_prompt`, and the tokenizer's named special tokens (`bos_token`,
 `eos_token`, ...).
 
-Where the template comes from, as transformers reads it: `chat_template.jinja` in the model
-directory, else `chat_template` in `tokenizer_config.json` (a string, or a list of named templates
-of which "default" is used).
+Where the template comes from: `--chat-template FILE` (the operator's; never a client's), else as
+transformers reads it: `chat_template.jinja` in the model directory, else `chat_template` in
+`tokenizer_config.json` (a string, or a list of named templates of which "default" is used). A
+known model may name a template ringserve ships (`ringserve/chat_templates/`): SmolLM2's own has
+no tools, so it is served with a ChatML template that has.
 
 The end-of-turn tokens: the tokenizer's EOS token plus the special token the template writes right
 after an assistant message (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3), found by rendering
@@ -125,10 +127,18 @@ class ChatTemplate:
     special_texts: tuple[str, ...] = ()  # every special token's text, longest first (`render_pieces`)
 
     @classmethod
-    def load(cls, model_dir: str | Path, codec: TextCodec) -> ChatTemplate | None:
-        """The model's chat template, or None when it has none. A template that does not compile
-        raises `ChatTemplateError` (a broken model directory, found at start-up)."""
+    def load(
+        cls, model_dir: str | Path, codec: TextCodec, source_file: str | Path | None = None
+    ) -> ChatTemplate | None:
+        """The model's chat template (or the one in `source_file`: `--chat-template`), or None
+        when it has none. A template that does not compile raises `ChatTemplateError` (a broken
+        model directory or template file, found at start-up)."""
         source, special = read_template(Path(model_dir))
+        if source_file is not None:
+            try:
+                source = Path(source_file).read_text(encoding="utf-8")
+            except OSError as exc:
+                raise ChatTemplateError(f"--chat-template {source_file}: {exc.strerror}") from None
         if source is None:
             return None
         try:
@@ -138,6 +148,23 @@ class ChatTemplate:
         probe = cls(source, special, template, ())
         return cls(source, special, template, probe._find_end_of_turn(codec), codec.special_texts)
 
+    @property
+    def renders_tools(self) -> bool:
+        """The template reads the `tools` variable (else a request with tools is refused)."""
+        return "tools" in self.source
+
+    @property
+    def has_developer_role(self) -> bool:
+        """The template knows OpenAI's `developer` role (else it is rendered as `system`)."""
+        return "developer" in self.source
+
+    @property
+    def tool_call_parser(self) -> str:
+        """The parser for what this template teaches the model to write (`--tool-call-parser auto`)."""
+        if "<|python_tag|>" in self.source or "ipython" in self.source:
+            return "llama3_json"
+        return "hermes"
+
     def render_pieces(
         self,
         messages: list[dict] | tuple[dict, ...],
@@ -145,13 +172,18 @@ class ChatTemplate:
         *,
         extra: dict | None = None,
         continue_final_message: bool = False,
+        tools: list[dict] | tuple[dict, ...] | None = None,
     ) -> tuple[str, ...]:
         """`render`, as pieces for `TextCodec.encode_pieces`: the template's text at even positions,
         a client's copy of a special token's text at odd ones (see the module docstring)."""
         if not self.special_texts:
             return (
                 self.render(
-                    messages, add_generation_prompt, extra=extra, continue_final_message=continue_final_message
+                    messages,
+                    add_generation_prompt,
+                    extra=extra,
+                    continue_final_message=continue_final_message,
+                    tools=tools,
                 ),
             )
         nonce = secrets.token_hex(8)
@@ -172,6 +204,7 @@ class ChatTemplate:
             add_generation_prompt,
             extra=hide(extra) if extra else extra,
             continue_final_message=continue_final_message,
+            tools=hide(list(tools)) if tools else None,
         )
         parts = re.split(f"\ue000{nonce}(\\d+)\ue001", text)
         # NOTE: re.split puts each placeholder's group at the odd positions, the rest between.
@@ -184,17 +217,18 @@ class ChatTemplate:
         *,
         extra: dict | None = None,
         continue_final_message: bool = False,
+        tools: list[dict] | tuple[dict, ...] | None = None,
     ) -> str:
         """The prompt text for `messages`; `ChatTemplateError` if the template refuses them.
         `extra`: more template variables (vLLM's `chat_template_kwargs`; ours win on a clash);
         `continue_final_message`: end the text right after the last message's content, so the
-        model continues it (as transformers does)."""
+        model continues it (as transformers does); `tools`: the request's tool definitions."""
         try:
             text = self.template.render(
                 {
                     **(extra or {}),
                     "messages": list(messages),
-                    "tools": None,
+                    "tools": list(tools) if tools else None,
                     "documents": None,
                     "add_generation_prompt": add_generation_prompt,
                     **self.special_tokens,

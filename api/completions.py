@@ -12,7 +12,7 @@ from ringserve.api.logprobs import CompletionLogprobs
 from ringserve.api.prompt_limits import encode_prompt, fit_ids, resolve_max_tokens
 from ringserve.api.protocol import check_min_tokens
 from ringserve.api.request_flow import Job, Output, check_available, read_request, run, tokenizing
-from ringserve.api.sampling_tokens import finish_sampling
+from ringserve.api.sampling_tokens import constrain, finish_sampling
 from ringserve.api.sse import EventEncoder
 from ringserve.api.state import ApiState
 from ringserve.rules import vocabulary_error
@@ -43,6 +43,8 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     st, req = await read_request(request, parse_body)
     common = req.common
     sampling = finish_sampling(common, st.codec)
+    if common.structured is not None:
+        sampling = await constrain(st, common.structured, sampling)
     check_available(st)
     prompts = await tokenizing(st, _tokenize_all(st, req))
     limit = st.config.max_tokens_limit

@@ -337,7 +337,9 @@ class Generation:
     def _finish(self, s: Sample, index: int, tail: str, reason: str, out: list[bytes]) -> None:
         s.reason = reason
         self.unfinished -= 1
-        if self.encoder is not None:
-            out.append(self.encoder.finish(index, tail, reason, self.sample_usage(s), self.timing()))
+        enc = self.encoder
+        if enc is not None:
+            usage = self.sample_usage(s) if enc.USAGE_ON_FINISH or self.continuous_usage else None
+            out.append(enc.finish(index, tail, reason, usage, self.timing()))
         elif tail:
             s.parts.append(tail)

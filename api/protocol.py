@@ -5,11 +5,12 @@
 Fields are those of vLLM's OpenAI server (its request models list them; docs/api.md says how each
 is treated). Three kinds:
 - honoured: sampling, stops, `n`, the logits controls (penalties, `logit_bias`, `min_p`,
-  `min_tokens`, `allowed_token_ids`, `bad_words`, applied on the GPU), the output options
+  `min_tokens`, `allowed_token_ids`, `bad_words`, applied on the GPU), structured output
+  (`response_format`, `structured_outputs`, the `guided_*` fields: `structured_output.py`), the output options
   (`include_stop_str_in_output`, `skip_special_tokens`, `return_tokens_as_token_ids`), prompt
   truncation, prompt logprobs, `cache_salt`, `request_id`;
 - accepted at their neutral values only (`check_neutral`): what would change the result if we
-  ignored it (`use_beam_search`, `priority`, `structured_outputs`, `response_format`, ...); any
+  ignored it (`use_beam_search`, `priority`, `repetition_detection`, ...); any
   other value is a 400 that names the field;
 - unknown: ignored, as vLLM ignores them, and named in the `x-ringserve-ignored-fields` header
   (`body.py`).
@@ -20,10 +21,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
 from ringserve.api.errors import ApiError, bad_request, quoted
+from ringserve.api.structured_output import StructuredOutputs, StructuredSpec, structured_spec
 from ringserve.rules import sampling_violation
 from ringserve.shm.messages import (
     MAX_ALLOWED_TOKEN_IDS,
@@ -82,12 +85,19 @@ class SamplingBody(msgspec.Struct, forbid_unknown_fields=True):
     truncate_prompt_tokens: int | None = None
     truncation_side: str | None = None
     prompt_logprobs: int | None = None
+    # structured output (`structured_output.py`): at most one of them, always honoured
+    structured_outputs: StructuredOutputs | None = None
+    response_format: dict | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # llguidance serves whatever this names
+    guided_whitespace_pattern: str | None = None
     # accepted at their neutral values only
     use_beam_search: bool | None = False
     watermarking: bool | None = None
     priority: int | None = 0
-    structured_outputs: dict | None = None
-    response_format: dict | None = None
     logprob_token_ids: list[int] | None = None
     repetition_detection: dict | None = None
 
@@ -120,6 +130,7 @@ class SamplingFields:
     bad_words: tuple[str, ...]
     truncate: tuple[int, str] | None  # (tokens to keep, -1: the context; "left" | "right")
     prompt_logprobs: int | None
+    structured: StructuredSpec | None = None  # the structured-output constraint asked for
 
 
 def parse_sampling(body: SamplingBody) -> SamplingFields:
@@ -132,8 +143,6 @@ def parse_sampling(body: SamplingBody) -> SamplingFields:
             "use_beam_search": not body.use_beam_search,
             "watermarking": not body.watermarking,
             "priority": body.priority in (None, 0),
-            "structured_outputs": body.structured_outputs is None,
-            "response_format": body.response_format is None or body.response_format == {"type": "text"},
             "logprob_token_ids": not body.logprob_token_ids,
             "repetition_detection": body.repetition_detection is None,
         }
@@ -164,6 +173,7 @@ def parse_sampling(body: SamplingBody) -> SamplingFields:
         bad_words=_bad_words(body.bad_words),
         truncate=_truncate(body),
         prompt_logprobs=prompt_logprobs,
+        structured=structured_spec(body),
     )
 
 

@@ -1,5 +1,6 @@
-"""The sampling field that needs the tokenizer: `bad_words` become token sequences (their counts
-and the vocabulary are then checked with the rest, `protocol.check_sampling`)."""
+"""The sampling fields that need the tokenizer: `bad_words` become token sequences (their counts
+and the vocabulary are then checked with the rest, `protocol.check_sampling`), and a structured-output
+constraint becomes a grammar checked against the vocabulary (`structured_output.py`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import msgspec
 
 from ringserve.api.errors import bad_request
 from ringserve.api.protocol import SamplingFields
+from ringserve.api.state import ApiState
+from ringserve.api.structured_output import StructuredSpec, compile_spec
 from ringserve.api.tokenizer import TextCodec
 from ringserve.shm.messages import SamplingParams
 
@@ -33,3 +36,11 @@ def bad_word_ids(codec: TextCodec, words: tuple[str, ...]) -> tuple[tuple[int, .
             if not spaced or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
                 out.append(ids)
     return tuple(map(tuple, out))
+
+
+async def constrain(st: ApiState, spec: StructuredSpec, sampling: SamplingParams) -> SamplingParams:
+    """`sampling` with the grammar of `spec` (a 400 naming the construct llguidance refuses)."""
+    if st.grammar is None:
+        raise bad_request("structured output is not available on this server.", spec.param, code="unsupported_value")
+    grammar = await compile_spec(spec, st.grammar, st.executor)
+    return msgspec.structs.replace(sampling, grammar=grammar)

@@ -25,6 +25,8 @@ _INDEX = [str(i).encode() for i in range(64)]
 class Encoder(Protocol):
     """What a route's SSE encoder provides (`EventEncoder` here, `chat_output.ChatEventEncoder`)."""
 
+    USAGE_ON_FINISH: bool  # the finish event carries the choice's usage even without continuous stats
+
     def start(self, n: int) -> bytes:
         """Bytes before the first token (may be empty)."""
 
@@ -41,7 +43,7 @@ class Encoder(Protocol):
     def text(self, index: int, text: str, logprobs: dict | None) -> bytes:
         """A choice's text that is not a generated token (the echoed prompt)."""
 
-    def finish(self, index: int, text: str, reason: str, usage: dict, timing: dict) -> bytes: ...
+    def finish(self, index: int, text: str, reason: str, usage: dict | None, timing: dict) -> bytes: ...
 
     def usage(self, usage: dict, timing: dict) -> bytes:
         """The event after every sample finished (empty unless the client asked for usage)."""
@@ -55,6 +57,9 @@ class EventEncoder:
     text sits in its choice, and the events built from dicts."""
 
     OBJECT = "text_completion"
+    # ringserve's `usage` of the choice on its finish event (chat sends usage only at the end, as
+    # OpenAI does: LangChain adds up every usage it sees, `chat_output.py`)
+    USAGE_ON_FINISH = True
     _TEXT_OPEN = b',"text":'  # a token's text in its choice ...
     _TEXT_CLOSE = b',"logprobs":'  # ... and what follows it
 
@@ -121,11 +126,12 @@ class EventEncoder:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
         return self._chunk([choice], index=index, text=text)
 
-    def finish(self, index: int, text: str, reason: str, usage: dict, timing: dict) -> bytes:
+    def finish(self, index: int, text: str, reason: str, usage: dict | None, timing: dict) -> bytes:
         """A sample's last choices event: any text still held back, its finish_reason, and (our
         own fields, which OpenAI clients ignore) its usage and the request's timing."""
         choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
-        return self._chunk([choice], index=index, text=text, finish_reason=reason, usage=usage, timing=timing)
+        extra = {"usage": usage} if usage is not None else {}
+        return self._chunk([choice], index=index, text=text, finish_reason=reason, **extra, timing=timing)
 
     def usage(self, usage: dict, timing: dict) -> bytes:
         """With `include_usage`, the event after every sample finished: `"choices":[]`, usage

@@ -16,6 +16,7 @@ from ringserve.api.gpu_client import GpuClient
 from ringserve.api.gpu_status import GpuStatus
 from ringserve.api.metrics import StatsSnapshot
 from ringserve.api.registry import Registry
+from ringserve.api.structured_output import GrammarChecker
 from ringserve.api.tokenizer import TextCodec
 from ringserve.api.worker_stats import WorkerStats
 from ringserve.config import Config
@@ -49,6 +50,10 @@ class ApiState:
     remote_cancel: Callable[[str, str], Awaitable[bool]] | None = None
     # The model's chat template (None: the model has none, /v1/chat/completions answers 400).
     chat_template: ChatTemplate | None = None
+    # How tool calls are read from a chat answer (`tool_parsers.py`; `--tool-call-parser`).
+    tool_call_parser: str = "hermes"
+    # Structured output's grammar check against the model's vocabulary (built from `codec`).
+    grammar: GrammarChecker | None = None
     # Other names a request's `model` may use: the path the model was served from (vLLM's id).
     model_aliases: frozenset[str] = frozenset()
 

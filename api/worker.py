@@ -138,7 +138,7 @@ def run_worker(
         log.info("open-file limit raised from %d to %d (each connection is a file)", before, now)
     log_filter.install()  # before serving: no aiohttp record may quote a request
     codec = TextCodec.from_dir(tokenizer_dir)
-    chat_template = _load_chat_template(tokenizer_dir, codec)
+    chat_template = _load_chat_template(tokenizer_dir, codec, config.chat_template)
     auth = Authenticator(
         load_keys(config.api_keys_file) if config.api_keys_file else None,
         metrics_keys=load_keys(config.metrics_keys_file) if config.metrics_keys_file else None,
@@ -177,11 +177,11 @@ def run_worker(
     return 0
 
 
-def _load_chat_template(model_dir: str, codec: TextCodec) -> ChatTemplate | None:
-    """The model's chat template; one that does not compile leaves /v1/chat/completions answering
-    400 (and says why here) while /v1/completions keeps serving."""
+def _load_chat_template(model_dir: str, codec: TextCodec, source_file: str | None = None) -> ChatTemplate | None:
+    """The model's chat template (or `--chat-template`'s); one that does not compile leaves
+    /v1/chat/completions answering 400 (and says why here) while /v1/completions keeps serving."""
     try:
-        return ChatTemplate.load(model_dir, codec)
+        return ChatTemplate.load(model_dir, codec, source_file)
     except ChatTemplateError as exc:
         log.error("%s; /v1/chat/completions is unavailable", exc)
         return None

@@ -13,6 +13,7 @@ import torch
 
 from ringserve.config import Config
 from ringserve.gpu_proc.cpu_tuning import tune_cpu_process
+from ringserve.gpu_proc.grammar import GrammarState
 from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.kv_sizing import GIB, device_memory, kv_block_bytes, memory_plan_lines, plan_for_model
 from ringserve.gpu_proc.logits_processors import ControlsState
@@ -44,18 +45,22 @@ class Engine:
     dtype: torch.dtype
     warmup: WarmupReport | None = None
     attention: dict = field(default_factory=dict)  # the backend per op and its start-up check (facts)
+    tokenizer_file: str | None = None  # the model's tokenizer.json: structured output's matchers read it
     controls: ControlsState = field(init=False)  # the logits controls' per-sequence state
+    grammar: GrammarState = field(init=False)  # structured output's per-sequence matchers
 
     def __post_init__(self) -> None:
         self.controls = ControlsState(self.vocab_size, self.eos_token_ids, self.device)
+        self.grammar = GrammarState(self.tokenizer_file, self.vocab_size, self.eos_token_ids, self.device)
 
     def step(self, batch: StepBatch) -> SampleOutput | None:
         """One forward pass and the samples of its sampling rows, with the prompt logprobs of its
         scoring rows (None when no row samples or scores)."""
         self.release(batch.finished)
-        logits = self.runner.execute(batch)
         rows = batch.sampling_seqs
-        out = self.controls.sample(logits[: len(rows)], rows) if rows else None
+        masks = self.grammar.begin(rows) if rows else None  # filled while the forward runs
+        logits = self.runner.execute(batch)
+        out = self.controls.sample(logits[: len(rows)], rows, masks) if rows else None
         if batch.scores_prompts:
             out = out or SampleOutput([], [], [])
             out.prompt_logprobs = score(logits[len(rows) :], batch)
@@ -65,6 +70,7 @@ class Engine:
         """Free the per-sequence state of sequences that ended (the batch names them)."""
         if seq_ids:
             self.controls.forget(seq_ids)
+            self.grammar.forget(seq_ids)
 
 
 def _load_cpu_kernels(progress: Callable[[], None] | None) -> bool:
@@ -228,4 +234,15 @@ def build_engine(
         runner.graphs.capture_all(progress)
     elif device.type == "cuda" and config.cuda_graphs:
         log.warning("CUDA graphs off: attention is served by %s, not the CuPy kernels alone", served_by)
-    return Engine(runner, special.eos_token_ids, args.vocab_size, num_blocks, device, dtype, report, attention)
+    tokenizer = Path(model_dir) / "tokenizer.json"
+    return Engine(
+        runner,
+        special.eos_token_ids,
+        args.vocab_size,
+        num_blocks,
+        device,
+        dtype,
+        report,
+        attention,
+        tokenizer_file=str(tokenizer) if tokenizer.is_file() else None,
+    )

@@ -2,7 +2,8 @@
 
 Rows whose `RowSampling.controls` is set (the request asked for a non-neutral control) are
 processed; the others are not touched, and a step without such rows does no work here at all.
-The order is vLLM's: `allowed_token_ids`, `bad_words`, `min_tokens` (mask the stop tokens and EOS
+The order is vLLM's: the structured-output grammar's mask first (`grammar.py` fills it while the
+forward runs), then `allowed_token_ids`, `bad_words`, `min_tokens` (mask the stop tokens and EOS
 until that many tokens were produced), `logit_bias`, then the penalties — repetition (over prompt
 and output: a seen token's logit is divided by the penalty when positive, else multiplied),
 frequency (minus the penalty per occurrence in the output) and presence (minus it once for any
@@ -31,12 +32,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .attention.metadata import host_tensor
 from .sampler import MIN_TEMPERATURE, SampleOutput, sample
 from .step import RowControls, RowSampling, SeqStep
+
+if TYPE_CHECKING:
+    from .grammar import GrammarMasks
 
 EVICT_AFTER_STEPS = 256
 _NEG_INF = float("-inf")
@@ -62,15 +67,15 @@ class ControlsState:
         self._free: list[int] = []
         self._step = 0
 
-    def sample(self, logits: torch.Tensor, rows: list[SeqStep]) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, rows: list[SeqStep], grammar: GrammarMasks | None = None) -> SampleOutput:
         """Sample the step's sampling rows (`logits` `[R, vocab]`, modified in place for the rows
-        with controls), as `sampler.sample` does."""
+        with controls), as `sampler.sample` does; `grammar`: the step's structured-output masks."""
         sampling = _settings(rows)
         positions = [s.context_len for s in rows]
-        if all(r.controls is None for r in sampling):
+        if grammar is None and all(r.controls is None for r in sampling):
             return sample(logits, sampling, positions)  # the common case: nothing more at all
         with torch.inference_mode():  # the runner's logits are inference tensors
-            plan = self.plan(rows)
+            plan = self.plan(rows, grammar)
             if plan is None:  # not reached: a row has controls
                 return sample(logits, sampling, positions)
             raw = plan.apply(logits)
@@ -80,7 +85,7 @@ class ControlsState:
 
     # -- the plan (host) --------------------------------------------------------------------------
 
-    def plan(self, rows: list[SeqStep]) -> ControlsPlan | None:
+    def plan(self, rows: list[SeqStep], grammar: GrammarMasks | None = None) -> ControlsPlan | None:
         """The step's controls as a few device tensors; None when no row has any."""
         sampling = _settings(rows)
         chosen = [(i, r.controls) for i, r in enumerate(sampling) if r.controls is not None]
@@ -135,6 +140,11 @@ class ControlsState:
             return host_tensor(code, xs).to(dev, non_blocking=True)
 
         every = len(picked)
+        masked = None
+        if grammar is not None:  # NOTE: a constrained row has controls (`SamplingParams.controlled`)
+            at = {i: j for j, i in enumerate(picked)}
+            g_rows = [at[i] for i in grammar.rows]
+            masked = (flat("q", g_rows) if len(g_rows) < every else None, grammar.allowed())
         return ControlsPlan(
             rows=flat("q", picked),
             num_rows=every,
@@ -154,6 +164,7 @@ class ControlsState:
             min_p=(flat("q", minp_rows) if len(minp_rows) < every else None, flat("f", minp_shift))
             if minp_rows
             else None,
+            grammar=masked,
         )
 
     def _sync(self, seq_id: int, c: RowControls, new_tokens: list[int]) -> int:
@@ -251,21 +262,31 @@ class ControlsPlan:
     bias: tuple[torch.Tensor, torch.Tensor] | None  # logit_bias: (flat indices, values)
     penalties: Penalties | None
     min_p: tuple[torch.Tensor | None, torch.Tensor] | None  # (rows, None: every one; log-prob shifts)
+    # structured output: (its rows, None: every one; bool [Rg, V], True where the grammar allows)
+    grammar: tuple[torch.Tensor | None, torch.Tensor] | None = None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Process the controlled rows of `logits` `[R, vocab]` in place; returns their raw logits
         `[Rc, vocab]` (float32) for the logprobs."""
         raw = logits.index_select(0, self.rows).float()  # [Rc, V]
-        masks = self.keep is not None or self.ban is not None
+        masks = self.keep is not None or self.ban is not None or self.grammar is not None
         z = raw.clone() if masks or self.bias is not None else raw  # raw stays unchanged
         fallback = raw  # what a row whose masks leave nothing samples from
+        if self.grammar is not None:
+            g_rows, allowed = self.grammar
+            if g_rows is None:
+                z.masked_fill_(~allowed, _NEG_INF)
+            else:
+                z[g_rows] = z[g_rows].masked_fill_(~allowed, _NEG_INF)
+            fallback = z.clone() if self.keep is not None or self.ban is not None else z
         if self.keep is not None:
             keep_rows, keep_at = self.keep
             keep = torch.ones_like(z, dtype=torch.bool)
             keep[keep_rows] = False
             keep.view(-1)[keep_at] = True
             z.masked_fill_(~keep, _NEG_INF)
-            fallback = z.clone()
+            if self.grammar is None:  # NOTE: with a grammar, the fallback is the grammar's tokens
+                fallback = z.clone()
         if self.ban is not None:
             z.view(-1)[self.ban] = _NEG_INF
         if self.bias is not None:
@@ -279,7 +300,8 @@ class ControlsPlan:
         if masks:
             # NOTE: the API and the Submit check refuse controls that could mask every token
             # (`rules.constraints_error`); should a row still have none left, it samples from its
-            # allowed tokens alone (from its raw logits without such a set), never outside them.
+            # allowed tokens alone (from its raw logits without such a set), never outside them,
+            # nor outside its grammar (which always allows a token: EOS once it is complete).
             z = torch.where(torch.isneginf(z.amax(-1, keepdim=True)), fallback, z)
         logits.index_copy_(0, self.rows, z.to(logits.dtype))
         return raw

@@ -123,6 +123,8 @@ class GpuLoop:
         decision = self.scheduler.admit(req)
         reply: M.Accepted | M.Rejected
         if decision.accepted:
+            if msg.sampling.grammar is not None:  # compiled in the grammar thread, off this loop
+                self.engine.grammar.prepare(msg.sampling.grammar)
             reply = M.Accepted(rid=msg.rid, est_gpu_ms=decision.est_gpu_ms)
         else:
             self.rejected_429 += decision.status == 429

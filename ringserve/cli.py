@@ -43,6 +43,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "prefix": ("ringserve.tools.bench_prefix", "TTFT and throughput with and without prefix caching"),
     "peers": ("ringserve.tools.bench_peers", "ringserve beside vLLM CPU: same checkpoint, client and run"),
     "fleet": ("ringserve.tools.bench_fleet", "Envoy's least-request vs ORCA-weighted round robin on one trace"),
+    "structured": (
+        "ringserve.tools.bench_structured",
+        "decode steps with 0 / 1 / all rows grammar-constrained; the mask fill per row per token",
+    ),
     "controls": (
         "ringserve.tools.bench_controls",
         "the sampler with and without vLLM's logits controls; prompt scoring",

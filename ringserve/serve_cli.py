@@ -64,5 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     except models.ModelError as exc:
         log.error("%s", exc)
         return 1
-    config = config.replace(model_name=config.model_name or model.name)
+    config = config.replace(
+        model_name=config.model_name or model.name, chat_template=config.chat_template or model.chat_template
+    )
     return Supervisor(config, model.directory, args.shm_dir).run()

@@ -88,6 +88,9 @@ MAX_ALLOWED_TOKEN_IDS = 4096
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_TOKENS = 32
 MAX_TOP_LOGPROBS = 20  # top alternatives per token (`logprobs`, `prompt_logprobs`); vLLM's default
+# A constrained request's grammar, in llguidance's serialized form (`api/structured_output.py`):
+# a JSON schema, regex, choice list or Lark grammar as the client sent it plus a small envelope.
+MAX_GRAMMAR_CHARS = 64 * 1024
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -109,6 +112,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), sorted by id
     allowed_token_ids: tuple[int, ...] = ()  # empty: every token; sorted, distinct
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
+    # Structured output: the grammar every sampled token must keep the answer inside (llguidance's
+    # serialized grammar, built and checked by the worker); None: unconstrained
+    grammar: str | None = None
 
     @property
     def penalized(self) -> bool:
@@ -124,6 +130,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             or self.logit_bias
             or self.allowed_token_ids
             or self.bad_words
+            or self.grammar is not None
         )
 
 
@@ -226,7 +233,7 @@ def max_submit_bytes(context_limit: int) -> int:
     ids = 5 * (context_limit + MAX_STOP_TOKEN_IDS + MAX_ALLOWED_TOKEN_IDS)  # msgpack uint32 or less
     bias = (5 + 9 + 1) * MAX_LOGIT_BIAS  # (id, float64) pairs
     bad = (5 * MAX_BAD_WORD_TOKENS + 3) * MAX_BAD_WORDS
-    strings = 4 * (MAX_REQUEST_ID_CHARS + MAX_CACHE_SALT_CHARS) + 64  # UTF-8; the tenant is a hash
+    strings = 4 * (MAX_REQUEST_ID_CHARS + MAX_CACHE_SALT_CHARS + MAX_GRAMMAR_CHARS) + 64  # UTF-8; the tenant is a hash
     return ids + bias + bad + strings + 1024  # field names, scalars and headers
 
 

@@ -18,10 +18,13 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_default_is_smollm2_in_the_cache(cache):
-    """No --model: SmolLM2-135M-Instruct's cache directory, reported as its name."""
+    """No --model: SmolLM2-135M-Instruct's cache directory, reported as its name, served with the
+    tools-capable ChatML template ringserve ships (its own has no tools)."""
     model = models.resolve(None)
-    assert model == models.ResolvedModel(cache / "smollm2-135m-instruct", "smollm2-135m-instruct")
+    template = models.shipped_template("chatml_tools.jinja")
+    assert model == models.ResolvedModel(cache / "smollm2-135m-instruct", "smollm2-135m-instruct", template)
     assert models.resolve("smollm2-135m-instruct") == model
+    assert "<tool_call>" in open(template, encoding="utf-8").read()
 
 
 def test_tiny_is_the_built_in_model(cache):

@@ -37,7 +37,8 @@ RUN_TOOLS = ("pytest", "pytest-timeout", "hypothesis")
 # What `pip install --no-build-isolation -e .` builds the checkout with (a Python 3.12 venv has
 # neither), carried whatever the image has.
 BUILD_TOOLS = ("setuptools", "wheel")
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+# NOTE: the device's glibc takes manylinux up to 2_39; llguidance ships 2_31 wheels only.
+PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 REQUIREMENTS = "requirements.txt"
 
 

@@ -153,17 +153,17 @@ async def test_content_parts_are_joined_with_newlines(serve, chat_template, code
 @pytest.mark.parametrize(
     "field, value, param",
     [
-        ("tools", [{"type": "function", "function": {"name": "f"}}], "tools"),
-        ("tool_choice", "auto", "tool_choice"),
-        ("response_format", {"type": "json_object"}, "response_format"),
+        ("tools", [{"type": "function", "function": {"name": "f"}}], "tools"),  # the template has no tools
+        ("tool_choice", "required", "tool_choice"),  # without tools
+        ("response_format", {"type": "bogus"}, "response_format.type"),
         ("use_beam_search", True, "use_beam_search"),
         ("priority", 1, "priority"),
         ("chat_template", "{{ messages }}", "chat_template"),
         ("logit_bias", {"99999": 1.0}, "logit_bias"),
         ("audio", {"voice": "alloy"}, "audio"),
-        ("messages", [{"role": "tool", "content": "x", "tool_call_id": "1"}], "messages[0].role"),
-        ("messages", [{"role": "developer", "content": "x"}], "messages[0].role"),
-        ("messages", [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}], "messages[0].tool_calls"),
+        ("messages", [{"role": "robot", "content": "x"}], "messages[0].role"),
+        ("messages", [{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
+        ("messages", [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}], "messages"),
         (
             "messages",
             [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
@@ -179,7 +179,8 @@ async def test_content_parts_are_joined_with_newlines(serve, chat_template, code
     ],
 )
 async def test_fields_it_cannot_honour_are_400_naming_them(serve, field, value, param):
-    """Tools, structured output, audio, non-text parts, bad roles and bad values: 400 with param."""
+    """Tools the template cannot render, bad structured output, audio, non-text parts, bad roles
+    and bad values: 400 with param."""
     served = await serve()
     status, err = await _error(served, **{field: value})
     assert status == 400 and err["param"] == param, err
