@@ -37,14 +37,18 @@ class BlockManager:
 
     __slots__ = ("num_blocks", "block_size", "cache", "_free", "_refs")
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, order: list[int] | None = None) -> None:
+        """`order`: the free list's first order, a permutation of the block ids (default: in id
+        order); offline runs shuffle it so tables are not in position order."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        if order is not None and sorted(order) != list(range(num_blocks)):
+            raise ValueError(f"order must be a permutation of the {num_blocks} block ids")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks) if order is None else order)
         self._refs: list[int] = [0] * num_blocks
         self.cache: PrefixCache | None = None
 

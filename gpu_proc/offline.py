@@ -1,10 +1,11 @@
-"""Offline generation: drive the runner and sampler without the scheduler or any IPC.
+"""Offline generation: the real scheduler and engine without the rings, for tests, benchmarks and
+quick experiments.
 
-For tests, benchmarks and quick experiments: every request is admitted at once (up to `max_rows`
-running), prompts are prefilled in chunks under a per-step token budget while other rows decode,
-blocks come from a simple free list (optionally shuffled, so block ids are not in position order),
-and the engine's stop rules end each row. The real server's scheduler (fairness, preemption,
-admission) lives in `scheduler.py`; this is the smallest loop that produces a step mix.
+Every request is admitted at once under one tenant (the scheduler queues what does not fit),
+scheduled by `scheduler.py` exactly as the server does (chunked prefill under the step budget
+while other rows decode, preemption when the pool runs out, prefix caching off), and run by the
+engine's step (`Engine.step`: the runner, the logits controls, the sampler). Blocks can come
+from a shuffled free list, so block ids are not in position order.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from ringserve.rules import finish_reason
+from ringserve.config import Config
+from ringserve.shm.messages import Finish, SamplingParams, Token
 
+from .block_manager import BlockManager
+from .engine import Engine
 from .model_runner import ModelRunner
-from .sampler import sample
-from .step import RowSampling, SeqStep, StepBatch
+from .request import Request
+from .scheduler import Scheduler
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,19 +51,6 @@ class OfflineResult:
 
 
 @dataclass(slots=True)
-class _Row:
-    index: int
-    req: OfflineRequest
-    blocks: list[int]
-    result: OfflineResult
-    computed: int = 0  # tokens already in the KV cache
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.req.prompt_ids + self.result.token_ids
-
-
-@dataclass(slots=True)
 class StepRecord:
     """What one step held: for checking that a run really mixed decode rows and prefill chunks."""
 
@@ -85,80 +76,53 @@ def generate(
     `prefill_budget` caps the prompt tokens per step (a prompt longer than that is chunked);
     `block_seed` shuffles the free list; `log`, when given, receives one `StepRecord` per step.
     """
-    bs = runner.block_size
-    free = list(range(runner.kv_pool.num_blocks))
+    num_blocks, bs = runner.kv_pool.num_blocks, runner.block_size
+    order = list(range(num_blocks))
     if block_seed is not None:
-        random.Random(block_seed).shuffle(free)
-    pending = [_Row(i, r, [], OfflineResult()) for i, r in enumerate(requests)]
-    pending.reverse()  # pop() admits in request order
-    running: list[_Row] = []
-    results: list[OfflineResult | None] = [None] * len(requests)
-    while pending or running:
-        while pending and len(running) < max_rows:
-            running.append(pending.pop())
-        budget = prefill_budget
-        steps: list[tuple[_Row, SeqStep]] = []
-        for row in running:
-            ids = row.all_ids
-            prompt_left = len(row.req.prompt_ids) - row.computed
-            if prompt_left > 0:
-                n = min(prompt_left, budget)
-                if n == 0:
-                    continue
-                budget -= n
-            else:
-                n = 1  # decode: feed the last sampled token
-            end = row.computed + n
-            need = (end + bs - 1) // bs - len(row.blocks)
-            if need > len(free):
-                raise RuntimeError(f"KV pool exhausted: {runner.kv_pool.num_blocks} blocks are too few")
-            row.blocks += [free.pop() for _ in range(need)]
-            samples = end >= len(ids)
-            sampling = (
-                RowSampling(
-                    temperature=row.req.temperature,
-                    top_k=row.req.top_k,
-                    top_p=row.req.top_p,
-                    seed=row.req.seed,
-                    logprobs=row.req.logprobs,
-                )
-                if samples
-                else None
-            )
-            steps.append((row, SeqStep(row.index, ids[row.computed : end], row.computed, row.blocks, sampling)))
-        batch = StepBatch([s for _, s in steps])
-        logits = runner.execute(batch)
-        samplers = [(row, s, s.sampling) for row, s in steps if s.sampling is not None]
-        out = sample(logits, [sp for _, _, sp in samplers], [s.context_len for _, s, _ in samplers])
-        if log is not None:
-            prefill = sum(1 for row, s in steps if s.start_pos < len(row.req.prompt_ids))
-            log.append(StepRecord(len(steps), batch.num_tokens, prefill, len(steps) - prefill))
-        for row, s in steps:
-            row.computed = s.context_len
-        for j, (row, s, _) in enumerate(samplers):
-            res = row.result
-            res.token_ids.append(out.token_ids[j])
-            res.logprobs.append(out.logprobs[j])
-            res.top_logprobs.append(out.top_logprobs[j])
-            res.finish_reason = finish_reason(
-                out.token_ids[j],
-                len(res.token_ids),
-                s.context_len + 1,
-                eos_token_ids=eos_token_ids,
-                stop_token_ids=frozenset(row.req.stop_token_ids),
-                ignore_eos=row.req.ignore_eos,
-                max_tokens=row.req.max_tokens,
-                context_limit=context_limit,
-            )
-        still = []
-        for row in running:
-            if row.result.finish_reason is None:
-                still.append(row)
-            else:
-                free += row.blocks
-                results[row.index] = row.result
-        running = still
-    done = [r for r in results if r is not None]
-    if len(done) != len(results):
-        raise RuntimeError(f"{len(results) - len(done)} requests never finished")
-    return done
+        random.Random(block_seed).shuffle(order)
+    config = Config(
+        max_rows=max_rows,
+        prefill_budget=prefill_budget,
+        context_limit=context_limit,
+        block_size=bs,
+        num_blocks=num_blocks,
+        queue_limit_s=1e9,  # offline: every request waits its turn, none is refused for load
+        prefix_caching=False,
+    )
+    args = runner.model.args
+    engine = Engine(runner, frozenset(eos_token_ids), args.vocab_size, num_blocks, runner.device, runner.kv_pool.dtype)
+    sched = Scheduler(config, BlockManager(num_blocks, bs, order), eos_token_ids=eos_token_ids, clock=lambda: 0.0)
+    prompt_len: dict[int, int] = {}
+    for i, r in enumerate(requests):
+        sampling = SamplingParams(
+            temperature=r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            seed=r.seed,
+            stop_token_ids=tuple(r.stop_token_ids),
+            ignore_eos=r.ignore_eos,
+        )
+        req = Request((0, i), f"offline-{i}", "offline", list(r.prompt_ids), r.max_tokens, sampling, 0.0, 1e18)
+        req.logprobs = r.logprobs
+        decision = sched.admit(req)
+        if not decision.accepted:
+            raise RuntimeError(f"offline request {i} refused: {decision.message}")
+        prompt_len[req.seq_id] = req.prompt_len
+    results = [OfflineResult() for _ in requests]
+    while sched.has_work:
+        batch = sched.schedule(0.0)
+        samples = engine.step(batch) if batch.seqs else None
+        if samples is None:
+            engine.release(batch.finished)
+        if log is not None and batch.seqs:
+            prefill = sum(1 for s in batch.seqs if s.start_pos < prompt_len[s.seq_id])
+            log.append(StepRecord(len(batch.seqs), batch.num_tokens, prefill, len(batch.seqs) - prefill))
+        for _, ev in sched.update(samples):
+            res = results[ev.rid]
+            if isinstance(ev, Token):
+                res.token_ids.append(ev.token_id)
+                res.logprobs.append(ev.logprob)
+                res.top_logprobs.append(ev.top_logprobs)
+            elif isinstance(ev, Finish):
+                res.finish_reason = str(ev.reason)
+    return results
