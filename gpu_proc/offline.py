@@ -89,8 +89,8 @@ def generate(
         queue_limit_s=1e9,  # offline: every request waits its turn, none is refused for load
         prefix_caching=False,
     )
-    args = runner.model.args
-    engine = Engine(runner, frozenset(eos_token_ids), args.vocab_size, num_blocks, runner.device, runner.kv_pool.dtype)
+    vocab_size = int(getattr(runner.model, "args").vocab_size)  # noqa: B009 (a Module attribute)
+    engine = Engine(runner, frozenset(eos_token_ids), vocab_size, num_blocks, runner.device, runner.kv_pool.dtype)
     sched = Scheduler(config, BlockManager(num_blocks, bs, order), eos_token_ids=eos_token_ids, clock=lambda: 0.0)
     prompt_len: dict[int, int] = {}
     for i, r in enumerate(requests):
