@@ -47,10 +47,11 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
     return await run(request, st, job, output)
 
 
-async def chat_job(st: ApiState, req: ChatRequest) -> Job:
+async def chat_job(st: ApiState, req: ChatRequest, param: str = "messages") -> Job:
     """A validated chat request as the job `request_flow.run` submits: rendered, tokenized,
     constrained by its tools or structured output, ending at the template's end of turn. Every
-    route that speaks in messages (/v1/chat/completions, /v1/responses) goes through here."""
+    route that speaks in messages (/v1/chat/completions, /v1/responses) goes through here;
+    `param` names the messages in its errors (the route's field: messages, input)."""
     template = _template(st)
     if req.tools is not None and not template.renders_tools:
         raise bad_request(
@@ -66,11 +67,11 @@ async def chat_job(st: ApiState, req: ChatRequest) -> Job:
     if spec is not None:
         sampling = await constrain(st, spec, sampling)
     check_available(st)
-    prompt_ids = await tokenizing(st, _prompt_ids(st, template, req))
+    prompt_ids = await tokenizing(st, _prompt_ids(st, template, req, param))
     max_tokens = resolve_max_tokens(
         len(prompt_ids), req.max_tokens, st.config.context_limit, st.config.max_tokens_limit
     )
-    check_fits(len(prompt_ids), max_tokens, st.config.context_limit, param="messages")
+    check_fits(len(prompt_ids), max_tokens, st.config.context_limit, param=param)
     check_min_tokens(common, max_tokens)
     if not sampling.ignore_eos:
         stops = tuple(dict.fromkeys(sampling.stop_token_ids + template.end_of_turn_ids))
@@ -98,7 +99,7 @@ def _template(st: ApiState) -> ChatTemplate:
     return st.chat_template
 
 
-async def _prompt_ids(st: ApiState, template: ChatTemplate, req: ChatRequest) -> list[int]:
+async def _prompt_ids(st: ApiState, template: ChatTemplate, req: ChatRequest, param: str) -> list[int]:
     """Render, then tokenize as a prompt is (refused by its byte length before tokenizing when it
     cannot fit; a long one off the event loop)."""
     messages = req.messages
@@ -114,7 +115,7 @@ async def _prompt_ids(st: ApiState, template: ChatTemplate, req: ChatRequest) ->
         )
     except ChatTemplateError as exc:
         raise bad_request(
-            f"The model's chat template refused the messages: {exc}", "messages", code="chat_template_error"
+            f"The model's chat template refused the messages: {exc}", param, code="chat_template_error"
         ) from None
     # The rendered text holds the template's special tokens (BOS, turn markers) already; the
     # client's text is plain text, whatever it spells (chat_template.render_pieces).
@@ -126,11 +127,11 @@ async def _prompt_ids(st: ApiState, template: ChatTemplate, req: ChatRequest) ->
         executor=st.executor,
         inline_chars=st.tokenize_inline_chars,
         add_special_tokens=req.add_special_tokens,
-        param="messages",
+        param=param,
         truncate=req.common.truncate,
     )
     if not ids:
-        raise bad_request("The chat template rendered these messages as an empty prompt.", "messages")
+        raise bad_request("The chat template rendered these messages as an empty prompt.", param)
     return ids
 
 

@@ -95,15 +95,15 @@ class Output:
     """A route's response shapes.
 
     `encoder(request_id, model, created, include_usage)` builds the `sse.Encoder` of a streamed
-    request; `body(request_id, model, gen)` is the JSON body of a non-streamed one; `finished(gen)`,
-    when set, is awaited once every sample has finished, before the stream's last event or the
-    body is sent (a stored response is findable before its client has it).
+    request; `body(request_id, model, gen)` is the JSON body of a non-streamed one;
+    `finished(request_id, gen)`, when set, is awaited once every sample has finished, before the
+    stream's last event or the body is sent (a stored response is findable before its client has it).
     """
 
     encoder: Callable[[str, str, int, bool], Encoder]
     body: Callable[[str, str, Generation], dict]
     logprob_format: LogprobFormat = COMPLETION_LOGPROBS
-    finished: Callable[[Generation], Awaitable[None]] | None = None
+    finished: Callable[[str, Generation], Awaitable[None]] | None = None
 
 
 class _ParsedBody(Protocol):
@@ -294,7 +294,7 @@ async def _stream(flow: _Flow, output: Output) -> web.StreamResponse:
         if gen.error is None:
             await _settle(flow)
             if output.finished is not None:
-                await output.finished(gen)
+                await output.finished(entry.request_id, gen)
             tail.insert(0, encoder.usage(gen.usage(), gen.timing()))
         entry.write_since = loop.time()
         await resp.write(b"".join(tail))
@@ -356,7 +356,7 @@ async def _complete(flow: _Flow, output: Output) -> web.Response:
         )
     await _settle(flow)
     if output.finished is not None:
-        await output.finished(gen)
+        await output.finished(entry.request_id, gen)
     body = output.body(entry.request_id, st.model_name, gen)
     return web.Response(body=await _encode(body), content_type="application/json", headers=flow.headers())
 
