@@ -58,6 +58,10 @@ _OVER_TOTAL = (
 )
 
 
+class StoreUnavailable(Exception):
+    """The database could not be read (the message says why); the route answers 503."""
+
+
 @dataclass(frozen=True, slots=True)
 class Stored:
     """A stored response: the response object's JSON and its conversation's items' JSON."""
@@ -99,7 +103,7 @@ class ResponseStore:
     @property
     def enabled(self) -> bool:
         """False when the server stores nothing (`--response-store-bytes 0`)."""
-        return self.total_bytes > 0
+        return self.total_bytes > 0 and self.tenant_bytes > 0
 
     # the API (each call runs in the store's thread) -------------------------------------------
     async def put(self, tenant: str, response_id: str, response: bytes, items: bytes) -> bool:
@@ -108,7 +112,8 @@ class ResponseStore:
         return await self._call(self._put, tenant, response_id, response, items)
 
     async def get(self, tenant: str, response_id: str) -> Stored | None:
-        """The tenant's response `response_id`, None if it has none by that id (any more)."""
+        """The tenant's response `response_id`, None if it has none by that id (any more);
+        `StoreUnavailable` when the database cannot be read."""
         return await self._call(self._get, tenant, response_id)
 
     async def delete(self, tenant: str, response_id: str) -> bool:
@@ -140,7 +145,7 @@ class ResponseStore:
                 # created private to this user before SQLite opens it (it holds prompts and answers)
                 os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
             db = sqlite3.connect(self.path or ":memory:", timeout=BUSY_TIMEOUT_S, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
+            _use_wal(db)
             # no fsync per commit: a machine that loses power loses the server's store anyway
             db.execute("PRAGMA synchronous=NORMAL")
             for statement in _SCHEMA:
@@ -169,27 +174,26 @@ class ResponseStore:
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             log.warning("a response was not stored: %s (%s)", exc, self.path or "in memory")
             return False
         return True
 
     def _get(self, tenant: str, response_id: str) -> Stored | None:
-        row = (
-            self._connection()
-            .execute(
-                "SELECT response, items FROM responses WHERE tenant = ? AND id = ? AND expires > ?",
-                (tenant, response_id, self.clock()),
-            )
-            .fetchone()
-        )
+        query = "SELECT response, items FROM responses WHERE tenant = ? AND id = ? AND expires > ?"
+        row = self._execute(query, (tenant, response_id, self.clock())).fetchone()
         return Stored(bytes(row[0]), bytes(row[1])) if row is not None else None
 
     def _delete(self, tenant: str, response_id: str) -> bool:
-        cur = self._connection().execute(
-            "DELETE FROM responses WHERE tenant = ? AND id = ? AND expires > ?", (tenant, response_id, self.clock())
-        )
-        return cur.rowcount > 0
+        query = "DELETE FROM responses WHERE tenant = ? AND id = ? AND expires > ?"
+        return self._execute(query, (tenant, response_id, self.clock())).rowcount > 0
+
+    def _execute(self, query: str, args: tuple) -> sqlite3.Cursor:
+        try:
+            return self._connection().execute(query, args)
+        except (sqlite3.Error, OSError) as exc:
+            log.warning("the response store could not be read: %s (%s)", exc, self.path or "in memory")
+            raise StoreUnavailable(str(exc)) from None
 
     def _totals(self) -> dict[str, int]:
         rows = self._connection().execute("SELECT tenant, SUM(size) FROM responses GROUP BY tenant")
@@ -199,3 +203,19 @@ class ResponseStore:
         if self._db is not None:
             self._db.close()
             self._db = None
+
+
+def _use_wal(db: sqlite3.Connection) -> None:
+    """Put the database in WAL mode (it stays so, in the file). NOTE: switching modes needs the
+    database alone and SQLite answers "locked" at once, without waiting as for a busy write, when
+    another worker is in it: the first workers to start retry until one has switched."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)

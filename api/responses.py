@@ -12,17 +12,22 @@ are kept (`response_store.py`) before the client gets the last event or the body
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+from typing import TypeVar
+
 import msgspec
 from aiohttp import web
 
 from ringserve.api.chat import chat_job, tool_parser
 from ringserve.api.errors import ApiError, bad_request, quoted
 from ringserve.api.request_flow import read_request, run
-from ringserve.api.response_store import ResponseStore
+from ringserve.api.response_store import ResponseStore, StoreUnavailable
 from ringserve.api.responses_input import InputItem, decode_items, encode_items
 from ringserve.api.responses_output import ResponseOutput, ResponseShell, new_response_id
 from ringserve.api.responses_protocol import parse_responses_body
 from ringserve.api.state import STATE, TENANT, ApiState
+
+T = TypeVar("T")
 
 
 async def handle_responses(request: web.Request) -> web.StreamResponse:
@@ -31,7 +36,7 @@ async def handle_responses(request: web.Request) -> web.StreamResponse:
     store = _store(st)
     history: tuple[InputItem, ...] = ()
     if req.previous_response_id is not None:
-        stored = await store.get(tenant, req.previous_response_id)
+        stored = await _reading(store.get(tenant, req.previous_response_id))
         if stored is None:
             raise _not_found(req.previous_response_id, "previous_response_id", "previous_response_not_found")
         history = decode_items(stored.items)
@@ -59,7 +64,7 @@ async def handle_get_response(request: web.Request) -> web.Response:
             "stream",
             code="unsupported_value",
         )
-    stored = await _store(st).get(request[TENANT], response_id)
+    stored = await _reading(_store(st).get(request[TENANT], response_id))
     if stored is None:
         raise _not_found(response_id, "response_id", "response_not_found")
     return web.Response(body=stored.response, content_type="application/json")
@@ -69,10 +74,24 @@ async def handle_delete_response(request: web.Request) -> web.Response:
     """Forget a stored response (an open request is cancelled by DELETE /v1/requests/{id})."""
     st = request.app[STATE]
     response_id = request.match_info["response_id"]
-    if not await _store(st).delete(request[TENANT], response_id):
+    if not await _reading(_store(st).delete(request[TENANT], response_id)):
         raise _not_found(response_id, "response_id", "response_not_found")
     body = {"id": response_id, "object": "response", "deleted": True}
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+
+
+async def _reading(work: Awaitable[T]) -> T:
+    """A read of the store; a database that cannot be read is a 503 (the answer goes on when a
+    write fails: `ResponseStore.put` logs it)."""
+    try:
+        return await work
+    except StoreUnavailable as exc:
+        raise ApiError(
+            503,
+            f"The stored responses cannot be read right now ({exc}); retry.",
+            code="response_store_unavailable",
+            retry_after_s=1.0,
+        ) from None
 
 
 def _store(st: ApiState) -> ResponseStore:

@@ -162,7 +162,7 @@ class Config:
             raise ConfigError(f"admission_margin must be in [0, 1), got {self.admission_margin}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.response_store_tenant_bytes > self.response_store_bytes:
+        if self.response_store_bytes and self.response_store_tenant_bytes > self.response_store_bytes:
             raise ConfigError("response_store_tenant_bytes must not exceed response_store_bytes")
         if self.max_tokens_limit and self.max_tokens_limit >= self.context_limit:
             raise ConfigError("max_tokens_limit must be below context_limit")

@@ -108,13 +108,13 @@ _WRITER = textwrap.dedent(
 
 
 async def test_processes_sharing_the_file_see_each_others_records(tmp_path):
-    """Two writer processes at once (as two API workers) and a reader in this one: every record
+    """Three writer processes at once (as two API workers) and a reader in this one: every record
     of both is found, whichever process stored it."""
     path = str(tmp_path / "ringserve.test.responses")
-    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, path, name]) for name in ("w0", "w1")]
-    assert [w.wait(60) for w in writers] == [0, 0]
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, path, name]) for name in ("w0", "w1", "w2")]
+    assert [w.wait(60) for w in writers] == [0, 0, 0]
     store = _store(path, tenant_bytes=1 << 20, total_bytes=1 << 22)
-    for name in ("w0", "w1"):
+    for name in ("w0", "w1", "w2"):
         for i in range(50):
             got = await store.get("t", f"{name}-{i}")
             assert got is not None and got.response == name.encode()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 
 import pytest
 
@@ -307,3 +308,19 @@ async def test_neutral_and_hint_fields_are_accepted_and_unknown_ones_named(serve
     out = await resp.json()
     assert out["metadata"] == {"app": "test"} and out["user"] == "u1"
     assert served.fake.submits[0].sampling.seed == 3 and served.fake.submits[0].sampling.top_k == 5
+
+
+async def test_a_store_that_fails_answers_anyway_and_reads_are_503(serve, codec, chat_template, tmp_path, caplog):
+    """A database that cannot be written: the response is still answered (the failure logged);
+    reading it is a 503 with Retry-After, not a 500."""
+    from ringserve.api.response_store import ResponseStore
+
+    caplog.set_level(logging.WARNING, logger="ringserve.api.response_store")
+    broken = ResponseStore(str(tmp_path / "missing" / "db"), ttl_s=60, tenant_bytes=1 << 20, total_bytes=1 << 20)
+    fake = FakeGpu(script=_answer(codec, "ok", chat_template.end_of_turn_ids[0]))
+    served = await serve(fake=fake, app_kw={"response_store": broken})
+    resp = await served.client.post("/v1/responses", json={"input": "hi"})
+    assert resp.status == 200 and "a response was not stored" in caplog.text
+    got = await served.client.get(f"/v1/responses/{(await resp.json())['id']}")
+    assert got.status == 503 and got.headers["Retry-After"] == "1"
+    assert (await got.json())["error"]["code"] == "response_store_unavailable"
