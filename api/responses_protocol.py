@@ -222,9 +222,11 @@ def _chat_tools(tools: list[_Tool] | None) -> list[Tool] | None:
         return None
     out = []
     for i, t in enumerate(tools):
-        if t.type == "function" and t.name is None:
-            raise bad_request(f"tools[{i}].name: a function tool needs a name.", f"tools[{i}].name")
-        fn = Function(t.name, t.description, t.parameters, t.strict) if t.type == "function" else None
+        fn = None
+        if t.type == "function":
+            if t.name is None:
+                raise bad_request(f"tools[{i}].name: a function tool needs a name.", f"tools[{i}].name")
+            fn = Function(t.name, t.description, t.parameters, t.strict)
         out.append(Tool(type=t.type, function=fn))
     return out
 
