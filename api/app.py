@@ -1,6 +1,7 @@
 """`init_app`: the aiohttp application of one API worker.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, DELETE /v1/requests/{request_id},
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET / DELETE
+/v1/responses/{response_id}), DELETE /v1/requests/{request_id},
 GET /v1/models, /v1/models/{id}, /version, /health, /ready, /metrics; vLLM's POST /tokenize and
 /detokenize. Four middlewares, in order: errors in the OpenAI shape (with x-request-id when one
 was assigned); the connection guard (the connection is busy); authentication (deny by default;
@@ -8,8 +9,8 @@ was assigned); the connection guard (the connection is busy); authentication (de
 body_timeout_s, so no body is read or inflated before its key is checked. Generation responses
 carry the replica's ORCA load report header (`load_report.py`). Background work — the GPU client's
 transport, the tokenizer thread pool, the
-slow-reader watchdog and the connection guard's sweep — is owned by `cleanup_ctx`, so it starts and
-stops with the app.
+slow-reader watchdog, the connection guard's sweep and the response store's thread — is owned by
+`cleanup_ctx`, so it starts and stops with the app.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from ringserve.api.load_report import LoadReport
 from ringserve.api.metrics import CONTENT_TYPE, render
 from ringserve.api.peer_cancel import PeerCancel
 from ringserve.api.registry import Registry
+from ringserve.api.response_store import ResponseStore
+from ringserve.api.responses import handle_delete_response, handle_get_response, handle_responses
 from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState, ignored_header
 from ringserve.api.structured_output import GrammarChecker
 from ringserve.api.tokenize import handle_detokenize, handle_tokenize
@@ -43,7 +46,7 @@ from ringserve.api.tokenizer import TextCodec
 from ringserve.api.worker_stats import WorkerStats
 from ringserve.config import Config
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
 
 def init_app(
@@ -59,13 +62,16 @@ def init_app(
     publish_every_s: float = 0.25,
     chat_template: ChatTemplate | None = None,
     model_aliases: frozenset[str] = frozenset(),
+    response_store: ResponseStore | None = None,
 ) -> web.Application:
     """Build a worker's app. `status` is what the worker knows of the GPU process besides its
     rings (`api/gpu_status.py`: readiness, the server-wide stats for /metrics, the restart status,
     the EOS ids, /health's detail), and where it publishes its own stats every `publish_every_s`;
     `peers`, if given, lets a DELETE reach the request's worker whichever worker receives it;
     `chat_template` formats /v1/chat/completions messages (None: that route answers 400);
-    `model_aliases` are other names a request may give the model (the path it was served from)."""
+    `model_aliases` are other names a request may give the model (the path it was served from);
+    `response_store` keeps /v1/responses' stored responses (None: one in memory, this worker's
+    alone)."""
     guard = ConnectionGuard(config)
     app = web.Application(
         client_max_size=config.max_body_bytes,
@@ -84,6 +90,7 @@ def init_app(
         chat_template=chat_template,
         model_aliases=frozenset(model_aliases) - {model_name},
         grammar=GrammarChecker(codec),
+        response_store=response_store or ResponseStore.for_config(config, None),
     )
     if chat_template is not None:
         state.tool_call_parser = (
@@ -95,6 +102,9 @@ def init_app(
     for method, path, handler in (
         ("POST", "/v1/completions", handle_completions),
         ("POST", "/v1/chat/completions", handle_chat_completions),
+        ("POST", "/v1/responses", handle_responses),
+        ("GET", "/v1/responses/{response_id}", handle_get_response),
+        ("DELETE", "/v1/responses/{response_id}", handle_delete_response),
         ("DELETE", "/v1/requests/{request_id}", _handle_delete),
         ("GET", "/v1/models", _handle_models),
         ("GET", "/v1/models/{model_id:.+}", _handle_model),
@@ -111,6 +121,7 @@ def init_app(
     app.cleanup_ctx.append(_slow_reader_ctx)
     app.cleanup_ctx.append(_connection_sweep_ctx)
     app.cleanup_ctx.append(_publisher(status.publish, publish_every_s))
+    app.cleanup_ctx.append(_response_store_ctx)
     if peers is not None:
         app.cleanup_ctx.append(_peers_ctx(peers))
     return app
@@ -325,6 +336,13 @@ async def _connection_sweep_ctx(app: web.Application):
     task = asyncio.create_task(app[STATE].connections.sweep_forever())
     yield
     await _stop_task(task)
+
+
+async def _response_store_ctx(app: web.Application):
+    yield
+    store = app[STATE].response_store
+    if store is not None:
+        store.close()
 
 
 def _peers_ctx(peers: PeerCancel):

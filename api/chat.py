@@ -29,7 +29,7 @@ from ringserve.api.request_flow import Job, Output, check_available, read_reques
 from ringserve.api.sampling_tokens import constrain, finish_sampling
 from ringserve.api.state import ApiState
 from ringserve.api.tool_calls import ToolRequest
-from ringserve.api.tool_output import ToolChatEncoder, tool_chat_body
+from ringserve.api.tool_output import ParserFactory, ToolChatEncoder, tool_chat_body
 from ringserve.api.tool_parsers import make_parser
 
 OUTPUTS = {
@@ -40,6 +40,18 @@ OUTPUTS = {
 
 async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
     st, req = await read_request(request, parse_chat_body)
+    job = await chat_job(st, req)
+    output = OUTPUTS[req.common.output.tokens_as_ids]
+    if req.tools is not None:
+        output = tool_output(req.tools, st.tool_call_parser, output.logprob_format)
+    return await run(request, st, job, output)
+
+
+async def chat_job(st: ApiState, req: ChatRequest, param: str = "messages") -> Job:
+    """A validated chat request as the job `request_flow.run` submits: rendered, tokenized,
+    constrained by its tools or structured output, ending at the template's end of turn. Every
+    route that speaks in messages (/v1/chat/completions, /v1/responses) goes through here;
+    `param` names the messages in its errors (the route's field: messages, input)."""
     template = _template(st)
     if req.tools is not None and not template.renders_tools:
         raise bad_request(
@@ -55,16 +67,16 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
     if spec is not None:
         sampling = await constrain(st, spec, sampling)
     check_available(st)
-    prompt_ids = await tokenizing(st, _prompt_ids(st, template, req))
+    prompt_ids = await tokenizing(st, _prompt_ids(st, template, req, param))
     max_tokens = resolve_max_tokens(
         len(prompt_ids), req.max_tokens, st.config.context_limit, st.config.max_tokens_limit
     )
-    check_fits(len(prompt_ids), max_tokens, st.config.context_limit, param="messages")
+    check_fits(len(prompt_ids), max_tokens, st.config.context_limit, param=param)
     check_min_tokens(common, max_tokens)
     if not sampling.ignore_eos:
         stops = tuple(dict.fromkeys(sampling.stop_token_ids + template.end_of_turn_ids))
         sampling = msgspec.structs.replace(sampling, stop_token_ids=stops)
-    job = Job.of(
+    return Job.of(
         common,
         [prompt_ids],
         [max_tokens],
@@ -73,10 +85,6 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
         prompt_logprobs=common.prompt_logprobs,
         show_prompt_logprobs=common.prompt_logprobs,
     )
-    output = OUTPUTS[common.output.tokens_as_ids]
-    if req.tools is not None:
-        output = tool_output(req.tools, st.tool_call_parser, output.logprob_format)
-    return await run(request, st, job, output)
 
 
 def _template(st: ApiState) -> ChatTemplate:
@@ -91,7 +99,7 @@ def _template(st: ApiState) -> ChatTemplate:
     return st.chat_template
 
 
-async def _prompt_ids(st: ApiState, template: ChatTemplate, req: ChatRequest) -> list[int]:
+async def _prompt_ids(st: ApiState, template: ChatTemplate, req: ChatRequest, param: str) -> list[int]:
     """Render, then tokenize as a prompt is (refused by its byte length before tokenizing when it
     cannot fit; a long one off the event loop)."""
     messages = req.messages
@@ -107,7 +115,7 @@ async def _prompt_ids(st: ApiState, template: ChatTemplate, req: ChatRequest) ->
         )
     except ChatTemplateError as exc:
         raise bad_request(
-            f"The model's chat template refused the messages: {exc}", "messages", code="chat_template_error"
+            f"The model's chat template refused the messages: {exc}", param, code="chat_template_error"
         ) from None
     # The rendered text holds the template's special tokens (BOS, turn markers) already; the
     # client's text is plain text, whatever it spells (chat_template.render_pieces).
@@ -119,18 +127,24 @@ async def _prompt_ids(st: ApiState, template: ChatTemplate, req: ChatRequest) ->
         executor=st.executor,
         inline_chars=st.tokenize_inline_chars,
         add_special_tokens=req.add_special_tokens,
-        param="messages",
+        param=param,
         truncate=req.common.truncate,
     )
     if not ids:
-        raise bad_request("The chat template rendered these messages as an empty prompt.", "messages")
+        raise bad_request("The chat template rendered these messages as an empty prompt.", param)
     return ids
+
+
+def tool_parser(tools: ToolRequest, parser: str) -> ParserFactory:
+    """How each answer of a request with `tools` is read: the forced choice's parser, else the
+    server's (`--tool-call-parser`)."""
+    kind = "required" if tools.choice == "required" else parser
+    return partial(make_parser, kind, named=tools.name if tools.choice == "named" else None)
 
 
 def tool_output(tools: ToolRequest, parser: str, logprob_format) -> Output:
     """The response shapes of a request with tools: each choice's answer through its parser."""
-    kind = "required" if tools.choice == "required" else parser
-    new = partial(make_parser, kind, named=tools.name if tools.choice == "named" else None)
+    new = tool_parser(tools, parser)
     return Output(
         encoder=partial(ToolChatEncoder, parser=new), body=partial(tool_chat_body, new), logprob_format=logprob_format
     )

@@ -45,15 +45,15 @@ class _Part(msgspec.Struct, forbid_unknown_fields=True):
     text: str | None = None
 
 
-class _CalledFunction(msgspec.Struct, forbid_unknown_fields=True):
+class CalledFunction(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     arguments: str | dict = "{}"
 
 
-class _ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+class AssistantToolCall(msgspec.Struct, forbid_unknown_fields=True):
     """An assistant message's tool call, as the API returned it."""
 
-    function: _CalledFunction
+    function: CalledFunction
     id: str | None = None
     type: str = "function"
 
@@ -62,7 +62,7 @@ class Message(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[_Part] | None = None
     name: str | None = None
-    tool_calls: list[_ToolCall] | None = None  # an assistant's calls (its content may be null)
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's calls (its content may be null)
     tool_call_id: str | None = None  # a tool message: the call it answers
     # what an assistant message returned by the API may carry back; accepted when empty
     function_call: dict | None = None
@@ -257,7 +257,7 @@ def _message(m: Message, i: int) -> dict:
     return out
 
 
-def _template_call(call: _ToolCall) -> dict:
+def _template_call(call: AssistantToolCall) -> dict:
     """A tool call as chat templates read it: arguments as an object where they parse as one
     (transformers' convention; vLLM does the same), else the string as sent."""
     args = call.function.arguments

@@ -143,7 +143,9 @@ def from_http_exception(exc: web.HTTPException) -> ApiError:
         )
     if exc.status == 404:
         return ApiError(
-            404, "Unknown path; see /v1/completions, /v1/chat/completions and /v1/models.", code="not_found"
+            404,
+            "Unknown path; see /v1/completions, /v1/chat/completions, /v1/responses and /v1/models.",
+            code="not_found",
         )
     if exc.status == 405:
         return ApiError(405, f"Method not allowed: {exc.text}", code="method_not_allowed")

@@ -27,7 +27,7 @@ from ringserve.api.job_limits import check_response_size
 from ringserve.api.logprobs import COMPLETION_LOGPROBS, LogprobFormat
 from ringserve.api.protocol import OutputOptions, SamplingFields, check_model, check_sampling
 from ringserve.api.registry import OpenRequest
-from ringserve.api.sse import DONE, Encoder
+from ringserve.api.sse import Encoder
 from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState, ignored_header, note_ignored
 from ringserve.shm.messages import SamplingParams, Submit
 
@@ -95,12 +95,15 @@ class Output:
     """A route's response shapes.
 
     `encoder(request_id, model, created, include_usage)` builds the `sse.Encoder` of a streamed
-    request; `body(request_id, model, gen)` is the JSON body of a non-streamed one.
+    request; `body(request_id, model, gen)` is the JSON body of a non-streamed one;
+    `finished(request_id, gen)`, when set, is awaited once every sample has finished, before the
+    stream's last event or the body is sent (a stored response is findable before its client has it).
     """
 
     encoder: Callable[[str, str, int, bool], Encoder]
     body: Callable[[str, str, Generation], dict]
     logprob_format: LogprobFormat = COMPLETION_LOGPROBS
+    finished: Callable[[str, Generation], Awaitable[None]] | None = None
 
 
 class _ParsedBody(Protocol):
@@ -198,7 +201,7 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
         flow = _Flow(request, st, entry, streams, gen, job.n)
         if job.stream:
             gen.encoder = output.encoder(request_id, st.model_name, int(arrival), job.include_usage)
-            return await _stream(flow)
+            return await _stream(flow, output)
         return await _complete(flow, output)
     except asyncio.CancelledError:
         _count_gone(st, entry)  # the client went away; its handler was cancelled
@@ -264,7 +267,7 @@ class _Flow:
         return {"x-request-id": self.entry.request_id, **ignored_header(self.request)}
 
 
-async def _stream(flow: _Flow) -> web.StreamResponse:
+async def _stream(flow: _Flow, output: Output) -> web.StreamResponse:
     request, st, entry, gen = flow.request, flow.st, flow.entry, flow.gen
     encoder = gen.encoder
     if encoder is None:
@@ -287,9 +290,11 @@ async def _stream(flow: _Flow) -> web.StreamResponse:
                 entry.write_since = loop.time()
                 await resp.write(b"".join(events) if len(events) > 1 else events[0])
                 entry.write_since = 0.0
-        tail = [DONE]
+        tail = [encoder.END]
         if gen.error is None:
             await _settle(flow)
+            if output.finished is not None:
+                await output.finished(entry.request_id, gen)
             tail.insert(0, encoder.usage(gen.usage(), gen.timing()))
         entry.write_since = loop.time()
         await resp.write(b"".join(tail))
@@ -304,11 +309,11 @@ async def _stream(flow: _Flow) -> web.StreamResponse:
 
 def _farewell(encoder: Encoder, gen: Generation, chunked: bool) -> Callable[[str, str], bytes]:
     """How this stream ends with an error outside the event loop (`last_words`): an error event
-    with the tokens streamed so far, [DONE], and the end of the chunked body."""
+    with the tokens streamed so far, the stream's end ([DONE]), and the end of the chunked body."""
 
     def bytes_for(code: str, message: str) -> bytes:
         body = error_object(message, code, type_=error_type(code), extra={"tokens_streamed": gen.tokens})
-        data = encoder.error(body) + DONE
+        data = encoder.error(body) + encoder.END
         return b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data) if chunked else data
 
     return bytes_for
@@ -350,6 +355,8 @@ async def _complete(flow: _Flow, output: Output) -> web.Response:
             503, err["message"], code=err["code"], type_=err["type"], extra=extra, retry_after_s=st.status.reload_s()
         )
     await _settle(flow)
+    if output.finished is not None:
+        await output.finished(entry.request_id, gen)
     body = output.body(entry.request_id, st.model_name, gen)
     return web.Response(body=await _encode(body), content_type="application/json", headers=flow.headers())
 

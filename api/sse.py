@@ -26,6 +26,7 @@ class Encoder(Protocol):
     """What a route's SSE encoder provides (`EventEncoder` here, `chat_output.ChatEventEncoder`)."""
 
     USAGE_ON_FINISH: bool  # the finish event carries the choice's usage even without continuous stats
+    END: bytes  # what ends the stream after its last event ([DONE]; /v1/responses sends nothing)
 
     def start(self, n: int) -> bytes:
         """Bytes before the first token (may be empty)."""
@@ -60,6 +61,7 @@ class EventEncoder:
     # ringserve's `usage` of the choice on its finish event (chat sends usage only at the end, as
     # OpenAI does: LangChain adds up every usage it sees, `chat_output.py`)
     USAGE_ON_FINISH = True
+    END = DONE
     _TEXT_OPEN = b',"text":'  # a token's text in its choice ...
     _TEXT_CLOSE = b',"logprobs":'  # ... and what follows it
 

@@ -16,6 +16,7 @@ from ringserve.api.gpu_client import GpuClient
 from ringserve.api.gpu_status import GpuStatus
 from ringserve.api.metrics import StatsSnapshot
 from ringserve.api.registry import Registry
+from ringserve.api.response_store import ResponseStore
 from ringserve.api.structured_output import GrammarChecker
 from ringserve.api.tokenizer import TextCodec
 from ringserve.api.worker_stats import WorkerStats
@@ -56,6 +57,8 @@ class ApiState:
     grammar: GrammarChecker | None = None
     # Other names a request's `model` may use: the path the model was served from (vLLM's id).
     model_aliases: frozenset[str] = frozenset()
+    # Stored responses of /v1/responses, shared by the instance's workers (`response_store.py`).
+    response_store: ResponseStore | None = None
 
     def snapshot(self) -> StatsSnapshot:
         """The server-wide stats /metrics renders."""

@@ -98,25 +98,31 @@ def structured_spec(body) -> StructuredSpec | None:
 
 
 def _response_format(rf: dict) -> StructuredSpec | None:
-    kind = rf.get("type")
+    js = rf.get("json_schema")
+    if rf.get("type") == "json_schema" and (not isinstance(js, dict) or not isinstance(js.get("name", ""), str)):
+        raise bad_request(
+            'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}.',
+            "response_format.json_schema",
+        )
+    return format_spec(rf.get("type"), js, "response_format", "response_format.json_schema.schema")
+
+
+def format_spec(kind, json_schema: dict | None, param: str, schema_param: str) -> StructuredSpec | None:
+    """OpenAI's output format `kind` (text, json_object, json_schema with its `{"schema",
+    "strict", ...}` object) as a constraint; `param` and `schema_param` are where the format and
+    its schema sit in the body (chat's `response_format`, the Responses API's `text.format`)."""
     if kind == "text":
         return None
     if kind == "json_object":
-        return StructuredSpec("json", {"type": "object"}, "response_format")
-    if kind == "json_schema":
-        js = rf.get("json_schema")
-        if not isinstance(js, dict) or not isinstance(js.get("name", ""), str):
-            raise bad_request(
-                'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}.',
-                "response_format.json_schema",
-            )
-        schema = js.get("schema", {"type": "object"})  # OpenAI: a missing schema is any object
+        return StructuredSpec("json", {"type": "object"}, param)
+    if kind == "json_schema" and json_schema is not None:
+        schema = json_schema.get("schema", {"type": "object"})  # OpenAI: a missing schema is any object
         # NOTE: OpenAI's strict mode requires every object to be closed; so it is generated here
-        strict = js.get("strict") is True
-        return StructuredSpec("json", schema, "response_format.json_schema.schema", no_additional_properties=strict)
+        strict = json_schema.get("strict") is True
+        return StructuredSpec("json", schema, schema_param, no_additional_properties=strict)
     raise bad_request(
-        f"response_format type {json.dumps(kind)} is not supported; use text, json_object or json_schema.",
-        "response_format.type",
+        f"{param} type {json.dumps(kind)} is not supported; use text, json_object or json_schema.",
+        f"{param}.type",
         code="unsupported_value",
     )
 

@@ -27,7 +27,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _ANY_OBJECT = {"type": "object"}
 
 
-class _Function(msgspec.Struct, forbid_unknown_fields=True):
+class Function(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     description: str | None = None
     parameters: dict | None = None
@@ -36,7 +36,7 @@ class _Function(msgspec.Struct, forbid_unknown_fields=True):
 
 class Tool(msgspec.Struct, forbid_unknown_fields=True):
     type: str
-    function: _Function | None = None
+    function: Function | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +76,12 @@ class ToolRequest:
         return StructuredSpec("json", array, "tools")
 
 
-def parse_tools(tools: list[Tool] | None, tool_choice, parallel: bool | None) -> ToolRequest | None:
-    """The request's tools (None: no tools, or `tool_choice: none`), or a 400 naming the field."""
+def parse_tools(
+    tools: list[Tool] | None, tool_choice, parallel: bool | None, *, function_path: str = ".function"
+) -> ToolRequest | None:
+    """The request's tools (None: no tools, or `tool_choice: none`), or a 400 naming the field.
+    `function_path` is where a tool's function fields sit in the client's body (the Responses API
+    writes them on the tool itself: "")."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise bad_request("tool_choice needs tools; send the functions the model may call.", "tool_choice")
@@ -96,13 +100,13 @@ def parse_tools(tools: list[Tool] | None, tool_choice, parallel: bool | None) ->
                 code="unsupported_value",
             )
         fn = tool.function
+        name_param = f"{where}{function_path}.name"
         if not _NAME.match(fn.name):
             raise bad_request(
-                f"{where}.function.name must be 1 to 64 letters, digits, '_', '.' or '-', got {quoted(fn.name)}.",
-                f"{where}.function.name",
+                f"{name_param} must be 1 to 64 letters, digits, '_', '.' or '-', got {quoted(fn.name)}.", name_param
             )
         if fn.name in names:
-            raise bad_request(f"{where}.function.name {quoted(fn.name)} is used twice.", f"{where}.function.name")
+            raise bad_request(f"{name_param} {quoted(fn.name)} is used twice.", name_param)
         names.add(fn.name)
         function: dict = {"name": fn.name}
         if fn.description is not None:

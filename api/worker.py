@@ -31,6 +31,7 @@ from ringserve.api.connections import raise_open_file_limit
 from ringserve.api.gpu_client import GpuClient, Transport
 from ringserve.api.gpu_status import ControlStatus, GpuStatus
 from ringserve.api.peer_cancel import PeerCancel
+from ringserve.api.response_store import ResponseStore
 from ringserve.api.state import STATE, ApiState
 from ringserve.api.tokenizer import TextCodec
 from ringserve.config import Config
@@ -128,8 +129,11 @@ def run_worker(
     sock: socket.socket | None = None,
     first_rid: int = 1,
     model_aliases: frozenset[str] = frozenset(),
+    response_store_path: str | None = None,
 ) -> int:
-    """The worker process's main: runs until SIGTERM (drain) or SIGINT."""
+    """The worker process's main: runs until SIGTERM (drain) or SIGINT. `response_store_path` is
+    the instance's stored-responses database, which every worker opens (None: this worker's own,
+    in memory)."""
     # A SIGTERM while still starting (nothing to drain yet) is a clean exit; the event loop's own
     # handler, installed below, takes over once serving.
     signal.signal(signal.SIGTERM, _exit_cleanly)
@@ -169,6 +173,7 @@ def run_worker(
             peers=peers,
             chat_template=chat_template,
             model_aliases=model_aliases,
+            response_store=ResponseStore.for_config(config, response_store_path),
         )
         last_words.install(app[STATE].registry)  # the supervisor's SIGUSR1 before it kills us
         await serve(config, app, sock, stop)
@@ -204,7 +209,7 @@ def run_attached(
     stats and heartbeat into its slot."""
     from ringserve.api.ring_transport import RingTransport
     from ringserve.shm.instance import ShmInstance
-    from ringserve.shm.segment import instance_started_at
+    from ringserve.shm.segment import instance_started_at, segment_name
 
     shm = ShmInstance.attach(instance, bell_fds=bell_fds, **({"directory": directory} if directory else {}))
     started_at = instance_started_at(instance)
@@ -222,12 +227,15 @@ def run_attached(
             sock=sock,
             first_rid=first_rid(generation),
             model_aliases=model_aliases,
+            response_store_path=os.path.join(shm.directory, segment_name(instance, RESPONSE_STORE_PART)),
         )
     finally:
         shm.close()
 
 
 SLOT_WAIT_S = 10.0
+# The instance's stored responses sit beside its rings (removed with them: ShmInstance.unlink).
+RESPONSE_STORE_PART = "responses"
 
 
 def _slot_generation(control, slot: int) -> int:

@@ -91,6 +91,11 @@ class Config:
     # The logprob entries one response may carry (a token and its alternatives, echoed and prompt
     # tokens included, all choices): what a request may make a worker build (api/job_limits.py).
     max_response_logprobs: int = 500_000
+    # Stored responses (/v1/responses with `store: true`, api/response_store.py): kept this long,
+    # at most this many bytes per tenant and in all (the oldest go first); 0 bytes: nothing stored.
+    response_store_ttl_s: float = 3600.0
+    response_store_tenant_bytes: int = 8 * 1024 * 1024
+    response_store_bytes: int = 32 * 1024 * 1024
     # connections (docs/design.md#limits-and-timeouts): every state has a time limit
     header_timeout_s: float = 10.0  # a new connection's first request head must arrive within this
     body_timeout_s: float = 30.0  # a request body must arrive within this once its head has
@@ -137,6 +142,7 @@ class Config:
             "keepalive_timeout_s",
             "listen_backlog",
             "restart_hold_s",
+            "response_store_ttl_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -147,6 +153,8 @@ class Config:
             "max_connections",
             "max_tokens_limit",
             "unready_lead_s",
+            "response_store_tenant_bytes",
+            "response_store_bytes",
         ):  # 0 has a meaning: see the fields
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -154,6 +162,8 @@ class Config:
             raise ConfigError(f"admission_margin must be in [0, 1), got {self.admission_margin}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.response_store_bytes and self.response_store_tenant_bytes > self.response_store_bytes:
+            raise ConfigError("response_store_tenant_bytes must not exceed response_store_bytes")
         if self.max_tokens_limit and self.max_tokens_limit >= self.context_limit:
             raise ConfigError("max_tokens_limit must be below context_limit")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

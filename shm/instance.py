@@ -22,7 +22,14 @@ from ringserve.shm import layout as L
 from ringserve.shm.control import Control
 from ringserve.shm.doorbell import Doorbell
 from ringserve.shm.ring import Ring, format_ring
-from ringserve.shm.segment import Segment, ShmSpaceError, check_space, instance_id, segment_name
+from ringserve.shm.segment import (
+    Segment,
+    ShmSpaceError,
+    check_space,
+    instance_id,
+    parse_segment_name,
+    segment_name,
+)
 
 
 @dataclass(frozen=True)
@@ -175,9 +182,17 @@ class ShmInstance:
                 bell.close()
 
     def unlink(self) -> None:
-        """Remove the segment names (the supervisor, on exit)."""
+        """Remove the segment names and every other file named for this instance (the API
+        workers' stored responses): the supervisor, on exit."""
         for seg in self.segments():
             seg.unlink()
+        for name in os.listdir(self.directory):
+            parsed = parse_segment_name(name)
+            if parsed is not None and parsed[0] == self.instance:
+                try:
+                    os.unlink(os.path.join(self.directory, name))
+                except FileNotFoundError:
+                    pass
 
     def __enter__(self) -> ShmInstance:
         return self

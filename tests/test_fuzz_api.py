@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from ringserve.tools.drill import attach_control, find_instance
 from tests.helpers.net import http_json
+from tests.helpers.responses_events import check_event_order, response_events
 from tests.helpers.server import ServerProcess
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,6 +35,7 @@ CLAMP = {
     "prompt_logprobs": (0, 3),
     "truncate_prompt_tokens": (-1, 8),
     "top_logprobs": (0, 3),
+    "max_output_tokens": (1, 4),
 }
 MAX_TEXT = 40
 MAX_ITEMS = 6
@@ -135,6 +137,8 @@ def _check_answer(status: int, body, body_sent) -> None:
     if status == 200:
         if isinstance(body, dict) and body.get("object") in ("text_completion", "chat.completion"):
             assert all(c["finish_reason"] in ("stop", "length", "cancelled") for c in body["choices"])
+        if isinstance(body, dict) and body.get("object") == "response":
+            assert body["status"] in ("completed", "incomplete") and body["output"], body
         return
     assert 400 <= status < 500 and isinstance(body, dict), (status, body, body_sent)
     err = body["error"]
@@ -153,7 +157,12 @@ def _post(srv, body, path: str = "/v1/completions") -> None:
             status, kind, raw = resp.status, resp.headers.get("content-type", ""), resp.read()
     except urllib.error.HTTPError as err:
         status, kind, raw = err.code, err.headers.get("content-type", ""), err.read()
-    if status == 200 and kind.startswith("text/event-stream"):
+    if status == 200 and kind.startswith("text/event-stream") and path == "/v1/responses":
+        # A well-formed Responses stream that did not fail (nothing failed on the server).
+        events = response_events(raw)
+        check_event_order(events)
+        assert events[-1]["type"] != "response.failed", (events[-1], body)
+    elif status == 200 and kind.startswith("text/event-stream"):
         # A stream must end with [DONE] and carry no error event (nothing failed on the server).
         assert raw.rstrip().endswith(b"data: [DONE]") and b'"error"' not in raw, (raw[-500:], body)
     else:
@@ -186,6 +195,25 @@ confused_chat_bodies = st.builds(
 def test_generated_chat_requests_get_a_completion_or_a_4xx(server, body):
     """Chat bodies generated from the spec (random roles, parts, options): never a 5xx."""
     _post(server, body, "/v1/chat/completions")
+
+
+RESPONSES_REQUEST = SPEC["components"]["schemas"]["ResponsesRequest"]
+# Valid bodies always cap the answer; confused ones may still run to --max-tokens-limit.
+valid_responses_bodies = from_schema(RESPONSES_REQUEST).map(lambda b: {"max_output_tokens": 3, **b})
+confused_responses_bodies = st.builds(
+    lambda b, k, v: {**b, k: v},
+    valid_responses_bodies,
+    st.sampled_from(sorted(RESPONSES_REQUEST["properties"]) + ["reasoning", "background"]),
+    json_values,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(body=st.one_of(valid_responses_bodies, confused_responses_bodies))
+def test_generated_responses_requests_get_a_response_or_a_4xx(server, body):
+    """/v1/responses bodies generated from the spec (input items, tools, formats, stored and
+    continued ids): never a 5xx; a stream passes the event-order check."""
+    _post(server, body, "/v1/responses")
 
 
 def _raw(srv, payload: bytes, read: bool = True, timeout: float = 20.0) -> bytes:

@@ -30,6 +30,25 @@ def chat_template(tiny_model_dir, codec) -> ChatTemplate:
     return ChatTemplate.load(tiny_model_dir, codec)
 
 
+# a tools-aware template for the tiny model's tokenizer (its own has no tools)
+TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- bos_token + 'tools\\n' + (tools | tojson) + eos_token + '\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- bos_token + message['role'] + '\\n' + message['content'] }}"
+    "{%- if message.tool_calls is defined %}{{- message.tool_calls | tojson }}{%- endif %}"
+    "{{- eos_token + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- bos_token + 'assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture
+def tools_template(tmp_path, tiny_model_dir, codec) -> ChatTemplate:
+    path = tmp_path / "tools.jinja"
+    path.write_text(TOOLS_TEMPLATE)
+    return ChatTemplate.load(tiny_model_dir, codec, path)
+
+
 @dataclass
 class Served:
     client: object  # aiohttp TestClient

@@ -10,7 +10,6 @@ import json
 
 import pytest
 
-from ringserve.api.chat_template import ChatTemplate
 from ringserve.api.fake_gpu import FakeGpu
 from tests.helpers.sse import sse_events
 
@@ -26,23 +25,6 @@ TOOL = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
-# a tools-aware template for the tiny model's tokenizer (its own has no tools)
-TOOLS_TEMPLATE = (
-    "{%- if tools %}{{- bos_token + 'tools\\n' + (tools | tojson) + eos_token + '\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{{- bos_token + message['role'] + '\\n' + message['content'] }}"
-    "{%- if message.tool_calls is defined %}{{- message.tool_calls | tojson }}{%- endif %}"
-    "{{- eos_token + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- bos_token + 'assistant\\n' }}{%- endif %}"
-)
-
-
-@pytest.fixture
-def tools_template(tmp_path, tiny_model_dir, codec) -> ChatTemplate:
-    path = tmp_path / "tools.jinja"
-    path.write_text(TOOLS_TEMPLATE)
-    return ChatTemplate.load(tiny_model_dir, codec, path)
 
 
 def _answer(codec, text: str, eot: int):
