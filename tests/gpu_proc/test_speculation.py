@@ -1,0 +1,180 @@
+"""N-gram speculative decoding in the scheduler: proposals, acceptance, rollback of what was not
+kept (KV blocks, the prefix cache, `num_computed`), preemption mid-speculation, all through the
+fake engine, whose tokens depend on every cached key, so a wrong rollback changes the stream."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringserve.gpu_proc.speculation import MAX_PAUSE_STEPS, NgramIndex, Speculator, accepted_prefix
+from tests.helpers.scheduler_fakes import copying_token, expected_stream, make_harness, make_request
+
+SPEC = {"speculative": "ngram", "num_speculative_tokens": 4, "ngram_min": 1, "ngram_max": 3}
+
+
+def _propose(tokens: list[int], k: int, lo: int = 2, hi: int = 4) -> list[int]:
+    return NgramIndex(lo, hi).propose(lambda a, b: tokens[a:b], len(tokens), k)
+
+
+# -- the proposer and the rule ---------------------------------------------------------------------
+
+
+def test_proposes_what_followed_the_longest_matching_suffix():
+    """The longest suffix that occurred before wins, and the draft is what followed it."""
+    #         0  1  2  3  4  5  6  7  8  9 10
+    tokens = [7, 1, 2, 9, 9, 5, 1, 2, 3, 4, 1, 2, 3]
+    assert _propose(tokens, 2) == [4, 1]  # (1, 2, 3) at 6..8, not (2,) or (1, 2) at 1..2
+    assert _propose([7, 1, 2, 8, 5, 1, 2], 3) == [8, 5, 1]
+
+
+def test_proposes_nothing_below_ngram_min_and_stops_at_the_sequence_end():
+    """No draft from a single repeated token under ngram_min 2; a draft never runs past the
+    tokens that exist."""
+    assert _propose([5, 6, 7, 6], 4) == []
+    assert _propose([3, 4, 3, 4], 8) == [3, 4]
+
+
+def test_the_index_grows_with_the_sequence():
+    """One index asked again after the sequence grew finds grams of the new tokens too."""
+    tokens = [1, 2, 3, 4]
+    ix = NgramIndex(2, 3)
+    seq = lambda a, b: tokens[a:b]  # noqa: E731
+    assert ix.propose(seq, len(tokens), 2) == []
+    tokens += [5, 3, 4]
+    assert ix.propose(seq, len(tokens), 2) == [5, 3]
+
+
+def test_accepted_prefix_is_the_longest_agreeing_prefix():
+    assert accepted_prefix([4, 5, 6], [4, 5, 7, 1]) == 2
+    assert accepted_prefix([4, 5, 6], [9, 5, 6, 1]) == 0
+    assert accepted_prefix([4, 5, 6], [4, 5, 6, 1]) == 3
+
+
+def test_a_row_that_keeps_failing_pauses_longer_each_time():
+    """Drafts that are never kept pause the row, each pause twice the last, up to the cap."""
+    spec = Speculator(4, 1, 2, 64)
+    tokens = [1, 2, 1, 2, 1, 2]
+    seq = lambda a, b: tokens[a:b]  # noqa: E731
+    pauses = []
+    for _ in range(200):
+        if spec.propose("r", seq, len(tokens), 4):
+            spec.record("r", 4, 0)
+            pauses.append(spec._rows["r"].pause)
+    grown = [p for p in pauses if p]
+    assert grown[:4] == [1, 2, 4, 8] and max(grown) == MAX_PAUSE_STEPS
+
+
+# -- through the scheduler -------------------------------------------------------------------------
+
+
+def _run(num_blocks=64, reqs=(), **config):
+    h = make_harness(num_blocks, model=copying_token, **config)
+    for r in reqs:
+        assert h.sched.admit(r).accepted
+    h.run_until_idle()
+    return h
+
+
+def test_streams_equal_the_reference_and_drafts_are_kept_and_rolled_back():
+    """Rows mixing prompt lengths stream exactly their reference tokens with speculation on
+    (integrity checked after every step), drafts were both kept and rejected, steps emitted
+    several tokens, and every block is free at the end."""
+    reqs = [make_request(i, 5 + 7 * i, max_tokens=40, seed=i, ignore_eos=True) for i in range(4)]
+    h = _run(64, reqs, max_rows=4, prefill_budget=32, block_size=4, **SPEC)
+    for r in reqs:
+        assert h.tokens[(r.key, 0)] == expected_stream(h, r)[0]
+    st = h.sched.stats()
+    assert 0 < st.spec_decode_num_accepted_tokens < st.spec_decode_num_draft_tokens
+    per = st.spec_decode_accepted_per_position
+    assert per[0] >= per[1] >= per[2] >= per[3] > 0 and sum(per) == st.spec_decode_num_accepted_tokens
+    assert len(h.batches) < sum(40 for _ in reqs) / 2  # far fewer steps than tokens per row
+    assert h.sched.kv.bm.num_free == 64
+
+
+def test_speculation_changes_no_token_with_siblings_and_stop_tokens():
+    """n = 2 siblings, max_tokens cutting a draft short and EOS: the streams are the ones plain
+    decoding gives."""
+    reqs = [make_request(0, 12, max_tokens=30, n=2, seed=3), make_request(1, 9, max_tokens=7, seed=4)]
+    plain = _run(64, [make_request(0, 12, max_tokens=30, n=2, seed=3), make_request(1, 9, max_tokens=7, seed=4)])
+    h = _run(64, reqs, **SPEC)
+    assert h.tokens == plain.tokens
+    assert {k: f.reason for k, f in h.finishes.items()} == {k: f.reason for k, f in plain.finishes.items()}
+    assert h.sched.stats().spec_decode_num_drafts > 0
+
+
+def _one_step_with_a_draft(h, req):
+    """Step until the batch carries a draft for `req`; returns (batch, its SeqStep)."""
+    for _ in range(200):
+        batch = h.step()
+        for s in batch.seqs:
+            if s.seq_id == req.seq_id and s.draft:
+                return batch, s
+    raise AssertionError("no draft in 200 steps")
+
+
+def test_rejected_drafts_give_their_blocks_back():
+    """A draft that reached into fresh blocks and was rejected leaves the request with exactly the
+    blocks its tokens need; the pool gets the rest back at once."""
+    h = make_harness(32, model=lambda *a: 1 + hash(a) % 30, block_size=4, **SPEC)  # copies nothing
+    req = make_request(0, [5, 6, 7, 5, 6, 7, 5, 6], max_tokens=30, ignore_eos=True)
+    assert h.sched.admit(req).accepted
+    seen = 0
+    for _ in range(60):
+        if not h.sched.has_work:
+            break
+        batch = h.step()
+        row = next((s for s in batch.seqs if s.seq_id == req.seq_id), None)
+        if row is not None and row.draft and not req.is_finished:
+            seen += 1
+            assert len(req.block_ids) == h.sched.kv.blocks_for(req.num_tokens)
+            assert h.sched.kv.bm.num_free == 32 - len(req.block_ids)
+    assert seen and h.sched.stats().spec_decode_num_accepted_tokens < h.sched.stats().spec_decode_num_draft_tokens
+    assert h.sched.kv.bm.num_free == 32
+
+
+def test_rejected_tokens_are_never_registered_in_the_prefix_cache():
+    """Every block the cache knows holds tokens a request really has at that place: a later
+    request whose prompt is a sequence's real tokens finds its blocks, and none is found for a
+    block of rejected guesses."""
+    h = make_harness(64, model=copying_token, block_size=4, **SPEC)
+    req = make_request(0, 10, max_tokens=40, ignore_eos=True)
+    assert h.sched.admit(req).accepted
+    h.run_until_idle()
+    full = req.prompt_ids + req.generated
+    cache = h.sched.kv.cache
+    known = 0
+    for b in range(64):
+        e = cache.entry(b)
+        if e is not None:
+            known += 1
+            assert any(tuple(full[j : j + 4]) == e.tokens for j in range(0, len(full) - 3, 4)), e.tokens
+    assert known >= len(full) // 4 - 1
+    assert h.sched.stats().spec_decode_num_accepted_tokens < h.sched.stats().spec_decode_num_draft_tokens
+
+
+def test_preempted_rows_mid_speculation_recompute_and_stream_the_reference():
+    """A pool too small for every row preempts rows that were speculating; each comes back,
+    recomputes what it had kept and streams its reference tokens."""
+    reqs = [make_request(i, 6 + 3 * i, max_tokens=36, seed=i, ignore_eos=True) for i in range(4)]
+    h = _run(14, reqs, max_rows=4, prefill_budget=32, block_size=4, admission_margin=0.0, **SPEC)
+    st = h.sched.stats()
+    assert st.preemptions > 0 and st.spec_decode_num_drafts > 0
+    for r in reqs:
+        assert h.tokens[(r.key, 0)] == expected_stream(h, r)[0]
+    assert h.sched.kv.bm.num_free == 14
+
+
+def test_a_large_batch_gets_no_drafts():
+    """With decode rows at the step-token line no draft is proposed: the step is compute-bound."""
+    reqs = [make_request(i, 9, max_tokens=20, seed=i, ignore_eos=True) for i in range(4)]
+    h = _run(64, reqs, max_rows=4, **SPEC, speculative_step_tokens=4)
+    assert h.sched.stats().spec_decode_num_drafts == 0
+    assert all(not s.draft for b in h.batches for s in b.seqs)
+
+
+@pytest.mark.parametrize("field,value", [("speculative", "eagle"), ("num_speculative_tokens", 9), ("ngram_max", 0)])
+def test_bad_speculation_settings_are_refused(field, value):
+    from ringserve.config import Config, ConfigError
+
+    with pytest.raises(ConfigError, match=field.split("_")[0]):
+        Config(**{field: value})
