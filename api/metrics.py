@@ -146,7 +146,9 @@ def _labelled(metric: str, stats: list[GpuStat], gpu: Mapping[str, float]) -> Me
     """One family of the GPU stats that share `metric`, a series per label value."""
     first = stats[0]
     family = (GaugeMetricFamily if first.kind == "gauge" else CounterMetricFamily)(
-        metric, first.help, labels=[first.label[0]]  # type: ignore[index]
+        metric,
+        first.help,
+        labels=[first.label[0]],  # type: ignore[index]
     )
     for stat in stats:
         family.add_metric([stat.label[1]], float(gpu.get(stat.name, 0.0)))  # type: ignore[index]

@@ -61,6 +61,7 @@ from dataclasses import dataclass, fields
 from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING
 
+from ringserve.config import MAX_SPECULATIVE_TOKENS
 from ringserve.gpu_proc.admission import AdmissionController, AdmissionLedger, Decision
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.fairness import FairQueue
@@ -74,8 +75,6 @@ from ringserve.gpu_proc.step import SeqStep, StepBatch
 from ringserve.gpu_proc.step_budget import StepBudget, prefill_tokens_for
 from ringserve.rules import finish_reason
 from ringserve.shm.messages import CancelReason, Finish, FinishReason, PromptLogprobs, Token
-
-from ringserve.config import MAX_SPECULATIVE_TOKENS
 
 if TYPE_CHECKING:
     from ringserve.config import Config
@@ -158,7 +157,9 @@ class Scheduler:
         self._running: list[Request] = []  # ascending admit_seq: the newest is last
         self.siblings = Siblings(self.kv, config.prefix_caching)
         self.spec = (
-            Speculator(config.num_speculative_tokens, config.ngram_min, config.ngram_max, config.speculative_step_tokens)
+            Speculator(
+                config.num_speculative_tokens, config.ngram_min, config.ngram_max, config.speculative_step_tokens
+            )
             if config.speculative == "ngram"
             else None
         )
@@ -588,7 +589,9 @@ class Scheduler:
             if req.first_token_ts is None:
                 req.first_token_ts = now  # TTFT ends here; a recompute does not restart it
         slot, rid = req.key
-        self._events.append((slot, Token(rid, req.index, tok, float(logprob), top if req.logprobs is not None else None)))
+        self._events.append(
+            (slot, Token(rid, req.index, tok, float(logprob), top if req.logprobs is not None else None))
+        )
         self.queue.charge(req.tenant, 0, 1)
         sp = req.sampling
         reason = finish_reason(

@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-
 MAX_SPECULATIVE_TOKENS = 8  # the per-position acceptance stats are declared for this many
 
 

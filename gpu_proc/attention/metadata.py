@@ -63,7 +63,9 @@ class StepInputs:
     """Everything the forward needs for one step."""
 
     input_ids: torch.Tensor  # int64[T]
-    logits_indices: torch.Tensor  # int64[R]: the last new token of each sampling row (each verified one of a draft row), in batch order
+    logits_indices: (
+        torch.Tensor
+    )  # int64[R]: the last new token of each sampling row (each verified one of a draft row), in batch order
     meta: AttentionMetadata
 
 

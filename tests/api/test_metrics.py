@@ -136,8 +136,7 @@ def test_every_declared_gpu_stat_is_published_rendered_and_faked(control):
     from ringserve.api.fake_gpu import FakeGpu
     from ringserve.config import MAX_SPECULATIVE_TOKENS
     from ringserve.gpu_proc.scheduler import SCHEDULER_STAT_NAMES
-    from ringserve.shm.stats_schema import MAX_SPEC_POSITIONS
-    from ringserve.shm.stats_schema import GPU_STAT_NAMES, GPU_STATS, LOOP_STATS
+    from ringserve.shm.stats_schema import GPU_STAT_NAMES, GPU_STATS, LOOP_STATS, MAX_SPEC_POSITIONS
 
     scheduler_stats = set(SCHEDULER_STAT_NAMES)
     assert scheduler_stats | set(LOOP_STATS) == set(GPU_STAT_NAMES) and not scheduler_stats & set(LOOP_STATS)
