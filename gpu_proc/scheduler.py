@@ -43,9 +43,9 @@ Rules (`docs/design.md#scheduler-pass`):
   queued once its prompt's full blocks are registered, and find them in the prefix cache, so the
   prompt is computed once. Blocks a step fills are registered when the step is built
   (`kv.commit()`): its writes land before any later step reads them.
-- Speculation (`#speculative-decoding`, `speculation.py`): while the step's decode tokens leave
-  room under `speculative_step_tokens`, a decoding row also gets a draft from its own tokens,
-  with slots that are never registered (`kv.allocate_draft_slots`; a draft never preempts and
+- Speculation (`#speculative-decoding`, `speculation.py`): a decoding row also gets a draft from
+  its own tokens where each draft token's chance of being kept beats what the step already
+  yields per millisecond (the cost model's fitted step times say what a token costs), with slots that are never registered (`kv.allocate_draft_slots`; a draft never preempts and
   never takes the margin). `update` keeps the longest agreeing prefix plus the token after it,
   rolls `num_computed` back to what was kept, and `kv.accept_draft` registers the blocks the
   kept tokens filled and frees the ones only rejected tokens reached.
@@ -157,9 +157,7 @@ class Scheduler:
         self._running: list[Request] = []  # ascending admit_seq: the newest is last
         self.siblings = Siblings(self.kv, config.prefix_caching)
         self.spec = (
-            Speculator(
-                config.num_speculative_tokens, config.ngram_min, config.ngram_max, config.speculative_step_tokens
-            )
+            Speculator(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
             if config.speculative == "ngram"
             else None
         )
@@ -422,13 +420,14 @@ class Scheduler:
             prefilling.sort(key=lambda r: rows[r.tenant])  # NOTE: stable: oldest first within a rank
         seqs: list[SeqStep] = []
         self._sampling = sampling = list(decoding)
-        spare = self.spec.budget(len(decoding)) if self.spec is not None else 0
+        bar = self._draft_bar(len(decoding)) if self.spec is not None else 1.0
+        drafted = 0
         for req in decoding:
             p = req.num_computed
             gen = req.generated
             req.num_computed = p + 1
-            draft = self._draft(req, spare) if spare else []
-            spare -= len(draft)
+            draft = self._draft(req, bar) if self.spec is not None else []
+            drafted += len(draft)
             seqs.append(
                 SeqStep(
                     req.seq_id,
@@ -440,21 +439,27 @@ class Scheduler:
                 )
             )
         budget = StepBudget.for_step(self.prefill_budget, self.max_rows, len(seqs))
-        self.last_decode_rows = len(seqs)
+        self.last_decode_rows = len(seqs) + drafted  # NOTE: a verified position costs about what a row does
         self.last_prefill_tokens = self._prefill_chunks(prefilling, budget, seqs, sampling)
         ended, self._ended_seqs = self._ended_seqs, []
         # NOTE: `sampling` was appended in lockstep with `seqs`, so it is in batch.sampling_seqs
         # order, which is the order of the runner's logits and the sampler's output.
         return StepBatch(seqs=seqs, scores_prompts=bool(self._scorer), finished=ended, has_drafts=bool(self._drafts))
 
-    def _draft(self, req: Request, spare: int) -> list[int]:
+    def _draft_bar(self, rows: int) -> float:
+        """The chance of being kept a draft token needs in a step of `rows` decoding rows."""
+        if not rows:
+            return 1.0
+        costs = self.admission.costs
+        step = costs.decode_step_ms(rows)
+        return Speculator.bar(rows, step, costs.decode_step_ms(rows + 1) - step)
+
+    def _draft(self, req: Request, bar: float) -> list[int]:
         """A draft for a decoding row whose next token has its slot (`num_computed` past it), with
-        slots for its tokens; [] when none matches or no block is free beyond the margin."""
+        slots for its tokens; [] when none is worth it or no block is free beyond the margin."""
         # NOTE: a step emits at most draft + 1 tokens: the draft stops short of max_tokens and the context.
-        room = min(spare, req.max_tokens - len(req.generated) - 1, self.context_limit - req.num_tokens - 1)
-        if room <= 0 or self.spec is None:
-            return []
-        draft = self.spec.propose(req, req.tokens, req.num_tokens, room)
+        room = min(req.max_tokens - len(req.generated) - 1, self.context_limit - req.num_tokens - 1)
+        draft = self.spec.propose(req, req.tokens, req.num_tokens, room, bar)  # type: ignore[union-attr]
         if not draft or not self.kv.allocate_draft_slots(req, len(draft), self.margin_blocks):
             return []
         self._drafts[req] = (req.num_computed, draft)

@@ -19,10 +19,16 @@ and more: the emitted tokens are the ones plain decoding draws with the same see
 use the same uniform at the same position over the same context (up to the floating-point
 rounding of a batched forward). Greedy is the special case u -> argmax.
 
-Adaptive. A row whose drafts keep failing stops proposing for a while (`Speculator` doubles the
-pause on each failure, up to `MAX_PAUSE_STEPS`); and the scheduler gives drafts only while the
-step stays under `speculative_step_tokens` tokens, where a CPU step turns from reading weights
-to computing (measured in docs/BENCHMARKS.md), so a large batch does not pay for guesses.
+Adaptive. A draft token is worth its cost when the tokens it is expected to add per millisecond
+beat what the step already yields: a step of N decoding rows yields N tokens in T(N) ms, and a
+verified position costs about what a row does, dT = T(N + 1) - T(N) (both from the admission
+cost model's online fit), so a row drafts its j-th token only while P(kept) = rate^j >= dT N /
+T(N). At one row, where T is mostly reading the weights, that bar is ~0.05; at 32 rows on a CPU,
+where T is mostly compute, ~0.8, so plain text (rate ~0.3) drafts nothing there and a copying
+row still does. `rate` is a row's decayed share of kept draft tokens (counted up to the first
+rejection); a row that does not draft still proposes and checks its first guess against the
+token it then samples, so a row whose acceptance is low stops drafting, and starts again when its
+guesses start to come true (a quote, a list, a copy).
 """
 
 from __future__ import annotations
@@ -30,9 +36,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-MIN_ACCEPT_RATE = 0.25  # a row accepting less of what it drafts (over its recent drafts) pauses
-MAX_PAUSE_STEPS = 64
-_DECAY = 0.7  # weight of the past in a row's acceptance estimate
+DECAY = 0.8  # weight of the past in a row's acceptance counts (about the last five drafts)
+PRIOR_KEPT, PRIOR_TRIED = 1.0, 2.0  # a new row's rate: 0.5
 
 
 @dataclass(slots=True)
@@ -84,25 +89,22 @@ class _Row:
     """One request's proposer and its recent acceptance."""
 
     index: NgramIndex
-    rate: float = 1.0  # decayed accepted / drafted over the row's drafts
-    pause: int = 0  # steps left without drafting
-    backoff: int = 1  # the next pause, doubled on each failure
+    kept: float = PRIOR_KEPT  # decayed draft tokens kept
+    tried: float = PRIOR_TRIED  # decayed draft tokens verified up to (and including) the first rejected one
+    shadow_at: int = -1  # a proposal that was not sent: the position its first token guessed
+    shadow: int = 0  # ... and that token
 
-
-@dataclass(frozen=True, slots=True)
-class SpecStats:
-    """vLLM's `spec_decode_*` counters (`vllm:spec_decode_num_drafts`, ...)."""
-
-    drafts: int  # verified drafts (a row-step with at least one draft token)
-    draft_tokens: int
-    accepted_tokens: int
-    accepted_per_position: tuple[int, ...]  # [j]: drafts whose token j was accepted
+    def learn(self, kept: int, tried: int) -> None:
+        self.kept = DECAY * self.kept + kept
+        self.tried = DECAY * self.tried + tried
 
 
 class Speculator:
-    """Drafts for the scheduler's decoding rows and the bookkeeping of their verification."""
+    """Drafts for the scheduler's decoding rows and the bookkeeping of their verification:
+    vLLM's `spec_decode_*` counters (drafts verified, their tokens, the tokens kept, and per
+    draft position the drafts whose token there was kept)."""
 
-    def __init__(self, num_tokens: int, ngram_min: int, ngram_max: int, step_tokens: int) -> None:
+    def __init__(self, num_tokens: int, ngram_min: int, ngram_max: int) -> None:
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
         if num_tokens < 1:
@@ -110,29 +112,42 @@ class Speculator:
         self.k = num_tokens
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
-        self.step_tokens = step_tokens  # a step's decode tokens + drafts stay within this
         self._rows: dict[object, _Row] = {}
         self.drafts = 0
         self.draft_tokens = 0
         self.accepted_tokens = 0
         self.accepted_per_position = [0] * num_tokens
 
-    def budget(self, decode_rows: int) -> int:
-        """Draft tokens a step with `decode_rows` decoding rows may carry (0: plain decode)."""
-        return max(0, self.step_tokens - decode_rows)
+    @staticmethod
+    def bar(rows: int, step_ms: float, row_ms: float) -> float:
+        """The least P(kept) a draft token needs in a step of `rows` decoding rows that takes
+        `step_ms`, where one more row costs `row_ms` (see the module docstring)."""
+        return row_ms * rows / step_ms if step_ms > 0 else 1.0
 
-    def propose(self, key: object, tokens: Callable[[int, int], list[int]], length: int, room: int) -> list[int]:
-        """A draft of at most min(k, room) tokens for the row `key` whose sequence (`length`
-        tokens, read by `tokens(start, end)`) ends in its last token ([] while the row is paused
-        or nothing matches)."""
+    def propose(
+        self, key: object, tokens: Callable[[int, int], list[int]], length: int, room: int, bar: float
+    ) -> list[int]:
+        """A draft of at most min(k, room) tokens for the row `key`, whose sequence (`length`
+        tokens, read by `tokens(start, end)`) ends in its last token: as many of the proposal's
+        tokens as are each kept with probability >= `bar` ([] when none is, or nothing matches)."""
         row = self._rows.get(key)
         if row is None:
             row = self._rows[key] = _Row(NgramIndex(self.ngram_min, self.ngram_max))
-        if row.pause:
-            row.pause -= 1
-            return []
+        if 0 <= row.shadow_at < length:  # the last proposal, unsent: was its first guess right?
+            row.learn(int(tokens(row.shadow_at, row.shadow_at + 1)[0] == row.shadow), 1)
+        row.shadow_at = -1
         n = min(self.k, room)
-        return row.index.propose(tokens, length, n) if n > 0 else []
+        proposal = row.index.propose(tokens, length, n) if n > 0 else []
+        if not proposal:
+            return []
+        rate = row.kept / row.tried
+        j, p = 0, rate
+        while j < len(proposal) and p >= bar:
+            j += 1
+            p *= rate
+        if j == 0:
+            row.shadow_at, row.shadow = length, proposal[0]
+        return proposal[:j]
 
     def record(self, key: object, drafted: int, accepted: int) -> None:
         """A row's draft of `drafted` tokens was verified and `accepted` of them kept."""
@@ -143,17 +158,13 @@ class Speculator:
         for j in range(accepted):
             per[j] += 1
         row = self._rows.get(key)
-        if row is None:
-            return
-        row.rate = _DECAY * row.rate + (1.0 - _DECAY) * (accepted / drafted)
-        if row.rate < MIN_ACCEPT_RATE:
-            row.pause, row.backoff = row.backoff, min(2 * row.backoff, MAX_PAUSE_STEPS)
-            row.rate = MIN_ACCEPT_RATE + (1.0 - _DECAY)  # a fresh chance after the pause
-        elif accepted == drafted:
-            row.backoff = 1
+        if row is not None:
+            row.learn(accepted, accepted + (accepted < drafted))
+
+    def rate(self, key: object) -> float | None:
+        """A row's estimated chance that a draft token is kept (None: no row)."""
+        row = self._rows.get(key)
+        return row.kept / row.tried if row is not None else None
 
     def forget(self, key: object) -> None:
         self._rows.pop(key, None)
-
-    def stats(self) -> SpecStats:
-        return SpecStats(self.drafts, self.draft_tokens, self.accepted_tokens, tuple(self.accepted_per_position))

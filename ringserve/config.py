@@ -89,9 +89,6 @@ class Config:
     num_speculative_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
-    # Drafts are given only while a step's decode tokens plus drafts stay within this many: past it
-    # a CPU step computes more than it reads weights, and guesses cost time (docs/BENCHMARKS.md).
-    speculative_step_tokens: int = 16
     # admission
     queue_limit_s: float = 2.0
     c_prefill_ms: float = 0.1
@@ -157,7 +154,6 @@ class Config:
             "response_store_ttl_s",
             "num_speculative_tokens",
             "ngram_min",
-            "speculative_step_tokens",
         )
         for name in positive:
             if getattr(self, name) <= 0:

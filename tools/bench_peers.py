@@ -492,7 +492,7 @@ def run_model(args, name: str, model_dir: str, vllm_skip: str | None, logs: Path
     for pin_text in args.pin:
         pin = _pin(pin_text)
         server, client = pin if pin else (None, None)
-        with _client_cpus(server):
+        with _client_cpus(server):  # the core the server's model thread runs on, when pinned
             peak = [gemm_peak_gflops(args.dtype)]
         specs: dict[str, ServerSpec] = {}
         for engine in args.engines:
@@ -506,11 +506,11 @@ def run_model(args, name: str, model_dir: str, vllm_skip: str | None, logs: Path
         results, answers = run_engines(specs, workloads, warmup, args, logs, f"{name}-{pin_text}", costs, client)
         with _client_cpus(server):
             peak.append(gemm_peak_gflops(args.dtype))
-        combined = combine(results, workloads, median(peak))
+        combined = combine(results, workloads, median(p["peak"] for p in peak))
         entry["pins"][pin_text] = {
             "server_cpus": sorted(server) if server else None,
             "client_cpus": sorted(client) if client else None,
-            "gemm_peak_gflops": [round(p, 1) for p in peak],
+            "gemm_gflops": peak,  # before and after the engines' runs
             "engines": results,
             "combined": combined,
             "goals": goals(combined),
@@ -596,17 +596,18 @@ def table(report: dict) -> str:
     if report["vllm_skipped"]:
         lines.append(f"vLLM skipped: {report['vllm_skipped']}")
     head = (
-        f"{'workload':<10} {'engine':<16}{'tok/s median [range]':>24}{'TTFT p50':>10}{'TPOT p50':>10}"
+        f"{'workload':<10} {'engine':<16}{'tok/s median [range]':>24}{'TTFT p50 [range]':>22}{'TPOT p50':>10}"
         f"{'of peak':>9}{'busiest':>9}{'accepted':>10}"
     )
     for model, entry in report["models"].items():
         for pin, p in entry["pins"].items():
-            lines += ["", f"{model}, pin {pin}: one core's GEMM peak {p['gemm_peak_gflops']} GFLOP/s", head]
+            gemm = " / ".join(str(g["peak"]) for g in p["gemm_gflops"])
+            lines += ["", f"{model}, pin {pin}: one core's GEMM peak {gemm} GFLOP/s (before / after)", head]
             for key, row in p["combined"].items():
                 for name, s in row.items():
                     acc = s["mean_accepted_length"]
                     lines.append(
-                        f"{key:<10} {name:<16}{_fmt(s['tok_s']):>24}{_fmt(s['ttft_ms_p50'], '.0f'):>10}"
+                        f"{key:<10} {name:<16}{_fmt(s['tok_s']):>24}{_fmt(s['ttft_ms_p50'], '.0f'):>22}"
                         f"{(s['tpot_ms_p50'] or {}).get('median', 0):>10.2f}{s['gemm_peak_fraction'] or 0:>9.2f}"
                         f"{s['gemm_peak_fraction_busiest'] or 0:>9.2f}{(acc or {}).get('median', 0) or 0:>10.2f}"
                     )

@@ -117,7 +117,6 @@ def ringserve_settings(serve_args: list[str]) -> dict:
         "num_speculative_tokens",
         "ngram_min",
         "ngram_max",
-        "speculative_step_tokens",
     )
     return {k: getattr(c, k) for k in keys} | {"chunked_prefill": True}
 

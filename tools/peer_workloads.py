@@ -73,24 +73,43 @@ def flops_per_token(model_dir: str) -> tuple[float, float]:
     return 2.0 * layers * per_layer, 2.0 * h * cfg["vocab_size"]
 
 
-def gemm_peak_gflops(dtype: str, m: int = 256, k: int = 576, n: int = 1536, seconds: float = 1.5) -> float:
-    """One thread's matmul rate on this core, GFLOP/s: the best of several timed bursts of
-    `m x k @ k x n` (SmolLM2's hidden size and MLP width) in `dtype`."""
+GEMM_SHAPES = ((256, 576, 1536), (2048, 576, 1536))  # (m, k, n): SmolLM2's hidden size and MLP width
+
+
+def _best_s(fn, seconds: float) -> float:
+    for _ in range(3):
+        fn()
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / 4)
+    return best
+
+
+def gemm_peak_gflops(dtype: str, seconds: float = 0.7) -> dict[str, float]:
+    """One thread's matmul rate on this core in `dtype`, GFLOP/s, per shape of `GEMM_SHAPES`:
+    `torch.matmul`, and oneDNN with the weight packed once (what ringserve's CPU path and vLLM's
+    CPU linear layers run; about twice torch.matmul's rate on AVX-512), and their best as `peak`."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    out: dict[str, float] = {}
     try:
         dt = getattr(torch, dtype)
-        a, b = torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)
-        for _ in range(5):
-            a @ b
-        best, deadline = float("inf"), time.perf_counter() + seconds
-        while time.perf_counter() < deadline:
-            t0 = time.perf_counter()
-            for _ in range(10):
-                a @ b
-            best = min(best, (time.perf_counter() - t0) / 10)
-        return 2.0 * m * k * n / best / 1e9
+        for m, k, n in GEMM_SHAPES:
+            x, w = torch.randn(m, k, dtype=dt), torch.randn(n, k, dtype=dt)
+            flop = 2.0 * m * k * n
+            out[f"matmul {m}x{k}x{n}"] = round(flop / _best_s(lambda: x @ w.t(), seconds) / 1e9, 1)
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
+                run = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
+                out[f"onednn {m}x{k}x{n}"] = round(flop / _best_s(run, seconds) / 1e9, 1)
+            except (AttributeError, RuntimeError):  # a torch without oneDNN: matmul is the peak
+                pass
     finally:
         torch.set_num_threads(threads)
+    out["peak"] = max(out.values())
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringserve.gpu_proc.speculation import MAX_PAUSE_STEPS, NgramIndex, Speculator, accepted_prefix
+from ringserve.gpu_proc.speculation import NgramIndex, Speculator, accepted_prefix
 from tests.helpers.scheduler_fakes import copying_token, expected_stream, make_harness, make_request
 
 SPEC = {"speculative": "ngram", "num_speculative_tokens": 4, "ngram_min": 1, "ngram_max": 3}
@@ -50,18 +50,30 @@ def test_accepted_prefix_is_the_longest_agreeing_prefix():
     assert accepted_prefix([4, 5, 6], [4, 5, 6, 1]) == 3
 
 
-def test_a_row_that_keeps_failing_pauses_longer_each_time():
-    """Drafts that are never kept pause the row, each pause twice the last, up to the cap."""
-    spec = Speculator(4, 1, 2, 64)
-    tokens = [1, 2, 1, 2, 1, 2]
+def test_a_row_drafts_only_what_its_acceptance_pays_for_and_learns_from_unsent_guesses():
+    """A row drafts fewer tokens as the bar rises; one whose drafts keep failing stops drafting,
+    and one whose unsent first guesses come true starts again."""
+    spec = Speculator(4, 1, 2)
+    tokens = [1, 2, 3, 1, 2, 3, 1, 2]
     seq = lambda a, b: tokens[a:b]  # noqa: E731
-    pauses = []
-    for _ in range(200):
-        if spec.propose("r", seq, len(tokens), 4):
-            spec.record("r", 4, 0)
-            pauses.append(spec._rows["r"].pause)
-    grown = [p for p in pauses if p]
-    assert grown[:4] == [1, 2, 4, 8] and max(grown) == MAX_PAUSE_STEPS
+    assert spec.propose("r", seq, len(tokens), 4, 0.1) == [3, 1, 2]  # rate 0.5: 0.5^3 >= 0.1 > 0.5^4
+    assert spec.propose("r", seq, len(tokens), 4, 0.3) == [3]
+    for _ in range(10):
+        spec.record("r", 3, 0)
+    assert spec.rate("r") < 0.05 and spec.propose("r", seq, len(tokens), 4, 0.1) == []
+    for _ in range(12):  # each unsent guess (3) is what the row then sampled
+        tokens.append(3)
+        tokens.append(1)
+        assert spec.propose("r", seq, len(tokens) - 1, 4, 1.1) == []  # the guess for position len - 1
+    assert spec.rate("r") > 0.5
+    assert spec.propose("r", seq, len(tokens), 4, 0.3)
+
+
+def test_the_bar_rises_with_the_batch_on_a_compute_bound_step():
+    """One row on a step that mostly reads weights drafts almost anything; 32 rows on a step that
+    mostly computes need a draft token kept ~90 % of the time."""
+    assert Speculator.bar(1, 18.0, 1.0) < 0.06
+    assert 0.85 < Speculator.bar(32, 70.0, 2.0) < 0.95
 
 
 # -- through the scheduler -------------------------------------------------------------------------
@@ -164,12 +176,22 @@ def test_preempted_rows_mid_speculation_recompute_and_stream_the_reference():
     assert h.sched.kv.bm.num_free == 14
 
 
-def test_a_large_batch_gets_no_drafts():
-    """With decode rows at the step-token line no draft is proposed: the step is compute-bound."""
+def test_a_compute_bound_batch_gets_no_drafts():
+    """When the fitted step time grows with every row as it does on a compute-bound step, a row
+    whose drafts are kept half the time drafts nothing; when the step is mostly its fixed cost
+    (reading the weights), it drafts."""
     reqs = [make_request(i, 9, max_tokens=20, seed=i, ignore_eos=True) for i in range(4)]
-    h = _run(64, reqs, max_rows=4, **SPEC, speculative_step_tokens=4)
+    h = make_harness(64, model=copying_token, max_rows=4, **SPEC)
+    for _ in range(300):  # steps that cost 2 ms a row and nothing more
+        for rows in (1, 2, 3, 4):
+            h.sched.observe_step_time(2.0 * rows, 0, rows)
+    for r in reqs:
+        assert h.sched.admit(r).accepted
+    h.run_until_idle()
     assert h.sched.stats().spec_decode_num_drafts == 0
-    assert all(not s.draft for b in h.batches for s in b.seqs)
+    reqs = [make_request(i, 9, max_tokens=20, seed=i, ignore_eos=True) for i in range(4)]
+    h = _run(64, reqs, max_rows=4, **SPEC)  # the default cost constants: a large fixed cost per step
+    assert h.sched.stats().spec_decode_num_drafts > 0
 
 
 @pytest.mark.parametrize("field,value", [("speculative", "eagle"), ("num_speculative_tokens", 9), ("ngram_max", 0)])
