@@ -70,7 +70,7 @@ from ringserve.gpu_proc.prompt_chunks import PromptScorer
 from ringserve.gpu_proc.request import Request, RequestState, WorkerRid
 from ringserve.gpu_proc.scheduler_checks import SchedulerIntegrityError, SchedulerSnapshot, check_scheduler
 from ringserve.gpu_proc.siblings import Siblings
-from ringserve.gpu_proc.speculation import Speculator, accepted_prefix
+from ringserve.gpu_proc.speculation import Speculator, StepYield, accepted_prefix
 from ringserve.gpu_proc.step import SeqStep, StepBatch
 from ringserve.gpu_proc.step_budget import StepBudget, prefill_tokens_for
 from ringserve.rules import finish_reason
@@ -420,13 +420,13 @@ class Scheduler:
             prefilling.sort(key=lambda r: rows[r.tenant])  # NOTE: stable: oldest first within a rank
         seqs: list[SeqStep] = []
         self._sampling = sampling = list(decoding)
-        bar = self._draft_bar(len(decoding)) if self.spec is not None else 1.0
+        step = self._step_yield(len(decoding)) if self.spec is not None else None
         drafted = 0
         for req in decoding:
             p = req.num_computed
             gen = req.generated
             req.num_computed = p + 1
-            draft = self._draft(req, bar) if self.spec is not None else []
+            draft = self._draft(req, step) if step is not None else []
             drafted += len(draft)
             seqs.append(
                 SeqStep(
@@ -446,20 +446,19 @@ class Scheduler:
         # order, which is the order of the runner's logits and the sampler's output.
         return StepBatch(seqs=seqs, scores_prompts=bool(self._scorer), finished=ended, has_drafts=bool(self._drafts))
 
-    def _draft_bar(self, rows: int) -> float:
-        """The chance of being kept a draft token needs in a step of `rows` decoding rows."""
-        if not rows:
-            return 1.0
+    def _step_yield(self, rows: int) -> StepYield:
+        """What a step of `rows` decoding rows is expected to yield, and what a draft token costs
+        in it, from the cost model's fitted step times."""
         costs = self.admission.costs
         step = costs.decode_step_ms(rows)
-        return Speculator.bar(rows, step, costs.decode_step_ms(rows + 1) - step)
+        return StepYield.for_step(rows, step, costs.decode_step_ms(rows + 1) - step)
 
-    def _draft(self, req: Request, bar: float) -> list[int]:
+    def _draft(self, req: Request, step: StepYield) -> list[int]:
         """A draft for a decoding row whose next token has its slot (`num_computed` past it), with
         slots for its tokens; [] when none is worth it or no block is free beyond the margin."""
         # NOTE: a step emits at most draft + 1 tokens: the draft stops short of max_tokens and the context.
         room = min(req.max_tokens - len(req.generated) - 1, self.context_limit - req.num_tokens - 1)
-        draft = self.spec.propose(req, req.tokens, req.num_tokens, room, bar)  # type: ignore[union-attr]
+        draft = self.spec.propose(req, req.tokens, req.num_tokens, room, step)  # type: ignore[union-attr]
         if not draft or not self.kv.allocate_draft_slots(req, len(draft), self.margin_blocks):
             return []
         self._drafts[req] = (req.num_computed, draft)

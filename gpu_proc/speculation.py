@@ -20,15 +20,16 @@ use the same uniform at the same position over the same context (up to the float
 rounding of a batched forward). Greedy is the special case u -> argmax.
 
 Adaptive. A draft token is worth its cost when the tokens it is expected to add per millisecond
-beat what the step already yields: a step of N decoding rows yields N tokens in T(N) ms, and a
-verified position costs about what a row does, dT = T(N + 1) - T(N) (both from the admission
-cost model's online fit), so a row drafts its j-th token only while P(kept) = rate^j >= dT N /
-T(N). At one row, where T is mostly reading the weights, that bar is ~0.05; at 32 rows on a CPU,
-where T is mostly compute, ~0.8, so plain text (rate ~0.3) drafts nothing there and a copying
-row still does. `rate` is a row's decayed share of kept draft tokens (counted up to the first
-rejection); a row that does not draft still proposes and checks its first guess against the
-token it then samples, so a row whose acceptance is low stops drafting, and starts again when its
-guesses start to come true (a quote, a list, a copy).
+beat what the step yields: a step of N decoding rows yields N tokens in T(N) ms, and a verified
+position costs about what a row does, dT = T(N + 1) - T(N) (both from the admission cost model's
+online fit). The step's drafts are chosen row by row: a row adds its j-th draft token while
+P(kept) = rate^j >= dT x Y, where Y is the step's expected yield per ms with the drafts chosen so
+far (`StepYield`), which each added token raises. At one row, where T is mostly reading the
+weights, the bar starts at ~0.05; at 32 rows on a CPU, where T is mostly compute, at ~0.8, so
+plain text (rate ~0.3) drafts nothing there and a copying row still does. `rate` is a row's
+decayed share of kept draft tokens (counted up to the first rejection); a row that does not draft
+still proposes and checks its first guess against the token it then samples, so a row whose
+acceptance is low stops drafting, and starts again when its guesses start to come true.
 """
 
 from __future__ import annotations
@@ -99,6 +100,29 @@ class _Row:
         self.tried = DECAY * self.tried + tried
 
 
+@dataclass(slots=True)
+class StepYield:
+    """A step's expected output as drafts are added to it: `tokens` expected in `ms`, each
+    verified position costing `token_ms` more."""
+
+    tokens: float
+    ms: float
+    token_ms: float
+
+    @classmethod
+    def for_step(cls, rows: int, step_ms: float, row_ms: float) -> StepYield:
+        return cls(float(rows), max(step_ms, 1e-9), max(row_ms, 0.0))
+
+    @property
+    def bar(self) -> float:
+        """The least P(kept) a further draft token needs to raise the step's tokens per ms."""
+        return self.token_ms * self.tokens / self.ms
+
+    def add(self, p_kept: float) -> None:
+        self.tokens += p_kept
+        self.ms += self.token_ms
+
+
 class Speculator:
     """Drafts for the scheduler's decoding rows and the bookkeeping of their verification:
     vLLM's `spec_decode_*` counters (drafts verified, their tokens, the tokens kept, and per
@@ -118,18 +142,13 @@ class Speculator:
         self.accepted_tokens = 0
         self.accepted_per_position = [0] * num_tokens
 
-    @staticmethod
-    def bar(rows: int, step_ms: float, row_ms: float) -> float:
-        """The least P(kept) a draft token needs in a step of `rows` decoding rows that takes
-        `step_ms`, where one more row costs `row_ms` (see the module docstring)."""
-        return row_ms * rows / step_ms if step_ms > 0 else 1.0
-
     def propose(
-        self, key: object, tokens: Callable[[int, int], list[int]], length: int, room: int, bar: float
+        self, key: object, tokens: Callable[[int, int], list[int]], length: int, room: int, step: StepYield
     ) -> list[int]:
         """A draft of at most min(k, room) tokens for the row `key`, whose sequence (`length`
         tokens, read by `tokens(start, end)`) ends in its last token: as many of the proposal's
-        tokens as are each kept with probability >= `bar` ([] when none is, or nothing matches)."""
+        tokens as raise the step's yield (`step` is updated for them); [] when none does, or
+        nothing matches."""
         row = self._rows.get(key)
         if row is None:
             row = self._rows[key] = _Row(NgramIndex(self.ngram_min, self.ngram_max))
@@ -142,7 +161,8 @@ class Speculator:
             return []
         rate = row.kept / row.tried
         j, p = 0, rate
-        while j < len(proposal) and p >= bar:
+        while j < len(proposal) and p >= step.bar:
+            step.add(p)
             j += 1
             p *= rate
         if j == 0:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-MAX_SPECULATIVE_TOKENS = 8  # the per-position acceptance stats are declared for this many
+MAX_SPECULATIVE_TOKENS = 16  # the per-position acceptance stats are declared for this many
 
 
 class ConfigError(ValueError):
@@ -86,7 +86,7 @@ class Config:
     # drafts of up to num_speculative_tokens from the row's own prompt and output, matched on a
     # suffix of ngram_min to ngram_max tokens, verified in one forward).
     speculative: str = "off"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     ngram_min: int = 2
     ngram_max: int = 4
     # admission

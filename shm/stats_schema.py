@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_SPEC_POSITIONS = 8  # draft positions with an acceptance counter (config.MAX_SPECULATIVE_TOKENS)
+MAX_SPEC_POSITIONS = 16  # draft positions with an acceptance counter (config.MAX_SPECULATIVE_TOKENS)
 
 
 @dataclass(frozen=True)

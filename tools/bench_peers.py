@@ -648,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--copy-output-tokens", type=int, default=160, help="max_tokens of a copy (EOS ends it)")
     p.add_argument("--requests", type=int, default=0, help="requests per workload and concurrency (default max(8, 2c))")
     p.add_argument("--warmup", type=int, default=8, help="unmeasured requests after each server start")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-speculative-tokens", type=int, default=8)
     p.add_argument("--ngram-min", type=int, default=2)
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument(

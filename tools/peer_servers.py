@@ -56,7 +56,7 @@ class ServerSpec:
 class Speculation:
     """n-gram speculation as both engines are asked for it."""
 
-    tokens: int = 4
+    tokens: int = 8
     ngram_min: int = 2
     ngram_max: int = 4
 

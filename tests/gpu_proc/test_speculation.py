@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringserve.gpu_proc.speculation import NgramIndex, Speculator, accepted_prefix
+from ringserve.gpu_proc.speculation import NgramIndex, Speculator, StepYield, accepted_prefix
 from tests.helpers.scheduler_fakes import copying_token, expected_stream, make_harness, make_request
 
 SPEC = {"speculative": "ngram", "num_speculative_tokens": 4, "ngram_min": 1, "ngram_max": 3}
@@ -50,30 +50,41 @@ def test_accepted_prefix_is_the_longest_agreeing_prefix():
     assert accepted_prefix([4, 5, 6], [4, 5, 6, 1]) == 3
 
 
+def _bar(b: float) -> StepYield:
+    """A step whose bar stays `b` (a draft token costs nothing against a huge step)."""
+    return StepYield(tokens=b * 1e9, ms=1e9, token_ms=1.0)
+
+
 def test_a_row_drafts_only_what_its_acceptance_pays_for_and_learns_from_unsent_guesses():
     """A row drafts fewer tokens as the bar rises; one whose drafts keep failing stops drafting,
     and one whose unsent first guesses come true starts again."""
     spec = Speculator(4, 1, 2)
     tokens = [1, 2, 3, 1, 2, 3, 1, 2]
     seq = lambda a, b: tokens[a:b]  # noqa: E731
-    assert spec.propose("r", seq, len(tokens), 4, 0.1) == [3, 1, 2]  # rate 0.5: 0.5^3 >= 0.1 > 0.5^4
-    assert spec.propose("r", seq, len(tokens), 4, 0.3) == [3]
+    assert spec.propose("r", seq, len(tokens), 4, _bar(0.1)) == [3, 1, 2]  # rate 0.5: 0.5^3 >= 0.1 > 0.5^4
+    assert spec.propose("r", seq, len(tokens), 4, _bar(0.3)) == [3]
     for _ in range(10):
         spec.record("r", 3, 0)
-    assert spec.rate("r") < 0.05 and spec.propose("r", seq, len(tokens), 4, 0.1) == []
+    assert spec.rate("r") < 0.05 and spec.propose("r", seq, len(tokens), 4, _bar(0.1)) == []
     for _ in range(12):  # each unsent guess (3) is what the row then sampled
         tokens.append(3)
         tokens.append(1)
-        assert spec.propose("r", seq, len(tokens) - 1, 4, 1.1) == []  # the guess for position len - 1
+        assert spec.propose("r", seq, len(tokens) - 1, 4, _bar(1.1)) == []  # the guess for position len - 1
     assert spec.rate("r") > 0.5
-    assert spec.propose("r", seq, len(tokens), 4, 0.3)
+    assert spec.propose("r", seq, len(tokens), 4, _bar(0.3))
 
 
-def test_the_bar_rises_with_the_batch_on_a_compute_bound_step():
+def test_the_bar_rises_with_the_batch_and_with_every_draft_token():
     """One row on a step that mostly reads weights drafts almost anything; 32 rows on a step that
-    mostly computes need a draft token kept ~90 % of the time."""
-    assert Speculator.bar(1, 18.0, 1.0) < 0.06
-    assert 0.85 < Speculator.bar(32, 70.0, 2.0) < 0.95
+    mostly computes need a draft token kept ~90 % of the time; each added token raises the bar."""
+    assert StepYield.for_step(1, 18.0, 1.0).bar < 0.06
+    assert 0.85 < StepYield.for_step(32, 70.0, 2.0).bar < 0.95
+    step = StepYield.for_step(8, 27.0, 1.3)
+    bars = []
+    for _ in range(6):
+        bars.append(step.bar)
+        step.add(0.9)
+    assert bars == sorted(bars) and bars[-1] > bars[0] + 0.05
 
 
 # -- through the scheduler -------------------------------------------------------------------------
@@ -194,7 +205,7 @@ def test_a_compute_bound_batch_gets_no_drafts():
     assert h.sched.stats().spec_decode_num_drafts > 0
 
 
-@pytest.mark.parametrize("field,value", [("speculative", "eagle"), ("num_speculative_tokens", 9), ("ngram_max", 0)])
+@pytest.mark.parametrize("field,value", [("speculative", "eagle"), ("num_speculative_tokens", 17), ("ngram_max", 0)])
 def test_bad_speculation_settings_are_refused(field, value):
     from ringserve.config import Config, ConfigError
 
