@@ -102,10 +102,11 @@ def gemm_peak_gflops(dtype: str, seconds: float = 0.7) -> dict[str, float]:
         for m, k, n in GEMM_SHAPES:
             x, w = torch.randn(m, k, dtype=dt), torch.randn(n, k, dtype=dt)
             flop = 2.0 * m * k * n
-            out[f"matmul {m}x{k}x{n}"] = round(flop / _best_s(lambda: x @ w.t(), seconds) / 1e9, 1)
+            out[f"matmul {m}x{k}x{n}"] = round(flop / _best_s(lambda x=x, w=w: x @ w.t(), seconds) / 1e9, 1)
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
-                run = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
+                linear = torch.ops.mkldnn._linear_pointwise
+                run = lambda x=x, p=packed: linear(x, p, None, "none", [], "")  # noqa: E731
                 out[f"onednn {m}x{k}x{n}"] = round(flop / _best_s(run, seconds) / 1e9, 1)
             except (AttributeError, RuntimeError):  # a torch without oneDNN: matmul is the peak
                 pass
