@@ -105,8 +105,7 @@ def gemm_peak_gflops(dtype: str, seconds: float = 0.7) -> dict[str, float]:
             out[f"matmul {m}x{k}x{n}"] = round(flop / _best_s(lambda x=x, w=w: x @ w.t(), seconds) / 1e9, 1)
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
-                linear = torch.ops.mkldnn._linear_pointwise
-                run = lambda x=x, p=packed: linear(x, p, None, "none", [], "")  # noqa: E731
+                run = lambda x=x, p=packed, f=torch.ops.mkldnn._linear_pointwise: f(x, p, None, "none", [], "")  # noqa: E731
                 out[f"onednn {m}x{k}x{n}"] = round(flop / _best_s(run, seconds) / 1e9, 1)
             except (AttributeError, RuntimeError):  # a torch without oneDNN: matmul is the peak
                 pass
