@@ -176,12 +176,25 @@ def test_rejected_tokens_are_never_registered_in_the_prefix_cache():
 
 
 def test_preempted_rows_mid_speculation_recompute_and_stream_the_reference():
-    """A pool too small for every row preempts rows that were speculating; each comes back,
-    recomputes what it had kept and streams its reference tokens."""
+    """A pool too small for every row preempts rows that were speculating (some had drafts kept
+    and rolled back before); each comes back, recomputes what it had kept and streams its
+    reference tokens, and every block is free at the end."""
+    from ringserve.gpu_proc.request import RequestState
+
     reqs = [make_request(i, 6 + 3 * i, max_tokens=36, seed=i, ignore_eos=True) for i in range(4)]
-    h = _run(14, reqs, max_rows=4, prefill_budget=32, block_size=4, admission_margin=0.0, **SPEC)
-    st = h.sched.stats()
-    assert st.preemptions > 0 and st.spec_decode_num_drafts > 0
+    h = make_harness(14, model=copying_token, max_rows=4, prefill_budget=32, block_size=4, admission_margin=0.0, **SPEC)
+    for r in reqs:
+        assert h.sched.admit(r).accepted
+    drafted: set[int] = set()
+    preempted_mid_speculation = 0
+    while h.sched.has_work:
+        before = {r.seq_id: r.state for r in reqs}
+        batch = h.step()
+        drafted |= {s.seq_id for s in batch.seqs if s.draft}
+        for r in reqs:
+            if r.state == RequestState.PREEMPTED and before[r.seq_id] != r.state and r.seq_id in drafted:
+                preempted_mid_speculation += 1
+    assert preempted_mid_speculation > 0 and h.sched.stats().spec_decode_num_accepted_tokens > 0
     for r in reqs:
         assert h.tokens[(r.key, 0)] == expected_stream(h, r)[0]
     assert h.sched.kv.bm.num_free == 14
