@@ -51,6 +51,8 @@ def _serve(engines, spec: bool, sampling: list[SamplingParams], prompts, max_tok
             sampling=sp,
         )
         assert sched.admit(req).accepted
+        if sp.grammar is not None:
+            engine.grammar.prepare(sp.grammar)
         if not together:
             serve_until_idle(sched, engine, out)
     serve_until_idle(sched, engine, out)
@@ -98,3 +100,26 @@ def test_greedy_with_speculation_equals_transformers(engines, prompts, tiny_mode
         x = torch.tensor([p])
         want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20, do_sample=False, pad_token_id=0)
         assert spec[i] == want[0, len(p) :].tolist(), f"prompt {i}"
+
+
+def test_grammar_masks_apply_at_every_verified_position(engines, prompts):
+    """Constrained rows (a regex the answer loops in, a JSON schema), greedy and seeded, stream
+    with speculation what they stream without it, inside their grammar, and drafts were kept:
+    each verified position's mask is its matcher's after the draft tokens before it."""
+    import llguidance
+
+    loop = llguidance.LLMatcher.grammar_from_regex(r"(ab|ba|aa)( (ab|ba|aa)){5,30}\.")
+    schema = llguidance.LLMatcher.grammar_from_json_schema(
+        {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False},
+        defaults={"whitespace_flexible": False},
+    )
+    sampling = [
+        SamplingParams(temperature=0.0, grammar=loop),
+        SamplingParams(temperature=0.8, seed=3, grammar=loop),
+        SamplingParams(temperature=0.0, grammar=schema),
+        SamplingParams(temperature=0.0, ignore_eos=True),
+    ]
+    plain, _ = _serve(engines, False, sampling, prompts, max_tokens=40)
+    spec, st = _serve(engines, True, sampling, prompts, max_tokens=40)
+    assert spec == plain
+    assert st.spec_decode_num_accepted_tokens > 0
