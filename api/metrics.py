@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from ringserve.shm import layout as L
 from ringserve.shm.messages import FINISH_REASONS
-from ringserve.shm.stats_schema import GPU_STATS
+from ringserve.shm.stats_schema import GPU_STATS, GpuStat
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -60,9 +60,15 @@ class _SnapshotCollector:
 
     def collect(self) -> Iterator[Metric]:
         gpu = self.snap.gpu
+        labelled: dict[str, list[GpuStat]] = {}
         for stat in GPU_STATS:
+            if stat.label is not None:
+                labelled.setdefault(stat.metric, []).append(stat)
+                continue
             family = GaugeMetricFamily if stat.kind == "gauge" else CounterMetricFamily
             yield family(stat.metric, stat.help, value=float(gpu.get(stat.name, 0.0)))
+        for metric, stats in labelled.items():
+            yield _labelled(metric, stats, gpu)
         workers = _sum_workers(self.snap.workers)
         for name, doc, key in _WORKER_GAUGES:
             yield GaugeMetricFamily(name, doc, value=workers.get(key, 0.0))
@@ -117,12 +123,36 @@ class _SnapshotCollector:
         yield CounterMetricFamily(
             "vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", value=float(gpu.get("prefix_cache_hits", 0.0))
         )
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            yield CounterMetricFamily(
+                f"vllm:spec_decode_{name}",
+                f"Speculative decoding: {name.replace('_', ' ').removeprefix('num ')}.",
+                value=float(gpu.get(f"spec_decode_{name}", 0.0)),
+            )
+        yield _labelled(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            [s for s in GPU_STATS if s.metric == "ringserve_spec_decode_num_accepted_tokens_per_pos"],
+            gpu,
+        )
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "KV-cache configuration.", labels=["block_size", "num_gpu_blocks"]
         )
         info.add_metric([str(int(self.snap.block_size)), str(int(gpu.get("kv_blocks_total", 0.0)))], 1.0)
         yield info
         yield from _gateway_compat(gpu, self.snap.started_at)
+
+
+def _labelled(metric: str, stats: list[GpuStat], gpu: Mapping[str, float]) -> Metric:
+    """One family of the GPU stats that share `metric`, a series per label value."""
+    first = stats[0]
+    family = (GaugeMetricFamily if first.kind == "gauge" else CounterMetricFamily)(
+        metric,
+        first.help,
+        labels=[first.label[0]],  # type: ignore[index]
+    )
+    for stat in stats:
+        family.add_metric([stat.label[1]], float(gpu.get(stat.name, 0.0)))  # type: ignore[index]
+    return family
 
 
 def kv_usage(gpu: Mapping[str, float]) -> float:

@@ -57,7 +57,7 @@ class Engine:
         """One forward pass and the samples of its sampling rows, with the prompt logprobs of its
         scoring rows (None when no row samples or scores)."""
         self.release(batch.finished)
-        rows = batch.sampling_seqs
+        rows = batch.sampling_rows  # a draft row samples at each position it verifies
         masks = self.grammar.begin(rows) if rows else None  # filled while the forward runs
         logits = self.runner.execute(batch)
         out = self.controls.sample(logits[: len(rows)], rows, masks) if rows else None

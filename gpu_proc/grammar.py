@@ -17,6 +17,10 @@ in its mask computation). `GrammarMasks.allowed()` waits for the thread and give
 bool tensor on the device, which `logits_processors.ControlsPlan` applies before every other
 control, the penalties, top-k and top-p.
 
+Speculative decoding: a draft row is sampled at each position it verifies, and each position's
+mask is its matcher's after the draft tokens before it (a copy that consumed them), so a kept
+token was allowed exactly as it would have been without speculation.
+
 The matcher state is thus a pure function of the sequence's tokens: preemption and recompute,
 prefix-cache hits and a GPU-process restart change nothing, and a seeded constrained request
 repeats exactly (the draw stays a function of seed, index and position). A matcher in an error
@@ -133,12 +137,12 @@ class GrammarState:
         """Fill the masks of the constrained rows among the step's sampling `rows` in the grammar
         thread; None (and no work) when none is constrained."""
         picked: list[int] = []
-        jobs: list[tuple[int, RowControls]] = []
+        jobs: list[tuple[int, RowControls, list[int]]] = []
         for i, s in enumerate(rows):
             c = s.sampling.controls if s.sampling is not None else None
             if c is not None and c.settings.grammar is not None:
                 picked.append(i)
-                jobs.append((s.seq_id, c))
+                jobs.append((s.seq_id, c, s.drafted))
         if not picked:
             return None
         self._step += 1
@@ -153,7 +157,10 @@ class GrammarState:
         """Grammar thread: sync each row's matcher with its output, fill the rows' bitmask."""
         import llguidance.torch as llt
 
-        matchers = [(self._synced(seq_id, c.settings.grammar, c.output_ids), k) for k, (seq_id, c) in enumerate(jobs)]
+        matchers = [
+            (self._drafted(self._synced(seq_id, c.settings.grammar, c.output_ids), drafted), k)
+            for k, (seq_id, c, drafted) in enumerate(jobs)
+        ]
         bits = self._bits[: len(jobs)]
         if self._executor is None:
             import llguidance
@@ -184,6 +191,21 @@ class GrammarState:
             why = matcher.get_error().splitlines()[:1]
             log.error("structured output: sequence %d left its grammar, only EOS allowed now: %s", seq_id, why)
         return matcher
+
+    @staticmethod
+    def _drafted(matcher, drafted: list[int]):
+        """The matcher for a position that verifies a speculative draft: a copy that has consumed
+        the draft tokens before it (`SeqStep.drafted`); the sequence's own, with none. A draft
+        token the grammar rejects leaves the copy in error (EOS only), which is harmless: the
+        position before it masked that token out, so no draft is kept past it."""
+        if not drafted:
+            return matcher
+        copy = matcher.deep_copy()
+        for token in drafted:
+            if copy.is_stopped() or copy.is_error():
+                break
+            copy.consume_token(token)
+        return copy
 
     def forget(self, seq_ids: list[int]) -> None:
         """Sequences that ended: drop their matchers (after any fill still running)."""

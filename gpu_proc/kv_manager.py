@@ -3,6 +3,8 @@ vLLM v1's `KVCacheManager` hides them.
 
     kv.join(req, reserve)               # prefix hits + blocks for its current tokens, or False
     kv.allocate_slots(req, n)           # slots for its next n tokens (a decode token, a chunk), or None
+    kv.allocate_draft_slots(req, n)     # slots for n speculative tokens after those, never registered
+    kv.accept_draft(req, start)         # a verified draft: register what it kept, free what it did not
     kv.commit()                         # blocks this step fills become findable (end of the build)
     kv.free(req)                        # every reference it holds
     kv.fits(n, tokens, reserve)         # would n such requests join now?  kv.fits_pool(...), kv.stats()
@@ -14,6 +16,10 @@ costs nothing, a hit on a parked block uses up a free one (`docs/design.md#prefi
 Registration: `allocate_slots` notes the blocks its tokens will fill, and `commit()` registers them
 once the step is built (its writes land before any later step reads them). A request freed in
 between (preempted while the step was being built) registers nothing: its blocks were never written.
+Draft tokens (speculative decoding, `speculation.py`) are not noted: their slots may hold rejected
+guesses. Once the step is verified, `accept_draft` registers the full blocks the accepted tokens
+filled and returns the blocks that only rejected tokens reached, so a block is never found in the
+cache unless every token in it is the request's own, and a rejected draft leaks nothing.
 
 The prefix cache is used for a request when the config turns caching on, and always for the
 siblings of an n > 1 request (never read for one owed prompt logprobs), which share their prompt's
@@ -143,6 +149,30 @@ class KVCacheManager:
         if end // self.block_size > start // self.block_size and self.uses_cache(req):
             self._pending[req] = (start, end)
         return table
+
+    def allocate_draft_slots(self, req: Request, num_draft: int, reserve: int = 0) -> bool:
+        """Slots for `num_draft` draft tokens from `req.num_computed` on, growing its table; never
+        noted for registration. False, with nothing taken, unless `reserve` blocks stay free
+        after (a draft is optional: it never takes the admission margin, never preempts)."""
+        need = self.bm.blocks_for(req.num_computed + num_draft) - len(req.block_ids)
+        if need > 0:
+            if self.bm.num_free < need + reserve:
+                return False
+            self._grow(req.block_ids, need)
+        return True
+
+    def accept_draft(self, req: Request, draft_start: int) -> None:
+        """The step verified `req`'s draft, which began at token `draft_start`, and kept the tokens up
+        to `req.num_computed` (the scheduler has rolled it back and appended them): register the
+        full blocks they filled, and free the blocks past those its `num_tokens` need."""
+        end = req.num_computed
+        if end // self.block_size > draft_start // self.block_size and self.uses_cache(req):
+            register_filled(self.cache, [(req, draft_start, end)])  # NOTE: their writes have landed
+        keep = self.bm.blocks_for(req.num_tokens)
+        table = req.block_ids
+        if len(table) > keep:
+            self.bm.free(table[keep:])
+            del table[keep:]
 
     def commit(self) -> None:
         """Register the full blocks the step being built fills (see the module docstring)."""

@@ -18,12 +18,15 @@ sees the processed logits, and `ControlsPlan.report_raw` recomputes the logprobs
 rows that asked for logprobs from a copy of their raw logits.
 
 State. The penalties need each sequence's output token counts and the set of its prompt tokens.
-They live on the device, one row of a slab per sequence (by seq id), updated with the one token a
-sequence sampled since its last step; a row whose count does not match its output (it was evicted
-after a long wait, or is new) is rebuilt from the request's token lists, which the scheduler owns
+They live on the device, one row of a slab per sequence (by seq id), updated with the tokens a
+sequence produced since its last step (one, or a verified draft's few); a row whose count does not
+match its output (it was evicted after a long wait, or is new) is rebuilt from the request's token lists, which the scheduler owns
 (`RowControls` holds them by reference). A sequence's slot is freed the step after it ends (the
 batch names it, `forget`); one that waits unused for `EVICT_AFTER_STEPS` steps (preempted, held
 behind others) is freed too and rebuilt when it returns.
+Speculative decoding: a draft row is sampled at each position it verifies (`SeqStep.verified_rows`),
+and each position's controls count the draft tokens before it as output (penalties, bad words,
+min_tokens), so a kept token was drawn exactly as plain decoding would have drawn it.
 Bad-word prefixes are matched on the host against each row's last output tokens (bounded by
 `shm.messages.MAX_BAD_WORDS` words of `MAX_BAD_WORD_TOKENS` tokens).
 """
@@ -44,6 +47,7 @@ if TYPE_CHECKING:
     from .grammar import GrammarMasks
 
 EVICT_AFTER_STEPS = 256
+MAX_NEW_TOKENS = 16  # output tokens a sequence may gain between steps and still be counted, not rebuilt
 _NEG_INF = float("-inf")
 
 
@@ -106,22 +110,26 @@ class ControlsState:
         minp_rows: list[int] = []
         minp_shift: list[float] = []
         new_tokens: list[int] = []  # (slot, token) pairs to count
+        draft_counts: list[int] = []  # flat (penalized row, token) pairs: a verified position's draft
         for j, c in enumerate(controls):
             st = c.settings
             base = j * vocab
             if st.allowed_token_ids:
                 keep_rows.append(j)
                 keep += [base + t for t in st.allowed_token_ids]
+            row = rows[picked[j]]
+            drafted = row.drafted  # a verified position sees the draft before it as output
             if st.bad_words:
-                ban += [base + t for t in _banned(st.bad_words, c.output_ids)]
-            if len(c.output_ids) < st.min_tokens:
+                ban += [base + t for t in _banned(st.bad_words, c.output_ids + drafted if drafted else c.output_ids)]
+            if len(c.output_ids) + len(drafted) < st.min_tokens:
                 ban += [base + t for t in st.stop_token_ids + self.eos if t < vocab]
             if st.logit_bias:
                 bias_at += [base + t for t, _ in st.logit_bias]
                 bias += [b for _, b in st.logit_bias]
             if st.penalized:
                 pen_rows.append(j)
-                pen_slots.append(self._sync(rows[picked[j]].seq_id, c, new_tokens))
+                pen_slots.append(self._sync(row.seq_id, c, new_tokens))
+                draft_counts += [(len(pen_rows) - 1) * vocab + t for t in drafted]
                 pen += (st.repetition_penalty, st.frequency_penalty, st.presence_penalty)
             temperature = sampling[picked[j]].temperature
             if st.min_p > 0.0 and temperature >= MIN_TEMPERATURE:
@@ -158,6 +166,7 @@ class ControlsState:
                 flat("f", pen),
                 self.counts,
                 self.in_prompt,
+                flat("q", draft_counts) if draft_counts else None,
             )
             if pen_rows
             else None,
@@ -173,8 +182,9 @@ class ControlsState:
         out = c.output_ids
         n = len(out)
         seq = self.seqs.get(seq_id)
-        if seq is not None and seq.counted == n - 1:
-            new_tokens += (seq.slot, out[-1])
+        if seq is not None and seq.counted < n <= seq.counted + MAX_NEW_TOKENS:
+            for t in out[seq.counted :]:  # one token since its last step, or a verified draft's few
+                new_tokens += (seq.slot, t)
         elif seq is None or seq.counted != n:
             slot = seq.slot if seq is not None else self._allocate()
             self.counts[slot].zero_()
@@ -235,12 +245,15 @@ class Penalties:
     values: torch.Tensor  # float32[Rp * 3]: repetition, frequency, presence
     counts: torch.Tensor  # [slots, vocab] output token counts
     in_prompt: torch.Tensor  # [slots, vocab] bool
+    drafted: torch.Tensor | None = None  # flat (row, token) pairs counted on top: the draft before a verified position
 
     def apply(self, part: torch.Tensor) -> torch.Tensor:
         """The penalized rows' logits `[Rp, V]` after the penalties, as a new tensor."""
         pen = self.values.view(-1, 3)
         rep, freq, pres = pen[:, 0:1], pen[:, 1:2], pen[:, 2:3]  # [Rp, 1]
         counts = self.counts.index_select(0, self.slots)  # [Rp, V]
+        if self.drafted is not None:
+            counts.view(-1).index_add_(0, self.drafted, torch.ones(len(self.drafted), device=counts.device))
         in_output = counts > 0
         seen = self.in_prompt.index_select(0, self.slots).logical_or_(in_output)
         # repetition: divide positive logits by the penalty, multiply the others, seen tokens only

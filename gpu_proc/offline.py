@@ -70,11 +70,13 @@ def generate(
     max_rows: int = 32,
     block_seed: int | None = None,
     log: list[StepRecord] | None = None,
+    speculative: str = "off",
 ) -> list[OfflineResult]:
     """Run `requests` to completion and return their results in order.
 
     `prefill_budget` caps the prompt tokens per step (a prompt longer than that is chunked);
-    `block_seed` shuffles the free list; `log`, when given, receives one `StepRecord` per step.
+    `block_seed` shuffles the free list; `log`, when given, receives one `StepRecord` per step;
+    `speculative`: the server's `--speculative` (`ngram`: n-gram speculative decoding).
     """
     num_blocks, bs = runner.kv_pool.num_blocks, runner.block_size
     order = list(range(num_blocks))
@@ -88,6 +90,7 @@ def generate(
         num_blocks=num_blocks,
         queue_limit_s=1e9,  # offline: every request waits its turn, none is refused for load
         prefix_caching=False,
+        speculative=speculative,
     )
     vocab_size = int(getattr(runner.model, "args").vocab_size)  # noqa: B009 (a Module attribute)
     engine = Engine(runner, frozenset(eos_token_ids), vocab_size, num_blocks, runner.device, runner.kv_pool.dtype)

@@ -43,6 +43,12 @@ Rules (`docs/design.md#scheduler-pass`):
   queued once its prompt's full blocks are registered, and find them in the prefix cache, so the
   prompt is computed once. Blocks a step fills are registered when the step is built
   (`kv.commit()`): its writes land before any later step reads them.
+- Speculation (`#speculative-decoding`, `speculation.py`): a decoding row also gets a draft from
+  its own tokens where each draft token's chance of being kept beats what the step already
+  yields per millisecond (the cost model's fitted step times say what a token costs), with slots that are never registered (`kv.allocate_draft_slots`; a draft never preempts and
+  never takes the margin). `update` keeps the longest agreeing prefix plus the token after it,
+  rolls `num_computed` back to what was kept, and `kv.accept_draft` registers the blocks the
+  kept tokens filled and frees the ones only rejected tokens reached.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from dataclasses import dataclass, fields
 from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING
 
+from ringserve.config import MAX_SPECULATIVE_TOKENS
 from ringserve.gpu_proc.admission import AdmissionController, AdmissionLedger, Decision
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.fairness import FairQueue
@@ -63,6 +70,7 @@ from ringserve.gpu_proc.prompt_chunks import PromptScorer
 from ringserve.gpu_proc.request import Request, RequestState, WorkerRid
 from ringserve.gpu_proc.scheduler_checks import SchedulerIntegrityError, SchedulerSnapshot, check_scheduler
 from ringserve.gpu_proc.siblings import Siblings
+from ringserve.gpu_proc.speculation import Speculator, StepYield, accepted_prefix
 from ringserve.gpu_proc.step import SeqStep, StepBatch
 from ringserve.gpu_proc.step_budget import StepBudget, prefill_tokens_for
 from ringserve.rules import finish_reason
@@ -97,12 +105,21 @@ class SchedulerStats:
     cost_model_resets: int  # estimates found unusable and replaced by the configured constants
     prefix_cache_queries: int  # tokens looked up in the prefix cache at each join (recompute too)
     prefix_cache_hits: int  # of those, tokens served from cached blocks
+    spec_decode_num_drafts: int  # speculative decoding: drafts verified (vLLM's names)
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_accepted_per_position: tuple[int, ...] = ()  # published as spec_accepted_pos_<j>
 
     def as_dict(self) -> dict[str, float]:
-        return {name: getattr(self, name) for name in _STAT_FIELDS}
+        out: dict[str, float] = {name: getattr(self, name) for name in _STAT_FIELDS}
+        per = self.spec_decode_accepted_per_position
+        for j in range(MAX_SPECULATIVE_TOKENS):
+            out[f"spec_accepted_pos_{j}"] = per[j] if j < len(per) else 0
+        return out
 
 
-_STAT_FIELDS = tuple(f.name for f in fields(SchedulerStats))
+_STAT_FIELDS = tuple(f.name for f in fields(SchedulerStats) if f.name != "spec_decode_accepted_per_position")
+SCHEDULER_STAT_NAMES = _STAT_FIELDS + tuple(f"spec_accepted_pos_{j}" for j in range(MAX_SPECULATIVE_TOKENS))
 
 
 class Scheduler:
@@ -139,6 +156,12 @@ class Scheduler:
         self._live: dict[WorkerRid, list[Request]] = {}  # every sample of a Submit until all have ended
         self._running: list[Request] = []  # ascending admit_seq: the newest is last
         self.siblings = Siblings(self.kv, config.prefix_caching)
+        self.spec = (
+            Speculator(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
+            if config.speculative == "ngram"
+            else None
+        )
+        self._drafts: dict[Request, tuple[int, list[int]]] = {}  # the last batch's drafts: (first position, tokens)
         self.ledger = AdmissionLedger()  # waiting work per tenant, and what starts at the next pass
         self._deadlines: list[tuple[float, int, Request]] = []
         self._deadlines_kept = 0  # heap size after the last compaction (_compact_deadlines)
@@ -278,7 +301,7 @@ class Scheduler:
 
     def update(self, samples=None) -> list[Event]:
         """Take the last batch's samples (`.token_ids`, `.logprobs`, `.top_logprobs`, one per
-        sampling row in `batch.sampling_seqs` order, and `.prompt_logprobs`, one (logprobs, ranks,
+        sampling row in `batch.sampling_rows` order: a draft row's verified positions each, and `.prompt_logprobs`, one (logprobs, ranks,
         top) per row with `scoring` in batch order, or None; None for a batch with neither) and
         return every event since the last call, including the finishes the pass's leave phase made
         for cancelled and expired requests. Call it after every `schedule()`, even an empty one."""
@@ -290,8 +313,9 @@ class Scheduler:
                 raise ValueError(f"the last batch has {len(rows)} sampling rows but no samples were given")
         else:
             token_ids, logprobs, tops = samples.token_ids, samples.logprobs, samples.top_logprobs
-            if len(token_ids) != len(rows):
-                raise ValueError(f"{len(token_ids)} samples for {len(rows)} sampling rows")
+            want = len(rows) + sum(len(d) for _, d in self._drafts.values())
+            if len(token_ids) != want:
+                raise ValueError(f"{len(token_ids)} samples for {want} sampling rows")
             self._apply_samples(rows, token_ids, logprobs, tops)
         events, self._events = self._events, []
         return events
@@ -396,20 +420,50 @@ class Scheduler:
             prefilling.sort(key=lambda r: rows[r.tenant])  # NOTE: stable: oldest first within a rank
         seqs: list[SeqStep] = []
         self._sampling = sampling = list(decoding)
+        step = self._step_yield(len(decoding)) if self.spec is not None else None
+        drafted = 0
         for req in decoding:
             p = req.num_computed
             gen = req.generated
-            seqs.append(
-                SeqStep(req.seq_id, [gen[-1] if gen else req.prompt_ids[-1]], p, req.block_ids, req.row_sampling)
-            )
             req.num_computed = p + 1
+            draft = self._draft(req, step) if step is not None else []
+            drafted += len(draft)
+            seqs.append(
+                SeqStep(
+                    req.seq_id,
+                    [gen[-1] if gen else req.prompt_ids[-1], *draft],
+                    p,
+                    req.block_ids,
+                    req.row_sampling,
+                    draft=len(draft),
+                )
+            )
         budget = StepBudget.for_step(self.prefill_budget, self.max_rows, len(seqs))
-        self.last_decode_rows = len(seqs)
+        self.last_decode_rows = len(seqs) + drafted  # NOTE: a verified position costs about what a row does
         self.last_prefill_tokens = self._prefill_chunks(prefilling, budget, seqs, sampling)
         ended, self._ended_seqs = self._ended_seqs, []
         # NOTE: `sampling` was appended in lockstep with `seqs`, so it is in batch.sampling_seqs
         # order, which is the order of the runner's logits and the sampler's output.
-        return StepBatch(seqs=seqs, scores_prompts=bool(self._scorer), finished=ended)
+        return StepBatch(seqs=seqs, scores_prompts=bool(self._scorer), finished=ended, has_drafts=bool(self._drafts))
+
+    def _step_yield(self, rows: int) -> StepYield:
+        """What a step of `rows` decoding rows is expected to yield, and what a draft token costs
+        in it, from the cost model's fitted step times."""
+        costs = self.admission.costs
+        step = costs.decode_step_ms(rows)
+        return StepYield.for_step(rows, step, costs.decode_step_ms(rows + 1) - step)
+
+    def _draft(self, req: Request, step: StepYield) -> list[int]:
+        """A draft for a decoding row whose next token has its slot (`num_computed` past it), with
+        slots for its tokens; [] when none is worth it or no block is free beyond the margin."""
+        # NOTE: a step emits at most draft + 1 tokens: the draft stops short of max_tokens and the context.
+        room = min(req.max_tokens - len(req.generated) - 1, self.context_limit - req.num_tokens - 1)
+        draft = self.spec.propose(req, req.tokens, req.num_tokens, room, step)  # type: ignore[union-attr]
+        if not draft or not self.kv.allocate_draft_slots(req, len(draft), self.margin_blocks):
+            return []
+        self._drafts[req] = (req.num_computed, draft)
+        req.num_computed += len(draft)
+        return draft
 
     def _grow_decode_rows(self) -> tuple[list[Request], list[Request]]:
         """The running requests that decode this step, each now holding a slot for its next token,
@@ -509,36 +563,56 @@ class Scheduler:
 
     def _apply_samples(self, rows: list[Request], token_ids, logprobs, tops) -> None:
         now = self.clock()
-        events = self._events
-        eos, limit = self.eos_token_ids, self.context_limit
-        charge = self.queue.charge
-        for k, req in enumerate(rows):
-            tok = int(token_ids[k])
-            gen = req.generated
-            gen.append(tok)
-            if req.state == RequestState.PREFILL:
-                req.state = RequestState.DECODE
-                if req.first_token_ts is None:
-                    req.first_token_ts = now  # TTFT ends here; a recompute does not restart it
-            slot, rid = req.key
-            events.append(
-                (slot, Token(rid, req.index, tok, float(logprobs[k]), tops[k] if req.logprobs is not None else None))
-            )
-            charge(req.tenant, 0, 1)
-            sp = req.sampling
-            reason = finish_reason(
-                tok,
-                len(gen),
-                req.prompt_len + len(gen),
-                eos_token_ids=eos,
-                stop_token_ids=req.stop_ids,
-                ignore_eos=sp.ignore_eos,
-                max_tokens=req.max_tokens,
-                context_limit=limit,
-            )
-            self.generation_tokens_total += 1
-            if reason is not None:
-                self._row_done(req, reason, now)
+        drafts = self._drafts
+        k = 0
+        for req in rows:
+            spec = drafts.pop(req, None) if drafts else None
+            if spec is None:
+                self._emit(req, int(token_ids[k]), logprobs[k], tops[k], now)
+                k += 1
+                continue
+            start, draft = spec
+            n = len(draft) + 1
+            sampled = [int(t) for t in token_ids[k : k + n]]
+            kept = accepted_prefix(draft, sampled)
+            self.spec.record(req, len(draft), kept)  # type: ignore[union-attr]
+            req.num_computed = start + kept  # the kept drafts' keys are in the cache; the rest are not
+            for j in range(kept + 1):  # the kept drafts, then the token sampled after them
+                if self._emit(req, sampled[j], logprobs[k + j], tops[k + j], now):
+                    break
+            else:
+                self.kv.accept_draft(req, start)
+            k += n
+
+    def _emit(self, req: Request, tok: int, logprob: float, top, now: float) -> bool:
+        """Append one sampled token to `req` and stream it; True when that ended the request."""
+        gen = req.generated
+        gen.append(tok)
+        if req.state == RequestState.PREFILL:
+            req.state = RequestState.DECODE
+            if req.first_token_ts is None:
+                req.first_token_ts = now  # TTFT ends here; a recompute does not restart it
+        slot, rid = req.key
+        self._events.append(
+            (slot, Token(rid, req.index, tok, float(logprob), top if req.logprobs is not None else None))
+        )
+        self.queue.charge(req.tenant, 0, 1)
+        sp = req.sampling
+        reason = finish_reason(
+            tok,
+            len(gen),
+            req.prompt_len + len(gen),
+            eos_token_ids=self.eos_token_ids,
+            stop_token_ids=req.stop_ids,
+            ignore_eos=sp.ignore_eos,
+            max_tokens=req.max_tokens,
+            context_limit=self.context_limit,
+        )
+        self.generation_tokens_total += 1
+        if reason is None:
+            return False
+        self._row_done(req, reason, now)
+        return True
 
     def _row_done(self, req: Request, reason: FinishReason, now: float) -> None:
         """A request sampled its last token: its blocks go back now."""
@@ -565,6 +639,8 @@ class Scheduler:
         )
         self._events.append((slot, finish))
         self._ended_seqs.append(req.seq_id)
+        if self.spec is not None:
+            self.spec.forget(req)
         self.ledger.release(req)
         if req.index == 0 and self.siblings:
             self._queue_first(self.siblings.release(req))
@@ -584,6 +660,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         kv = self.kv.stats()
+        spec = self.spec
         return SchedulerStats(
             queue_depth=len(self.queue) + len(self.siblings),
             queued_gpu_seconds=max(self.ledger.total_ms, 0.0) / 1000.0,
@@ -601,6 +678,10 @@ class Scheduler:
             cost_model_resets=self.admission.costs.resets,
             prefix_cache_queries=kv.queries,
             prefix_cache_hits=kv.hits,
+            spec_decode_num_drafts=spec.drafts if spec else 0,
+            spec_decode_num_draft_tokens=spec.draft_tokens if spec else 0,
+            spec_decode_num_accepted_tokens=spec.accepted_tokens if spec else 0,
+            spec_decode_accepted_per_position=tuple(spec.accepted_per_position) if spec else (),
         )
 
     def snapshot(self) -> SchedulerSnapshot:

@@ -1,6 +1,7 @@
 """The scheduler's integrity check: every book it keeps agrees with every other.
 
-Tests run it after every step; it is cheap enough to run when the GPU process is idle. It reads
+Tests run it after every step (between `update` and the next `schedule`, when no draft is in
+flight); it is cheap enough to run when the GPU process is idle. It reads
 the scheduler's public `snapshot()` and covers block tables against reference counts, running
 rows, the fair queue's accounts, the waiting-work total, admission's online estimates (finite, positive, bounded), and the prefix cache: free + cached + in
 use == total, unique hashes, and that every cached block a table reads holds exactly the tokens
@@ -49,6 +50,10 @@ def check_scheduler(snap: SchedulerSnapshot) -> None:
         _require(
             len(req.block_ids) * bs >= req.num_computed,
             f"{name}: {req.num_computed} tokens computed in {len(req.block_ids)} blocks",
+        )
+        _require(
+            len(req.block_ids) <= snap.kv.blocks_for(req.num_tokens),
+            f"{name}: {len(req.block_ids)} blocks for {req.num_tokens} tokens (a rejected draft's kept?)",
         )
         for b in req.block_ids:
             expected[b] = expected.get(b, 0) + 1

@@ -59,10 +59,28 @@ class SeqStep:
     block_table: list[int]  # KV blocks covering start_pos + len(token_ids) tokens, in order
     sampling: RowSampling | None = None  # set when this row samples after its last new token
     scoring: PromptScoring | None = None  # set when this chunk's prompt logprobs are wanted
+    # Speculative decoding: the last `draft` new tokens are guesses (`speculation.py`), and the row
+    # samples after each of its last draft + 1 tokens, so that the scheduler can verify them.
+    draft: int = 0
 
     @property
     def context_len(self) -> int:
         return self.start_pos + len(self.token_ids)
+
+    @property
+    def drafted(self) -> list[int]:
+        """The draft tokens this row is sampled after (the logits controls and masks count them as
+        output already produced)."""
+        return self.token_ids[len(self.token_ids) - self.draft :] if self.draft else []
+
+    def verified_rows(self) -> list[SeqStep]:
+        """One sampling row per position a draft row samples at: the row cut after its real token,
+        then after each draft token (`context_len` is the position each one draws for)."""
+        ids, first = self.token_ids, len(self.token_ids) - self.draft
+        return [
+            SeqStep(self.seq_id, ids[: first + j], self.start_pos, self.block_table, self.sampling, draft=j)
+            for j in range(self.draft + 1)
+        ]
 
 
 @dataclass(slots=True)
@@ -70,6 +88,7 @@ class StepBatch:
     seqs: list[SeqStep] = field(default_factory=list)
     scores_prompts: bool = False  # some row has `scoring` (checked once per step, not per row)
     finished: list[int] = field(default_factory=list)  # seq ids that ended since the last batch: free their state
+    has_drafts: bool = False  # some row has a `draft` (checked once per step, not per row)
 
     @property
     def num_tokens(self) -> int:
@@ -78,3 +97,18 @@ class StepBatch:
     @property
     def sampling_seqs(self) -> list[SeqStep]:
         return [s for s in self.seqs if s.sampling is not None]
+
+    @property
+    def sampling_rows(self) -> list[SeqStep]:
+        """The rows the sampler draws for, in logits order: each sampling sequence, and for a draft
+        row each of its verified positions (`SeqStep.verified_rows`)."""
+        if not self.has_drafts:
+            return self.sampling_seqs
+        rows: list[SeqStep] = []
+        for s in self.seqs:
+            if s.sampling is not None:
+                if s.draft:
+                    rows += s.verified_rows()
+                else:
+                    rows.append(s)
+        return rows

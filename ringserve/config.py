@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+MAX_SPECULATIVE_TOKENS = 16  # the per-position acceptance stats are declared for this many
+
 
 class ConfigError(ValueError):
     """A setting is out of range or of the wrong type; the message names it."""
@@ -80,6 +82,13 @@ class Config:
     # Reuse another tenant's cached blocks too. Off: the tenant (API key) salts the cache, so no key
     # can learn from timing or /metrics whether another sent a prompt; on only for one tenant's server.
     prefix_cache_across_tenants: bool = False
+    # Speculative decoding (`docs/design.md#speculative-decoding`): off, or ngram (prompt lookup:
+    # drafts of up to num_speculative_tokens from the row's own prompt and output, matched on a
+    # suffix of ngram_min to ngram_max tokens, verified in one forward).
+    speculative: str = "off"
+    num_speculative_tokens: int = 8
+    ngram_min: int = 2
+    ngram_max: int = 4
     # admission
     queue_limit_s: float = 2.0
     c_prefill_ms: float = 0.1
@@ -143,6 +152,8 @@ class Config:
             "listen_backlog",
             "restart_hold_s",
             "response_store_ttl_s",
+            "num_speculative_tokens",
+            "ngram_min",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -176,6 +187,14 @@ class Config:
             raise ConfigError(f"attention_backend must be auto, cupy or reference, got {self.attention_backend!r}")
         if self.tool_call_parser not in ("auto", "hermes", "llama3_json"):
             raise ConfigError(f"tool_call_parser must be auto, hermes or llama3_json, got {self.tool_call_parser!r}")
+        if self.speculative not in ("off", "ngram"):
+            raise ConfigError(f"speculative must be off or ngram, got {self.speculative!r}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
+            )
+        if self.ngram_max < self.ngram_min:
+            raise ConfigError(f"ngram_max ({self.ngram_max}) must be >= ngram_min ({self.ngram_min})")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
 

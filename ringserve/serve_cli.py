@@ -49,11 +49,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def config_from_args(argv: list[str] | None) -> Config:
+    """The Config `ringserve serve ARGV` runs with (flags over RINGSERVE_* over defaults)."""
+    args = parser().parse_args(argv)
+    return Config.from_env(**{k: v for k, v in vars(args).items() if k != "shm_dir"})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if k != "shm_dir"}
     try:
-        config = Config.from_env(**overrides)
+        config = config_from_args(argv)
     except ConfigError as exc:
         print(f"ringserve serve: {exc}", file=sys.stderr)
         return 2

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_SPEC_POSITIONS = 16  # draft positions with an acceptance counter (config.MAX_SPECULATIVE_TOKENS)
+
 
 @dataclass(frozen=True)
 class GpuStat:
@@ -22,6 +24,7 @@ class GpuStat:
     kind: str  # "gauge" | "counter" (prometheus_client adds `_total` to a counter's name)
     metric: str  # the Prometheus name
     help: str
+    label: tuple[str, str] | None = None  # (name, value): one series of a labelled family sharing `metric`
 
     def __post_init__(self) -> None:
         if self.kind not in ("gauge", "counter"):
@@ -78,6 +81,31 @@ GPU_STATS: tuple[GpuStat, ...] = (
     ),
     GpuStat(
         "prefix_cache_hits", "counter", "ringserve_prefix_cache_hits", "Of those, tokens served from cached KV blocks."
+    ),
+    GpuStat(
+        "spec_decode_num_drafts",
+        "counter",
+        "ringserve_spec_decode_num_drafts",
+        "Speculative decoding: drafts verified (a row's guessed tokens in one step).",
+    ),
+    GpuStat(
+        "spec_decode_num_draft_tokens", "counter", "ringserve_spec_decode_num_draft_tokens", "Draft tokens verified."
+    ),
+    GpuStat(
+        "spec_decode_num_accepted_tokens",
+        "counter",
+        "ringserve_spec_decode_num_accepted_tokens",
+        "Of those, draft tokens the model agreed with (kept).",
+    ),
+    *(
+        GpuStat(
+            f"spec_accepted_pos_{j}",
+            "counter",
+            "ringserve_spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at this position was kept.",
+            label=("position", str(j)),
+        )
+        for j in range(MAX_SPEC_POSITIONS)
     ),
     # the GPU loop's own counters (LOOP_STATS)
     GpuStat("step_ms", "gauge", "ringserve_step_ms", "Duration of the last GPU step, ms."),

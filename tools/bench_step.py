@@ -74,17 +74,18 @@ def _rows_sampling(n: int):
     return [kinds[i % 4] for i in range(n)]
 
 
-def _decode_batch(rows: int, block_size: int):
+def _decode_batch(rows: int, block_size: int, draft: int = 0):
+    """`rows` decode rows, each with `draft` speculative tokens to verify after its own."""
     from ringserve.gpu_proc.step import SeqStep, StepBatch
 
     samplings = _rows_sampling(rows)
     seqs = []
     for i in range(rows):
         ctx = 500 + (i * 7) % 31  # cached tokens before this step
-        nblocks = (ctx + 1 + block_size - 1) // block_size
+        nblocks = (ctx + 1 + draft + block_size - 1) // block_size
         table = [(i * 64 + j) for j in range(nblocks)]
-        seqs.append(SeqStep(i, [17 + i % 100], ctx, table, samplings[i]))
-    return StepBatch(seqs)
+        seqs.append(SeqStep(i, [17 + i % 100] + [18 + j for j in range(draft)], ctx, table, samplings[i], draft=draft))
+    return StepBatch(seqs, has_drafts=draft > 0)
 
 
 def _sync(device) -> None:
@@ -94,13 +95,14 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(runner, rows: int, iters: int, warmup: int = 3) -> dict[str, float]:
-    """Median milliseconds per phase of a `rows`-row decode step."""
+def measure(runner, rows: int, iters: int, warmup: int = 3, draft: int = 0) -> dict[str, float]:
+    """Median milliseconds per phase of a `rows`-row decode step (each row verifying `draft`
+    speculative tokens too)."""
     from ringserve.gpu_proc.sampler import plan_sampling, sample_tensors, to_output
     from ringserve.rules import finish_reason
     from ringserve.shm.messages import Token
 
-    batch = _decode_batch(rows, runner.block_size)
+    batch = _decode_batch(rows, runner.block_size, draft)
     device = runner.device
     eos = frozenset({1})
     phases: dict[str, list[float]] = {"prepare": [], "forward": [], "sample": [], "other": []}
@@ -120,7 +122,7 @@ def measure(runner, rows: int, iters: int, warmup: int = 3) -> dict[str, float]:
             logits = runner.execute(batch)
         _sync(device)
         t2 = clock()
-        samplers = batch.sampling_seqs
+        samplers = batch.sampling_rows
         plan = plan_sampling([s.sampling for s in samplers], [s.context_len for s in samplers], device)
         _sync(device)
         t3 = clock()
@@ -193,6 +195,7 @@ def run(
     dtype: str = "auto",
     cuda_graphs: bool = False,
     reference: bool = False,
+    drafts: tuple[int, ...] = (),
 ) -> dict:
     import torch
 
@@ -225,6 +228,11 @@ def run(
         runners |= {"null": _null_runner(device, max_rows), "flat": _null_runner(device, max_rows, flat=True)}
         for name, runner in runners.items():
             report["models"][name] = {str(r): measure(runner, r, iters, warmup) for r in rows_list}
+        # speculative decoding: the same steps with each row verifying d draft tokens (rows "R+d"),
+        # where the step turns from reading weights to computing (docs/BENCHMARKS.md)
+        for d in drafts:
+            for r in rows_list:
+                report["models"]["tiny"][f"{r}+{d}"] = measure(runners["tiny"], r, iters, warmup, d)
     for r in rows_list:
         null = report["models"]["null"][str(r)]
         report[f"host_overhead_ms_{r}"] = round(null["host_overhead"], 4)
@@ -282,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--cuda-graphs", choices=("on", "off"), default="off", help="replay decode steps from CUDA graphs")
     p.add_argument(
+        "--draft", default="", help="comma-separated draft lengths: also time each row verifying that many tokens"
+    )
+    p.add_argument(
         "--reference",
         action="store_true",
         help="also run the model on the torch reference path (CPU kernels off): 'tiny_ref' rows",
@@ -293,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rows must be comma-separated integers, got {args.rows!r}")
     if not rows or rows[0] <= 0 or args.iters <= 0 or args.warmup < 0:
         p.error("--rows must be positive integers, --iters > 0 and --warmup >= 0")
+    try:
+        drafts = tuple(sorted({int(x) for x in args.draft.split(",") if x.strip()}))
+    except ValueError:
+        p.error(f"--draft must be comma-separated integers, got {args.draft!r}")
+    if drafts and drafts[0] <= 0:
+        p.error("--draft lengths must be > 0")
     report = run(
         args.device,
         rows,
@@ -303,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         args.dtype,
         args.cuda_graphs == "on",
         args.reference,
+        drafts,
     )
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0

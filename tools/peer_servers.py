@@ -3,7 +3,14 @@
 Each engine runs as its own process tree (a new session, so stopping it reaches every child: vLLM's
 engine core and workers, ringserve's GPU process and API workers), logs to a file in the bench's
 scratch directory, and serves the OpenAI `/v1/completions` endpoint on a loopback port. They run one
-after the other, never together, so neither steals the other's cores.
+after the other, never together, so neither steals the other's cores. A pinned server runs on its
+own set of CPUs (its whole tree: the affinity is inherited), the client on another.
+
+Each engine may run with n-gram speculation (`ringserve+ngram`, `vllm+ngram`), on the same
+settings (k draft tokens, n-gram lengths) in each engine's own spelling. The settings each server
+resolved are recorded: ringserve's from its own `Config` (what the supervisor builds from the same
+flags), vLLM's from its start-up log (its non-default arguments, its engine config, its OpenMP
+binding), besides the flags given.
 
 vLLM is optional and never a dependency of ringserve or of `make test`: it lives in its own virtual
 environment, found through `--vllm-python` or `RINGSERVE_VLLM_PYTHON`, and is skipped with the
@@ -37,14 +44,39 @@ class ServerSpec:
     ready_path: str
     env: dict[str, str] = field(default_factory=dict)
     extra_body: dict = field(default_factory=dict)  # request fields only this engine accepts
+    cpus: set[int] | None = None  # the server's CPUs when pinned (None: wherever the kernel puts it)
+    settings: dict = field(default_factory=dict)  # what the engine resolved (see the module docstring)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
 
-def ringserve_spec(model_dir: str, dtype: str, extra_args: list[str]) -> ServerSpec:
+@dataclass(frozen=True)
+class Speculation:
+    """n-gram speculation as both engines are asked for it."""
+
+    tokens: int = 8
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+
+def ringserve_spec(
+    model_dir: str, dtype: str, extra_args: list[str], spec: Speculation | None = None, cpus: set[int] | None = None
+) -> ServerSpec:
     port = free_port()
+    if spec is not None:
+        extra_args = [
+            "--speculative",
+            "ngram",
+            "--num-speculative-tokens",
+            str(spec.tokens),
+            "--ngram-min",
+            str(spec.ngram_min),
+            "--ngram-max",
+            str(spec.ngram_max),
+            *extra_args,
+        ]
     argv = [
         sys.executable,
         "-m",
@@ -62,11 +94,59 @@ def ringserve_spec(model_dir: str, dtype: str, extra_args: list[str]) -> ServerS
         "warning",
         *extra_args,
     ]
-    return ServerSpec("ringserve", argv, port, "/ready")
+    name = "ringserve+ngram" if spec is not None else "ringserve"
+    return ServerSpec(name, argv, port, "/ready", cpus=cpus, settings=ringserve_settings(argv[4:]))
 
 
-def vllm_spec(python: str, model_dir: str, dtype: str, extra_args: list[str], kv_space_gib: int) -> ServerSpec:
+def ringserve_settings(serve_args: list[str]) -> dict:
+    """The scheduler and CPU settings ringserve resolves from these `ringserve serve` flags."""
+    from ringserve.serve_cli import config_from_args
+
+    c = config_from_args(serve_args)
+    keys = (
+        "max_rows",
+        "prefill_budget",
+        "prefix_caching",
+        "cpu_threads",
+        "cpu_pin",
+        "workers",
+        "dtype",
+        "num_blocks",
+        "cpu_kv_blocks",
+        "speculative",
+        "num_speculative_tokens",
+        "ngram_min",
+        "ngram_max",
+    )
+    return {k: getattr(c, k) for k in keys} | {"chunked_prefill": True}
+
+
+# vLLM's own limits, set explicitly to ringserve's (a row cap of 32; 256 prompt tokens a step, up
+# to 2048 when few rows decode), so that the comparison is of engines, not of defaults.
+VLLM_LIMITS = ["--max-num-seqs", "32", "--max-num-batched-tokens", "2048"]
+
+
+def vllm_spec(
+    python: str,
+    model_dir: str,
+    dtype: str,
+    extra_args: list[str],
+    kv_space_gib: int,
+    spec: Speculation | None = None,
+    cpus: set[int] | None = None,
+) -> ServerSpec:
     port = free_port()
+    if spec is not None:
+        config = {
+            "method": "ngram",
+            "num_speculative_tokens": spec.tokens,
+            "prompt_lookup_min": spec.ngram_min,
+            "prompt_lookup_max": spec.ngram_max,
+        }
+        extra_args = ["--speculative-config", json.dumps(config), *extra_args]
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)}
+    if cpus is not None:  # its model thread on the server's CPUs, its front end beside it
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(cpus))), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     argv = [
         python,
         "-m",
@@ -82,17 +162,58 @@ def vllm_spec(python: str, model_dir: str, dtype: str, extra_args: list[str], kv
         "--served-model-name",
         SERVED_NAME,
         "--disable-log-stats",
+        *VLLM_LIMITS,
         *extra_args,
     ]
     # vLLM reports the generated ids only when asked (ringserve always does, as `token_id`).
     return ServerSpec(
-        "vllm",
+        "vllm+ngram" if spec is not None else "vllm",
         argv,
         port,
         "/v1/models",
-        env={"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib)},
+        env=env,
         extra_body={"return_token_ids": True},
+        cpus=cpus,
     )
+
+
+_VLLM_KEYS = (
+    "dtype",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_chunked_prefill",
+    "chunked_prefill_enabled",
+    "enable_prefix_caching",
+    "max_seq_len",
+    "speculative_config",
+    "async_scheduling",
+)
+
+
+def vllm_settings(log: str) -> dict:
+    """What vLLM resolved, read from its start-up log: its non-default arguments, the settings of
+    its engine config line, its OpenMP binding and thread count."""
+    import re
+
+    out: dict = {}
+    m = re.search(r"non-default args: (\{.*\})", log)
+    if m:
+        out["non_default_args"] = m.group(1)[:1000]
+    m = re.search(r"with config: (.*)", log)
+    if m:
+        for key in _VLLM_KEYS:
+            v = re.search(rf"\b{key}=([^,]+(?:\([^)]*\))?)", m.group(1))
+            if v:
+                out[key] = v.group(1)
+    binding = re.findall(r"ompmultiprocessing\.py:\d+\]\s+(.*)", log)
+    if binding:
+        out["omp_binding"] = [b.strip() for b in binding if b.strip()][:8]
+    m = re.search(r"Reducing Torch threads from (\d+) to (\d+)", log)
+    if m:
+        out["torch_threads"] = int(m.group(2))
+    for line in re.findall(r"max_num_scheduled_tokens is set to \d+[^.]*", log):
+        out["max_num_scheduled_tokens"] = line
+    return out
 
 
 def probe_vllm(python: str | None) -> tuple[str | None, str | None]:
@@ -130,8 +251,14 @@ class RunningServer:
         t0 = time.monotonic()
         self._log = open(self.log_path, "wb")
         env = {**os.environ, **self.spec.env}
+        cpus = self.spec.cpus
         self.proc = subprocess.Popen(
-            self.spec.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            self.spec.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus is not None else None,
         )
         try:
             self._wait_ready(t0)
@@ -139,6 +266,8 @@ class RunningServer:
             self.stop()
             raise
         self.start_s = time.monotonic() - t0
+        if self.spec.engine.startswith("vllm"):
+            self.spec.settings = vllm_settings(self.log_tail(200_000))
         return self
 
     def __exit__(self, *exc) -> None:

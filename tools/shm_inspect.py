@@ -71,6 +71,13 @@ def _hit_rate(gpu_stats: dict) -> str:
     return f"{gpu_stats.get('prefix_cache_hits', 0.0) / queries:.1%}" if queries else "-"
 
 
+def _accepted_length(gpu_stats: dict) -> str:
+    """Speculative decoding's mean accepted length: tokens a drafting row emits per verifying step
+    (its kept draft tokens plus the one sampled after them; "-" before any draft), as vLLM's."""
+    drafts = gpu_stats.get("spec_decode_num_drafts", 0.0)
+    return f"{1.0 + gpu_stats.get('spec_decode_num_accepted_tokens', 0.0) / drafts:.2f}" if drafts else "-"
+
+
 def _gpu_stat_lines(gpu_stats: dict, width: int = 96) -> list[str]:
     """Every stat `shm.stats_schema.GPU_STATS` declares, `name value`, wrapped to `width`."""
     items = []
@@ -137,7 +144,8 @@ def format_table(segments: list[dict]) -> str:
             lines.append(
                 f"  {'':<9} kv blocks {total - free}/{total} used, queue depth "
                 f"{int(g['queue_depth'])}, running rows {int(g['running_rows'])}, "
-                f"steps {int(g['steps'])}, prefix cache hit rate {_hit_rate(g)}"
+                f"steps {int(g['steps'])}, prefix cache hit rate {_hit_rate(g)}, "
+                f"mean accepted length {_accepted_length(g)}"
             )
             lines += [f"  {'':<9} {line}" for line in _gpu_stat_lines(g)]
             for i, w in enumerate(c["workers"]):

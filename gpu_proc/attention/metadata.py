@@ -63,7 +63,9 @@ class StepInputs:
     """Everything the forward needs for one step."""
 
     input_ids: torch.Tensor  # int64[T]
-    logits_indices: torch.Tensor  # int64[R]: the last new token of each sampling row, in batch order
+    logits_indices: (
+        torch.Tensor
+    )  # int64[R]: the last new token of each sampling row (each verified one of a draft row), in batch order
     meta: AttentionMetadata
 
 
@@ -134,6 +136,10 @@ def build_step_inputs(batch: StepBatch, block_size: int, device: torch.device) -
             total += n
             qsl.append(total)
     logits_indices = [qsl[i + 1] - 1 for i, s in enumerate(seqs) if s.sampling is not None]
+    if batch.has_drafts:  # a draft row's logits at each verified position (`StepBatch.sampling_rows`)
+        logits_indices = [
+            j for i, s in enumerate(seqs) if s.sampling is not None for j in range(qsl[i + 1] - 1 - s.draft, qsl[i + 1])
+        ]
     zeros = [0] * width
     tables: list[int] = []
     for bt, nb in zip(tables_in, nblocks):

@@ -133,13 +133,12 @@ def test_every_declared_gpu_stat_is_published_rendered_and_faked(control):
     """`shm/stats_schema.py` is the one list: the scheduler's stats plus the loop's counters are
     exactly the declared stats (so the GPU process publishes each), /metrics renders every one
     under its declared name and kind, and the fake GPU reports each."""
-    from dataclasses import fields
-
     from ringserve.api.fake_gpu import FakeGpu
-    from ringserve.gpu_proc.scheduler import SchedulerStats
-    from ringserve.shm.stats_schema import GPU_STAT_NAMES, GPU_STATS, LOOP_STATS
+    from ringserve.config import MAX_SPECULATIVE_TOKENS
+    from ringserve.gpu_proc.scheduler import SCHEDULER_STAT_NAMES
+    from ringserve.shm.stats_schema import GPU_STAT_NAMES, GPU_STATS, LOOP_STATS, MAX_SPEC_POSITIONS
 
-    scheduler_stats = {f.name for f in fields(SchedulerStats)}
+    scheduler_stats = set(SCHEDULER_STAT_NAMES)
     assert scheduler_stats | set(LOOP_STATS) == set(GPU_STAT_NAMES) and not scheduler_stats & set(LOOP_STATS)
     assert tuple(L.GPU_STAT_NAMES) == GPU_STAT_NAMES and len(set(GPU_STAT_NAMES)) == len(GPU_STAT_NAMES)
     control.gpu_stats.update({name: float(i + 1) for i, name in enumerate(GPU_STAT_NAMES)})
@@ -147,8 +146,9 @@ def test_every_declared_gpu_stat_is_published_rendered_and_faked(control):
     s = _samples(metrics.render(metrics.from_control(control)))
     for i, stat in enumerate(GPU_STATS):
         name = stat.metric + ("_total" if stat.kind == "counter" else "")
-        assert s[(name, ())] == i + 1, stat
+        assert s[(name, (stat.label,) if stat.label else ())] == i + 1, stat
     assert set(FakeGpu().stats()) == set(GPU_STAT_NAMES)
+    assert MAX_SPEC_POSITIONS == MAX_SPECULATIVE_TOKENS
 
 
 def test_attention_backend_and_check_failures_from_the_model_facts(control):

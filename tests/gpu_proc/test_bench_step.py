@@ -58,3 +58,11 @@ def test_bench_step_reference_runs_the_model_without_kernels(tiny_model_dir, cap
     report = json.loads(capsys.readouterr().out)
     assert set(report["models"]) == {"tiny", "tiny_ref", "null", "flat"}
     assert report["forward_ms_tiny_ref_8"] > 0 and report["forward_ms_tiny_8"] > 0
+
+
+def test_bench_step_times_rows_verifying_drafts(tiny_model_dir, capsys):
+    """--draft adds the same steps with every row verifying that many speculative tokens."""
+    argv = ["--json", "--rows", "2", "--iters", "1", "--warmup", "0", "--draft", "3", "--model", str(tiny_model_dir)]
+    assert main(argv) == 0
+    tiny = json.loads(capsys.readouterr().out)["models"]["tiny"]
+    assert set(tiny) == {"2", "2+3"} and tiny["2+3"]["forward"] > 0 and tiny["2+3"]["sample"] > 0

@@ -216,3 +216,27 @@ def test_masks_that_leave_nothing_still_keep_the_allowed_set():
         logits[0, EOS] = -50.0
         out = ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample(logits, [_row(1, st, PROMPT, [], 1.0, seed=seed)])
         assert out.token_ids[0] in (EOS, 9)
+
+
+@pytest.mark.parametrize("name", ["all penalties", "bad_words", "min_tokens reached in the draft", "everything"])
+def test_a_draft_rows_verified_positions_see_the_draft_as_output(name):
+    """Speculative decoding: at each position a draft row verifies, the controls count the draft
+    tokens before it as output already produced (penalties, bad words, min_tokens), exactly as
+    plain decoding would once those tokens were sampled."""
+    st = SamplingParams(min_tokens=6, stop_token_ids=(5, 6)) if name.startswith("min_tokens") else CASES[name]
+    out, draft = OUTPUT[:4], [9, 12, 3]  # the draft completes the bad word prefix (12,) and repeats 9
+    controls = RowControls(st, list(PROMPT), list(out))
+    sampling = RowSampling(temperature=0.8, controls=controls)
+    row = SeqStep(1, [out[-1], *draft], len(PROMPT) + len(out) - 1, [0], sampling, draft=3)
+    rows = row.verified_rows()
+    assert [r.context_len for r in rows] == [len(PROMPT) + len(out) + j for j in range(4)]
+    logits = _logits(4, seed=3)
+    raw = logits.clone()
+    state = ControlsState(VOCAB, {EOS}, torch.device("cpu"))
+    with torch.inference_mode():
+        state.plan(rows).apply(logits)
+    for j in range(4):
+        want = reference(raw[j].numpy(), st, PROMPT, out + draft[:j], 0.8)
+        got = logits[j].double().numpy()
+        assert np.array_equal(np.isneginf(got), np.isneginf(want)), (name, j)
+        np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-5, atol=1e-5)

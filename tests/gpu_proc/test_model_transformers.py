@@ -89,15 +89,16 @@ def test_logits_match_transformers(model_dir):
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_tokens_match_transformers_generate(model_dir):
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_greedy_tokens_match_transformers_generate(model_dir, speculative):
     """Greedy continuations, generated together with chunked prefill, equal transformers.generate
-    (up to and including EOS)."""
+    (up to and including EOS), with n-gram speculative decoding on too."""
     prompts = _prompts(model_dir)
     runner = _runner(model_dir)
     eos = read_special_tokens(model_dir).eos_token_ids
     # EOS ends a row in both (transformers reads it from generation_config.json).
     reqs = [OfflineRequest(prompt_ids=p, max_tokens=NEW_TOKENS) for p in prompts]
-    results = generate(runner, reqs, eos_token_ids=eos, prefill_budget=48, block_seed=5)
+    results = generate(runner, reqs, eos_token_ids=eos, prefill_budget=48, block_seed=5, speculative=speculative)
     hf = _hf(model_dir)
     for p, r in zip(prompts, results):
         assert r.token_ids == _hf_greedy(hf, p, NEW_TOKENS), f"prompt of {len(p)} tokens"

@@ -36,6 +36,19 @@ def fake_token(seed: int, index: int, position: int, context: tuple[int, ...]) -
     return hash((seed, index, position, context)) % VOCAB
 
 
+COPY_PERIOD = 8
+
+
+def copying_token(seed: int, index: int, position: int, context: tuple[int, ...]) -> int:
+    """A 'model' that mostly repeats its context with a period of COPY_PERIOD tokens and now and
+    then (one position in four, by hash) says something else: n-gram drafts of its output are
+    often right and sometimes wrong, so speculation both keeps and rolls back."""
+    h = hash((seed, index, position, context))
+    if len(context) >= COPY_PERIOD and h % 4:
+        return context[-COPY_PERIOD]
+    return h % VOCAB
+
+
 @dataclass
 class FakeSamples:
     token_ids: list[int]
@@ -46,8 +59,9 @@ class FakeSamples:
 class FakeEngine:
     """Runner + sampler over a token-id KV cache (see the module docstring)."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, model=fake_token) -> None:
         self.block_size = block_size
+        self.model = model
         self.cache: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.chain: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.steps = 0
@@ -66,7 +80,7 @@ class FakeEngine:
                 self.cache[table[p // bs]][p % bs] = tok
                 self.chain[table[p // bs]][p % bs] = hash((prev, tok))
         out = FakeSamples([], [], [])
-        for s in batch.sampling_seqs:
+        for s in batch.sampling_rows:  # a draft row: each verified position
             ctx = tuple(self.cache[s.block_table[p // bs]][p % bs] for p in range(s.context_len))
             chain = 0
             for p, tok in enumerate(ctx):
@@ -74,7 +88,7 @@ class FakeEngine:
                 if self.chain[s.block_table[p // bs]][p % bs] != chain:
                     raise AssertionError(f"seq {s.seq_id}: keys at position {p} were computed after other tokens")
             sp = s.sampling
-            out.token_ids.append(fake_token(sp.seed, sp.sample_index, s.context_len, ctx))
+            out.token_ids.append(self.model(sp.seed, sp.sample_index, s.context_len, ctx))
             out.logprobs.append(-0.5)
             out.top_logprobs.append([(0, -0.5)] if sp.logprobs else None)
         self.steps += 1
@@ -90,12 +104,13 @@ def reference_tokens(
     context_limit: int = 8192,
     stop_token_ids: tuple[int, ...] = (),
     ignore_eos: bool = False,
+    model=fake_token,
 ) -> tuple[list[int], str]:
     """What one row must stream with no batching, preemption or sharing, and its finish reason."""
     ctx = list(prompt)
     out: list[int] = []
     while True:
-        tok = fake_token(seed, index, len(ctx), tuple(ctx))
+        tok = model(seed, index, len(ctx), tuple(ctx))
         ctx.append(tok)
         out.append(tok)
         reason = finish_reason(
@@ -150,10 +165,10 @@ class Harness:
         raise AssertionError(f"still busy after {max_steps} steps")
 
 
-def make_harness(num_blocks: int = 64, **config) -> Harness:
+def make_harness(num_blocks: int = 64, model=fake_token, **config) -> Harness:
     config.setdefault("queue_limit_s", 1e6)
     cfg = Config(**config)
-    h = Harness(sched=None, engine=FakeEngine(num_blocks, cfg.block_size))  # type: ignore[arg-type]
+    h = Harness(sched=None, engine=FakeEngine(num_blocks, cfg.block_size, model))  # type: ignore[arg-type]
     h.sched = Scheduler(
         cfg, BlockManager(num_blocks, cfg.block_size), eos_token_ids={EOS}, clock=lambda: h.now, rng=random.Random(7)
     )
@@ -201,6 +216,7 @@ def expected_stream(h: Harness, req: Request, index: int = 0) -> tuple[list[int]
         context_limit=h.sched.context_limit,
         stop_token_ids=req.sampling.stop_token_ids,
         ignore_eos=req.sampling.ignore_eos,
+        model=h.engine.model,
     )
 
 

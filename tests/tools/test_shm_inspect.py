@@ -112,7 +112,7 @@ def test_watch_redraws_and_shows_pool_and_slots(holder, capsys):
     assert shm_inspect.watch(directory, 0.01, iterations=1) == 0
     out = capsys.readouterr().out
     assert "kv blocks 0/0 used" in out and "queue depth 0" in out and "worker 0: pid" in out
-    assert "prefix cache hit rate -" in out
+    assert "prefix cache hit rate -" in out and "mean accepted length -" in out
 
 
 def test_prefix_cache_hit_rate():
@@ -121,3 +121,12 @@ def test_prefix_cache_hit_rate():
 
     assert _hit_rate({"prefix_cache_queries": 200.0, "prefix_cache_hits": 150.0}) == "75.0%"
     assert _hit_rate({"prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0}) == "-"
+
+
+def test_speculation_mean_accepted_length():
+    """Tokens a drafting row emits per verifying step: 1 + kept draft tokens per draft; a dash
+    before any draft."""
+    from ringserve.tools.shm_inspect import _accepted_length
+
+    assert _accepted_length({"spec_decode_num_drafts": 10.0, "spec_decode_num_accepted_tokens": 23.0}) == "3.30"
+    assert _accepted_length({"spec_decode_num_drafts": 0.0}) == "-"
