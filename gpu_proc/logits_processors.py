@@ -71,7 +71,9 @@ class ControlsState:
         self._free: list[int] = []
         self._step = 0
 
-    def sample(self, logits: torch.Tensor, rows: list[SeqStep], grammar: GrammarMasks | None = None) -> SampleOutput:
+    def sample_rows(
+        self, logits: torch.Tensor, rows: list[SeqStep], grammar: GrammarMasks | None = None
+    ) -> SampleOutput:
         """Sample the step's sampling rows (`logits` `[R, vocab]`, modified in place for the rows
         with controls), as `sampler.sample` does; `grammar`: the step's structured-output masks."""
         sampling = _settings(rows)

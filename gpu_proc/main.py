@@ -64,12 +64,15 @@ class Outbox:
         return not backlog
 
 
-class GpuLoop:
-    def __init__(self, config: Config, shm: ShmInstance, engine, scheduler: Scheduler) -> None:
+class EngineLoop:
+    """The GPU process's loop (module docstring): rings in, the scheduler's pass, the executor's
+    step, records out, stats and heartbeat."""
+
+    def __init__(self, config: Config, shm: ShmInstance, executor, scheduler: Scheduler) -> None:
         self.config = config
         self.shm = shm
         self.control = shm.control
-        self.engine = engine
+        self.executor = executor
         self.scheduler = scheduler
         if shm.input_bell is None or shm.output_bells is None:
             raise ValueError("the GPU loop needs the instance's doorbells (attach with bell_fds)")
@@ -82,7 +85,7 @@ class GpuLoop:
         self.forward_ms = self.forward_est_ms = 0.0  # the last step's, measured and as the cost model expected
         self.stopping = False
         self.release_memory = None  # called when the loop goes idle (the CPU engine's heap)
-        if getattr(engine, "device", None) is not None and engine.device.type == "cpu":
+        if getattr(executor, "device", None) is not None and executor.device.type == "cpu":
             from ringserve.gpu_proc.cpu_tuning import release_free_memory  # imports torch
 
             self.release_memory = release_free_memory
@@ -109,7 +112,7 @@ class GpuLoop:
         return n
 
     def _submit(self, slot: int, msg: M.Submit) -> None:
-        broken = submit_violation(msg, self.engine.vocab_size, self.engine.eos_token_ids)
+        broken = submit_violation(msg, self.executor.vocab_size, self.executor.eos_token_ids)
         if broken is None:
             try:
                 req = Request.from_submit(slot, msg, cache_per_tenant=not self.config.prefix_cache_across_tenants)
@@ -124,7 +127,7 @@ class GpuLoop:
         reply: M.Accepted | M.Rejected
         if decision.accepted:
             if msg.sampling.grammar is not None:  # compiled in the grammar thread, off this loop
-                self.engine.grammar.prepare(msg.sampling.grammar)
+                self.executor.grammar.prepare(msg.sampling.grammar)
             reply = M.Accepted(rid=msg.rid, est_gpu_ms=decision.est_gpu_ms)
         else:
             self.rejected_429 += decision.status == 429
@@ -171,13 +174,13 @@ class GpuLoop:
         batch = sched.schedule()
         if batch.seqs:
             t0 = time.perf_counter()
-            samples = self.engine.step(batch)
+            samples = self.executor.step(batch)
             self.forward_ms = (time.perf_counter() - t0) * 1e3
             self.forward_est_ms = sched.observe_step_time(self.forward_ms)
             events = sched.update(samples)
             self.step_no += 1
         else:
-            self.engine.release(batch.finished)
+            self.executor.release(batch.finished)
             events = sched.update(None)
         self._route(events)
         return bool(batch.seqs)
@@ -263,31 +266,33 @@ def _beating(beat, every_s: float = IDLE_WAIT_S):
 
 
 def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
-    """Load the engine, declare readiness, run until killed. Loading beats the heartbeat as it
+    """Load the model and build the executor, declare readiness, run until killed. Loading beats the heartbeat as it
     makes progress (per tensor read), so the supervisor's watchdog covers a load that hangs."""
     control = shm.control
     control.set_gpu_state(L.GpuState.STARTING, pid=os.getpid())
     control.gpu_heartbeat()
     t0 = time.monotonic()
     with _beating(control.gpu_heartbeat):
-        from ringserve.gpu_proc.engine import build_engine
+        from ringserve.gpu_proc.executor import build_executor
     # NOTE: the heartbeat between load phases (and between kernel compiles) keeps the supervisor's
     # watchdog satisfied through a long load; every kernel is compiled before READY.
-    engine = build_engine(config, model_dir, progress=control.gpu_heartbeat)
-    sched = Scheduler(config, BlockManager(engine.num_blocks, config.block_size), eos_token_ids=engine.eos_token_ids)
-    loop = GpuLoop(config, shm, engine, sched)
+    executor = build_executor(config, model_dir, progress=control.gpu_heartbeat)
+    sched = Scheduler(
+        config, BlockManager(executor.num_blocks, config.block_size), eos_token_ids=executor.eos_token_ids
+    )
+    loop = EngineLoop(config, shm, executor, sched)
     control.set_model_facts(
         {
             "model": config.model_name or os.path.basename(os.path.normpath(model_dir)),
-            "vocab_size": engine.vocab_size,
+            "vocab_size": executor.vocab_size,
             "block_size": config.block_size,
-            "num_blocks": engine.num_blocks,
+            "num_blocks": executor.num_blocks,
             "context_limit": config.context_limit,
-            "eos_token_ids": sorted(engine.eos_token_ids),
-            "device": str(engine.device),
-            "dtype": str(engine.dtype).removeprefix("torch."),
+            "eos_token_ids": sorted(executor.eos_token_ids),
+            "device": str(executor.device),
+            "dtype": str(executor.dtype).removeprefix("torch."),
             "load_s": round(time.monotonic() - t0, 3),
-            "attention": engine.attention,
+            "attention": executor.attention,
         }
     )
     loop.publish(0.0)
@@ -295,8 +300,8 @@ def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
     log.info(
         "GPU process ready: %s on %s, %d KV blocks, loaded in %.1f s",
         model_dir,
-        engine.device,
-        engine.num_blocks,
+        executor.device,
+        executor.num_blocks,
         time.monotonic() - t0,
     )
     # SIGTERM (the supervisor's stop, sent once the workers have drained) ends the loop between

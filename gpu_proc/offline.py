@@ -4,7 +4,7 @@ quick experiments.
 Every request is admitted at once under one tenant (the scheduler queues what does not fit),
 scheduled by `scheduler.py` exactly as the server does (chunked prefill under the step budget
 while other rows decode, preemption when the pool runs out, prefix caching off), and run by the
-engine's step (`Engine.step`: the runner, the logits controls, the sampler). Blocks can come
+engine's step (`Executor.step`: the runner, the logits controls, the sampler). Blocks can come
 from a shuffled free list, so block ids are not in position order.
 """
 
@@ -17,7 +17,7 @@ from ringserve.config import Config
 from ringserve.shm.messages import Finish, SamplingParams, Token
 
 from .block_manager import BlockManager
-from .engine import Engine
+from .executor import Executor
 from .model_runner import ModelRunner
 from .request import Request
 from .scheduler import Scheduler
@@ -93,7 +93,7 @@ def generate(
         speculative=speculative,
     )
     vocab_size = int(getattr(runner.model, "args").vocab_size)  # noqa: B009 (a Module attribute)
-    engine = Engine(runner, frozenset(eos_token_ids), vocab_size, num_blocks, runner.device, runner.kv_pool.dtype)
+    engine = Executor(runner, frozenset(eos_token_ids), vocab_size, num_blocks, runner.device, runner.kv_pool.dtype)
     sched = Scheduler(config, BlockManager(num_blocks, bs, order), eos_token_ids=eos_token_ids, clock=lambda: 0.0)
     prompt_len: dict[int, int] = {}
     for i, r in enumerate(requests):

@@ -83,7 +83,7 @@ def bench_sampler(rows: int, vocab: int, iters: int) -> dict[str, dict[str, floa
                 seq = state.seqs.get(s.seq_id)
                 if seq is not None:
                     seq.counted -= 1
-            state.sample(base.clone(), batch)
+            state.sample_rows(base.clone(), batch)
 
         return step
 
@@ -111,11 +111,11 @@ def bench_sampler(rows: int, vocab: int, iters: int) -> dict[str, dict[str, floa
 
 def bench_scoring(model_dir: str, prompt_len: int, iters: int) -> dict[str, float]:
     from ringserve.config import Config
-    from ringserve.gpu_proc.engine import build_engine
+    from ringserve.gpu_proc.executor import build_executor
     from ringserve.gpu_proc.step import PromptScoring, RowSampling, SeqStep, StepBatch
 
     config = Config(num_blocks=prompt_len // 16 + 4, cpu_threads=1)
-    engine = build_engine(config, model_dir)
+    engine = build_executor(config, model_dir)
     vocab = engine.vocab_size
     ids = [(13 * k) % (vocab - 10) + 5 for k in range(prompt_len)]
     blocks = list(range(prompt_len // 16 + 1))

@@ -46,7 +46,7 @@ class _Bench:
 
     def __init__(self, model_dir: str, num_blocks: int, max_rows: int, prefill_budget: int, threads: int = 1) -> None:
         from ringserve.config import Config
-        from ringserve.gpu_proc.engine import build_engine
+        from ringserve.gpu_proc.executor import build_executor
 
         self.kwargs: dict[str, Any] = dict(
             num_blocks=num_blocks,
@@ -58,7 +58,7 @@ class _Bench:
             device="cpu",
             cpu_threads=threads,
         )
-        self.engine = build_engine(Config(**self.kwargs), model_dir)
+        self.engine = build_executor(Config(**self.kwargs), model_dir)
         self.config_cls = Config
 
     def scheduler(self, caching: bool):

@@ -1,11 +1,11 @@
 """`ringserve bench structured [--json]`: what grammar-constrained decoding costs a decode step.
 
-One decode step of R rows (default 32) through the real engine (`Engine.step`: the grammar
+One decode step of R rows (default 32) through the real engine (`Executor.step`: the grammar
 thread's mask fill, the forward, the controls and the sampler), each row a sequence that keeps
 growing as it samples, on the mid-size random Llama and on SmolLM2 (`--smollm2 DIR`, default
 its converted checkpoint when present). Cases, each against its own baseline measured in the same
 iterations:
-- 0 of R rows constrained, through `Engine.step`, against the forward and the sampler called
+- 0 of R rows constrained, through `Executor.step`, against the forward and the sampler called
   directly (the step as it was before structured output): what unconstrained rows pay (goal <= 1.02x);
 - 1 of R and R of R rows constrained by a JSON schema, against the same batch unconstrained
   (goal for R of R: <= 1.15x);
@@ -75,11 +75,11 @@ class _Batch:
         self._advance(self.engine.step(self.StepBatch(self.seqs)))
 
     def step_without_grammar_hook(self) -> None:
-        """The forward and the sampler alone, as `Engine.step` was before structured output."""
+        """The forward and the sampler alone, as `Executor.step` was before structured output."""
         eng = self.engine
         batch = self.StepBatch(self.seqs)
         logits = eng.runner.execute(batch)
-        self._advance(eng.controls.sample(logits[: len(self.seqs)], self.seqs))
+        self._advance(eng.controls.sample_rows(logits[: len(self.seqs)], self.seqs))
 
     def fill_only(self) -> None:
         """The grammar side of a step alone: sync, fill, unpack (the rows' next token appended)."""
@@ -104,12 +104,12 @@ def bench_model(model_dir: str, rows: int, iters: int, device: str) -> dict:
     import llguidance
 
     from ringserve.config import Config
-    from ringserve.gpu_proc.engine import build_engine
+    from ringserve.gpu_proc.executor import build_executor
 
     steps = 3 + iters + 2
     blocks_each = (PROMPT + steps * 2) // 16 + 2
     config = Config(num_blocks=blocks_each * rows * 6 + 8, cpu_threads=1, device=device)
-    engine = build_engine(config, model_dir)
+    engine = build_executor(config, model_dir)
     grammar = llguidance.LLMatcher.grammar_from_json_schema(
         SCHEMA, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     )

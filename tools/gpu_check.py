@@ -388,7 +388,7 @@ GPU_RUN_MODULES = (
     "ringserve.serve_cli",
     "ringserve.api.worker",
     "ringserve.gpu_proc.main",
-    "ringserve.gpu_proc.engine",
+    "ringserve.gpu_proc.executor",
     "ringserve.gpu_proc.cuda_graphs",
     "ringserve.gpu_proc.attention.cupy_backend",
     "ringserve.gpu_proc.attention.self_check",

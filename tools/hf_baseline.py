@@ -140,12 +140,14 @@ def compare(
     import torch
 
     from ringserve.config import Config
-    from ringserve.gpu_proc.engine import build_engine
+    from ringserve.gpu_proc.executor import build_executor
 
     from .batchers import ContinuousPolicy
 
     torch.set_num_threads(threads)  # HF's generate below runs with the same thread count
-    engine = build_engine(Config(device="cpu", dtype="float32", num_blocks=num_blocks, cpu_threads=threads), model_dir)
+    engine = build_executor(
+        Config(device="cpu", dtype="float32", num_blocks=num_blocks, cpu_threads=threads), model_dir
+    )
     vocab = (3, min(engine.vocab_size, 1000))
     ours = replay(
         ContinuousPolicy(max_rows=batch, prefill_budget=chunk, num_blocks=num_blocks),

@@ -177,7 +177,7 @@ def _real(args, trace, arrivals, log) -> tuple[list[dict], dict]:
     import torch
 
     from ringserve.config import Config
-    from ringserve.gpu_proc.engine import build_engine
+    from ringserve.gpu_proc.executor import build_executor
 
     torch.set_num_threads(args.threads)
     model_dir = args.model_dir
@@ -185,7 +185,7 @@ def _real(args, trace, arrivals, log) -> tuple[list[dict], dict]:
         from .make_tiny_model import build_tiny_model
 
         model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix="ringserve-tiny-")))
-    engine = build_engine(
+    engine = build_executor(
         Config(device=args.device, dtype="float32", num_blocks=args.num_blocks, cpu_threads=args.threads), model_dir
     )
     vocab = (3, min(engine.vocab_size, 1000))

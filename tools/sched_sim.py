@@ -90,7 +90,7 @@ class SimExecutor:
 
 
 class EngineExecutor:
-    """Runs the real engine (`gpu_proc.engine.Engine`); the driver charges the pass's wall time."""
+    """Runs the real engine (`gpu_proc.executor.Executor`); the driver charges the pass's wall time."""
 
     measures_host = True
 

@@ -132,10 +132,10 @@ def test_cuda_graphs_give_the_eager_tokens_and_nothing_compiles_after_load(tiny_
     load (kernels compiled, warm-up steps, graphs captured) no served step compiles a kernel."""
     from ringserve.config import Config
     from ringserve.gpu_proc.attention.cupy_backend import default_kernels
-    from ringserve.gpu_proc.engine import build_engine
+    from ringserve.gpu_proc.executor import build_executor
 
-    eager = build_engine(Config(device="cuda", dtype="float32", num_blocks=512, cuda_graphs=False), tiny_model_dir)
-    graphed = build_engine(Config(device="cuda", dtype="float32", num_blocks=512, cuda_graphs=True), tiny_model_dir)
+    eager = build_executor(Config(device="cuda", dtype="float32", num_blocks=512, cuda_graphs=False), tiny_model_dir)
+    graphed = build_executor(Config(device="cuda", dtype="float32", num_blocks=512, cuda_graphs=True), tiny_model_dir)
     assert eager.runner.graphs is None and graphed.runner.graphs is not None
     compiles = default_kernels().executor.compiles_at_launch
     reqs = _requests(graphed.vocab_size, [5, 40, 300, 17, 1, 120])

@@ -37,11 +37,11 @@ def test_a_failed_build_says_why(monkeypatch):
 
 
 def test_engine_serves_with_the_reference_when_kernels_cannot_be_built(tiny_model_dir, monkeypatch):
-    """build_engine falls back to the torch reference path, and says so, when the build fails."""
+    """build_executor falls back to the torch reference path, and says so, when the build fails."""
     import torch
 
     from ringserve.config import Config
-    from ringserve.gpu_proc.engine import build_engine
+    from ringserve.gpu_proc.executor import build_executor
 
     def unavailable(progress=None):
         raise cpu_ext.CpuOpsUnavailable("no C++ compiler found")
@@ -49,7 +49,7 @@ def test_engine_serves_with_the_reference_when_kernels_cannot_be_built(tiny_mode
     monkeypatch.setattr(cpu_ext, "load_cpu_ops", unavailable)
     before = torch.get_num_threads()
     try:
-        engine = build_engine(Config(device="cpu", num_blocks=16), tiny_model_dir)
+        engine = build_executor(Config(device="cpu", num_blocks=16), tiny_model_dir)
     finally:
         torch.set_num_threads(before)
     model = engine.runner.model

@@ -35,12 +35,12 @@ def test_glibc_accepts_the_thresholds():
 def test_cpu_engine_applies_config_cpu_threads(tiny_model_dir):
     """Building the engine on the CPU leaves torch with `config.cpu_threads` threads."""
     from ringserve.config import Config
-    from ringserve.gpu_proc.engine import build_engine
+    from ringserve.gpu_proc.executor import build_executor
 
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        build_engine(Config(device="cpu", num_blocks=16, cpu_threads=1), tiny_model_dir)
+        build_executor(Config(device="cpu", num_blocks=16, cpu_threads=1), tiny_model_dir)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

@@ -37,11 +37,11 @@ def test_dummy_load_needs_no_weight_files(tiny_model_dir, tmp_path):
 
 def test_dummy_engine_serves_a_step(tiny_model_dir, tmp_path):
     """The engine builds (and warms up) on dummy weights from the config's load_format."""
-    from ringserve.gpu_proc.engine import build_engine
+    from ringserve.gpu_proc.executor import build_executor
     from ringserve.gpu_proc.step import RowSampling, SeqStep, StepBatch
 
     d = _weightless_copy(tiny_model_dir, tmp_path)
-    engine = build_engine(Config(device="cpu", dtype="float32", num_blocks=16, load_format="dummy"), d)
+    engine = build_executor(Config(device="cpu", dtype="float32", num_blocks=16, load_format="dummy"), d)
     out = engine.step(StepBatch([SeqStep(0, [5, 6, 7], 0, [3], RowSampling(temperature=0.0))]))
     assert len(out.token_ids) == 1 and 0 <= out.token_ids[0] < engine.vocab_size
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
-from ringserve.gpu_proc.engine import build_engine
+from ringserve.gpu_proc.executor import build_executor
 from ringserve.gpu_proc.request import Request
 from ringserve.gpu_proc.scheduler import Scheduler
 from ringserve.shm.messages import SamplingParams
@@ -14,7 +14,7 @@ from tests.helpers.engine_loop import serve_until_idle
 def _run(model_dir, num_blocks: int, prompts: list[list[int]], max_tokens: int):
     """Serve `prompts` to completion with a pool of `num_blocks`; tokens per request and preemptions."""
     config = Config(num_blocks=num_blocks, max_rows=8, prefill_budget=16, context_limit=512, max_tokens_limit=256)
-    engine = build_engine(config, model_dir)
+    engine = build_executor(config, model_dir)
     sched = Scheduler(
         config, BlockManager(num_blocks, config.block_size), eos_token_ids=engine.eos_token_ids, clock=lambda: 0.0
     )

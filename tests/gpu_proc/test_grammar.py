@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
-from ringserve.gpu_proc.engine import build_engine
+from ringserve.gpu_proc.executor import build_executor
 from ringserve.gpu_proc.grammar import unpack_bitmask
 from ringserve.gpu_proc.request import Request
 from ringserve.gpu_proc.scheduler import Scheduler
@@ -39,7 +39,7 @@ def _serve(
     length); (tokens per request, finish reasons, preemptions, the engine). `drop_every`: forget
     every matcher each that many steps, as an eviction does."""
     config = Config(num_blocks=num_blocks, max_rows=8, prefill_budget=16, context_limit=512)
-    engine = build_engine(config, model_dir)
+    engine = build_executor(config, model_dir)
     sched = Scheduler(
         config, BlockManager(num_blocks, config.block_size), eos_token_ids=engine.eos_token_ids, clock=lambda: 0.0
     )

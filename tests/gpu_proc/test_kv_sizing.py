@@ -233,9 +233,9 @@ def test_memory_plan_lines_name_weights_reserve_blocks_and_tokens():
 def test_the_engine_logs_its_memory_plan(tiny_model_dir, caplog):
     """Loading an engine logs the weights and the KV pool it sized (here --num-blocks on the CPU)."""
     from ringserve.config import Config
-    from ringserve.gpu_proc.engine import build_engine
+    from ringserve.gpu_proc.executor import build_executor
 
     caplog.set_level("INFO", logger="ringserve.gpu")
-    build_engine(Config(device="cpu", dtype="float32", num_blocks=32, cpu_kernels=False), tiny_model_dir)
+    build_executor(Config(device="cpu", dtype="float32", num_blocks=32, cpu_kernels=False), tiny_model_dir)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan:"))
     assert "(float32); KV cache 32 blocks" in line and "512 tokens" in line

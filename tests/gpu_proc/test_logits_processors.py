@@ -146,7 +146,7 @@ def test_logprobs_are_the_raw_distributions():
     logits = _logits(1, seed=3)
     raw = torch.log_softmax(logits[0].clone(), -1)
     row = _row(1, st, PROMPT, OUTPUT, temperature=0.0, logprobs=2)
-    out = ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample(logits, [row])
+    out = ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample_rows(logits, [row])
     assert out.token_ids == [11]
     assert out.logprobs[0] == pytest.approx(raw[11].item(), abs=1e-5)
     top = torch.topk(raw, 2)
@@ -187,9 +187,11 @@ def test_seeded_rows_with_controls_are_batch_invariant():
     for seed in range(20):
         logits = _logits(3, seed=100 + seed)
         row = _row(1, st, PROMPT, OUTPUT, temperature=0.9, seed=seed)
-        alone += ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample(logits[1:2].clone(), [row]).token_ids
+        alone += ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample_rows(logits[1:2].clone(), [row]).token_ids
         batch = [_row(2, other, PROMPT, [], 0.5, seed=7), row, _row(3, None, PROMPT, OUTPUT, 1.0, seed=9)]
-        together.append(ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample(logits.clone(), batch).token_ids[1])
+        together.append(
+            ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample_rows(logits.clone(), batch).token_ids[1]
+        )
     assert alone == together
     assert len(set(alone)) > 3  # really sampled, not one forced token
 
@@ -202,7 +204,7 @@ def test_controls_change_what_is_sampled():
     plain = sample(
         logits.clone(), [RowSampling(temperature=1.0, seed=i) for i in range(4)], [s.context_len for s in rows]
     ).token_ids
-    biased = ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample(logits.clone(), rows).token_ids
+    biased = ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample_rows(logits.clone(), rows).token_ids
     assert biased == [17] * 4 and plain != biased
 
 
@@ -214,7 +216,9 @@ def test_masks_that_leave_nothing_still_keep_the_allowed_set():
         logits = _logits(1, seed=seed)
         logits[0, 9] = -50.0  # neither allowed token is likely: a raw fallback would pick another
         logits[0, EOS] = -50.0
-        out = ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample(logits, [_row(1, st, PROMPT, [], 1.0, seed=seed)])
+        out = ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample_rows(
+            logits, [_row(1, st, PROMPT, [], 1.0, seed=seed)]
+        )
         assert out.token_ids[0] in (EOS, 9)
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
-from ringserve.gpu_proc.engine import build_engine
+from ringserve.gpu_proc.executor import build_executor
 from ringserve.gpu_proc.request import Request
 from ringserve.gpu_proc.scheduler import Scheduler
 from ringserve.shm.messages import SamplingParams
@@ -27,7 +27,7 @@ def _serve(model_dir, prefix_caching: bool, temperature: float, num_blocks: int 
         max_tokens_limit=64,
         prefix_caching=prefix_caching,
     )
-    engine = build_engine(config, model_dir)
+    engine = build_executor(config, model_dir)
     sched = Scheduler(
         config, BlockManager(num_blocks, config.block_size), eos_token_ids=engine.eos_token_ids, clock=lambda: 0.0
     )

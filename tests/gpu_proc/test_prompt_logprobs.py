@@ -12,7 +12,7 @@ import torch
 from ringserve.config import Config
 from ringserve.gpu_proc import step_budget as step_budget_module
 from ringserve.gpu_proc.block_manager import BlockManager
-from ringserve.gpu_proc.engine import build_engine
+from ringserve.gpu_proc.executor import build_executor
 from ringserve.gpu_proc.request import Request
 from ringserve.gpu_proc.scheduler import Scheduler
 from ringserve.shm.messages import PromptLogprobs, SamplingParams, Token
@@ -55,7 +55,7 @@ def _serve(
         context_limit=1024,
         prefix_caching=prefix_caching,
     )
-    engine = engine or build_engine(config, model_dir)
+    engine = engine or build_executor(config, model_dir)
     sched = Scheduler(
         config, BlockManager(num_blocks, config.block_size), eos_token_ids=engine.eos_token_ids, clock=lambda: 0.0
     )
@@ -133,7 +133,7 @@ def test_prompt_logprobs_skip_the_prefix_cache(tiny_model_dir, hf_logprobs):
     third, plain request hits it)."""
     prompt = _prompt(100, 9)
     config = Config(num_blocks=256, max_rows=8, prefill_budget=16, context_limit=1024)
-    engine = build_engine(config, tiny_model_dir)
+    engine = build_executor(config, tiny_model_dir)
     scores, _, sched = _serve(tiny_model_dir, [_request(1, prompt, prompt_logprobs=None)], engine=engine)
     assert scores == {}
     # A fresh scheduler over the same engine would not share the cache: use one scheduler throughout.
@@ -159,7 +159,7 @@ def test_prompt_logprobs_across_preemption_are_sent_once(tiny_model_dir, hf_logp
     monkeypatch.setattr(step_budget_module, "PROMPT_LOGPROB_TOKENS_PER_STEP", 12)
     prompt = _prompt(90, 4)
     config = Config(num_blocks=64, max_rows=8, prefill_budget=16, context_limit=1024)
-    engine = build_engine(config, tiny_model_dir)
+    engine = build_executor(config, tiny_model_dir)
     results = []
     for preempt_at in (None, 40):
         sched = Scheduler(config, BlockManager(64, 16), eos_token_ids=engine.eos_token_ids, clock=lambda: 0.0)

@@ -9,7 +9,7 @@ import torch
 
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
-from ringserve.gpu_proc.engine import build_engine
+from ringserve.gpu_proc.executor import build_executor
 from ringserve.gpu_proc.request import Request
 from ringserve.gpu_proc.scheduler import Scheduler
 from ringserve.shm.messages import SamplingParams
@@ -22,7 +22,7 @@ BASE = [[3 + (k % 7) * 11 for k in range(30)], [5, 9, 13, 17, 21] * 5 + [40], [6
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
     base = Config(num_blocks=128, max_rows=8, prefill_budget=64, context_limit=256)
-    return {on: (cfg, build_engine(cfg, tiny_model_dir)) for on, cfg in ((False, base), (True, base.replace(**SPEC)))}
+    return {on: (cfg, build_executor(cfg, tiny_model_dir)) for on, cfg in ((False, base), (True, base.replace(**SPEC)))}
 
 
 @pytest.fixture(scope="module")

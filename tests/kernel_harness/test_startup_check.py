@@ -14,7 +14,7 @@ from ringserve.config import Config
 from ringserve.gpu_proc.attention import kernels_backend
 from ringserve.gpu_proc.attention.cupy_backend import AttentionKernels
 from ringserve.gpu_proc.attention.self_check import KernelCheckFatal, check_kernels
-from ringserve.gpu_proc.engine import build_engine
+from ringserve.gpu_proc.executor import build_executor
 from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.model.loader import load_model
 from ringserve.gpu_proc.model_runner import ModelRunner
@@ -67,7 +67,7 @@ def reference_tokens(tiny_model_dir):
 def test_correct_kernels_pass_and_serve_every_op(tiny_model_dir, reference_tokens):
     """Unplanted, every op passes, the kernels serve all of it, and the tokens are the reference's."""
     executor = HarnessExecutor(order="random", seed=5, sm_count=2, ctas_per_sm=2)
-    engine = build_engine(CONFIG, tiny_model_dir, kernels=AttentionKernels(executor))
+    engine = build_executor(CONFIG, tiny_model_dir, kernels=AttentionKernels(executor))
     assert engine.attention["failures"] == []
     assert engine.attention["ops"] == dict.fromkeys(("write_kv", "decode", "prefill", "mixed"), "cupy")
     assert engine.runner.model.backend.name == "cupy"
@@ -87,7 +87,7 @@ def test_a_wrong_kernel_is_caught_and_its_op_served_by_the_reference(tiny_model_
     """A planted corruption of one kernel's output fails the checks of the ops that launch it, which
     name the kernel, its worst error and the shape; the engine serves those ops without it and its
     tokens are the reference engine's, where the wrong kernel's own tokens are not."""
-    engine = build_engine(CONFIG, tiny_model_dir, kernels=AttentionKernels(Corrupting(prefix)))
+    engine = build_executor(CONFIG, tiny_model_dir, kernels=AttentionKernels(Corrupting(prefix)))
     facts = engine.attention
     assert facts["ops"] == PLANTS[prefix]
     failed = {f["op"] for f in facts["failures"]}
@@ -108,7 +108,9 @@ def test_a_wrong_kernel_is_caught_and_its_op_served_by_the_reference(tiny_model_
 
 def test_a_launch_that_raises_falls_back_with_the_error_named(tiny_model_dir, reference_tokens):
     """A kernel whose launch raises is reported with the exception and served by the reference."""
-    engine = build_engine(CONFIG, tiny_model_dir, kernels=AttentionKernels(Corrupting("rs_paged_prefill", raises=True)))
+    engine = build_executor(
+        CONFIG, tiny_model_dir, kernels=AttentionKernels(Corrupting("rs_paged_prefill", raises=True))
+    )
     failures = {f["op"]: f for f in engine.attention["failures"]}
     assert set(failures) == {"prefill", "mixed"} and "illegal memory access" in failures["prefill"]["error"]
     assert _tokens(engine.runner, engine.vocab_size) == reference_tokens
@@ -121,27 +123,27 @@ class NoCompiler(HarnessExecutor):
 
 def test_kernels_that_do_not_compile_leave_the_reference_serving(tiny_model_dir, reference_tokens):
     """A compile failure is no crash loop: the reference serves every op and the error is published."""
-    engine = build_engine(CONFIG, tiny_model_dir, kernels=AttentionKernels(NoCompiler()))
+    engine = build_executor(CONFIG, tiny_model_dir, kernels=AttentionKernels(NoCompiler()))
     assert set(engine.attention["ops"].values()) == {"reference"}
     assert engine.attention["failures"] == [
         {"op": "compile", "error": "RuntimeError: NVRTC_ERROR_COMPILATION (planted)"}
     ]
     assert _tokens(engine.runner, engine.vocab_size) == reference_tokens
     with pytest.raises(KernelCheckFatal, match="do not compile"):
-        build_engine(CONFIG.replace(require_kernels=True), tiny_model_dir, kernels=AttentionKernels(NoCompiler()))
+        build_executor(CONFIG.replace(require_kernels=True), tiny_model_dir, kernels=AttentionKernels(NoCompiler()))
 
 
 def test_require_kernels_makes_a_failed_check_fatal(tiny_model_dir):
     """With --require-kernels a wrong kernel stops the start, naming the op and the kernel."""
     config = CONFIG.replace(require_kernels=True)
     with pytest.raises(KernelCheckFatal, match=r"decode kernel check failed \(rs_paged_decode<"):
-        build_engine(config, tiny_model_dir, kernels=AttentionKernels(Corrupting("rs_paged_decode")))
+        build_executor(config, tiny_model_dir, kernels=AttentionKernels(Corrupting("rs_paged_decode")))
 
 
 def test_reference_backend_runs_no_kernel(tiny_model_dir):
     """--attention-backend reference serves every op with the reference and launches nothing."""
     executor = HarnessExecutor()
-    engine = build_engine(
+    engine = build_executor(
         CONFIG.replace(attention_backend="reference"), tiny_model_dir, kernels=AttentionKernels(executor)
     )
     assert engine.attention == {
@@ -156,7 +158,7 @@ def test_reference_backend_runs_no_kernel(tiny_model_dir):
 def test_cupy_backend_needs_a_cuda_device(tiny_model_dir):
     """--attention-backend cupy on a CPU device is refused with the reason."""
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        build_engine(CONFIG.replace(attention_backend="cupy"), tiny_model_dir)
+        build_executor(CONFIG.replace(attention_backend="cupy"), tiny_model_dir)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

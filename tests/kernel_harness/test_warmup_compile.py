@@ -93,10 +93,10 @@ def test_without_the_warm_up_the_first_step_would_compile(tiny_model_dir):
 
 def test_build_engine_warms_up_and_beats_during_load(tiny_model_dir):
     """The engine's load runs the warm-up steps and calls progress between its phases."""
-    from ringserve.gpu_proc.engine import build_engine
+    from ringserve.gpu_proc.executor import build_executor
 
     beats = []
-    engine = build_engine(
+    engine = build_executor(
         Config(device="cpu", dtype="float32", num_blocks=32),
         tiny_model_dir,
         progress=lambda: beats.append(time.monotonic()),

@@ -108,11 +108,11 @@ def test_real_engine_replay_and_fit(tiny_model_dir):
     import torch
 
     from ringserve.config import Config
-    from ringserve.gpu_proc.engine import build_engine
+    from ringserve.gpu_proc.executor import build_executor
     from ringserve.tools.sched_sim import EngineExecutor
 
     torch.set_num_threads(1)
-    engine = build_engine(Config(device="cpu", dtype="float32", num_blocks=256), tiny_model_dir)
+    engine = build_executor(Config(device="cpu", dtype="float32", num_blocks=256), tiny_model_dir)
     trace = scaled(builtin_mix(6, seed=6), 0.02)
     arrivals = poisson_arrivals(6, 50.0, seed=6)
     rows = sched_compare.run_variants(

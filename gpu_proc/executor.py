@@ -36,7 +36,11 @@ def resolve_device(requested: str) -> torch.device:
 
 
 @dataclass
-class Engine:
+class Executor:
+    """Runs one step on the device: the forward, the logits controls and grammar masks, the
+    sampler (`step`), and frees what finished sequences held (`release`). The loop around it and
+    the scheduler beside it are `main.EngineLoop` and `scheduler.Scheduler`."""
+
     runner: ModelRunner
     eos_token_ids: frozenset[int]
     vocab_size: int
@@ -60,7 +64,7 @@ class Engine:
         rows = batch.sampling_rows  # a draft row samples at each position it verifies
         masks = self.grammar.begin(rows) if rows else None  # filled while the forward runs
         logits = self.runner.execute(batch)
-        out = self.controls.sample(logits[: len(rows)], rows, masks) if rows else None
+        out = self.controls.sample_rows(logits[: len(rows)], rows, masks) if rows else None
         if batch.scores_prompts:
             out = out or SampleOutput([], [], [])
             out.prompt_logprobs = score(logits[len(rows) :], batch)
@@ -196,9 +200,9 @@ def choose_attention(config: Config, model, device: torch.device, kernels=None, 
     return {"backend": served.name, "checked": True, **report.facts()}
 
 
-def build_engine(
+def build_executor(
     config: Config, model_dir: str | Path, progress: Callable[[], None] | None = None, kernels=None
-) -> Engine:
+) -> Executor:
     """Load the model, size and allocate the KV pool, build or compile the kernels and run the
     warm-up steps. `progress()`, if given, is called as loading advances (per tensor read, per
     phase, while the CPU kernels build the first time, between kernel compiles), never more than a
@@ -235,7 +239,7 @@ def build_engine(
     elif device.type == "cuda" and config.cuda_graphs:
         log.warning("CUDA graphs off: attention is served by %s, not the CuPy kernels alone", served_by)
     tokenizer = Path(model_dir) / "tokenizer.json"
-    return Engine(
+    return Executor(
         runner,
         special.eos_token_ids,
         args.vocab_size,
