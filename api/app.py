@@ -45,6 +45,7 @@ from ringserve.api.tokenize import handle_detokenize, handle_tokenize
 from ringserve.api.tokenizer import TextCodec
 from ringserve.api.worker_stats import WorkerStats
 from ringserve.config import Config
+from ringserve.shm.messages import CancelReason
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
@@ -228,7 +229,7 @@ async def _handle_delete(request: web.Request) -> web.Response:
     tenant = request[TENANT]
     entry = st.registry.get(request_id, tenant)
     if entry is not None:
-        entry.end("delete")
+        entry.end(CancelReason.DELETE)
     # NOTE: peers are asked even after a local hit: the tenant may have reused its own id on
     # another worker (a generated id names its worker, so then no peer is asked).
     remote = st.remote_cancel is not None and await st.remote_cancel(request_id, tenant)
@@ -382,4 +383,4 @@ async def _slow_reader_watchdog(st: ApiState) -> None:
         now = loop.time()
         for entry in list(st.registry.values()):
             if entry.write_since and now - entry.write_since > limit:
-                entry.end("slow_reader")
+                entry.end(CancelReason.SLOW_READER)

@@ -230,7 +230,7 @@ class GpuClient:
         except asyncio.CancelledError:
             # The client left while the request waited for admission: the GPU process may still
             # admit it, so cancel it now rather than spend prefill on nobody.
-            self.cancel(stream.rid, "disconnect")
+            self.cancel(stream.rid, CancelReason.DISCONNECT)
             self.release(stream)
             raise
         if isinstance(answer, Accepted):
@@ -242,12 +242,12 @@ class GpuClient:
         message = answer.message if kind != "server_error" else f"The GPU process failed: {answer.message}"
         raise ApiError(503, message, code=answer.code, type_=kind, retry_after_s=1.0, extra={"tokens_streamed": 0})
 
-    def cancel(self, rid: int, reason: str = CancelReason.CANCELLED, index: int | None = None) -> None:
+    def cancel(self, rid: int, reason: CancelReason = CancelReason.CANCELLED, index: int | None = None) -> None:
         """End the request on the GPU, or only its sample `index` (the others keep running)."""
         stream = self._streams.get(rid)
         if stream is not None and index is None:
             stream.cancelled = True
-        self._send(Cancel(rid=rid, reason=CancelReason(reason), index=index))
+        self._send(Cancel(rid=rid, reason=reason, index=index))
 
     def release(self, stream: RequestStream) -> None:
         """Forget a finished request; records that still arrive for it are dropped."""

@@ -17,6 +17,7 @@ from urllib.parse import quote
 from aiohttp import web
 
 from ringserve.api.registry import Registry
+from ringserve.shm.messages import CancelReason
 
 _OWNER = re.compile(r"^cmpl-(\d+)-")
 _TENANT_HEADER = "x-ringserve-tenant"
@@ -64,7 +65,7 @@ class PeerCancel:
         entry = self._registry.get(match.group(1), tenant) if self._registry is not None else None
         if entry is None:
             return web.Response(status=404)
-        entry.end("delete")
+        entry.end(CancelReason.DELETE)
         return web.Response(status=200)
 
     # asking ----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any
 from ringserve.api.connections import abort_connection
 from ringserve.api.generation import LocalCancel
 from ringserve.api.gpu_client import RequestStream
-from ringserve.shm.messages import MAX_REQUEST_ID_CHARS
+from ringserve.shm.messages import MAX_REQUEST_ID_CHARS, CancelReason
 
 _CLIENT_ID = re.compile(rf"^[A-Za-z0-9._:\-]{{1,{MAX_REQUEST_ID_CHARS}}}$")
 
@@ -32,16 +32,17 @@ class OpenRequest:
     stream: RequestStream
     transport: Any  # the client connection's asyncio transport (None once it closed)
     write_since: float = 0.0  # loop.time() when a still-blocked write started; 0: not writing
-    ended_by: str | None = None  # "delete" | "slow_reader" | "disconnect" once it ended early
+    ended_by: CancelReason | None = None  # why it ended early (DELETE, a slow reader, a disconnect); set once
     # Once its SSE has begun: (code, message) -> the bytes that end the stream with that error
     # (an error event and [DONE], framed as the response is); see `last_words`.
     farewell: Callable[[str, str], bytes] | None = None
 
-    def end(self, reason: str) -> None:
-        """End the request from the worker's side: "delete" or "slow_reader"."""
+    def end(self, reason: CancelReason) -> None:
+        """End the request from the worker's side (`DELETE` or `SLOW_READER`); the first reason
+        given is the one it keeps."""
         if self.ended_by is None:
             self.ended_by = reason
-        if reason == "slow_reader":
+        if reason is CancelReason.SLOW_READER:
             # Closing the connection ends the handler (cancelled, or its blocked write fails).
             if self.transport is not None:
                 abort_connection(self.transport)

@@ -29,7 +29,7 @@ from ringserve.api.protocol import OutputOptions, SamplingFields, check_model, c
 from ringserve.api.registry import OpenRequest
 from ringserve.api.sse import Encoder
 from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState, ignored_header, note_ignored
-from ringserve.shm.messages import SamplingParams, Submit
+from ringserve.shm.messages import CancelReason, SamplingParams, Submit
 
 # Kernel send buffer of a streaming connection. Bounded (the kernel would autotune it to MBs) so a
 # client that stops reading fills it within a few hundred tokens and its blocked write starts the
@@ -233,7 +233,7 @@ async def _submit(client: GpuClient, streams: list[RequestStream], submits: list
     if refused:
         for stream, answer in zip(streams, answers):
             if not isinstance(answer, BaseException):
-                client.cancel(stream.rid, "cancelled")
+                client.cancel(stream.rid, CancelReason.CANCELLED)
         raise refused[0]
 
 
@@ -256,12 +256,12 @@ class _Flow:
         n, samples = self.n, self.gen.samples
         return [s for p, s in enumerate(self.streams) if not all(x.gpu_done for x in samples[p * n : (p + 1) * n])]
 
-    def cancel_running(self, reason: str) -> None:
+    def cancel_running(self, reason: CancelReason) -> None:
         for stream in self.running():
             self.st.client.cancel(stream.rid, reason)
 
     def cancel_sample(self, index: int) -> None:
-        self.st.client.cancel(self.streams[index // self.n].rid, "stop", index=index % self.n)
+        self.st.client.cancel(self.streams[index // self.n].rid, CancelReason.STOP, index=index % self.n)
 
     def headers(self) -> dict[str, str]:
         return {"x-request-id": self.entry.request_id, **ignored_header(self.request)}
@@ -336,10 +336,10 @@ def _record(st: ApiState, gen: Generation) -> None:
 
 
 def _count_gone(st: ApiState, entry: OpenRequest) -> None:
-    if entry.ended_by == "slow_reader":
+    if entry.ended_by is CancelReason.SLOW_READER:
         st.stats.add("slow_reader_cancels")
     else:
-        entry.ended_by = entry.ended_by or "disconnect"
+        entry.ended_by = entry.ended_by or CancelReason.DISCONNECT
         st.stats.add("disconnects")
 
 
@@ -415,14 +415,14 @@ def _cancel_stopped(flow: _Flow) -> None:
             flow.cancel_sample(index)
 
 
-def _cancel_reason(entry: OpenRequest, gen: Generation) -> str:
-    if entry.ended_by in ("slow_reader", "disconnect"):
-        return entry.ended_by
+def _cancel_reason(entry: OpenRequest, gen: Generation) -> CancelReason:
+    """Why the rows still running are cancelled as the request ends: the reason it ended early,
+    else a stop string ended every sample, else its client went away."""
+    if entry.ended_by is CancelReason.DELETE:
+        return CancelReason.CANCELLED  # NOTE: the GPU process ends it alike; the wire says cancelled
     if entry.ended_by is not None:
-        return "cancelled"
-    if gen.unfinished == 0:
-        return "stop"
-    return "disconnect"
+        return entry.ended_by
+    return CancelReason.STOP if gen.unfinished == 0 else CancelReason.DISCONNECT
 
 
 def check_available(st: ApiState) -> None:

@@ -62,7 +62,8 @@ _CLIENT_REASON = {
 class CancelReason(StrEnum):
     """Why a worker cancels a request (`shm.messages.Cancel`); `finish` is how the sample ends."""
 
-    CANCELLED = "cancelled"  # DELETE /v1/requests/{id}, a worker restart, a full output ring
+    CANCELLED = "cancelled"  # DELETE, a worker restart, a full output ring, one prompt of a refused batch
+    DELETE = "delete"  # DELETE /v1/requests/{id} (the worker's record; it cancels on the wire as CANCELLED)
     STOP = "stop"  # a stop string matched in the worker
     DISCONNECT = "disconnect"  # the client closed its connection
     SLOW_READER = "slow_reader"  # the client read nothing for the slow-reader timeout
