@@ -57,11 +57,9 @@ import itertools
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
 from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING
 
-from ringserve.config import MAX_SPECULATIVE_TOKENS
 from ringserve.gpu_proc.admission import AdmissionController, AdmissionLedger, Decision
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.fairness import FairQueue
@@ -69,6 +67,7 @@ from ringserve.gpu_proc.kv_manager import KVCacheManager
 from ringserve.gpu_proc.prompt_chunks import PromptScorer
 from ringserve.gpu_proc.request import Request, RequestState, WorkerRid
 from ringserve.gpu_proc.scheduler_checks import SchedulerIntegrityError, SchedulerSnapshot, check_scheduler
+from ringserve.gpu_proc.scheduler_stats import SchedulerStats
 from ringserve.gpu_proc.siblings import Siblings
 from ringserve.gpu_proc.speculation import Speculator, StepYield, accepted_prefix
 from ringserve.gpu_proc.step import SeqStep, StepBatch
@@ -82,44 +81,6 @@ if TYPE_CHECKING:
 __all__ = ["Scheduler", "SchedulerIntegrityError", "SchedulerStats"]
 
 Event = tuple[int, Token | Finish | PromptLogprobs]  # (worker slot, the record for its StepOutput)
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    """What the GPU process publishes every step; each field is a stat that
-    `shm/stats_schema.py` declares (a test keeps the two in step)."""
-
-    queue_depth: int  # requests waiting for a row (siblings waiting for their prompt included)
-    queued_gpu_seconds: float  # estimated GPU work that cannot start now
-    running_rows: int
-    kv_blocks_free: int
-    kv_blocks_total: int
-    kv_blocks_cached: int  # free blocks still holding a cached prefix (part of kv_blocks_free)
-    preemptions: int  # requests preempted, for KV blocks or for fairness
-    fair_preemptions: int  # of those, preempted so a tenant below its fair share could start
-    cancelled_tokens: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    c_prefill_ms: float
-    c_decode_ms: float
-    cost_model_resets: int  # estimates found unusable and replaced by the configured constants
-    prefix_cache_queries: int  # tokens looked up in the prefix cache at each join (recompute too)
-    prefix_cache_hits: int  # of those, tokens served from cached blocks
-    spec_decode_num_drafts: int  # speculative decoding: drafts verified (vLLM's names)
-    spec_decode_num_draft_tokens: int
-    spec_decode_num_accepted_tokens: int
-    spec_decode_accepted_per_position: tuple[int, ...] = ()  # published as spec_accepted_pos_<j>
-
-    def as_dict(self) -> dict[str, float]:
-        out: dict[str, float] = {name: getattr(self, name) for name in _STAT_FIELDS}
-        per = self.spec_decode_accepted_per_position
-        for j in range(MAX_SPECULATIVE_TOKENS):
-            out[f"spec_accepted_pos_{j}"] = per[j] if j < len(per) else 0
-        return out
-
-
-_STAT_FIELDS = tuple(f.name for f in fields(SchedulerStats) if f.name != "spec_decode_accepted_per_position")
-SCHEDULER_STAT_NAMES = _STAT_FIELDS + tuple(f"spec_accepted_pos_{j}" for j in range(MAX_SPECULATIVE_TOKENS))
 
 
 class Scheduler:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import resource
 import signal
 import socket
 import struct
@@ -36,6 +35,7 @@ from ringserve.tools import hostile_tenants
 from ringserve.tools.drill import attach_control, find_instance
 from ringserve.tools.hostile_tenants import Checks, Target
 from ringserve.tools.ports import free_port
+from ringserve.tools.server_process import ChildServer
 
 MODEL = ""  # set by main()
 PYTHON = sys.executable  # the interpreter the servers run under (--python: another build's)
@@ -72,48 +72,31 @@ class Server:
             flag = "--" + k.replace("_", "-")
             if flag in HELP:
                 self.args += [flag, str(v)]
-        self.rlimit = rlimit
         self.log = self.dir / "log"
-
-    def start(self, wait=True):
-        def pre():
-            os.setsid()
-            if self.rlimit:
-                resource.setrlimit(resource.RLIMIT_NOFILE, self.rlimit)
-
         # NOTE: run from the server's own directory: `python -m ringserve` from a checkout would
         # import that checkout's `ringserve/` rather than the interpreter's (--python) build.
-        self.proc = subprocess.Popen(
-            self.args, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, preexec_fn=pre, cwd=self.dir
+        self.child = ChildServer(
+            self.args, self.log, f"http://127.0.0.1:{self.port}/ready", name=name, cwd=self.dir, rlimit_nofile=rlimit
         )
+
+    @property
+    def proc(self):
+        return self.child.running
+
+    def start(self, wait=True):
+        self.child.start()
         if wait:
             self.wait_ready()
         return self
 
     def wait_ready(self, timeout=90):
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(self.log.read_text()[-3000:])
-            try:
-                if urllib.request.urlopen(f"http://127.0.0.1:{self.port}/ready", timeout=2).status == 200:
-                    return time.monotonic() - t0
-            except OSError:
-                pass
-            time.sleep(0.1)
-        return None
+        return self.child.wait_ready(timeout)
 
     def control(self):
         return attach_control(str(self.dir), find_instance(str(self.dir)))[1]
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(40)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        self.child.stop(40)
 
     def metric(self, name):
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ringserve.tools.ports import free_port
+from ringserve.tools.server_process import ChildServer
 
 SERVED_NAME = "bench"  # the `model` id both servers answer to
 
@@ -244,28 +242,28 @@ class RunningServer:
         self.spec = spec
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
-        self.proc: subprocess.Popen | None = None
+        self.child = ChildServer(
+            spec.argv,
+            log_path,
+            spec.url + spec.ready_path,
+            name=spec.engine,
+            env={**os.environ, **spec.env},
+            cpus=spec.cpus,
+        )
         self.start_s = 0.0
 
     def __enter__(self) -> RunningServer:
-        t0 = time.monotonic()
-        self._log = open(self.log_path, "wb")
-        env = {**os.environ, **self.spec.env}
-        cpus = self.spec.cpus
-        self.proc = subprocess.Popen(
-            self.spec.argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus is not None else None,
-        )
         try:
-            self._wait_ready(t0)
+            took = self.child.start().wait_ready(self.ready_timeout_s, poll_s=0.25)
+            if took is None:
+                raise RuntimeError(
+                    f"{self.spec.engine} not ready after {self.ready_timeout_s:.0f} s; its log "
+                    f"({self.log_path}) ends:\n{self.log_tail()}"
+                )
         except BaseException:
             self.stop()
             raise
-        self.start_s = time.monotonic() - t0
+        self.start_s = took
         if self.spec.engine.startswith("vllm"):
             self.spec.settings = vllm_settings(self.log_tail(200_000))
         return self
@@ -273,39 +271,12 @@ class RunningServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _running(self) -> subprocess.Popen:
-        if self.proc is None:
-            raise RuntimeError(f"{self.spec.engine} has not been started (use the server as a context manager)")
-        return self.proc
-
-    def _wait_ready(self, t0: float) -> None:
-        url = self.spec.url + self.spec.ready_path
-        proc = self._running()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.spec.engine} exited with status {proc.returncode} before it was "
-                    f"ready; its log ({self.log_path}) ends:\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() - t0 > self.ready_timeout_s:
-                raise RuntimeError(
-                    f"{self.spec.engine} not ready after {self.ready_timeout_s:.0f} s; its log "
-                    f"({self.log_path}) ends:\n{self.log_tail()}"
-                )
-            time.sleep(0.25)
-
     def cpu_seconds(self) -> dict[int, float]:
         """User + system CPU seconds so far of every process in the server's tree, by pid."""
         import psutil
 
         try:
-            root = psutil.Process(self._running().pid)
+            root = psutil.Process(self.child.running.pid)
             procs = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return {}
@@ -319,30 +290,11 @@ class RunningServer:
         return out
 
     def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        return self.child.log_tail(chars)
 
     def stop(self) -> None:
         """SIGTERM to the server, then SIGKILL to whatever is left of its session."""
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # children that outlived their parent
-        except ProcessLookupError:
-            pass
-        if proc.poll() is None:
-            proc.wait(timeout=10)
-        self._log.close()
-        self.proc = None
+        self.child.stop(60)
 
 
 def model_vocab(model_dir: str) -> int:

@@ -135,7 +135,7 @@ def test_every_declared_gpu_stat_is_published_rendered_and_faked(control):
     under its declared name and kind, and the fake GPU reports each."""
     from ringserve.api.fake_gpu import FakeGpu
     from ringserve.config import MAX_SPECULATIVE_TOKENS
-    from ringserve.gpu_proc.scheduler import SCHEDULER_STAT_NAMES
+    from ringserve.gpu_proc.scheduler_stats import SCHEDULER_STAT_NAMES
     from ringserve.shm.stats_schema import GPU_STAT_NAMES, GPU_STATS, LOOP_STATS, MAX_SPEC_POSITIONS
 
     scheduler_stats = set(SCHEDULER_STAT_NAMES)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import resource
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tests.helpers.net import free_port, http_json, metrics
+from ringserve.tools.server_process import ChildServer
+from tests.helpers.net import free_port, metrics
 
 
 class ServerProcess:
@@ -62,57 +61,36 @@ class ServerProcess:
             repo = str(Path(__file__).resolve().parents[2])
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), repo, os.environ.get("PYTHONPATH")]))
         self.env = dict(os.environ, **env) if env else None
-        self.proc: subprocess.Popen | None = None
         self.log_path = Path(self.shm_dir) / "server.log"
+        self.child = ChildServer(
+            self.args, self.log_path, self.url + "/ready", env=self.env, rlimit_nofile=rlimit_nofile
+        )
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.child.running
 
     def __enter__(self) -> ServerProcess:
         os.makedirs(self.shm_dir, exist_ok=True)
-        self._log = open(self.log_path, "wb")
-        limit = self.rlimit_nofile
-
-        def set_limit() -> None:
-            if limit is not None:
-                resource.setrlimit(resource.RLIMIT_NOFILE, limit)
-
-        self.proc = subprocess.Popen(
-            self.args,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=set_limit,
-            env=self.env,
-        )
-        deadline = time.monotonic() + self.ready_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if http_json(self.url + "/ready", timeout=2)[0] == 200:
-                    return self
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.__exit__(None, None, None)
-                raise RuntimeError(f"server not ready in {self.ready_timeout_s} s:\n{self.log()}")
-            time.sleep(0.1)
+        try:
+            ready = self.child.start().wait_ready(self.ready_timeout_s)
+        except RuntimeError:
+            self.child.stop()
+            raise
+        if ready is None:
+            self.child.stop()
+            raise RuntimeError(f"server not ready in {self.ready_timeout_s} s:\n{self.log()}")
+        return self
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
+        return self.child.log_tail()
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM and wait; the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
+        return self.child.stop(timeout_s)
 
     def __exit__(self, *exc) -> None:
-        self.stop()
-        self._log.close()
+        self.child.stop()
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled samples of /metrics by name (labelled ones keyed `name{k="v",...}`)."""
