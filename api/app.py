@@ -228,12 +228,11 @@ async def _handle_delete(request: web.Request) -> web.Response:
     request_id = request.match_info["request_id"]
     tenant = request[TENANT]
     entry = st.registry.get(request_id, tenant)
-    if entry is not None:
-        entry.end(CancelReason.DELETE)
+    local = entry is not None and entry.end(CancelReason.DELETE)
     # NOTE: peers are asked even after a local hit: the tenant may have reused its own id on
     # another worker (a generated id names its worker, so then no peer is asked).
     remote = st.remote_cancel is not None and await st.remote_cancel(request_id, tenant)
-    if entry is not None or remote:
+    if local or remote:
         return _json({"id": request_id, "object": "request.cancelled", "cancelled": True})
     raise ApiError(
         404, f"No open request {quoted(request_id)} for this API key.", param="request_id", code="request_not_found"

@@ -63,10 +63,8 @@ class PeerCancel:
         if request.method != "DELETE" or match is None or tenant is None:
             return web.Response(status=400)
         entry = self._registry.get(match.group(1), tenant) if self._registry is not None else None
-        if entry is None:
-            return web.Response(status=404)
-        entry.end(CancelReason.DELETE)
-        return web.Response(status=200)
+        ended = entry is not None and entry.end(CancelReason.DELETE)
+        return web.Response(status=200 if ended else 404)
 
     # asking ----------------------------------------------------------------------------------
     async def cancel(self, request_id: str, tenant: str) -> bool:

@@ -36,18 +36,26 @@ class OpenRequest:
     # Once its SSE has begun: (code, message) -> the bytes that end the stream with that error
     # (an error event and [DONE], framed as the response is); see `last_words`.
     farewell: Callable[[str, str], bytes] | None = None
+    # Cancels its rows on the GPU now (set once they are submitted): a DELETE must stop the work
+    # even while the handler is blocked writing to a client that reads nothing.
+    cancel_gpu: Callable[[], None] | None = None
 
-    def end(self, reason: CancelReason) -> None:
+    def end(self, reason: CancelReason) -> bool:
         """End the request from the worker's side (`DELETE` or `SLOW_READER`); the first reason
-        given is the one it keeps."""
-        if self.ended_by is None:
+        given is the one it keeps. True if this call ended it: a request that is already ending
+        (while its handler settles) is no longer open, so a second DELETE is a 404."""
+        first = self.ended_by is None
+        if first:
             self.ended_by = reason
         if reason is CancelReason.SLOW_READER:
             # Closing the connection ends the handler (cancelled, or its blocked write fails).
             if self.transport is not None:
                 abort_connection(self.transport)
-        else:
+        elif first:
+            if self.cancel_gpu is not None:
+                self.cancel_gpu()
             self.stream.feed(LocalCancel(reason))
+        return first
 
 
 class Registry:

@@ -199,6 +199,7 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
             show_prompt_logprobs=job.show_prompt_logprobs,
         )
         flow = _Flow(request, st, entry, streams, gen, job.n)
+        entry.cancel_gpu = lambda: flow.cancel_running(_cancel_reason(entry, gen))
         if job.stream:
             gen.encoder = output.encoder(request_id, st.model_name, int(arrival), job.include_usage)
             return await _stream(flow, output)
@@ -257,8 +258,10 @@ class _Flow:
         return [s for p, s in enumerate(self.streams) if not all(x.gpu_done for x in samples[p * n : (p + 1) * n])]
 
     def cancel_running(self, reason: CancelReason) -> None:
+        """Cancel every stream the GPU still runs (once each: a DELETE may have already)."""
         for stream in self.running():
-            self.st.client.cancel(stream.rid, reason)
+            if not stream.cancelled:
+                self.st.client.cancel(stream.rid, reason)
 
     def cancel_sample(self, index: int) -> None:
         self.st.client.cancel(self.streams[index // self.n].rid, CancelReason.STOP, index=index % self.n)

@@ -9,8 +9,9 @@
 
 Each case starts its own server (the built-in tiny model unless --model), runs one scaled-down
 attack or fault and prints one line per measurement: what a client saw, how long, what the server
-logged, and, where the outcome is specified, what was expected and whether it held. The exit
-status is 1 when any expected outcome missed or any case raised, so a regression fails the run.
+logged, what was expected (the "after" column of docs/BENCHMARKS.md's tables) and whether it held;
+only the server's own log lines, printed after a miss, expect nothing. The exit status is 1 when
+any expected outcome missed or any case raised, so a regression fails the run.
 Flags the server does not know are left out, so the same command measures an older build for a
 before/after table (docs/BENCHMARKS.md). Loopback only; every server is stopped before the next
 case.
@@ -179,7 +180,7 @@ def case_prompt():
             statuses == [400] * 8,
             "eight 400s",
         )
-        out("1 prompt", "  time for all 8", f"{took:.1f} s")
+        expect("1 prompt", "  time for all 8", f"{took:.1f} s", took < 5, "< 5 s (refused from their length)")
         worst = max(latency for latency, _ in lat)
         expect(
             "1 prompt",
@@ -265,7 +266,13 @@ def case_stops():
     try:
         ids = list(range(100_000, 650_000))  # 5-byte msgpack ints: over the 2 MiB record limit
         r = request(srv.port, {"prompt": "hi", "max_tokens": 4, "stop_token_ids": ids})
-        out("4 stops", "550k stop_token_ids", f"{r[0]} {r[2][:100]!r}")
+        expect(
+            "4 stops",
+            "550k stop_token_ids",
+            f"{r[0]} {r[2][:100]!r}",
+            r[0] == 400 and b"stop_token_ids" in r[2],
+            "400 naming stop_token_ids",
+        )
         base = tpot_probe(srv.port)
         res = {}
 
@@ -287,11 +294,14 @@ def case_stops():
         time.sleep(1.5)
         loaded = tpot_probe(srv.port)
         th.join()
-        out("4 stops", "200k stop_token_ids, n=16: status", res["hog"])
-        out(
+        expect("4 stops", "200k stop_token_ids, n=16: status", res["hog"], res["hog"] == 400, "400")
+        # NOTE: generous: the box is shared; the regression it guards was 1.2 -> 42 ms.
+        expect(
             "4 stops",
             "other tenant's ms per token (48-token request) alone -> beside it",
-            f"{base:.1f} -> {loaded:.1f}" if loaded else loaded,
+            f"{base:.1f} -> {loaded:.1f}" if base and loaded else (base, loaded),
+            bool(base and loaded and loaded < 3 * base + 5),
+            "< 3x alone + 5 ms",
         )
     finally:
         srv.stop()
@@ -318,8 +328,8 @@ def case_ids():
                 b = (c, r)
                 break
             c.close()
+        expect("6 ids", "B on another worker with A's id", b is not None, b is not None, "reached in 40 tries")
         if b is None:
-            out("6 ids", "B on another worker with A's id", "not reached")
             return
         statuses = []
         for _ in range(12):
@@ -332,9 +342,18 @@ def case_ids():
                     headers={"authorization": "Bearer tenant-a"},
                 )[0]
             )
-        out("6 ids", "A's DELETE x12 while B holds the same id elsewhere", statuses)
+        expect(
+            "6 ids",
+            "A's DELETE x12 while B holds the same id elsewhere",
+            statuses,
+            statuses == [200] + [404] * 11,
+            "200, then 404 x11",
+        )
         a[0].close()
+        reasons = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in b[1] if line.startswith(b"data: {")]
         b[0].close()
+        ended = [r for r in reasons if r]
+        expect("6 ids", "  B's stream under the same id", ended, ended == ["length"], "['length']: untouched")
     finally:
         srv.stop()
 
@@ -364,7 +383,15 @@ def case_disconnects():
         d_now = (srv.metric("ringserve_disconnects_total") or 0.0) - d0
         time.sleep(2)
         d_late = (srv.metric("ringserve_disconnects_total") or 0.0) - d0
-        out("10 disconn", f"{n} mid-stream disconnects: counter at once / after 2 s", f"{d_now:.0f} / {d_late:.0f}")
+        # NOTE: "at once" may lag: a worker's /metrics shows the other workers' counters as of
+        # their last publication (every 0.25 s).
+        expect(
+            "10 disconn",
+            f"{n} mid-stream disconnects: counter at once / after 2 s",
+            f"{d_now:.0f} / {d_late:.0f}",
+            d_late == n,
+            f"{n} after 2 s",
+        )
     finally:
         srv.stop()
 
@@ -382,7 +409,8 @@ def case_slowloris():
     srv = Server("slowloris", workers=1, header_timeout_s=3, keepalive_timeout_s=3).start()
     try:
         ss = subprocess.run(["ss", "-ltnH", f"sport = :{srv.port}"], capture_output=True, text=True).stdout.split()
-        out("3 conns", "listen backlog (ss Send-Q)", ss[2] if len(ss) > 2 else ss)
+        backlog = ss[2] if len(ss) > 2 else ss
+        expect("3 conns", "listen backlog (ss Send-Q)", backlog, backlog == "2048", "2048 (--listen-backlog)")
         idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(50)]
         drip = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(50)]
         keep = socket.create_connection(("127.0.0.1", srv.port))
@@ -401,9 +429,10 @@ def case_slowloris():
             time.sleep(0.5)
         open_idle = sum(not is_closed_by_peer(s) for s in idle)
         open_drip = sum(not is_closed_by_peer(s) for s in drip)
-        out("3 conns", "after 12 s: idle sockets still open (of 50)", open_idle)
-        out("3 conns", "after 12 s: header-dribbling sockets still open (of 50)", open_drip)
-        out("3 conns", "after 12 s: idle keep-alive connection still open", not is_closed_by_peer(keep))
+        expect("3 conns", "after 12 s: idle sockets still open (of 50)", open_idle, open_idle == 0, "0")
+        expect("3 conns", "after 12 s: header-dribbling sockets still open (of 50)", open_drip, open_drip == 0, "0")
+        kept = not is_closed_by_peer(keep)
+        expect("3 conns", "after 12 s: idle keep-alive connection still open", kept, not kept, "False")
         for s in idle + drip + [keep]:
             s.close()
     finally:
@@ -422,17 +451,16 @@ def case_fdlimit():
                 break
         time.sleep(1)
         probes = [request(srv.port, None, method="GET", path="/health", timeout=5)[0] for _ in range(5)]
-        out("3 fdlimit", "RLIMIT_NOFILE 256, 400 idle conns: 5 /health probes", probes)
-        log = srv.log.read_text(errors="replace")
-        out(
-            "3 fdlimit",
-            "  log lines about refused/closed connections",
-            sum(
-                1
-                for line in log.splitlines()
-                if "connection" in line.lower() and ("refus" in line.lower() or "clos" in line.lower())
-            ),
+        expect(
+            "3 fdlimit", "RLIMIT_NOFILE 256, 400 idle conns: 5 /health probes", probes, probes == [200] * 5, "5 x 200"
         )
+        log = srv.log.read_text(errors="replace")
+        said = sum(
+            1
+            for line in log.splitlines()
+            if "connection" in line.lower() and ("refus" in line.lower() or "clos" in line.lower())
+        )
+        expect("3 fdlimit", "  log lines about refused/closed connections", said, said >= 1, ">= 1")
         for s in socks:
             s.close()
     finally:
@@ -460,10 +488,12 @@ def case_slowread():
                 closed = time.monotonic() - t0
                 break
             time.sleep(0.25)
-        out(
+        expect(
             "5 slowread",
             "non-streaming client reading nothing: closed after (slow_reader_s 3)",
             f"{closed:.1f} s" if closed else "still open after 90 s",
+            closed is not None,
+            "closed within 90 s",
         )
         s.close()
     finally:
@@ -569,7 +599,14 @@ def case_crashloop():
         r = request(srv.port, {"prompt": "hi", "max_tokens": 2}, timeout=10) if alive else ("down",)
         expect("2 crashloop", "7 GPU kills (default settings): supervisor alive", alive, alive, "True")
         if alive:
-            out("2 crashloop", "  completion meanwhile", f"{r[0]} Retry-After={r[3].get('Retry-After')} {r[2][:160]!r}")
+            retry = r[3].get("Retry-After") if len(r) > 3 else None
+            expect(
+                "2 crashloop",
+                "  completion meanwhile",
+                f"{r[0]} Retry-After={retry} {r[2][:160]!r}",
+                r[0] == 200 or (r[0] == 503 and retry is not None),
+                "503 with Retry-After (or 200 once it is back)",
+            )
             ready = srv.wait_ready(90)
             expect("2 crashloop", "  ready again after the kills stop (s)", ready, ready is not None, "within 90 s")
     finally:

@@ -36,6 +36,53 @@ async def test_delete_cancels_the_stream(serve):
     assert served.fake.running == 0 and len(served.state.registry) == 0
 
 
+async def test_a_second_delete_while_the_first_settles_is_404(serve):
+    """A request that is already ending is no longer open: a second DELETE, sent while the first
+    one's GPU rows still wind down, gets 404 and sends no second Cancel."""
+    fake = FakeGpu(step_interval_s=0.002)
+    served = await serve(fake=fake)
+    resp = await served.client.post("/v1/completions", json=_BODY)
+    await resp.content.readuntil(b"\n\n")
+    request_id = resp.headers["x-request-id"]
+    fake.paused = True  # the GPU's Finish for the Cancel does not come: the handler settles
+    first = await served.client.delete(f"/v1/requests/{request_id}")
+    await _until(lambda: len(fake.cancels) == 1)
+    second = await served.client.delete(f"/v1/requests/{request_id}")
+    assert (first.status, second.status) == (200, 404), await second.text()
+    assert len(served.state.registry) == 1  # still settling: the 404 is not because it was gone
+    fake.resume()
+    await resp.read()
+    assert [c.reason for c in fake.cancels] == ["cancelled"]
+
+
+async def test_delete_stops_the_gpu_work_of_a_client_that_reads_nothing(serve):
+    """DELETE cancels the GPU rows at once, even while the handler is blocked writing to a
+    stream whose client reads nothing (not only when the slow-reader watchdog fires)."""
+    served = await serve(fake=FakeGpu(), slow_reader_s=60, max_tokens_limit=4000)
+    port = served.client.server.port
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the handler's writes block soon
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    body = b'{"prompt":"stuck reader","max_tokens":4000,"ignore_eos":true,"stream":true}'
+    await loop.sock_sendall(
+        sock,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: stuck-reader\r\n"
+        b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body,
+    )
+    entry = None
+    async with asyncio.timeout(10.0):  # until its writes are blocked
+        while entry is None or not entry.write_since:
+            entry = next(iter(served.state.registry.values()), None)
+            await asyncio.sleep(0.01)
+    deleted = await served.client.delete("/v1/requests/stuck-reader")
+    assert deleted.status == 200
+    await _until(lambda: served.fake.cancels, timeout=2.0)
+    assert [c.reason for c in served.fake.cancels] == ["cancelled"]
+    sock.close()
+
+
 async def test_delete_of_unknown_request_is_404(serve):
     """An id that is not open is 404."""
     served = await serve()

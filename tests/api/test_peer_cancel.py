@@ -36,6 +36,7 @@ async def test_peer_cancels_only_for_the_submitting_tenant():
         assert await peers[0].cancel(owned_id, "tenant-a") is True
         assert regs[1].get(owned_id, "tenant-a").ended_by == "delete"
         assert isinstance((await stream.next_batch())[0], LocalCancel)
+        assert await peers[2].cancel(owned_id, "tenant-a") is False  # already ending: not open
         assert await peers[0].cancel("client-chosen", "tenant-a") is True  # asked every peer
     finally:
         for peer in peers:
