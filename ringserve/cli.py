@@ -47,6 +47,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "ringserve.tools.bench_structured",
         "decode steps with 0 / 1 / all rows grammar-constrained; the mask fill per row per token",
     ),
+    "fairness": (
+        "ringserve.tools.bench_fairness",
+        "key A floods, key B sends one short request a second: B's admissions, TTFT and queue wait",
+    ),
     "controls": (
         "ringserve.tools.bench_controls",
         "the sampler with and without vLLM's logits controls; prompt scoring",

@@ -1,0 +1,264 @@
+"""`ringserve bench fairness [--json]`: the design's fairness experiment, on real servers.
+
+Key A floods and key B sends one short streamed request a second (`docs/design.md#fairness`).
+Two floods: `in-flight` (A keeps `--in-flight` requests of 200 tokens open, each refilled as it
+ends, after its Retry-After when refused, as the openai SDK does) and `burst` (A sends 100 at
+once). For each server variant (default: the server's own defaults; `--variant "--prefill-budget
+64"` adds one) it reports B's admissions, B's time to first token (median, p95, max, as the client
+saw it), B's queue wait as the server measured it (Submit to first join), A's answers and 429s,
+and the longest step a 0.1 s poll of `ringserve_forward_ms` saw. Variants run one server at a
+time in palindrome order (A B B A), each `--runs` times per flood, on the default model (SmolLM2)
+unless `--model`. Loopback only; every server is stopped after its run.
+
+`tests/test_fairness_e2e.py` drives the same clients (`a_request`, `b_request`) through a server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from ringserve.tools.ports import free_port
+from ringserve.tools.sched_sim import percentile
+from ringserve.tools.server_process import ChildServer
+from ringserve.tools.sse_stream import DONE, iter_sse
+
+B_REQUESTS = 15
+
+
+def prompt(i: int, words: int) -> str:
+    return f"Request {i}: " + " ".join(f"word{(i * 31 + k * 7) % 97}" for k in range(words))
+
+
+@dataclass(slots=True)
+class BAnswer:
+    status: int
+    ttft_s: float | None = None  # the client's: send to the first event with text
+    queue_ms: float | None = None  # the server's: Submit to first join (the final event's timing)
+
+
+async def a_request(s: aiohttp.ClientSession, url: str, i: int, statuses: list[int], max_tokens: int = 200) -> float:
+    """One of key A's requests; its Retry-After (0 when it was answered)."""
+    body = {"prompt": prompt(i, 60), "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.8, "seed": i}
+    async with s.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer key-a"}) as resp:
+        await resp.read()
+        statuses.append(resp.status)
+        return float(resp.headers.get("Retry-After", 0))
+
+
+async def b_request(s: aiohttp.ClientSession, url: str, i: int) -> BAnswer:
+    """One short streamed request of key B."""
+    t0 = time.perf_counter()
+    body = {"prompt": prompt(1000 + i, 8), "max_tokens": 8, "temperature": 0.0, "stream": True}
+    async with s.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer key-b"}) as resp:
+        if resp.status != 200:
+            await resp.read()
+            return BAnswer(resp.status)
+        answer = BAnswer(200)
+        async for ev in iter_sse(resp):
+            if ev == DONE:
+                continue
+            choices = ev.get("choices") or []
+            if answer.ttft_s is None and choices and choices[0].get("text"):
+                answer.ttft_s = time.perf_counter() - t0
+            if ev.get("timing"):
+                answer.queue_ms = ev["timing"].get("queue_ms")
+        return answer
+
+
+async def b_one_a_second(s: aiohttp.ClientSession, url: str, n: int = B_REQUESTS) -> list[BAnswer]:
+    tasks = []
+    for i in range(n):
+        tasks.append(asyncio.create_task(b_request(s, url, i)))
+        await asyncio.sleep(1.0)
+    return list(await asyncio.gather(*tasks))
+
+
+async def warm_up(url: str) -> None:
+    """The first steps of each new batch shape are several times slower on the CPU (oneDNN builds
+    a primitive per shape): start-up cost, not what is measured."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        for rows in (1, 8, 32):
+            statuses: list[int] = []
+            await asyncio.gather(*(a_request(s, url, i, statuses, max_tokens=24) for i in range(rows)))
+
+
+async def in_flight(url: str, a_rows: int, b_count: int = B_REQUESTS) -> tuple[list[BAnswer], list[int]]:
+    """A keeps `a_rows` requests open (refilled as they end, after the Retry-After when refused);
+    B sends one a second once the flood holds every row."""
+    a_statuses: list[int] = []
+    stop = asyncio.Event()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
+        async def a_loop(i: int) -> None:
+            k = 0
+            while not stop.is_set():
+                # NOTE: a client that retried a 429 at once would make a retry storm of cheap
+                # refusals: a request rate limit's job, not admission's.
+                await asyncio.sleep(await a_request(s, url, 100 * k + i, a_statuses))
+                k += 1
+
+        flood = [asyncio.create_task(a_loop(i)) for i in range(a_rows)]
+        await asyncio.sleep(3.0)
+        b = await b_one_a_second(s, url, b_count)
+        stop.set()
+        for t in flood:
+            t.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+    return b, a_statuses
+
+
+async def burst(url: str, a_count: int = 100, b_count: int = B_REQUESTS) -> tuple[list[BAnswer], list[int]]:
+    """A sends `a_count` long requests at once; B sends one a second a second later."""
+    a_statuses: list[int] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        flood = [asyncio.create_task(a_request(s, url, i, a_statuses)) for i in range(a_count)]
+        await asyncio.sleep(1.0)
+        b = await b_one_a_second(s, url, b_count)
+        for t in flood:
+            t.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+    return b, a_statuses
+
+
+@dataclass
+class Run:
+    variant: str
+    flood: str
+    b_admitted: int
+    b_sent: int
+    b_ttft_ms: list[float]
+    b_queue_ms: list[float]
+    a_answered: int
+    a_refused: int
+    longest_step_ms: float
+    summary: dict = field(default_factory=dict)
+
+    def summarize(self) -> None:
+        t, q = self.b_ttft_ms, self.b_queue_ms
+        self.summary = {
+            "b_ttft_p50_ms": percentile(t, 50) if t else None,
+            "b_ttft_p95_ms": percentile(t, 95) if t else None,
+            "b_ttft_max_ms": max(t) if t else None,
+            "b_queue_max_ms": max(q) if q else None,
+        }
+
+
+def _longest_step(url: str, stop: list[bool], seen: list[float]) -> None:
+    while not stop:
+        try:
+            text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+        except OSError:
+            text = ""
+        for line in text.splitlines():
+            if line.startswith("ringserve_forward_ms "):
+                seen.append(float(line.rsplit(" ", 1)[1]))
+        time.sleep(0.1)
+
+
+async def _measure(url: str, flood: str, args) -> tuple[list[BAnswer], list[int], float]:
+    stop: list[bool] = []
+    seen: list[float] = [0.0]
+    poller = asyncio.get_running_loop().run_in_executor(None, _longest_step, url, stop, seen)
+    try:
+        b, a = await (
+            in_flight(url, args.in_flight, args.b_requests)
+            if flood == "in-flight"
+            else burst(url, args.burst, args.b_requests)
+        )
+    finally:
+        stop.append(True)
+        await poller
+    return b, a, max(seen)
+
+
+def _serve(args, variant: str, work: Path) -> ChildServer:
+    port = free_port()
+    shm = Path(tempfile.mkdtemp(prefix="shm-", dir=work))
+    argv = [sys.executable, "-m", "ringserve", "serve", "--port", str(port), "--shm-dir", str(shm), "--workers", "1"]
+    if args.model:
+        argv += ["--model", args.model]
+    argv += variant.split()
+    child = ChildServer(argv, shm / "server.log", f"http://127.0.0.1:{port}/ready", name=f"ringserve {variant}")
+    if child.start().wait_ready(args.ready_timeout_s) is None:
+        child.stop()
+        raise RuntimeError(f"the server ({variant or 'defaults'}) was not ready in {args.ready_timeout_s:.0f} s")
+    return child
+
+
+def run_variant(args, variant: str, work: Path) -> list[Run]:
+    child = _serve(args, variant, work)
+    url = child.ready_url.rsplit("/", 1)[0]
+    runs = []
+    try:
+        asyncio.run(warm_up(url))
+        for flood in args.flood:
+            b, a, longest = asyncio.run(_measure(url, flood, args))
+            run = Run(
+                variant or "defaults",
+                flood,
+                sum(x.status == 200 for x in b),
+                len(b),
+                [round(x.ttft_s * 1000, 1) for x in b if x.ttft_s is not None],
+                [round(x.queue_ms, 1) for x in b if x.queue_ms is not None],
+                len(a),
+                sum(s == 429 for s in a),
+                round(longest, 1),
+            )
+            run.summarize()
+            runs.append(run)
+    finally:
+        child.stop()
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ringserve bench fairness", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="", help="model to serve (default: the server's, SmolLM2)")
+    p.add_argument(
+        "--variant", action="append", default=[], help='server flags of another variant, e.g. "--prefill-budget 64"'
+    )
+    p.add_argument("--flood", action="append", choices=["in-flight", "burst"], help="default: both")
+    p.add_argument("--in-flight", type=int, default=48, help="A's open requests in the in-flight flood")
+    p.add_argument("--burst", type=int, default=100, help="A's requests in the burst flood")
+    p.add_argument("--b-requests", type=int, default=B_REQUESTS, help="B's requests, one a second")
+    p.add_argument("--runs", type=int, default=1, help="runs of each variant (palindrome order)")
+    p.add_argument("--ready-timeout-s", type=float, default=600.0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    args.flood = args.flood or ["in-flight", "burst"]
+    variants = ["", *args.variant]
+    order = [v for _ in range(args.runs) for v in (variants if _ % 2 == 0 else variants[::-1])]
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="bench-fairness-") as work:
+        for variant in order:
+            for run in run_variant(args, variant, Path(work)):
+                runs.append(run)
+                if not args.json:
+                    s = run.summary
+                    print(
+                        f"{run.variant:<24} {run.flood:<9} B {run.b_admitted}/{run.b_sent} admitted, TTFT p50 "
+                        f"{s['b_ttft_p50_ms']:.0f} p95 {s['b_ttft_p95_ms']:.0f} max {s['b_ttft_max_ms']:.0f} ms, "
+                        f"queue max {s['b_queue_max_ms'] or 0:.0f} ms; A {run.a_answered} answered, {run.a_refused} "
+                        f"429; longest step {run.longest_step_ms:.0f} ms",
+                        flush=True,
+                    )
+    if args.json:
+        medians: dict[str, dict] = {}
+        for r in runs:
+            medians.setdefault(f"{r.variant} | {r.flood}", {})
+        for name in medians:
+            mine = [r.summary for r in runs if f"{r.variant} | {r.flood}" == name]
+            medians[name] = {k: statistics.median(x[k] for x in mine if x[k] is not None) for k in mine[0]}
+        print(json.dumps({"runs": [asdict(r) for r in runs], "medians_of_runs": medians}, indent=1))
+    return 0 if all(r.b_admitted == r.b_sent for r in runs) else 1
