@@ -20,7 +20,7 @@ import asyncio
 
 import pytest
 
-from ringserve.tools.bench_fairness import BAnswer, burst, in_flight, warm_up
+from ringserve.tools.bench_fairness import BAnswer, burst, in_flight, wait_idle, warm_up
 from ringserve.tools.sched_sim import percentile
 from tests.helpers.server import ServerProcess
 
@@ -34,12 +34,6 @@ def server(smollm2_dir, tmp_path_factory):
         asyncio.run(warm_up(srv.url))
         yield srv
         assert srv.stop() == 0, srv.log()
-
-
-def _wait_idle(srv: ServerProcess) -> None:
-    """The previous test's cancelled streams have left, so each flood starts on an idle batch."""
-    srv.wait_metric("ringserve_running_rows", lambda v: v == 0, timeout_s=60)
-    srv.wait_metric("ringserve_queue_depth", lambda v: v == 0, timeout_s=60)
 
 
 def _report(name: str, b: list[BAnswer], a_statuses: list[int]) -> list[float]:
@@ -60,7 +54,7 @@ def _report(name: str, b: list[BAnswer], a_statuses: list[int]) -> list[float]:
 def test_b_is_never_refused_and_starts_fast_while_a_keeps_48_in_flight(server):
     """A: 48 requests of 200 tokens in flight, each refilled as it ends (after the Retry-After
     when refused); B: one a second."""
-    _wait_idle(server)
+    wait_idle(server.url)
     b, a_statuses = asyncio.run(asyncio.wait_for(in_flight(server.url, 48), 300))
     ttft = _report("48 in flight", b, a_statuses)
     assert percentile(ttft, 50) < 1.0 and max(ttft) < 5.0, ttft
@@ -68,7 +62,7 @@ def test_b_is_never_refused_and_starts_fast_while_a_keeps_48_in_flight(server):
 
 def test_b_is_never_refused_and_starts_fast_after_a_sends_100_at_once(server):
     """A: 100 long requests at once (32 run, some queue, the rest are refused); B: one a second."""
-    _wait_idle(server)
+    wait_idle(server.url)
     b, a_statuses = asyncio.run(asyncio.wait_for(burst(server.url), 300))
     ttft = _report("100 at once", b, a_statuses)
     assert percentile(ttft, 95) < 1.0, ttft

@@ -154,15 +154,35 @@ class Run:
         }
 
 
+def _metrics(url: str) -> dict[str, float]:
+    """The unlabelled samples of /metrics."""
+    try:
+        text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def wait_idle(url: str, timeout_s: float = 60.0) -> None:
+    """Until the last flood's cancelled requests have left: each flood starts on an idle batch
+    with nothing of A's still charged to its queue."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = _metrics(url)
+        if m.get("ringserve_running_rows") == 0 and m.get("ringserve_queue_depth") == 0:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"the server did not go idle within {timeout_s:.0f} s")
+
+
 def _longest_step(url: str, stop: list[bool], seen: list[float]) -> None:
     while not stop:
-        try:
-            text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-        except OSError:
-            text = ""
-        for line in text.splitlines():
-            if line.startswith("ringserve_forward_ms "):
-                seen.append(float(line.rsplit(" ", 1)[1]))
+        seen.append(_metrics(url).get("ringserve_forward_ms", 0.0))
         time.sleep(0.1)
 
 
@@ -179,7 +199,7 @@ async def _measure(url: str, flood: str, args) -> tuple[list[BAnswer], list[int]
     finally:
         stop.append(True)
         await poller
-    return b, a, max(seen)
+    return b, a, max(seen[2:], default=0.0)  # NOTE: the first poll reads the step before the flood
 
 
 def _serve(args, variant: str, work: Path) -> ChildServer:
@@ -203,6 +223,7 @@ def run_variant(args, variant: str, work: Path) -> list[Run]:
     try:
         asyncio.run(warm_up(url))
         for flood in args.flood:
+            wait_idle(url)
             b, a, longest = asyncio.run(_measure(url, flood, args))
             run = Run(
                 variant or "defaults",
