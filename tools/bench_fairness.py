@@ -22,12 +22,12 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
 
+from ringserve.tools.metrics_page import scrape
 from ringserve.tools.ports import free_port
 from ringserve.tools.sched_sim import percentile
 from ringserve.tools.server_process import ChildServer
@@ -154,26 +154,12 @@ class Run:
         }
 
 
-def _metrics(url: str) -> dict[str, float]:
-    """The unlabelled samples of /metrics."""
-    try:
-        text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-    except OSError:
-        return {}
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def wait_idle(url: str, timeout_s: float = 60.0) -> None:
     """Until the last flood's cancelled requests have left: each flood starts on an idle batch
     with nothing of A's still charged to its queue."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        m = _metrics(url)
+        m = scrape(url, timeout=5)
         if m.get("ringserve_running_rows") == 0 and m.get("ringserve_queue_depth") == 0:
             return
         time.sleep(0.1)
@@ -182,7 +168,10 @@ def wait_idle(url: str, timeout_s: float = 60.0) -> None:
 
 def _longest_step(url: str, stop: list[bool], seen: list[float]) -> None:
     while not stop:
-        seen.append(_metrics(url).get("ringserve_forward_ms", 0.0))
+        try:
+            seen.append(scrape(url, timeout=5).get("ringserve_forward_ms", 0.0))
+        except OSError:
+            pass
         time.sleep(0.1)
 
 

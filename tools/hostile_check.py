@@ -29,12 +29,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from ringserve.tools import hostile_tenants
 from ringserve.tools.drill import attach_control, find_instance
 from ringserve.tools.hostile_tenants import Checks, Target
+from ringserve.tools.metrics_page import scrape
 from ringserve.tools.ports import free_port
 from ringserve.tools.server_process import ChildServer
 
@@ -100,11 +100,7 @@ class Server:
         self.child.stop(40)
 
     def metric(self, name):
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()
-        for line in text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        return None
+        return scrape(f"http://127.0.0.1:{self.port}").get(name)
 
 
 def request(port, body, headers=None, timeout=60, raw_body=None, path="/v1/completions", method="POST"):

@@ -6,6 +6,7 @@ import json
 import urllib.error
 import urllib.request
 
+from ringserve.tools.metrics_page import scrape
 from ringserve.tools.ports import free_port as free_port  # re-exported: the tests import it from here
 
 
@@ -26,17 +27,4 @@ def http_json(
 
 def metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
     """Samples of `url`/metrics by name; labelled ones keyed `name{k="v",...}` (labels sorted)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url + "/metrics", timeout=timeout) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            key = (
-                s.name
-                if not s.labels
-                else s.name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}"
-            )
-            out[key] = s.value
-    return out
+    return scrape(url, timeout)
