@@ -21,6 +21,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Self
+
+from ringserve.tools.metrics_page import scrape
 
 
 @dataclass(frozen=True)
@@ -96,25 +99,17 @@ def log_text(t: Target) -> str:
 
 
 def metric(t: Target, name: str) -> float | None:
-    headers = {"authorization": f"Bearer {t.metrics_key}"} if t.metrics_key else {}
-    c = http.client.HTTPConnection("127.0.0.1", t.port, timeout=10)
-    c.request("GET", "/metrics", headers=headers)
-    text = c.getresponse().read().decode()
-    c.close()
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else None
+    return scrape(f"http://127.0.0.1:{t.port}", key=t.metrics_key).get(name)
 
 
-class Victim:
-    """Tenant B streaming 200-token answers one after another: TTFT, worst gap, how each ended."""
+class _Background:
+    """A thread that repeats `_step` from the start of a with-block to its end."""
 
-    def __init__(self, t: Target) -> None:
-        self.t = t
-        self.results: list[tuple[float | None, float, str]] = []
+    def __init__(self) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run)
 
-    def __enter__(self) -> Victim:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -124,7 +119,22 @@ class Victim:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.results.append(self.one())
+            self._step()
+
+    def _step(self) -> None:
+        raise NotImplementedError
+
+
+class Victim(_Background):
+    """Tenant B streaming 200-token answers one after another: TTFT, worst gap, how each ended."""
+
+    def __init__(self, t: Target) -> None:
+        super().__init__()
+        self.t = t
+        self.results: list[tuple[float | None, float, str]] = []
+
+    def _step(self) -> None:
+        self.results.append(self.one())
 
     def one(self, max_tokens: int = 200) -> tuple[float | None, float, str]:
         body = {"prompt": "hello there", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
@@ -152,30 +162,21 @@ class Victim:
         return first, gap, end
 
 
-class HealthProbe:
+class HealthProbe(_Background):
     """/health every 0.1 s; the worst latency."""
 
     def __init__(self, t: Target) -> None:
-        self.t, self.worst, self._stop = t, 0.0, threading.Event()
-        self._thread = threading.Thread(target=self._run)
+        super().__init__()
+        self.t, self.worst = t, 0.0
 
-    def __enter__(self) -> HealthProbe:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.monotonic()
-            try:
-                call(self.t, "/health", method="GET", timeout=30)
-                self.worst = max(self.worst, time.monotonic() - t0)
-            except OSError:
-                self.worst = max(self.worst, 99.0)
-            time.sleep(0.1)
+    def _step(self) -> None:
+        t0 = time.monotonic()
+        try:
+            call(self.t, "/health", method="GET", timeout=30)
+            self.worst = max(self.worst, time.monotonic() - t0)
+        except OSError:
+            self.worst = max(self.worst, 99.0)
+        time.sleep(0.1)
 
 
 # -- the cases -------------------------------------------------------------------------------------
