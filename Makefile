@@ -17,13 +17,22 @@ SOAK_S ?= 60
 
 .PHONY: install serve test lint bench soak kernel-check kernel-resources gpu-check clean
 
+# One line per stage; what pip and setuptools print goes to $(INSTALL_LOG), whose tail is shown
+# when a stage fails.
+INSTALL_LOG := $(VENV)/install.log
 $(STAMP): setup.cfg pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
-	$(PY) -m ringserve.gpu_proc.cpu_ext || echo "CPU kernels not built (the server falls back to the torch reference path; see above)"
-	touch $(STAMP)
+	@mkdir -p $(VENV); : > $(INSTALL_LOG); \
+	stage() { printf '%-60s ' "$$1"; shift; \
+	  if "$$@" >>$(INSTALL_LOG) 2>&1; then echo ok; \
+	  else echo FAILED; echo "--- the last 40 lines of $(INSTALL_LOG):"; tail -n 40 $(INSTALL_LOG); return 1; fi; }; \
+	stage "virtual environment $(VENV)" sh -c 'test -x $(PY) || $(PYTHON) -m venv $(VENV)' && \
+	stage "pip, setuptools, wheel" $(PY) -m pip install --upgrade pip setuptools wheel && \
+	stage "torch ($(TORCH_SPEC))" $(PY) -m pip install "$(TORCH_SPEC)" && \
+	stage "ringserve, editable, with [$(EXTRAS)]" $(PY) -m pip install -e ".[$(EXTRAS)]" && \
+	{ stage "CPU kernels (gpu_proc/csrc)" $(PY) -m ringserve.gpu_proc.cpu_ext \
+	  || echo "  (the server falls back to the torch reference path; why: $(INSTALL_LOG))"; }
+	@touch $(STAMP)
+	@echo "installed; the whole log: $(INSTALL_LOG)"
 
 install: $(STAMP)
 
@@ -63,7 +72,7 @@ bench: $(STAMP)
 # file descriptor or shared-memory segment, or RSS that does not level off (`make soak SOAK_S=3600`);
 # bench-results/soak/ gets the RSS samples, plot and table for docs/BENCHMARKS.md.
 soak: $(STAMP)
-	$(PY) -m ringserve.tools.soak --duration $(SOAK_S) --out bench-results/soak
+	$(PY) -m ringserve.tools.harness.soak --duration $(SOAK_S) --out bench-results/soak
 
 # The CUDA kernels' exact source on the CPU execution harness (tests/kernel_harness): the full
 # matrix in forward, reverse and random thread order, and every planted bug caught (prints which

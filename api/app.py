@@ -7,7 +7,7 @@ GET /v1/models, /v1/models/{id}, /version, /health, /ready, /metrics; vLLM's POS
 was assigned); the connection guard (the connection is busy); authentication (deny by default;
 /health and /ready are open, /metrics too unless metrics keys are set); then the body, read within
 body_timeout_s, so no body is read or inflated before its key is checked. Generation responses
-carry the replica's ORCA load report header (`load_report.py`). Background work — the GPU client's
+carry the replica's ORCA load report header (`orca_report.py`). Background work — the GPU client's
 transport, the tokenizer thread pool, the
 slow-reader watchdog, the connection guard's sweep and the response store's thread — is owned by
 `cleanup_ctx`, so it starts and stops with the app.
@@ -25,26 +25,27 @@ from aiohttp import web
 from ringserve import __version__
 from ringserve.api.auth import METRICS_PATH, PUBLIC_PATHS, Authenticator
 from ringserve.api.availability import gpu_not_ready
-from ringserve.api.chat import handle_chat_completions
-from ringserve.api.chat_template import ChatTemplate
-from ringserve.api.completions import handle_completions
+from ringserve.api.chat.route import handle_chat_completions
+from ringserve.api.chat.template import ChatTemplate
+from ringserve.api.completions.route import handle_completions
 from ringserve.api.connections import ConnectionGuard
 from ringserve.api.errors import ApiError, from_http_exception, quoted
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.gpu_status import GpuStatus
-from ringserve.api.load_report import HEADER as LOAD_REPORT_HEADER
-from ringserve.api.load_report import LoadReport
 from ringserve.api.metrics import CONTENT_TYPE, render
+from ringserve.api.orca_report import HEADER as LOAD_REPORT_HEADER
+from ringserve.api.orca_report import LoadReport
 from ringserve.api.peer_cancel import PeerCancel
 from ringserve.api.registry import Registry
-from ringserve.api.response_store import ResponseStore
-from ringserve.api.responses import handle_delete_response, handle_get_response, handle_responses
+from ringserve.api.responses.route import handle_delete_response, handle_get_response, handle_responses
+from ringserve.api.responses.store import ResponseStore
 from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState, ignored_header
 from ringserve.api.structured_output import GrammarChecker
-from ringserve.api.tokenize import handle_detokenize, handle_tokenize
+from ringserve.api.tokenize.route import handle_detokenize, handle_tokenize
 from ringserve.api.tokenizer import TextCodec
 from ringserve.api.worker_stats import WorkerStats
 from ringserve.config import Config
+from ringserve.rules import GrammarLimits
 from ringserve.shm.messages import CancelReason
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
@@ -90,7 +91,7 @@ def init_app(
         remote_cancel=peers.cancel if peers is not None else None,
         chat_template=chat_template,
         model_aliases=frozenset(model_aliases) - {model_name},
-        grammar=GrammarChecker(codec),
+        grammar=GrammarChecker(codec, GrammarLimits.of(config), config.grammar_procs),
         response_store=response_store or ResponseStore.for_config(config, None),
     )
     if chat_template is not None:
@@ -119,6 +120,7 @@ def init_app(
         app.router.add_route(method, path, handler, expect_handler=_expect_handler)
     app.cleanup_ctx.append(_gpu_client_ctx)
     app.cleanup_ctx.append(_executor_ctx)
+    app.cleanup_ctx.append(_grammar_ctx)
     app.cleanup_ctx.append(_slow_reader_ctx)
     app.cleanup_ctx.append(_connection_sweep_ctx)
     app.cleanup_ctx.append(_publisher(status.publish, publish_every_s))
@@ -156,11 +158,42 @@ async def _auth_middleware(request: web.Request, handler) -> web.StreamResponse:
         auth.check_metrics(request)  # raises 401 when metrics keys are set
     elif request.path not in PUBLIC_PATHS:
         try:
-            request[TENANT] = auth.tenant(request)
+            request[TENANT] = tenant = auth.tenant(request)
         except ApiError as err:
             err.close_connection = request.body_exists  # its body is never read, nor inflated
             raise
+        if request.path in GENERATION_PATHS:
+            await _refuse_at_once(request, tenant)
     return await handler(request)
+
+
+DRAINED_BODY_BYTES = 64 * 1024  # a refused body this small is read and dropped, keeping the connection
+
+
+async def _refuse_at_once(request: web.Request, tenant: str) -> None:
+    """A 429 before the body is parsed when the GPU process would refuse this tenant's next
+    request whatever it asks (`api/refusals.py`). A small body is read and dropped so that a
+    client retrying on its keep-alive connection needs no new one; a larger one is not read."""
+    st = request.app[STATE]
+    retry = st.status.refused_retry_after(tenant)
+    if retry is not None:
+        st.stats.add("refused_at_once")
+        length = request.content_length
+        close = request.body_exists and not (length is not None and length <= DRAINED_BODY_BYTES)
+        if request.body_exists and not close:
+            try:
+                async with asyncio.timeout(st.config.body_timeout_s):  # NOTE: no task, unlike wait_for
+                    await request.content.readexactly(length or 0)
+            except (TimeoutError, asyncio.IncompleteReadError):
+                close = True
+        raise ApiError(
+            429,
+            f"More than {st.config.queue_limit_s:g} s of GPU work is waiting ahead of this key's next request "
+            f"(its queue and the others' up to as much); retry after {retry} s",
+            code="overloaded",
+            retry_after_s=float(retry),
+            close_connection=close,
+        )
 
 
 async def _expect_handler(request: web.Request) -> web.StreamResponse | None:
@@ -207,7 +240,7 @@ def _check_declared_size(request: web.Request, limit: int) -> None:
 
 def _load_report_hook(report: LoadReport):
     """Every generation response, refusals included, carries the replica's ORCA load report for
-    a proxy's balancer (api/load_report.py)."""
+    a proxy's balancer (api/orca_report.py)."""
 
     async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
         if request.path in GENERATION_PATHS:
@@ -324,6 +357,14 @@ async def _stop_task(task: asyncio.Task) -> None:
         await task
     except asyncio.CancelledError:
         pass
+
+
+async def _grammar_ctx(app: web.Application):
+    """The grammar processes (`grammar_pool.py`) start when first needed and stop with the app."""
+    yield
+    grammar = app[STATE].grammar
+    if grammar is not None:
+        await grammar.close()
 
 
 async def _slow_reader_ctx(app: web.Application):

@@ -22,6 +22,7 @@ _TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     417: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -29,14 +30,22 @@ _TYPES = {
 
 
 # Failures a client should tell apart from a generic server error get their own `type` (and the
-# same `code`): the GPU process or the API worker restarted under the request, or the server is
-# shutting down.
-_OWN_TYPES = frozenset({"gpu_process_restart", "server_shutdown", "worker_restart"})
+# same `code`): the GPU process or the API worker restarted under the request, the server is
+# shutting down, or the request is quarantined (it was in the step at two GPU-process failures).
+_OWN_TYPES = frozenset({"gpu_process_restart", "server_shutdown", "worker_restart", "request_quarantined"})
+# What a failure from the GPU side answers before any SSE: 503 (retry it, elsewhere or later),
+# except a quarantined request, which no proxy or client should retry (422).
+_STATUS_OF_CODE = {"request_quarantined": 422}
 
 
 def error_type(code: str | None, default: str = "server_error") -> str:
     """The OpenAI `type` for an error raised by the GPU side with `code`."""
     return code if code in _OWN_TYPES else default
+
+
+def error_status(code: str | None) -> int:
+    """The HTTP status for an error raised by the GPU side with `code` (before any SSE)."""
+    return _STATUS_OF_CODE.get(code or "", 503)
 
 
 def error_object(

@@ -13,8 +13,9 @@ gets them in its first step: every prompt token from 1 on at -1.0, rank 1, and i
 alternative. Used by the API tests and
 `ringserve bench api` (where `step_interval_s=0` makes it a producer that never waits).
 
-`restart()` simulates a GPU-process death and the supervisor's fence: rows are dropped, the worker
-is told (the generation-change Error the ring transport delivers), and until `come_back()` the fake
+`restart()` simulates a GPU-process death and the supervisor's fence: the fingerprints it is given
+are quarantined, rows are dropped, the worker is told (the generation-change Error the ring
+transport delivers), and until `come_back()` the fake
 is not ready and silently discards every Submit, as a new GPU process adopting its rings with
 discard=True does with records pushed before it was READY.
 """
@@ -84,6 +85,7 @@ class FakeGpu:
     submits: list[Submit] = field(default_factory=list)
     cancels: list[Cancel] = field(default_factory=list)
     finished: dict[str, int] = field(default_factory=dict)
+    quarantined: dict[int, float] = field(default_factory=dict)  # the supervisor's quarantine: fingerprint -> until
     _rows: dict[int, _Row] = field(default_factory=dict)
     _cancelled: dict[int, FinishReason] = field(default_factory=dict)  # rid -> finish of the whole request
     _deliver: Callable[[Message], None] | None = None
@@ -142,8 +144,12 @@ class FakeGpu:
         self._rows.clear()
         self._post(Error(code=code, message=message))
 
-    def restart(self) -> None:
-        """The GPU process died and the supervisor fenced the rings: see the module docstring."""
+    def restart(self, quarantine: tuple[int, ...] = ()) -> None:
+        """The GPU process died and the supervisor fenced the rings: see the module docstring.
+        `quarantine`: fingerprints the supervisor quarantines at this death (published before
+        the fence, as it does)."""
+        for fp in quarantine:
+            self.quarantined[fp] = time.time() + 600.0
         self._rows.clear()
         self._cancelled.clear()
         self.ready = False
@@ -283,5 +289,17 @@ class FakeStatus:
     def health(self) -> dict:
         return {}
 
+    def quarantined(self) -> dict[int, float]:
+        return self.fake.quarantined
+
+    def fingerprint_key(self) -> bytes:
+        return b""
+
     def publish(self, own: WorkerStats) -> None:
         """Nowhere to publish: this worker's counters are the only ones."""
+
+    def refused_retry_after(self, tenant: str) -> int | None:
+        return None  # the fake decides every request itself
+
+    def note_price(self, tenant: str, est_ms: float) -> None:
+        pass

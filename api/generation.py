@@ -22,10 +22,10 @@ from typing import Any
 
 from ringserve.api.detokenizer import Detokenizer
 from ringserve.api.errors import error_object, error_type
-from ringserve.api.gpu_client import PromptScores
 from ringserve.api.logprobs import COMPLETION_LOGPROBS, LogprobFormat
 from ringserve.api.prompt_scores import PromptSheet
 from ringserve.api.protocol import OutputOptions
+from ringserve.api.request_stream import PromptScores
 from ringserve.api.sse import Encoder
 from ringserve.api.stop_strings import StopMatcher
 from ringserve.api.tokenizer import TextCodec

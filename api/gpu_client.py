@@ -8,8 +8,9 @@ messages in order and retries them shortly, so a Cancel can never overtake its S
 Two transports implement the interface: the shared-memory ring pair (`ring_transport.py`, used by
 the real worker) and an in-process fake GPU (`fake_gpu.py`, used by tests and `bench api`).
 
-A GPU-process restart is handled by `RestartHold` (`restart_hold.py`), which `GpuClient` is:
-fail what has streamed, hold and resubmit the rest.
+A GPU-process restart is handled by its `RestartHold` (`restart_hold.py`, `client.restart_hold`):
+fail what is quarantined or has streamed, hold and resubmit the rest; and refuse a resend of a
+quarantined request. The request's channel back is `RequestStream` (`request_stream.py`).
 """
 
 from __future__ import annotations
@@ -17,27 +18,24 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import msgspec
 
-from ringserve.api.errors import ApiError, error_type
-from ringserve.api.restart_hold import RESTART_ERROR as RESTART_ERROR  # re-exported for callers and tests
-from ringserve.api.restart_hold import RestartHold
+from ringserve.api.errors import ApiError, error_status, error_type
+from ringserve.api.request_stream import Inbox, RequestStream
+from ringserve.api.restart_hold import QUARANTINE_ERROR, RESTART_ERROR, RestartHold
+from ringserve.config import DEFAULTS
 from ringserve.shm.messages import (
     Accepted,
     Cancel,
     CancelReason,
     Error,
-    Finish,
     Message,
-    PromptLogprobs,
     Rejected,
     StepOutput,
     Submit,
-    Token,
 )
 from ringserve.shm.ring import RecordTooLarge
 
@@ -60,90 +58,7 @@ class Transport(Protocol):
         """Stop delivering and release the channel."""
 
 
-@dataclass(frozen=True, slots=True)
-class PromptScores:
-    """A `PromptLogprobs` record, tagged with its stream's prompt index (a batched request)."""
-
-    prompt: int
-    record: PromptLogprobs
-
-
-class Inbox:
-    """Records waiting for a request's handler; the streams of a batched request share one."""
-
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: list = []
-        self._waiter: asyncio.Future | None = None
-
-    def feed(self, item) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def next_batch(self) -> list:
-        """Everything that arrived since the last call; waits while there is nothing."""
-        if not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        items, self._items = self._items, []
-        return items
-
-
-class RequestStream:
-    """One Submit's channel: its admission answer, then Token / Finish / PromptScores / Error
-    records into its inbox. The streams of a batched request (one Submit per prompt) share an
-    inbox; stream `prompt` renumbers its samples from `offset` (= prompt * n)."""
-
-    __slots__ = (
-        "rid",
-        "admission",
-        "submit",
-        "streamed",
-        "cancelled",
-        "resubmits",
-        "held_at",
-        "inbox",
-        "prompt",
-        "offset",
-    )
-
-    def __init__(
-        self, rid: int, loop: asyncio.AbstractEventLoop, inbox: Inbox | None = None, prompt: int = 0, offset: int = 0
-    ) -> None:
-        self.rid = rid  # changes when the request is resubmitted after a GPU-process restart
-        self.admission: asyncio.Future = loop.create_future()
-        self.submit: Submit | None = None  # as last sent, for a resubmission
-        self.streamed = False  # output arrived: the request can no longer be resubmitted
-        self.cancelled = False  # a Cancel was sent: never resubmit it
-        self.resubmits = 0
-        self.held_at = 0.0  # time.monotonic() when it was last held for resubmission
-        self.inbox = inbox or Inbox()
-        self.prompt = prompt
-        self.offset = offset
-
-    def feed(self, item) -> None:
-        kind = type(item)
-        if self.offset and (kind is Token or kind is Finish):
-            item = msgspec.structs.replace(item, index=item.index + self.offset)
-        elif kind is PromptLogprobs:
-            item = PromptScores(self.prompt, item)
-        self.inbox.feed(item)
-
-    async def next_batch(self) -> list:
-        """Everything that arrived (for every stream sharing the inbox) since the last call."""
-        return await self.inbox.next_batch()
-
-    def set_admission(self, msg: Accepted | Rejected | Error) -> None:
-        if not self.admission.done():
-            self.admission.set_result(msg)
-
-
-class GpuClient(RestartHold):
+class GpuClient:
     """Request bookkeeping for one worker; all methods run on the worker's event loop."""
 
     def __init__(
@@ -151,25 +66,34 @@ class GpuClient(RestartHold):
         transport: Transport,
         worker: int = 0,
         ready: Callable[[], bool] | None = None,
-        hold_s: float = 30.0,
+        hold_s: float = DEFAULTS.restart_hold_s,
         down_reason: Callable[[], str | None] | None = None,
         first_rid: int = 1,
+        quarantined: Callable[[], Mapping[int, float]] | None = None,
+        fingerprint_key: bytes = b"",
+        priced: Callable[[str, float], None] | None = None,
     ) -> None:
         """`ready()` says whether the GPU process is READY (the control block); held requests are
         resubmitted once it is, or failed after `hold_s`. None: always ready (a transport without
         restarts). `down_reason()` says how the last GPU process ended ("was killed by SIGKILL"),
         for the error a held request gets (None: unknown). Rids count from `first_rid`
-        (`shm.messages.first_rid` of the worker's slot generation)."""
+        (`shm.messages.first_rid` of the worker's slot generation). `quarantined()` is the
+        supervisor's quarantine ({fingerprint: until}, None: nothing is), fingerprints keyed
+        with `fingerprint_key`. `priced(tenant, est_ms)` hears the price of every admitted or
+        429-refused request (the worker's refusals at once read it: `api/refusals.py`)."""
         self.transport = transport
         self.worker = worker
-        self.ready = ready or (lambda: True)
-        self.hold_s = hold_s
-        self.down_reason = down_reason or (lambda: None)
-        self._no_hold: tuple[str, str] | None = None  # (code, message) once draining
+        self.priced = priced or (lambda tenant, est_ms: None)
+        self.restart_hold = RestartHold(
+            self._resubmit,
+            worker=worker,
+            ready=ready,
+            hold_s=hold_s,
+            down_reason=down_reason,
+            quarantined=quarantined,
+            fingerprint_key=fingerprint_key,
+        )
         self._streams: dict[int, RequestStream] = {}
-        self._held: dict[int, RequestStream] = {}  # by rid: waiting for READY to be resubmitted
-        self._poll: asyncio.TimerHandle | None = None
-        self._restarting = False  # a restart was seen and the GPU process is not READY again yet
         self.resubmitted = 0  # requests resubmitted after a restart (for tests and stats)
         self._next_rid = first_rid
         self._pending: deque[Submit | Cancel] = deque()
@@ -179,14 +103,13 @@ class GpuClient(RestartHold):
     # lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.restart_hold.start(self._loop)
         self.transport.open(self.deliver)
 
     def close(self) -> None:
         if self._retry is not None:
             self._retry.cancel()
-        if self._poll is not None:
-            self._poll.cancel()
-            self._poll = None
+        self.restart_hold.close()
         self.transport.close()
         self.fail_all("shutdown", "The server is shutting down.")
 
@@ -208,11 +131,11 @@ class GpuClient(RestartHold):
         """Send `msg` and wait for admission; a refusal raises the ApiError to answer with."""
         if msg.rid != stream.rid:
             raise ValueError("Submit.rid must be the stream's rid")
-        stream.submit = msg
-        if self._restarting:
+        stream.submit = msg = self.restart_hold.fingerprinted(msg)
+        if self.restart_hold.restarting:
             # A restart is in progress: this Submit would land on rings the next GPU process
             # discards; it goes out with the held ones once that process is READY.
-            self._hold(stream)
+            self.restart_hold.hold(stream)
         else:
             self._send(msg)
         try:
@@ -224,13 +147,24 @@ class GpuClient(RestartHold):
             self.release(stream)
             raise
         if isinstance(answer, Accepted):
+            self.priced(msg.tenant, answer.est_gpu_ms)
             return answer
         self.release(stream)
         if isinstance(answer, Rejected):
+            if answer.status == 429:
+                self.priced(msg.tenant, answer.est_gpu_ms)
             raise ApiError(answer.status, answer.message, code=answer.code, retry_after_s=answer.retry_after_s)
         kind = error_type(answer.code)
         message = answer.message if kind != "server_error" else f"The GPU process failed: {answer.message}"
-        raise ApiError(503, message, code=answer.code, type_=kind, retry_after_s=1.0, extra={"tokens_streamed": 0})
+        quarantined = answer.code == QUARANTINE_ERROR
+        raise ApiError(
+            error_status(answer.code),
+            message,
+            code=answer.code,
+            type_=kind,
+            retry_after_s=self.restart_hold.quarantine_left(msg.fingerprint) if quarantined else 1.0,
+            extra={"tokens_streamed": 0},
+        )
 
     def cancel(self, rid: int, reason: CancelReason = CancelReason.CANCELLED, index: int | None = None) -> None:
         """End the request on the GPU, or only its sample `index` (the others keep running)."""
@@ -242,12 +176,12 @@ class GpuClient(RestartHold):
     def release(self, stream: RequestStream) -> None:
         """Forget a finished request; records that still arrive for it are dropped."""
         self._streams.pop(stream.rid, None)
-        self._held.pop(stream.rid, None)
+        self.restart_hold.release(stream.rid)
 
     def fail_all(self, code: str, message: str) -> None:
         """Every open request gets an error (GPU restart, shutdown)."""
         err = Error(code=code, message=message)
-        self._held.clear()
+        self.restart_hold.clear()
         for stream in list(self._streams.values()):
             stream.set_admission(err)
             stream.feed(err)
@@ -273,11 +207,27 @@ class GpuClient(RestartHold):
                     s.feed(finish)
         elif type(msg) is Accepted or type(msg) is Rejected:
             s = streams.get(msg.rid)
-            if s is not None:
+            if s is None:
+                pass
+            elif type(msg) is Rejected and s.admission.done():
+                # A resubmission refused by the restarted process: the request was admitted
+                # before, so the refusal is its end, not its admission answer.
+                s.feed(
+                    Error(
+                        code=RESTART_ERROR,
+                        rid=msg.rid,
+                        message=f"The GPU process restarted, and resubmitting this request to it was refused "
+                        f"({msg.message}). Retry it.",
+                    )
+                )
+            else:
                 s.set_admission(msg)
         elif type(msg) is Error:
             if msg.rid is None and msg.code == RESTART_CODE:
-                self._on_restart()
+                self.restart_hold.on_restart(list(self._streams.values()))
+                # Messages parked for the old rings are void: their Submits are all held (none
+                # streamed), and their Cancels name rows the new process never had.
+                self._pending.clear()
             elif msg.rid is None:
                 self.fail_all(msg.code, msg.message)
             else:
@@ -285,6 +235,26 @@ class GpuClient(RestartHold):
                 if s is not None:
                     s.set_admission(msg)
                     s.feed(msg)
+
+    def _resubmit(self, held: list[RequestStream]) -> None:
+        """Send the held streams to the restarted GPU process, each under a fresh rid."""
+        for stream in held:
+            old_rid, submit = stream.rid, stream.submit
+            if self._streams.get(old_rid) is not stream or submit is None:
+                continue  # released meanwhile (a held stream always has its Submit)
+            # A fresh rid: if the old Submit did reach the new process after all (pushed after it
+            # adopted the rings), its row is cancelled and any records it sends are dropped.
+            rid = self._next_rid
+            self._next_rid += 1
+            del self._streams[old_rid]
+            self._streams[rid] = stream
+            stream.rid = rid
+            stream.resubmits += 1
+            stream.submit = msgspec.structs.replace(submit, rid=rid)
+            self.resubmitted += 1
+            self._send(Cancel(rid=old_rid, reason=CancelReason.CANCELLED))
+            self._send(stream.submit)
+        log.info("worker %d: resubmitted %d requests to the restarted GPU process", self.worker, self.resubmitted)
 
     # outgoing --------------------------------------------------------------------------------
     def _send(self, msg: Submit | Cancel) -> None:

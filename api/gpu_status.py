@@ -8,9 +8,11 @@ only ever see `GpuStatus`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from ringserve.api.metrics import StatsSnapshot, from_control
+from ringserve.api.refusals import Refusals
 
 if TYPE_CHECKING:
     from ringserve.api.worker_stats import WorkerStats
@@ -51,6 +53,23 @@ class GpuStatus(Protocol):
         """Copy this worker's stats where the others read them, and beat its heartbeat."""
         ...
 
+    def refused_retry_after(self, tenant: str) -> int | None:
+        """Retry-After seconds when the GPU process would refuse `tenant`'s next request whatever
+        it asks (`api/refusals.py`), else None."""
+        ...
+
+    def note_price(self, tenant: str, est_ms: float) -> None:
+        """The GPU process priced a request of `tenant` (what `refused_retry_after` weighs)."""
+        ...
+
+    def quarantined(self) -> Mapping[int, float]:
+        """The supervisor's quarantined requests: {fingerprint: until, unix time}."""
+        ...
+
+    def fingerprint_key(self) -> bytes:
+        """The key request fingerprints are hashed with (`shm.messages.fingerprint`)."""
+        ...
+
 
 class ControlStatus:
     """`GpuStatus` from a supervised server's control block (worker `slot`)."""
@@ -61,6 +80,8 @@ class ControlStatus:
         self.started_at = started_at
         self._region = control.worker_stats(slot)
         self._eos: frozenset[int] | None = None
+        self._refusals = Refusals(lambda: control.refusals_sequence, lambda: control.refusals())
+        self._quarantine: tuple[int, dict[int, float]] = (-1, {})
 
     def ready(self) -> bool:
         from ringserve.shm import layout as L
@@ -94,3 +115,18 @@ class ControlStatus:
     def publish(self, own: WorkerStats) -> None:
         own.publish(self._region)
         self.control.worker_heartbeat(self.slot)
+
+    def refused_retry_after(self, tenant: str) -> int | None:
+        return self._refusals.retry_after(tenant)
+
+    def note_price(self, tenant: str, est_ms: float) -> None:
+        self._refusals.note_price(tenant, est_ms)
+
+    def quarantined(self) -> Mapping[int, float]:
+        # NOTE: read on every Submit, decoded only when the supervisor wrote a new one
+        if self.control.quarantine_sequence != self._quarantine[0]:
+            self._quarantine = self.control.quarantine()
+        return self._quarantine[1]
+
+    def fingerprint_key(self) -> bytes:
+        return self.control.fingerprint_key

@@ -2,7 +2,8 @@
 
 The supervisor kills a worker whose heartbeat went stale (its event loop stopped turning), and a
 killed process's connections die with it: its clients would see a reset, an SSE stream cut with
-no error event and no [DONE]. So it warns first: SIGUSR1, then SIGKILL `LAST_WORDS_S` later. The
+no error event and no [DONE]. So it warns first: SIGCONT (a SIGSTOPped worker runs no handler
+until it is continued) and SIGUSR1, then SIGKILL `LAST_WORDS_S` later. The
 handler here is a plain signal handler, not the event loop's (the loop is what is stuck): Python
 runs it in the main thread at the stuck code's next bytecode. It writes, straight to each socket,
 what ends each open request — an error event (`worker_restart`, with the tokens streamed) and

@@ -3,11 +3,11 @@
 The numbers come from shared memory — the GPU process's stats region and one region per worker in
 the control block — so whichever worker answers, the text is the same. This module only renders:
 it takes the regions as plain dicts of named floats (the GPU stats `shm.stats_schema.GPU_STATS`
-declares, with their metric names and help; `shm.layout.WORKER_STAT_NAMES`, histogram bucket
+declares, with their metric names and help; `shm.stats_schema.WORKER_STAT_NAMES`, histogram bucket
 arrays as `<hist>_bucket_<i>`, `_sum`, `_count`) and renders every metric of its catalogue (a
 missing value reads 0), so the set of series does not depend on which stats happen to be non-zero.
 
-Histograms named `<base>_plen_<label>` in `shm.layout.HISTOGRAMS` (TTFT / TPOT per prompt-length
+Histograms named `<base>_plen_<label>` in `shm.stats_schema.HISTOGRAMS` (TTFT / TPOT per prompt-length
 bucket) are rendered as `ringserve_<base>_by_prompt_len_seconds{prompt_len="<label>"}`.
 """
 
@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from ringserve.shm import layout as L
+from ringserve.shm import stats_schema as S
 from ringserve.shm.messages import FINISH_REASONS
-from ringserve.shm.stats_schema import GPU_STATS, GpuStat
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -45,6 +44,11 @@ _WORKER_COUNTERS = (
     ("ringserve_completion_tokens", "Tokens sent to clients.", "completion_tokens_total"),
     ("ringserve_disconnects", "Requests cancelled because the client went away.", "disconnects"),
     ("ringserve_slow_reader_cancels", "Requests cancelled because the client stopped reading.", "slow_reader_cancels"),
+    (
+        "ringserve_requests_refused_at_once",
+        "Of the 429s, those a worker answered before reading the body (the key was past the queue limit).",
+        "refused_at_once",
+    ),
 )
 _REJECTIONS = (("400", "requests_rejected_400"), ("429", "requests_rejected_429"), ("other", "requests_rejected_other"))
 _HIST_HELP = {
@@ -60,8 +64,8 @@ class _SnapshotCollector:
 
     def collect(self) -> Iterator[Metric]:
         gpu = self.snap.gpu
-        labelled: dict[str, list[GpuStat]] = {}
-        for stat in GPU_STATS:
+        labelled: dict[str, list[S.GpuStat]] = {}
+        for stat in S.GPU_STATS:
             if stat.label is not None:
                 labelled.setdefault(stat.metric, []).append(stat)
                 continue
@@ -131,7 +135,7 @@ class _SnapshotCollector:
             )
         yield _labelled(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
-            [s for s in GPU_STATS if s.metric == "ringserve_spec_decode_num_accepted_tokens_per_pos"],
+            [s for s in S.GPU_STATS if s.metric == "ringserve_spec_decode_num_accepted_tokens_per_pos"],
             gpu,
         )
         info = GaugeMetricFamily(
@@ -142,7 +146,7 @@ class _SnapshotCollector:
         yield from _gateway_compat(gpu, self.snap.started_at)
 
 
-def _labelled(metric: str, stats: list[GpuStat], gpu: Mapping[str, float]) -> Metric:
+def _labelled(metric: str, stats: list[S.GpuStat], gpu: Mapping[str, float]) -> Metric:
     """One family of the GPU stats that share `metric`, a series per label value."""
     first = stats[0]
     family = (GaugeMetricFamily if first.kind == "gauge" else CounterMetricFamily)(
@@ -191,7 +195,7 @@ def _sum_workers(workers: Sequence[Mapping[str, float]]) -> dict[str, float]:
 
 def _histograms(stats: Mapping[str, float]) -> Iterator[Metric]:
     split: dict[str, HistogramMetricFamily] = {}
-    for hist in L.HISTOGRAMS:
+    for hist in S.HISTOGRAMS:
         base, _, label = hist.name.partition("_plen_")
         seconds = base.removesuffix("_ms")
         doc = _HIST_HELP.get(base, f"{base}, seconds.")
@@ -209,7 +213,7 @@ def _histograms(stats: Mapping[str, float]) -> Iterator[Metric]:
     yield from split.values()
 
 
-def _buckets(stats: Mapping[str, float], hist: L.Histogram) -> tuple[list[tuple[str, float]], float]:
+def _buckets(stats: Mapping[str, float], hist: S.Histogram) -> tuple[list[tuple[str, float]], float]:
     """Cumulative buckets with bounds in seconds (the region counts in ms), and the sum."""
     bounds = [repr(bound / 1000.0) for bound in hist.bounds] + ["+Inf"]
     return list(zip(bounds, hist.cumulative(stats))), stats.get(f"{hist.name}_sum", 0.0) / 1000.0

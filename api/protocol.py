@@ -1,6 +1,6 @@
 """What both generation routes share: the sampling fields (`SamplingBody`), validated once
 (`parse_sampling`) into `SamplingFields`; the neutral-value rule; the model check.
-`completion_protocol.py` (/v1/completions) and `chat_protocol.py` (/v1/chat/completions) build on it.
+`completions/protocol.py` (/v1/completions) and `chat/protocol.py` (/v1/chat/completions) build on it.
 
 Fields are those of vLLM's OpenAI server (its request models list them; docs/api.md says how each
 is treated). Three kinds:
@@ -140,11 +140,11 @@ def parse_sampling(body: SamplingBody) -> SamplingFields:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}.", "n")
     check_neutral(
         {
-            "use_beam_search": not body.use_beam_search,
-            "watermarking": not body.watermarking,
-            "priority": body.priority in (None, 0),
-            "logprob_token_ids": not body.logprob_token_ids,
-            "repetition_detection": body.repetition_detection is None,
+            "use_beam_search": (not body.use_beam_search, "false"),
+            "watermarking": (not body.watermarking, "false or null"),
+            "priority": (body.priority in (None, 0), "0"),
+            "logprob_token_ids": (not body.logprob_token_ids, "an empty list"),
+            "repetition_detection": (body.repetition_detection is None, "null"),
         }
     )
     stream = bool(body.stream)
@@ -192,12 +192,13 @@ def check_min_tokens(fields: SamplingFields, max_tokens: int) -> None:
         )
 
 
-def check_neutral(neutral: dict[str, bool]) -> None:
-    """`neutral` maps a field to whether its value leaves the result unchanged; any other is 400."""
-    for name, ok in neutral.items():
+def check_neutral(neutral: dict[str, tuple[bool, str]]) -> None:
+    """`neutral` maps a field to (whether its value leaves the result unchanged, that neutral
+    value as the client would write it); any other value is a 400 naming the field and its default."""
+    for name, (ok, default) in neutral.items():
         if not ok:
             raise bad_request(
-                f"{name} is not supported by ringserve; leave it unset or at its default.",
+                f"{name} is not supported by ringserve; leave it unset or send {default}.",
                 name,
                 code="unsupported_value",
             )

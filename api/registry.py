@@ -17,7 +17,7 @@ from typing import Any
 
 from ringserve.api.connections import abort_connection
 from ringserve.api.generation import LocalCancel
-from ringserve.api.gpu_client import RequestStream
+from ringserve.api.request_stream import RequestStream
 from ringserve.shm.messages import MAX_REQUEST_ID_CHARS, CancelReason
 
 _CLIENT_ID = re.compile(rf"^[A-Za-z0-9._:\-]{{1,{MAX_REQUEST_ID_CHARS}}}$")

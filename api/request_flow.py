@@ -20,13 +20,14 @@ import msgspec
 from aiohttp import web
 
 from ringserve.api.availability import gpu_not_ready
-from ringserve.api.errors import ApiError, error_object, error_type
+from ringserve.api.errors import ApiError, error_object, error_status, error_type
 from ringserve.api.generation import Generation
-from ringserve.api.gpu_client import GpuClient, Inbox, RequestStream
+from ringserve.api.gpu_client import GpuClient
 from ringserve.api.job_limits import check_response_size
 from ringserve.api.logprobs import COMPLETION_LOGPROBS, LogprobFormat
 from ringserve.api.protocol import OutputOptions, SamplingFields, check_model, check_sampling
 from ringserve.api.registry import OpenRequest
+from ringserve.api.request_stream import Inbox, RequestStream
 from ringserve.api.sse import Encoder
 from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState, ignored_header, note_ignored
 from ringserve.shm.messages import CancelReason, SamplingParams, Submit
@@ -354,8 +355,14 @@ async def _complete(flow: _Flow, output: Output) -> web.Response:
     if gen.error is not None:
         err = gen.error_body()["error"]
         extra = {k: v for k, v in err.items() if k not in ("message", "type", "param", "code")}
+        status = error_status(err["code"])
         raise ApiError(
-            503, err["message"], code=err["code"], type_=err["type"], extra=extra, retry_after_s=st.status.reload_s()
+            status,
+            err["message"],
+            code=err["code"],
+            type_=err["type"],
+            extra=extra,
+            retry_after_s=st.status.reload_s() if status == 503 else None,
         )
     await _settle(flow)
     if output.finished is not None:

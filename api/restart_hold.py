@@ -1,15 +1,23 @@
 """What a worker does when the GPU process is replaced (`docs/design.md#failure-semantics`).
 
-GPU-process restart (the transport delivers `Error(code=RESTART_CODE, rid=None)`): a request that
-has streamed a token gets the `gpu_process_restart` error (its tokens cannot be continued); every
-other open request is held and resubmitted, under a fresh rid, once the restarted GPU process is
-READY ("retry before the first token"). That also covers a Submit pushed after the supervisor's
+GPU-process restart (the transport delivers `Error(code=RESTART_CODE, rid=None)`): a request the
+supervisor has quarantined (it was in the process's running step at two deaths,
+`ringserve/suspects.py`) gets the `request_quarantined` error and is never resubmitted; a request
+that has streamed a token gets the `gpu_process_restart` error (its tokens cannot be continued);
+every other open request is held and resubmitted, under a fresh rid, once the restarted GPU
+process is READY ("retry before the first token"), at most `MAX_RESUBMITS` times (a death outside
+any step names no suspect, so this bounds what an unnamed one can cost). A Submit of a request
+still quarantined (a client's resend: the same fingerprint) is refused with 422 before it reaches
+the ring. Held requests also cover a Submit pushed after the supervisor's
 fence but before this worker noticed it, which the new GPU process discards when it adopts the
 rings: it sits in the same held set. Submits made while held wait for READY rather than be pushed
 onto rings that are about to be discarded. A held request waits at most `hold_s` (and never past
 its deadline): if the GPU process is not back by then it gets the `gpu_process_restart` error,
 quoting why the process failed. Once the worker drains (`stop_holding`) nothing is held any more:
 no GPU process will be started for it.
+
+`RestartHold` is a part of `GpuClient` (`client.restart_hold`): it decides who is failed, held and
+resubmitted and when; the client owns the streams and the rids, and sends the resubmissions.
 """
 
 from __future__ import annotations
@@ -17,43 +25,58 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping
 
 import msgspec
 
-from ringserve.shm.messages import Cancel, CancelReason, Error, Submit
-
-if TYPE_CHECKING:
-    from ringserve.api.gpu_client import RequestStream
+from ringserve.api.errors import ApiError
+from ringserve.api.request_stream import RequestStream
+from ringserve.shm.messages import Error, Submit, fingerprint
 
 log = logging.getLogger("ringserve.api.gpu_client")
 
 RESTART_ERROR = "gpu_process_restart"  # the code and type a client sees for a restart
-MAX_RESUBMITS = 1  # a request in flight through two crashes may be what crashes the GPU process
+QUARANTINE_ERROR = "request_quarantined"  # ... for a request not run again (422 before any SSE)
+MAX_RESUBMITS = 3  # a request held through more deaths than this, none of them blamed on it, fails
 READY_POLL_S = 0.05  # how often held requests check whether the restarted GPU process is READY
 
 
 class RestartHold:
-    """The restart half of `GpuClient` (it is one): the state below is the client's own."""
+    """The held requests of one worker across GPU-process restarts, and the quarantine check."""
 
-    worker: int
-    hold_s: float
-    ready: Callable[[], bool]
-    down_reason: Callable[[], str | None]
-    resubmitted: int
-    _streams: dict[int, RequestStream]
-    _held: dict[int, RequestStream]  # by rid: waiting for READY to be resubmitted
-    _no_hold: tuple[str, str] | None  # (code, message) once draining
-    _poll: asyncio.TimerHandle | None
-    _restarting: bool  # a restart was seen and the GPU process is not READY again yet
-    _next_rid: int
-    _pending: deque[Submit | Cancel]
-    _loop: asyncio.AbstractEventLoop | None
+    def __init__(
+        self,
+        resubmit: Callable[[list[RequestStream]], None],
+        *,
+        worker: int,
+        ready: Callable[[], bool] | None,
+        hold_s: float,
+        down_reason: Callable[[], str | None] | None,
+        quarantined: Callable[[], Mapping[int, float]] | None,
+        fingerprint_key: bytes,
+    ) -> None:
+        """`resubmit(streams)` sends the held streams again once the GPU process is READY (the
+        client's: fresh rids, a Cancel of each old one); the rest as `GpuClient` documents them."""
+        self.resubmit = resubmit
+        self.worker = worker
+        self.ready = ready or (lambda: True)
+        self.hold_s = hold_s
+        self.down_reason = down_reason or (lambda: None)
+        self.quarantined = quarantined or dict
+        self.fingerprint_key = fingerprint_key
+        self.restarting = False  # a restart was seen and the GPU process is not READY again yet
+        self._held: dict[int, RequestStream] = {}  # by rid: waiting for READY to be resubmitted
+        self._no_hold: tuple[str, str] | None = None  # (code, message) once draining
+        self._poll: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def _send(self, msg: Submit | Cancel) -> None:
-        raise NotImplementedError  # GpuClient's
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def close(self) -> None:
+        if self._poll is not None:
+            self._poll.cancel()
+            self._poll = None
 
     def stop_holding(self, code: str, message: str) -> None:
         """The worker is draining: no GPU process will be started for it, so fail what is held
@@ -63,13 +86,46 @@ class RestartHold:
         for stream in held.values():
             self._fail_held(stream, code, message)
 
-    def _on_restart(self) -> None:
-        """Fail what has streamed; hold the rest for resubmission once the GPU is READY."""
+    def quarantine_left(self, fp: int) -> float:
+        """Seconds the request of fingerprint `fp` stays quarantined (<= 0: it is not)."""
+        return self.quarantined().get(fp, 0.0) - time.time()
+
+    def fingerprinted(self, msg: Submit) -> Submit:
+        """`msg` with its fingerprint; ApiError 422 if that request is quarantined (a resend)."""
+        msg = msgspec.structs.replace(msg, fingerprint=fingerprint(msg, self.fingerprint_key))
+        left = self.quarantine_left(msg.fingerprint)
+        if left > 0:
+            raise ApiError(
+                422,
+                "This request (the same key, prompt and parameters) was in the GPU process's running step at two "
+                f"of its failures, so it is not run again for another {left:.0f} s, in case it is what makes the "
+                "process fail. Change the request, or retry it after the Retry-After.",
+                code=QUARANTINE_ERROR,
+                type_=QUARANTINE_ERROR,
+                retry_after_s=left,
+                extra={"tokens_streamed": 0},
+            )
+        return msg
+
+    def on_restart(self, streams: Iterable[RequestStream]) -> None:
+        """Fail what is quarantined or has streamed of the open `streams`; hold the rest for
+        resubmission once the GPU is READY."""
         failed = 0
-        for stream in list(self._streams.values()):
+        quarantined, now = self.quarantined(), time.time()
+        for stream in streams:
             if stream.cancelled:
                 continue  # ended for its client already; nothing to resubmit or tell
-            if stream.streamed:
+            until = quarantined.get(stream.submit.fingerprint, 0.0) if stream.submit is not None else 0.0
+            if until > now:
+                failed += 1
+                self._fail_held(
+                    stream,
+                    QUARANTINE_ERROR,
+                    "This request was in the GPU process's running step at two of its failures; it is not run "
+                    "again, in case it is what makes the process fail, and the same request (same key, prompt "
+                    f"and parameters) is refused for {until - now:.0f} s. Change it, or report it.",
+                )
+            elif stream.streamed:
                 failed += 1
                 stream.feed(
                     Error(
@@ -86,15 +142,12 @@ class RestartHold:
                 self._fail_held(
                     stream,
                     RESTART_ERROR,
-                    "The GPU process restarted again while this request was in it; it is not "
-                    "resubmitted a second time, in case it is what makes the process fail.",
+                    f"The GPU process restarted {stream.resubmits + 1} times while this request waited; it is not "
+                    "resubmitted again. Retry it.",
                 )
             elif stream.submit is not None:
-                self._hold(stream)
-        # Messages parked for the old rings are void: their Submits are all held (none streamed),
-        # and their Cancels name rows the new process never had.
-        self._pending.clear()
-        self._restarting = True
+                self.hold(stream)
+        self.restarting = True
         log.warning(
             "worker %d: GPU process restarted; %d streaming requests failed, %d held for resubmission once it is READY",
             self.worker,
@@ -103,12 +156,21 @@ class RestartHold:
         )
         self._schedule_poll()
 
-    def _hold(self, stream: RequestStream) -> None:
+    def hold(self, stream: RequestStream) -> None:
+        """Keep `stream` (its Submit) for the GPU process that comes back, or fail it if none will."""
         if self._no_hold is not None:
             self._fail_held(stream, *self._no_hold)
             return
         stream.held_at = time.monotonic()
         self._held[stream.rid] = stream
+
+    def release(self, rid: int) -> None:
+        """The request ended: nothing to resubmit."""
+        self._held.pop(rid, None)
+
+    def clear(self) -> None:
+        """Every open request was failed (shutdown, a GPU error for all)."""
+        self._held.clear()
 
     def _fail_held(self, stream: RequestStream, code: str, message: str) -> None:
         """A request that has streamed nothing ends with an error as its admission answer."""
@@ -141,32 +203,19 @@ class RestartHold:
             self._expire_held()
             self._schedule_poll()
             return
-        self._restarting = False
+        self.restarting = False
         held, self._held = self._held, {}
         now = time.time()
-        for old_rid, stream in held.items():
-            submit = stream.submit
-            if self._streams.get(old_rid) is not stream or submit is None:
-                continue  # released meanwhile (a held stream always has its Submit)
-            if now >= submit.deadline_ts:
+        again = []
+        for stream in held.values():
+            if stream.submit is not None and now >= stream.submit.deadline_ts:
                 self._fail_held(
                     stream,
                     RESTART_ERROR,
                     "The GPU process restarted and the request's deadline passed before it could be resubmitted. "
                     "Retry it.",
                 )
-                continue
-            # A fresh rid: if the old Submit did reach the new process after all (pushed after it
-            # adopted the rings), its row is cancelled and any records it sends are dropped.
-            rid = self._next_rid
-            self._next_rid += 1
-            del self._streams[old_rid]
-            self._streams[rid] = stream
-            stream.rid = rid
-            stream.resubmits += 1
-            stream.submit = submit = msgspec.structs.replace(submit, rid=rid)
-            self.resubmitted += 1
-            self._send(Cancel(rid=old_rid, reason=CancelReason.CANCELLED))
-            self._send(submit)
-        if held:
-            log.info("worker %d: resubmitted %d requests to the restarted GPU process", self.worker, self.resubmitted)
+            else:
+                again.append(stream)
+        if again:
+            self.resubmit(again)

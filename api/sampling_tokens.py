@@ -9,7 +9,7 @@ import msgspec
 from ringserve.api.errors import bad_request
 from ringserve.api.protocol import SamplingFields
 from ringserve.api.state import ApiState
-from ringserve.api.structured_output import StructuredSpec, compile_spec
+from ringserve.api.structured_output import StructuredSpec
 from ringserve.api.tokenizer import TextCodec
 from ringserve.shm.messages import SamplingParams
 
@@ -39,8 +39,9 @@ def bad_word_ids(codec: TextCodec, words: tuple[str, ...]) -> tuple[tuple[int, .
 
 
 async def constrain(st: ApiState, spec: StructuredSpec, sampling: SamplingParams) -> SamplingParams:
-    """`sampling` with the grammar of `spec` (a 400 naming the construct llguidance refuses)."""
+    """`sampling` with the grammar of `spec` (a 400 naming the cap it passes, or the construct
+    llguidance refuses)."""
     if st.grammar is None:
         raise bad_request("structured output is not available on this server.", spec.param, code="unsupported_value")
-    grammar = await compile_spec(spec, st.grammar, st.executor)
+    grammar = await st.grammar.grammar(spec)
     return msgspec.structs.replace(sampling, grammar=grammar)

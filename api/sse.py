@@ -59,7 +59,7 @@ class EventEncoder:
 
     OBJECT = "text_completion"
     # ringserve's `usage` of the choice on its finish event (chat sends usage only at the end, as
-    # OpenAI does: LangChain adds up every usage it sees, `chat_output.py`)
+    # OpenAI does: LangChain adds up every usage it sees, `chat/output.py`)
     USAGE_ON_FINISH = True
     END = DONE
     _TEXT_OPEN = b',"text":'  # a token's text in its choice ...

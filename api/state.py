@@ -6,21 +6,27 @@ import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from ringserve.api.auth import Authenticator
-from ringserve.api.chat_template import ChatTemplate
 from ringserve.api.connections import ConnectionGuard
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.gpu_status import GpuStatus
 from ringserve.api.metrics import StatsSnapshot
 from ringserve.api.registry import Registry
-from ringserve.api.response_store import ResponseStore
 from ringserve.api.structured_output import GrammarChecker
 from ringserve.api.tokenizer import TextCodec
 from ringserve.api.worker_stats import WorkerStats
 from ringserve.config import Config
+
+if TYPE_CHECKING:
+    # NOTE: the state carries what the worker built for two routes (the model's chat template, the
+    # store of /v1/responses) and uses neither: the core imports no route at run time (pyproject's
+    # import contracts).
+    from ringserve.api.chat.template import ChatTemplate
+    from ringserve.api.responses.store import ResponseStore
 
 # Prompts longer than this (characters) are tokenized in a thread, so a long prompt's tokenization
 # never holds up the event loop that is streaming everyone else's tokens.
@@ -51,13 +57,13 @@ class ApiState:
     remote_cancel: Callable[[str, str], Awaitable[bool]] | None = None
     # The model's chat template (None: the model has none, /v1/chat/completions answers 400).
     chat_template: ChatTemplate | None = None
-    # How tool calls are read from a chat answer (`tool_parsers.py`; `--tool-call-parser`).
+    # How tool calls are read from a chat answer (`chat/tool_parsers.py`; `--tool-call-parser`).
     tool_call_parser: str = "hermes"
     # Structured output's grammar check against the model's vocabulary (built from `codec`).
     grammar: GrammarChecker | None = None
     # Other names a request's `model` may use: the path the model was served from (vLLM's id).
     model_aliases: frozenset[str] = frozenset()
-    # Stored responses of /v1/responses, shared by the instance's workers (`response_store.py`).
+    # Stored responses of /v1/responses, shared by the instance's workers (`responses/store.py`).
     response_store: ResponseStore | None = None
 
     def snapshot(self) -> StatsSnapshot:
@@ -78,7 +84,7 @@ def note_ignored(request: web.Request, ignored: tuple[str, ...]) -> None:
     """Fields of the request body ringserve does not know: ignored (as vLLM does), named on the
     response (every response to the request, errors too) and in a debug log line."""
     if ignored:
-        request[IGNORED] = ignored
+        request[IGNORED] = (*request.get(IGNORED, ()), *ignored)
         log.debug("%s %s: ignored unknown fields %s", request.method, request.path, ", ".join(ignored))
 
 

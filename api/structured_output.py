@@ -10,35 +10,49 @@ The ways, all honoured the same way (none is ever ignored):
   `disable_any_whitespace`, `disable_additional_properties`;
 - vLLM's older fields: `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`,
   `guided_whitespace_pattern` (`guided_decoding_backend` names an engine; llguidance always serves);
-- on /v1/chat/completions, `tool_choice: "required"` or a named function (`tool_calls.py`).
+- on /v1/chat/completions, `tool_choice: "required"` or a named function (`chat/tool_calls.py`).
 
 A request sets at most one of them. Parsing (`structured_spec`, no tokenizer) names what was asked;
-`compile_spec` builds llguidance's serialized grammar and validates it against the model's
-vocabulary (in the worker's thread pool, cached by grammar text), so a schema or grammar
-llguidance cannot compile is a 400 that names the construct (fail closed: never unconstrained
-text for a request that asked for a structure). JSON is generated on one line (`, ` and `: `
-between items) unless a whitespace pattern is given: a small model let loose on whitespace can
-spend its whole answer on newlines. The GPU process compiles the grammar again into its matchers
-(`gpu_proc/grammar.py`).
+`GrammarChecker.grammar` measures it against the caps (`ringserve/rules.py`: its size, a
+grammar's rules, a schema's patternProperties; 400 `grammar_too_complex` naming the flag) before
+any of it is converted, then has a grammar process (`grammar_pool.py`, `grammar_compile.py`)
+build llguidance's serialized grammar and check it against the model's vocabulary within
+`--grammar-timeout-s`. So a schema or grammar llguidance cannot compile, or one that admits no
+text, is a 400 that names the construct (fail closed: never unconstrained text for a request
+that asked for a structure), and nothing of it ever runs on the event loop. JSON is generated on
+one line (`, ` and `: ` between items) unless a whitespace pattern is given: a small model let
+loose on whitespace can spend its whole answer on newlines. The GPU process compiles the grammar
+again into its matchers (`gpu_proc/grammar.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
+import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from ringserve.api.errors import bad_request
+from ringserve.api.errors import ApiError, bad_request
+from ringserve.api.grammar_child import frame
+from ringserve.api.grammar_pool import GrammarPool, Outcome
 from ringserve.api.tokenizer import TextCodec
+from ringserve.rules import (
+    GRAMMAR_TOO_COMPLEX,
+    GrammarLimits,
+    choice_error,
+    grammar_size_error,
+    grammar_text_error,
+    grammar_timeout_error,
+    schema_error,
+)
 
-VALIDATED_GRAMMARS = 256  # grammar texts known to compile (agents send the same schema every call)
-MAX_CHOICES = 1024
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+KNOWN_GRAMMARS = 256  # constraints whose outcome is remembered (agents send the same schema every call)
+REFUSAL_TTL_S = 60.0  # how long a deadline passed or a crash is answered from memory
 
 
 class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
@@ -157,10 +171,9 @@ def _structured_outputs(so: StructuredOutputs) -> list[StructuredSpec]:
     return out
 
 
-def to_grammar(spec: StructuredSpec) -> str:
-    """llguidance's serialized grammar for `spec` (not yet validated), or a 400."""
-    import llguidance
-
+def _job(spec: StructuredSpec, limits: GrammarLimits) -> list:
+    """What a grammar process converts for `spec` (`grammar_child.py`), once it is measured
+    within the caps (`rules.py`: size, rules, patterns, choices), or a 400 naming the cap."""
     value, param = spec.value, spec.param
     if spec.kind == "json":
         if isinstance(value, str):
@@ -170,91 +183,80 @@ def to_grammar(spec: StructuredSpec) -> str:
                 raise bad_request(f"{param} is not valid JSON: {exc}", param) from None
         if not isinstance(value, (dict, bool)):
             raise bad_request(f"{param} must be a JSON schema (an object).", param)
-        if spec.no_additional_properties and isinstance(value, dict):
-            value = closed_objects(value)
-        options = dict(JSON_OPTIONS)
-        if spec.whitespace is not None:
-            options = {"whitespace_flexible": True, "whitespace_pattern": spec.whitespace}
-        try:
-            return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=options)  # type: ignore[arg-type]
-        except ValueError as exc:
-            raise bad_request(f"{param} is not a usable JSON schema: {exc}", param) from None
-    if spec.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(value)
-    if spec.kind == "choice":
-        if not value or len(value) > MAX_CHOICES or not all(isinstance(c, str) and c for c in value):
-            raise bad_request(f"{param} must hold 1 to {MAX_CHOICES} non-empty strings.", param)
-        return llguidance.grammar_from("choice", value)
-    try:  # "grammar": Lark as llguidance reads it, or GBNF / EBNF (converted)
-        return llguidance.grammar_from("grammar", value)
-    except ValueError as exc:
-        raise bad_request(f"{param} is not a grammar ringserve can read (Lark or GBNF): {exc}", param) from None
-
-
-def closed_objects(schema: dict) -> dict:
-    """`schema` with `additionalProperties: false` on every object schema that lists properties
-    and says nothing of others (vLLM's `disable_additional_properties`)."""
-    schema = copy.deepcopy(schema)
-    stack: list[Any] = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack += node
-        elif isinstance(node, dict):
-            if isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
-                node["additionalProperties"] = False
-            for key, sub in node.items():
-                if key in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"):
-                    if isinstance(sub, dict):
-                        stack += sub.values()
-                elif isinstance(sub, (dict, list)) and key not in ("enum", "const", "examples", "default"):
-                    stack.append(sub)
-    return schema
+        text = msgspec.json.encode(value).decode()
+        problem = schema_error(param, value, len(text), limits)
+        job_value: object = text
+    elif spec.kind == "choice":
+        malformed = choice_error(param, value)
+        if malformed is not None:
+            raise bad_request(malformed, param)
+        problem = grammar_size_error(param, sum(len(c) + 3 for c in value))  # as `"a" | "b"`
+        job_value = value
+    else:  # regex | grammar: a text
+        if not isinstance(value, str):
+            raise bad_request(f"{param} must be a string.", param)
+        problem = grammar_text_error(param, value, limits)
+        job_value = value
+    if problem is not None:
+        raise bad_request(problem, param, code=GRAMMAR_TOO_COMPLEX)
+    return [spec.kind, job_value, spec.whitespace, spec.no_additional_properties]
 
 
 class GrammarChecker:
-    """Validates grammars against the model's vocabulary (llguidance's tokenizer, built from the
-    worker's tokenizer on first use), off the event loop, remembering those that compiled."""
+    """Turns a worker's constraints into checked grammars: the caps on the event loop (cheap,
+    before anything is converted), then conversion and check in a grammar process under the
+    deadline (`grammar_pool.py`). Outcomes are remembered by constraint (an agent sends the same
+    schema every call): a grammar that compiled and a refusal llguidance gave for good, a deadline
+    passed or a compiler crash for `REFUSAL_TTL_S`, so a resend costs no second compile. The caps
+    run on every request, remembered or not."""
 
-    def __init__(self, codec: TextCodec) -> None:
+    def __init__(self, codec: TextCodec, limits: GrammarLimits, procs: int = 1) -> None:
         self.codec = codec
-        self._tokenizer = None
-        self._valid: OrderedDict[str, None] = OrderedDict()
+        self.limits = limits
+        self.pool = GrammarPool(self._init_frame, procs=procs, timeout_s=limits.timeout_s)
+        self._known: OrderedDict[bytes, tuple[float, Outcome]] = OrderedDict()
 
-    def tokenizer(self):
-        if self._tokenizer is None:
-            import llguidance
+    async def _init_frame(self) -> bytes:
+        codec = self.codec
+        text = await asyncio.get_running_loop().run_in_executor(None, codec.tokenizer.to_str)
+        return frame({"tokenizer": text, "vocab": codec.vocab_size})
 
-            backend = self.codec.tokenizer
-            self._tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.codec.vocab_size)
-        return self._tokenizer
+    async def grammar(self, spec: StructuredSpec) -> str:
+        """The checked grammar for `spec`, or the ApiError to answer with."""
+        job = _job(spec, self.limits)
+        key = msgspec.msgpack.encode(job)
+        now = time.monotonic()
+        known = self._known.get(key)
+        if known is not None and known[0] > now:
+            self._known.move_to_end(key)
+            outcome = known[1]
+        else:
+            outcome = await self.pool.run(job)
+            if outcome.kind == "busy":
+                raise ApiError(
+                    503,
+                    "Every grammar process of this worker is busy with other schemas or grammars; retry shortly.",
+                    code="grammar_busy",
+                    param=spec.param,
+                    retry_after_s=1.0,
+                )
+            # NOTE: a deadline or a crash may be a loaded machine's as much as the grammar's
+            ttl = REFUSAL_TTL_S if outcome.kind in ("timeout", "crashed") else math.inf
+            self._known[key] = (now + ttl, outcome)
+            while len(self._known) > KNOWN_GRAMMARS:
+                self._known.popitem(last=False)
+        if outcome.kind == "ok":
+            return outcome.grammar
+        raise self._refusal(outcome, spec.param)
 
-    def error(self, grammar: str) -> str | None:
-        """Why llguidance cannot compile `grammar` for this model (None: it can)."""
-        if grammar in self._valid:
-            self._valid.move_to_end(grammar)
-            return None
-        import llguidance
+    def _refusal(self, outcome: Outcome, param: str) -> ApiError:
+        if outcome.kind == "refused":
+            return bad_request(f"{param} {outcome.message}", param, code=outcome.code)
+        if outcome.kind == "crashed":
+            message = f"{param} crashed the grammar compiler ({outcome.message}); simplify it."
+        else:
+            message = grammar_timeout_error(param, self.limits.timeout_s)
+        return bad_request(message, param, code=GRAMMAR_TOO_COMPLEX)
 
-        problem = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer())
-        if problem:
-            return problem.strip()
-        self._valid[grammar] = None
-        while len(self._valid) > VALIDATED_GRAMMARS:
-            self._valid.popitem(last=False)
-        return None
-
-
-async def compile_spec(spec: StructuredSpec, checker: GrammarChecker, executor=None) -> str:
-    """The grammar to submit for `spec`, validated; a 400 naming the construct llguidance refuses."""
-    grammar = to_grammar(spec)
-    if grammar in checker._valid:
-        return grammar
-    problem = await asyncio.get_running_loop().run_in_executor(executor, checker.error, grammar)
-    if problem:
-        raise bad_request(
-            f"{spec.param} cannot be enforced: {problem}",
-            spec.param,
-            code="unsupported_value",
-        )
-    return grammar
+    async def close(self) -> None:
+        await self.pool.close()

@@ -26,12 +26,12 @@ from aiohttp import web
 from ringserve.api import last_words, log_filter
 from ringserve.api.app import init_app
 from ringserve.api.auth import Authenticator, load_keys
-from ringserve.api.chat_template import ChatTemplate, ChatTemplateError
+from ringserve.api.chat.template import ChatTemplate, ChatTemplateError
 from ringserve.api.connections import raise_open_file_limit
 from ringserve.api.gpu_client import GpuClient, Transport
 from ringserve.api.gpu_status import ControlStatus, GpuStatus
 from ringserve.api.peer_cancel import PeerCancel
-from ringserve.api.response_store import ResponseStore
+from ringserve.api.responses.store import ResponseStore
 from ringserve.api.state import STATE, ApiState
 from ringserve.api.tokenizer import TextCodec
 from ringserve.config import Config
@@ -82,7 +82,7 @@ async def serve(config: Config, app: web.Application, sock: socket.socket, stop:
             await asyncio.sleep(config.unready_lead_s)
         state.draining = True
         # No GPU process will be started for a draining worker: requests held for one answer now.
-        state.client.stop_holding(
+        state.client.restart_hold.stop_holding(
             "server_shutdown",
             "The server is shutting down and this request "
             "had not started (the GPU process was restarting). Retry it on "
@@ -161,6 +161,9 @@ def run_worker(
             hold_s=config.restart_hold_s,
             down_reason=lambda: (status.restart_status() or {}).get("last_error"),
             first_rid=first_rid,
+            quarantined=status.quarantined,
+            fingerprint_key=status.fingerprint_key(),
+            priced=status.note_price,
         )
         app = init_app(
             config,

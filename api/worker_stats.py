@@ -6,13 +6,13 @@ the whole set into its seqlocked region periodically, so any worker's /metrics c
 
 from __future__ import annotations
 
-from ringserve.shm import layout as L
+from ringserve.shm import stats_schema as S
 from ringserve.shm.messages import FINISH_REASONS
 
-_HISTS = {h.name: h for h in L.HISTOGRAMS}
+_HISTS = {h.name: h for h in S.HISTOGRAMS}
 # Prompt-length buckets for the split latency histograms: (label, upper bound in tokens). A split
 # histogram is observed only where the layout defines `<hist>_plen_<label>`.
-PROMPT_LEN_BUCKETS = tuple(zip(L.PROMPT_LEN_LABELS, (512, 2048, 8192, 1 << 62)))
+PROMPT_LEN_BUCKETS = tuple(zip(S.PROMPT_LEN_LABELS, (*S.PROMPT_LEN_BOUNDS, 1 << 62)))
 
 
 def prompt_len_label(prompt_tokens: int) -> str:
@@ -23,12 +23,12 @@ def prompt_len_label(prompt_tokens: int) -> str:
 
 
 class WorkerStats:
-    """Named floats (`shm.layout.WORKER_STAT_NAMES`) with the StatsRegion writer's verbs."""
+    """Named floats (`shm.stats_schema.WORKER_STAT_NAMES`) with the StatsRegion writer's verbs."""
 
     __slots__ = ("values",)
 
     def __init__(self) -> None:
-        self.values: dict[str, float] = dict.fromkeys(L.WORKER_STAT_NAMES, 0.0)
+        self.values: dict[str, float] = dict.fromkeys(S.WORKER_STAT_NAMES, 0.0)
 
     def add(self, name: str, value: float = 1.0) -> None:
         self.values[name] += value

@@ -1,21 +1,24 @@
 """Admission control: the price of a request and the 400/429 decisions.
 
-`est_gpu_ms = prompt_tokens * c_prefill + n * expected_output * c_decode`, where the expected
-output is min(max_tokens, the recent average answer length), and at least what the request is sure
-to generate (`floor_tokens`: all of max_tokens with EOS ignored and no stop ids). The constants start
-at 0.1 ms per prompt token and 1.25 ms per output token (a 40 ms step shared by 32 rows) and follow
-measured step times (`cost_model.py`), so the "2 s of waiting GPU work" limit means 2 s on this
-hardware (`docs/design.md#admission`).
+`est_gpu_ms` is what the step cost model (`cost_model.py`, calibrated on the device before READY
+and refitted from every step) says the request's prompt and its `n x expected output` tokens cost
+here, where the expected output is min(max_tokens, the recent average answer length), and at least
+what the request is sure to generate (`floor_tokens`: all of max_tokens with EOS ignored and no
+stop ids). So the "2 s of waiting GPU work" limit means 2 s on this hardware
+(`docs/design.md#admission`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ringserve.gpu_proc.cost_model import AnswerLengths, CostModel
+from ringserve.config import DEFAULTS
+from ringserve.gpu_proc.cost_model import CostModel, Sample
+from ringserve.gpu_proc.step_shape import StepShape
 from ringserve.rules import CONTEXT_LENGTH_EXCEEDED, context_error
 
 if TYPE_CHECKING:
@@ -48,13 +51,15 @@ class AdmissionController:
     def __init__(
         self,
         *,
-        context_limit: int = 8192,
-        max_tokens_limit: int = 0,
-        max_rows: int = 32,
-        queue_limit_s: float = 2.0,
-        c_prefill_ms: float = 0.1,
-        c_decode_ms: float = 1.25,
+        context_limit: int = DEFAULTS.context_limit,
+        max_tokens_limit: int = DEFAULTS.max_tokens_limit,
+        max_rows: int = DEFAULTS.max_rows,
+        queue_limit_s: float = DEFAULTS.queue_limit_s,
+        c_prefill_ms: float = DEFAULTS.c_prefill_ms,
+        c_decode_ms: float = DEFAULTS.c_decode_ms,
         initial_answer_tokens: float = 300.0,
+        prefill_budget: int = DEFAULTS.prefill_budget,
+        calibration: Sequence[Sample] = (),
     ) -> None:
         if queue_limit_s <= 0:
             raise ValueError(f"queue_limit_s must be > 0, got {queue_limit_s}")
@@ -62,12 +67,15 @@ class AdmissionController:
         self.max_tokens_limit = max_tokens_limit
         self.max_rows = max_rows
         self.queue_limit_ms = queue_limit_s * 1000.0
-        self.costs = CostModel(c_prefill_ms, c_decode_ms, max_rows=max_rows)
+        self.costs = CostModel(
+            c_prefill_ms, c_decode_ms, max_rows=max_rows, prefill_scale=prefill_budget, calibration=calibration
+        )
         self.answers = AnswerLengths(initial_answer_tokens, cap=context_limit)
 
     @classmethod
-    def from_config(cls, config) -> AdmissionController:
-        """Build from a `ringserve.config.Config` (duck-typed: any object with its field names)."""
+    def from_config(cls, config, calibration: Sequence[Sample] = ()) -> AdmissionController:
+        """Build from a `ringserve.config.Config` (duck-typed: any object with its field names) and
+        the start-up calibration's samples (`calibration.py`; none: the configured constants)."""
         return cls(
             context_limit=config.context_limit,
             max_tokens_limit=config.max_tokens_limit,
@@ -75,6 +83,8 @@ class AdmissionController:
             queue_limit_s=config.queue_limit_s,
             c_prefill_ms=config.c_prefill_ms,
             c_decode_ms=config.c_decode_ms,
+            prefill_budget=config.prefill_budget,
+            calibration=calibration,
         )
 
     def estimate_ms(
@@ -84,7 +94,7 @@ class AdmissionController:
         generate at least `floor_tokens` per row (so a flood of short answers cannot make a request
         that must run to max_tokens look cheap)."""
         expected = max(min(max_tokens, max(self.answers.mean, floor_tokens)) - generated, 0.0)
-        return (prompt_tokens + generated) * self.costs.c_prefill_ms + n * expected * self.costs.c_decode_ms
+        return self.costs.request_ms(prompt_tokens, expected, n, generated)
 
     def decide(
         self,
@@ -134,7 +144,7 @@ class AdmissionController:
             queued_ms = self.queue_limit_ms
         if queued_ms > 0 and queued_ms + est > self.queue_limit_ms:
             drain_ms = queued_ms + (row_wait_ms() if row_wait_ms is not None else 0.0)
-            retry = _retry_after_s(drain_ms)
+            retry = retry_after_s(drain_ms)
             return Decision(
                 429,
                 est_gpu_ms=est,
@@ -150,14 +160,15 @@ class AdmissionController:
         """Why an estimate admission reads is unusable, or None (the scheduler's integrity check)."""
         return self.costs.problem() or self.answers.problem()
 
-    def observe_step(self, step_ms: float, prefill_tokens: int, decode_rows: int) -> None:
-        self.costs.observe(step_ms, prefill_tokens, decode_rows)
+    def observe_step(self, step_ms: float, shape: StepShape) -> float:
+        """Fold one measured step into the cost model; what it expected of the step."""
+        return self.costs.observe(step_ms, shape)
 
     def observe_answer(self, completion_tokens: int) -> None:
         self.answers.add(completion_tokens)
 
 
-def _retry_after_s(drain_ms: float) -> int:
+def retry_after_s(drain_ms: float) -> int:
     """Whole seconds in [1, RETRY_AFTER_MAX_S]; a projection that is not a number is the cap."""
     if not drain_ms < math.inf:  # infinite or NaN
         return RETRY_AFTER_MAX_S
@@ -212,12 +223,25 @@ class AdmissionLedger:
     def total_ms(self) -> float:
         return sum(self._waiting.values())
 
-    def ahead_ms(self, tenant: str) -> float:
-        """Waiting work that runs before a new request of `tenant` would start (class docstring)."""
-        mine = self._waiting.get(tenant, 0.0)
+    def ahead_ms(self, tenant: str, prefilling: Mapping[str, float] | None = None) -> float:
+        """Work that runs before a new request of `tenant` would start (class docstring): each
+        tenant's waiting work plus `prefilling`, the prefill its joined requests still owe
+        (their chunks come first in the steps to come, so a request joining behind them waits
+        for them as for a queue)."""
+        work = self.work_by_tenant(prefilling)
+        mine = work.get(tenant, 0.0)
         if not mine:
             return 0.0
-        return sum(min(w, mine) for w in self._waiting.values())
+        return sum(min(w, mine) for w in work.values())
+
+    def work_by_tenant(self, prefilling: Mapping[str, float] | None = None) -> dict[str, float]:
+        """tenant -> its waiting work plus `prefilling` (what `ahead_ms` weighs)."""
+        if not prefilling:
+            return self._waiting
+        work = dict(self._waiting)
+        for t, ms in prefilling.items():
+            work[t] = work.get(t, 0.0) + ms
+        return work
 
     def waiting_by_tenant(self) -> dict[str, tuple[float, int]]:
         """tenant -> (waiting ms, charged requests), for the integrity check."""
@@ -244,3 +268,36 @@ class AdmissionLedger:
     @property
     def reserved_rows(self) -> int:
         return len(self._reserved)
+
+
+class AnswerLengths:
+    """The mean completion length of the last `window` finished rows (`docs/design.md#admission`:
+    ~300 to start). Integer sums of lengths clamped to [1, `cap`]: exact and finite."""
+
+    __slots__ = ("_window", "_sum", "_initial", "_cap")
+
+    def __init__(self, initial: float = 300.0, window: int = 256, cap: int = 1 << 20) -> None:
+        if window <= 0:
+            raise ValueError(f"window must be > 0, got {window}")
+        if not 1 <= initial < math.inf or cap < 1:
+            raise ValueError(f"the initial answer length ({initial}) and the cap ({cap}) must be finite and >= 1")
+        self._window: deque[int] = deque(maxlen=window)
+        self._sum = 0
+        self._initial = initial
+        self._cap = cap
+
+    def add(self, completion_tokens: int) -> None:
+        tokens = min(max(int(completion_tokens), 1), self._cap)
+        if len(self._window) == self._window.maxlen:
+            self._sum -= self._window[0]
+        self._window.append(tokens)
+        self._sum += tokens
+
+    @property
+    def mean(self) -> float:
+        return self._sum / len(self._window) if self._window else self._initial
+
+    def problem(self) -> str | None:
+        if self._sum != sum(self._window):
+            return f"answer-length sum {self._sum} drifted from its window ({sum(self._window)})"
+        return None

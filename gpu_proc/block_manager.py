@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
+from ringserve.config import DEFAULTS
+
 if TYPE_CHECKING:
     from ringserve.gpu_proc.prefix_cache import PrefixCache
 
@@ -37,7 +39,7 @@ class BlockManager:
 
     __slots__ = ("num_blocks", "block_size", "cache", "_free", "_refs")
 
-    def __init__(self, num_blocks: int, block_size: int = 16, order: list[int] | None = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int = DEFAULTS.block_size, order: list[int] | None = None) -> None:
         """`order`: the free list's first order, a permutation of the block ids (default: in id
         order); offline runs shuffle it so tables are not in position order."""
         if num_blocks <= 0:

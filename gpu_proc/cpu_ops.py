@@ -127,9 +127,27 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+_PACKS: dict[torch.dtype, bool] = {}
+
+
+def packs(dtype: torch.dtype) -> bool:
+    """oneDNN can pack a `dtype` weight on this CPU. Every x86/aarch64 torch wheel has oneDNN, but its
+    bfloat16 path needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT ("bf16 path needs the cpu support ..."
+    on an AVX2-only EPYC): asked once per dtype by trying, as no public call says so."""
+    if dtype not in _PACKS:
+        ok = torch.backends.mkldnn.is_available()
+        if ok:
+            try:
+                torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+            except RuntimeError:
+                ok = False
+        _PACKS[dtype] = ok
+    return _PACKS[dtype]
+
+
 class PackedLinear:
-    """`F.linear(x, weight, bias)` with the weight packed once for oneDNN (which every x86/aarch64
-    torch wheel has; the fused forward is only used where `torch.backends.mkldnn` is available)."""
+    """`F.linear(x, weight, bias)` with the weight packed once for oneDNN where it can pack that dtype
+    here (`packs`), else plain `F.linear`; the fused forward is only used where it packs."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         if weight.device.type != "cpu" or weight.dtype not in DTYPES or weight.dim() != 2:
@@ -138,9 +156,11 @@ class PackedLinear:
                 f"{tuple(weight.shape)} on {weight.device}"
             )
         self.weight, self.bias = weight, bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if packs(weight.dtype) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
         if kernels_loaded():
             return torch.ops.ringserve_cpu.linear.default(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise.default(x, self.packed, self.bias, "none", [], "")

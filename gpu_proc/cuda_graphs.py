@@ -33,8 +33,10 @@ from typing import Any, Protocol
 
 import torch
 
-from .attention.metadata import AttentionMetadata, StepInputs, host_tensor
+from .attention.metadata import AttentionMetadata
+from .host_tensor import host_tensor
 from .step import StepBatch
+from .step_inputs import StepInputs
 
 log = logging.getLogger("ringserve.gpu")
 

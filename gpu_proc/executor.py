@@ -11,17 +11,18 @@ from pathlib import Path
 
 import torch
 
-from ringserve.config import Config
+from ringserve.config import DEFAULTS, Config
 from ringserve.gpu_proc.cpu_tuning import tune_cpu_process
-from ringserve.gpu_proc.grammar import GrammarState
+from ringserve.gpu_proc.grammar import GrammarMasks, GrammarState
+from ringserve.gpu_proc.grammar_compile import GPU_TIMEOUT_FACTOR
 from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.kv_sizing import GIB, device_memory, kv_block_bytes, memory_plan_lines, plan_for_model
-from ringserve.gpu_proc.logits_processors import ControlsState
+from ringserve.gpu_proc.logits_processors import ControlsState, row_settings
 from ringserve.gpu_proc.model.loader import load_model, read_special_tokens
 from ringserve.gpu_proc.model_runner import ModelRunner
 from ringserve.gpu_proc.prompt_logprobs import score
-from ringserve.gpu_proc.sampler import SampleOutput
-from ringserve.gpu_proc.step import StepBatch
+from ringserve.gpu_proc.sampler import SampleOutput, sample
+from ringserve.gpu_proc.step import SeqStep, StepBatch
 from ringserve.gpu_proc.warmup import WarmupReport, warm_up
 
 log = logging.getLogger("ringserve.gpu")
@@ -50,12 +51,20 @@ class Executor:
     warmup: WarmupReport | None = None
     attention: dict = field(default_factory=dict)  # the backend per op and its start-up check (facts)
     tokenizer_file: str | None = None  # the model's tokenizer.json: structured output's matchers read it
+    # --grammar-timeout-s (a compile here gets GPU_TIMEOUT_FACTOR times it)
+    grammar_timeout_s: float = DEFAULTS.grammar_timeout_s
     controls: ControlsState = field(init=False)  # the logits controls' per-sequence state
     grammar: GrammarState = field(init=False)  # structured output's per-sequence matchers
 
     def __post_init__(self) -> None:
         self.controls = ControlsState(self.vocab_size, self.eos_token_ids, self.device)
-        self.grammar = GrammarState(self.tokenizer_file, self.vocab_size, self.eos_token_ids, self.device)
+        self.grammar = GrammarState(
+            self.tokenizer_file,
+            self.vocab_size,
+            self.eos_token_ids,
+            self.device,
+            compile_timeout_s=self.grammar_timeout_s * GPU_TIMEOUT_FACTOR,
+        )
 
     def step(self, batch: StepBatch) -> SampleOutput | None:
         """One forward pass and the samples of its sampling rows, with the prompt logprobs of its
@@ -64,7 +73,9 @@ class Executor:
         rows = batch.sampling_rows  # a draft row samples at each position it verifies
         masks = self.grammar.begin(rows) if rows else None  # filled while the forward runs
         logits = self.runner.execute(batch)
-        out = self.controls.sample_rows(logits[: len(rows)], rows, masks) if rows else None
+        out = sample_rows(self.controls, logits[: len(rows)], rows, masks) if rows else None
+        if masks is not None and masks.paused and out is not None:
+            out.paused = frozenset(masks.paused)  # NOTE: final once the masks were applied
         if batch.scores_prompts:
             out = out or SampleOutput([], [], [])
             out.prompt_logprobs = score(logits[len(rows) :], batch)
@@ -75,6 +86,26 @@ class Executor:
         if seq_ids:
             self.controls.forget(seq_ids)
             self.grammar.forget(seq_ids)
+
+
+def sample_rows(
+    controls: ControlsState, logits: torch.Tensor, rows: list[SeqStep], grammar: GrammarMasks | None = None
+) -> SampleOutput:
+    """Sample a step's sampling rows (`logits` `[R, vocab]`): the logits controls' plan first, when a
+    row has controls or a grammar mask (`logits` modified in place for those rows), then the
+    sampler; a processed row's logprobs are recomputed from its raw logits, as vLLM reports them."""
+    sampling = row_settings(rows)
+    positions = [s.context_len for s in rows]
+    if grammar is None and all(r.controls is None for r in sampling):
+        return sample(logits, sampling, positions)  # the common case: nothing more at all
+    with torch.inference_mode():  # the runner's logits are inference tensors
+        plan = controls.plan(rows, grammar)
+        if plan is None:  # not reached: a row has controls
+            return sample(logits, sampling, positions)
+        raw = plan.apply(logits)
+        out = sample(logits, sampling, positions)
+        plan.report_raw(raw, out, sampling)
+    return out
 
 
 def _load_cpu_kernels(progress: Callable[[], None] | None) -> bool:
@@ -249,4 +280,5 @@ def build_executor(
         report,
         attention,
         tokenizer_file=str(tokenizer) if tokenizer.is_file() else None,
+        grammar_timeout_s=config.grammar_timeout_s,
     )

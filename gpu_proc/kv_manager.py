@@ -5,6 +5,7 @@ vLLM v1's `KVCacheManager` hides them.
     kv.allocate_slots(req, n)           # slots for its next n tokens (a decode token, a chunk), or None
     kv.allocate_draft_slots(req, n)     # slots for n speculative tokens after those, never registered
     kv.accept_draft(req, start)         # a verified draft: register what it kept, free what it did not
+    kv.uncompute(req)                   # a paused row's last token is computed again
     kv.commit()                         # blocks this step fills become findable (end of the build)
     kv.free(req)                        # every reference it holds
     kv.fits(n, tokens, reserve)         # would n such requests join now?  kv.fits_pool(...), kv.stats()
@@ -170,6 +171,21 @@ class KVCacheManager:
             register_filled(self.cache, [(req, draft_start, end)])  # NOTE: their writes have landed
         keep = self.bm.blocks_for(req.num_tokens)
         table = req.block_ids
+        if len(table) > keep:
+            self.bm.free(table[keep:])
+            del table[keep:]
+
+    def uncompute(self, req: Request) -> None:
+        """The scheduler moved `req.num_computed` back (a paused row: its last token is computed
+        again): the block that token completed, registered when the step was built, is forgotten
+        again (no other request can have found it yet, and it will be written again), and blocks
+        past `req`'s tokens (a paused draft's) are freed."""
+        self._pending.pop(req, None)
+        at = req.num_computed // self.block_size
+        table = req.block_ids
+        if at < len(table) and self.cache.is_registered(table[at]):
+            self.cache.unregister(table[at])
+        keep = self.bm.blocks_for(req.num_tokens)
         if len(table) > keep:
             self.bm.free(table[keep:])
             del table[keep:]

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from ringserve.config import DEFAULTS
+
 
 class KVPool:
     """Preallocated K and V memory for `num_blocks` blocks of `block_size` tokens in every layer."""
@@ -29,7 +31,7 @@ class KVPool:
         num_blocks: int,
         num_kv_heads: int,
         head_dim: int,
-        block_size: int = 16,
+        block_size: int = DEFAULTS.block_size,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:

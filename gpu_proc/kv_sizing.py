@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ringserve.config import DEFAULTS
+
 GIB = 1024**3
 # cuBLAS workspaces, CUDA-graph pools, allocator fragmentation and the split-KV scratch: not
 # proportional to the step size, so a fixed floor on top of the per-token estimate.
@@ -34,7 +36,7 @@ class KVPlan:
     used_bytes: int
     activation_reserve_bytes: int
     utilization: float
-    block_size: int = 16
+    block_size: int = DEFAULTS.block_size
 
     @property
     def pool_bytes(self) -> int:
@@ -103,7 +105,7 @@ def plan_kv_blocks(
     utilization: float,
     block_bytes: int,
     activation_reserve_bytes: int,
-    block_size: int = 16,
+    block_size: int = DEFAULTS.block_size,
 ) -> KVPlan:
     """Blocks the pool gets. Call after the weights are on the device, before the pool exists."""
     if not 0.0 < utilization <= 1.0:

@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .attention.metadata import host_tensor
-from .sampler import MIN_TEMPERATURE, SampleOutput, sample
+from .host_tensor import host_tensor
+from .sampler import MIN_TEMPERATURE, SampleOutput
 from .step import RowControls, RowSampling, SeqStep
 
 if TYPE_CHECKING:
@@ -59,7 +59,8 @@ class _Seq:
 
 
 class ControlsState:
-    """The engine's side of the logits controls: per-sequence device state, and `sample`."""
+    """The engine's side of the logits controls: per-sequence device state, and each step's `plan`
+    (the executor applies it before the sampler, `executor.sample_rows`)."""
 
     def __init__(self, vocab_size: int, eos_token_ids, device: torch.device) -> None:
         self.vocab_size = vocab_size
@@ -71,29 +72,11 @@ class ControlsState:
         self._free: list[int] = []
         self._step = 0
 
-    def sample_rows(
-        self, logits: torch.Tensor, rows: list[SeqStep], grammar: GrammarMasks | None = None
-    ) -> SampleOutput:
-        """Sample the step's sampling rows (`logits` `[R, vocab]`, modified in place for the rows
-        with controls), as `sampler.sample` does; `grammar`: the step's structured-output masks."""
-        sampling = _settings(rows)
-        positions = [s.context_len for s in rows]
-        if grammar is None and all(r.controls is None for r in sampling):
-            return sample(logits, sampling, positions)  # the common case: nothing more at all
-        with torch.inference_mode():  # the runner's logits are inference tensors
-            plan = self.plan(rows, grammar)
-            if plan is None:  # not reached: a row has controls
-                return sample(logits, sampling, positions)
-            raw = plan.apply(logits)
-            out = sample(logits, sampling, positions)
-            plan.report_raw(raw, out, sampling)
-        return out
-
     # -- the plan (host) --------------------------------------------------------------------------
 
     def plan(self, rows: list[SeqStep], grammar: GrammarMasks | None = None) -> ControlsPlan | None:
         """The step's controls as a few device tensors; None when no row has any."""
-        sampling = _settings(rows)
+        sampling = row_settings(rows)
         chosen = [(i, r.controls) for i, r in enumerate(sampling) if r.controls is not None]
         if not chosen:
             return None
@@ -152,9 +135,11 @@ class ControlsState:
         every = len(picked)
         masked = None
         if grammar is not None:  # NOTE: a constrained row has controls (`SamplingParams.controlled`)
-            at = {i: j for j, i in enumerate(picked)}
-            g_rows = [at[i] for i in grammar.rows]
-            masked = (flat("q", g_rows) if len(g_rows) < every else None, grammar.allowed())
+            allowed = grammar.allowed()  # NOTE: first: a row whose mask is late leaves `rows` (paused)
+            if grammar.rows:
+                at = {i: j for j, i in enumerate(picked)}
+                g_rows = [at[i] for i in grammar.rows]
+                masked = (flat("q", g_rows) if len(g_rows) < every else None, allowed)
         return ControlsPlan(
             rows=flat("q", picked),
             num_rows=every,
@@ -366,7 +351,7 @@ def _min_p(part: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return part.masked_fill(part < cut, _NEG_INF)
 
 
-def _settings(rows: list[SeqStep]) -> list[RowSampling]:
+def row_settings(rows: list[SeqStep]) -> list[RowSampling]:
     """The sampling settings of a step's sampling rows (every one has them)."""
     sampling = [s.sampling for s in rows if s.sampling is not None]
     if len(sampling) != len(rows):

@@ -1,8 +1,9 @@
 """The GPU process: one thread owns the device and runs the scheduler pass in a loop
 (`docs/design.md#processes`, `#scheduler-pass`).
 
-    drain request rings -> schedule (leave, join, build) -> forward -> sample -> update
-    -> push one StepOutput per worker -> publish stats + heartbeat -> sleep on the doorbell if idle
+    drain request rings -> schedule (leave, join, build) -> record the step in flight -> forward
+    -> sample -> update -> push one StepOutput per worker -> publish stats + heartbeat
+    -> sleep on the doorbell if idle
 
 It never blocks on a worker: output that does not fit in a worker's ring waits in a bounded
 backlog, and a worker whose backlog overflows has its requests cancelled. Any unexpected exception
@@ -24,16 +25,20 @@ from contextlib import contextmanager
 
 from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
+from ringserve.gpu_proc.grammar_gate import GrammarGate
+from ringserve.gpu_proc.heartbeat import LoopHeartbeat
 from ringserve.gpu_proc.request import Request
 from ringserve.gpu_proc.scheduler import Scheduler
-from ringserve.rules import Violation, submit_violation
+from ringserve.rules import GrammarLimits, Violation, submit_violation
 from ringserve.shm import layout as L
 from ringserve.shm import messages as M
+from ringserve.shm.in_flight import tenant_tag
 from ringserve.shm.instance import ShmInstance
 
 log = logging.getLogger("ringserve.gpu")
 
 IDLE_WAIT_S = 0.25  # heartbeat period while idle
+GRAMMAR_WAIT_S = 0.05  # the idle wait while Submits wait for their grammar (compile deadlines)
 BACKLOG_LIMIT = 4096  # records per worker waiting for ring space before its requests are cancelled
 
 
@@ -77,13 +82,23 @@ class EngineLoop:
         if shm.input_bell is None or shm.output_bells is None:
             raise ValueError("the GPU loop needs the instance's doorbells (attach with bell_fds)")
         self.input_bell = shm.input_bell
-        self.requests, outputs = shm.gpu_rings(self.control.gpu_generation)
+        self.generation = self.control.gpu_generation
+        self.requests, outputs = shm.gpu_rings(self.generation)
         self.outboxes = [Outbox(ring, bell) for ring, bell in zip(outputs, shm.output_bells)]
         self.slot_generations = [self.control.worker_slot(i)["generation"] for i in range(shm.n_workers)]
         self.step_no = 0
-        self.rejected_429 = 0
         self.forward_ms = self.forward_est_ms = 0.0  # the last step's, measured and as the cost model expected
+        self.near_limit: dict[str, tuple[int, int]] = {}  # as last published for the workers' refusals
         self.stopping = False
+        self.in_flight = self.control.step_record  # which requests the running step holds, for the supervisor
+        self.heartbeat = LoopHeartbeat(
+            self.control.gpu_heartbeat, config.watchdog_step_cap_s, config.watchdog_timeout_s
+        )
+        # constrained Submits wait here until their grammar is compiled (`grammar_gate.py`); the
+        # compile threads ring the loop's doorbell as each ends
+        self.grammars = GrammarGate(executor.grammar.compiler, GrammarLimits.of(config))
+        executor.grammar.compiler.on_done = self.input_bell.ring
+        self._constrained: dict[tuple[int, int], M.Submit] = {}  # admitted Submits pinning a grammar
         self.release_memory = None  # called when the loop goes idle (the CPU engine's heap)
         if getattr(executor, "device", None) is not None and executor.device.type == "cpu":
             from ringserve.gpu_proc.cpu_tuning import release_free_memory  # imports torch
@@ -105,7 +120,8 @@ class EngineLoop:
                 if isinstance(msg, M.Submit):
                     self._submit(slot, msg)
                 elif isinstance(msg, M.Cancel):
-                    self.scheduler.cancel((slot, msg.rid), msg.reason, msg.index)
+                    if not self.scheduler.cancel((slot, msg.rid), msg.reason, msg.index) and msg.index is None:
+                        self.grammars.drop(slot, msg.rid)  # it was waiting for its grammar
                 else:
                     raise TypeError(f"worker {slot} sent {type(msg).__name__}, which only flows GPU -> worker")
             self.outboxes[slot].flush()
@@ -123,22 +139,52 @@ class EngineLoop:
                 M.Rejected(rid=msg.rid, status=400, code="invalid_request", message=broken.message)
             )
             return
+        held = self.grammars.hold(slot, msg, req)
+        if held is True:
+            return  # `admit_compiled` admits it once its grammar is compiled
+        if held is not False:
+            self.outboxes[slot].send(M.Rejected(rid=msg.rid, status=400, code=held.code, message=held.message))
+            return
+        self._admit(slot, msg, req)
+
+    def _admit(self, slot: int, msg: M.Submit, req: Request) -> None:
         decision = self.scheduler.admit(req)
         reply: M.Accepted | M.Rejected
         if decision.accepted:
-            if msg.sampling.grammar is not None:  # compiled in the grammar thread, off this loop
-                self.executor.grammar.prepare(msg.sampling.grammar)
+            if msg.sampling.grammar is not None:
+                self._constrained[(slot, msg.rid)] = msg  # its compiled grammar stays until it ends
             reply = M.Accepted(rid=msg.rid, est_gpu_ms=decision.est_gpu_ms)
         else:
-            self.rejected_429 += decision.status == 429
+            self.grammars.release(msg)
             reply = M.Rejected(
                 rid=msg.rid,
+                est_gpu_ms=decision.est_gpu_ms,
                 status=decision.status,
                 code=decision.code,
                 message=decision.message,
                 retry_after_s=decision.retry_after_s,
             )
         self.outboxes[slot].send(reply)
+
+    def admit_compiled(self) -> None:
+        """Admit (or refuse) the constrained Submits whose grammar compile ended."""
+        for held, refusal in self.grammars.poll():
+            box = self.outboxes[held.slot]
+            if refusal is None:
+                self._admit(held.slot, held.msg, held.request)  # type: ignore[arg-type]
+            else:
+                box.send(M.Rejected(rid=held.msg.rid, status=400, code=refusal.code, message=refusal.message))
+            box.flush()
+
+    def _grammars_ended(self, events) -> None:
+        """Unpin the grammars of constrained Submits that have ended (every sample finished)."""
+        for slot, record in events:
+            if type(record) is M.Finish:
+                key = (slot, record.rid)
+                msg = self._constrained.get(key)
+                if msg is not None and not self.scheduler.is_live(key):
+                    del self._constrained[key]
+                    self.grammars.release(msg)
 
     def check_worker_slots(self) -> None:
         """A restarted worker (new slot generation) no longer wants its predecessor's rows."""
@@ -158,13 +204,14 @@ class EngineLoop:
         ]
         for key in dropped:
             self.scheduler.cancel(key, M.CancelReason.CANCELLED)
+        held = self.grammars.drop(slot, keep_generation=keep)
         box = self.outboxes[slot]
         box.backlog.clear()
         box.tokens.clear()
         box.finishes.clear()
         box.prompts.clear()
-        if dropped:
-            log.warning("%s: cancelled %d requests", why, len(dropped))
+        if dropped or held:
+            log.warning("%s: cancelled %d requests", why, len(dropped) + held)
 
     # -- the pass --------------------------------------------------------------------------------
 
@@ -173,11 +220,20 @@ class EngineLoop:
         sched = self.scheduler
         batch = sched.schedule()
         if batch.seqs:
+            # NOTE: written before the forward, cleared once the samples are in: a process that
+            # dies in between leaves the supervisor the names of the requests it was running.
+            self.in_flight.begin(
+                self.generation,
+                self.step_no + 1,
+                time.monotonic_ns(),
+                ((r.key[0], r.key[1], r.fingerprint, tenant_tag(r.tenant)) for r in sched.step_requests(batch)),
+            )
             t0 = time.perf_counter()
             samples = self.executor.step(batch)
             self.forward_ms = (time.perf_counter() - t0) * 1e3
             self.forward_est_ms = sched.observe_step_time(self.forward_ms)
             events = sched.update(samples)
+            self.in_flight.end()
             self.step_no += 1
         else:
             self.executor.release(batch.finished)
@@ -186,6 +242,8 @@ class EngineLoop:
         return bool(batch.seqs)
 
     def _route(self, events) -> None:
+        if self._constrained:
+            self._grammars_ended(events)
         boxes = self.outboxes
         for slot, record in events:
             box = boxes[slot]
@@ -216,19 +274,27 @@ class EngineLoop:
                 "steps": self.step_no,
                 "forward_ms": self.forward_ms,
                 "forward_est_ms": self.forward_est_ms,
-                "rejected_429": self.rejected_429,
             }
         )
         region.publish()
-        self.control.gpu_heartbeat()
+        near = self.scheduler.tenants_near_limit(L.MAX_REFUSED_TENANTS)
+        if near != self.near_limit:
+            self.near_limit = near
+            self.control.set_refusals(self.scheduler.admission.queue_limit_ms, near)
+        self.heartbeat.beat()
 
     def run(self) -> None:
+        with self.heartbeat.watching():  # beats for a long pass while it computes (heartbeat.py)
+            self._run()
+
+    def _run(self) -> None:
         bell = self.input_bell
         last_slot_check = 0.0
         was_idle = True
         while not self.stopping:
             bell.drain()  # NOTE: before reading the rings, so a push after the read re-arms the bell
             self.drain()
+            self.admit_compiled()
             now = time.monotonic()
             if now - last_slot_check > 0.05:
                 self.check_worker_slots()
@@ -240,7 +306,8 @@ class EngineLoop:
             if idle:
                 if not was_idle and self.release_memory is not None:
                     self.release_memory()  # cpu_tuning.py: a busy step's memory is kept while busy
-                bell.wait(IDLE_WAIT_S)
+                # NOTE: a compile that ends rings the bell; the shorter wait checks compile deadlines
+                bell.wait(GRAMMAR_WAIT_S if self.grammars else IDLE_WAIT_S)
             elif not ran and any(b.backlog for b in self.outboxes):
                 time.sleep(0.0005)  # only output is pending: give the workers a moment to read
             was_idle = idle
@@ -273,13 +340,23 @@ def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
     control.gpu_heartbeat()
     t0 = time.monotonic()
     with _beating(control.gpu_heartbeat):
+        from ringserve.gpu_proc.calibration import calibrate, describe
         from ringserve.gpu_proc.executor import build_executor
     # NOTE: the heartbeat between load phases (and between kernel compiles) keeps the supervisor's
     # watchdog satisfied through a long load; every kernel is compiled before READY.
     executor = build_executor(config, model_dir, progress=control.gpu_heartbeat)
-    sched = Scheduler(
-        config, BlockManager(executor.num_blocks, config.block_size), eos_token_ids=executor.eos_token_ids
+    # NOTE: timed steps of each kind on this device, so the first request is priced by what a step
+    # costs here (`calibration.py`); the heartbeat between steps keeps the watchdog satisfied.
+    samples = calibrate(
+        executor, config.max_rows, config.prefill_budget, config.context_limit, progress=control.gpu_heartbeat
     )
+    sched = Scheduler(
+        config,
+        BlockManager(executor.num_blocks, config.block_size),
+        eos_token_ids=executor.eos_token_ids,
+        calibration=samples,
+    )
+    log.info("cost model: %s", describe(sched.costs, config.max_rows, config.prefill_budget, sched.step_target_ms))
     loop = EngineLoop(config, shm, executor, sched)
     control.set_model_facts(
         {

@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .attention.metadata import StepInputs, build_step_inputs, host_tensor
+from .host_tensor import host_tensor
 from .kv_pool import KVPool
 from .prompt_logprobs import logits_rows
 from .step import StepBatch
+from .step_inputs import StepInputs, build_step_inputs
 
 if TYPE_CHECKING:
     from .cuda_graphs import DecodeGraphs

@@ -13,8 +13,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from ringserve.config import Config
-from ringserve.shm.messages import Finish, SamplingParams, Token
+from ringserve.config import DEFAULTS, Config
+from ringserve.rules import sampling_violation, submit_violation
+from ringserve.shm.messages import Finish, SamplingParams, Submit, Token
 
 from .block_manager import BlockManager
 from .executor import Executor
@@ -22,24 +23,27 @@ from .model_runner import ModelRunner
 from .request import Request
 from .scheduler import Scheduler
 
+GREEDY = SamplingParams(temperature=0.0)
+
 
 @dataclass(frozen=True, kw_only=True)
 class OfflineRequest:
+    """One prompt for `generate`. Its sampling settings are the server's one type, with its defaults
+    (temperature 1.0: pass `GREEDY` for argmax) and checked by the server's rules."""
+
     prompt_ids: list[int]
     max_tokens: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+    sampling: SamplingParams = SamplingParams()
     logprobs: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        found = sampling_violation(self.sampling)
+        if found is not None:
+            raise ValueError(found.message)
 
 
 @dataclass(slots=True)
@@ -65,12 +69,12 @@ def generate(
     requests: list[OfflineRequest],
     *,
     eos_token_ids: frozenset[int],
-    context_limit: int = 8192,
-    prefill_budget: int = 256,
-    max_rows: int = 32,
+    context_limit: int = DEFAULTS.context_limit,
+    prefill_budget: int = DEFAULTS.prefill_budget,
+    max_rows: int = DEFAULTS.max_rows,
     block_seed: int | None = None,
     log: list[StepRecord] | None = None,
-    speculative: str = "off",
+    speculative: str = DEFAULTS.speculative,
 ) -> list[OfflineResult]:
     """Run `requests` to completion and return their results in order.
 
@@ -97,16 +101,23 @@ def generate(
     sched = Scheduler(config, BlockManager(num_blocks, bs, order), eos_token_ids=eos_token_ids, clock=lambda: 0.0)
     prompt_len: dict[int, int] = {}
     for i, r in enumerate(requests):
-        sampling = SamplingParams(
-            temperature=r.temperature,
-            top_k=r.top_k,
-            top_p=r.top_p,
-            seed=r.seed,
-            stop_token_ids=tuple(r.stop_token_ids),
-            ignore_eos=r.ignore_eos,
+        # NOTE: the check the GPU loop runs on every Submit; the scheduler's admission then refuses
+        # what does not fit the context, as the server's does.
+        submit = Submit(
+            rid=i,
+            request_id=f"offline-{i}",
+            tenant="offline",
+            prompt_ids=list(r.prompt_ids),
+            max_tokens=r.max_tokens,
+            sampling=r.sampling,
+            arrival_ts=0.0,
+            deadline_ts=1e18,
+            logprobs=r.logprobs,
         )
-        req = Request((0, i), f"offline-{i}", "offline", list(r.prompt_ids), r.max_tokens, sampling, 0.0, 1e18)
-        req.logprobs = r.logprobs
+        found = submit_violation(submit, vocab_size, eos_token_ids)
+        if found is not None:
+            raise ValueError(f"offline request {i}: {found.message}")
+        req = Request.from_submit(0, submit)
         decision = sched.admit(req)
         if not decision.accepted:
             raise RuntimeError(f"offline request {i} refused: {decision.message}")

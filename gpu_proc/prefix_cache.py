@@ -144,6 +144,16 @@ class PrefixCache:
         self._by_hash[block_hash] = block
         return True
 
+    def unregister(self, block: int) -> None:
+        """Forget an in-use block's name: its last token is to be written again (a paused row)."""
+        e = self._entries[block]
+        if e is None:
+            return
+        if block in self._lru:
+            raise PrefixCacheError(f"block {block} unregistered while parked")
+        del self._by_hash[e.hash]
+        self._entries[block] = None
+
     def is_registered(self, block: int) -> bool:
         return self._entries[block] is not None
 

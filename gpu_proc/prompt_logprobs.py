@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention.metadata import host_tensor
+from .host_tensor import host_tensor
 from .step import StepBatch
 
 # One scored chunk: (logprob per token, rank per token, top-N (id, logprob) pairs per token or None).

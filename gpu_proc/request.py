@@ -56,6 +56,7 @@ class Request:
     logprobs: int | None = None
     cache_salt: str | None = None  # prefix-cache isolation: only equal salts share cached blocks
     prompt_logprobs: int | None = None  # top-N alternatives per prompt token; None: not scored
+    fingerprint: int = 0  # the Submit's (`shm.messages.fingerprint`): names it in the step-in-flight record
     # -- set by the scheduler ------------------------------------------------------------------
     seq_id: int = 0
     row_sampling: RowSampling | None = None  # the sampler's settings, with this sample's seed and index
@@ -64,6 +65,7 @@ class Request:
     starts_now: bool = False  # admitted as able to join at the next pass: not waiting work
     state: RequestState = RequestState.QUEUED
     queued_pass: int = 0  # the scheduler pass at which it last entered the queue (fair preemption)
+    queued_ts: float = 0.0  # and the scheduler's clock then
     admit_seq: int = -1  # order of first admission to the running set; preemption takes the max
     generated: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -106,6 +108,7 @@ class Request:
             logprobs=msg.logprobs,
             cache_salt=tenant_cache_salt(msg.tenant, msg.cache_salt) if cache_per_tenant else msg.cache_salt,
             prompt_logprobs=msg.prompt_logprobs,
+            fingerprint=msg.fingerprint,
         )
 
     def sibling(self, index: int) -> Request:
@@ -124,6 +127,7 @@ class Request:
             index=index,
             logprobs=self.logprobs,
             cache_salt=self.cache_salt,
+            fingerprint=self.fingerprint,
         )
 
     # -- derived -------------------------------------------------------------------------------

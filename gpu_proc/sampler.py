@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_ops
-from .attention.metadata import host_tensor
+from .host_tensor import host_tensor
 from .step import RowSampling
 
 _MASK64 = (1 << 64) - 1
@@ -87,6 +87,9 @@ class SampleOutput:
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]] | None]
     prompt_logprobs: list | None = None  # set by the engine (`prompt_logprobs.score`), not here
+    # sequences whose samples are void: a grammar mask was not ready (`grammar.py`); the scheduler
+    # emits nothing for them and computes their last token again
+    paused: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)

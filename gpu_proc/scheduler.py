@@ -6,13 +6,14 @@ Pure bookkeeping, no torch: the GPU-process loop calls
     sched.cancel(key, reason, index)        # per Cancel: a flag, read at the next step boundary
     batch = sched.schedule(now)             # a StepBatch for the runner (may be empty)
     events = sched.update(sample_output)    # (worker slot, Token | Finish | PromptLogprobs) wire records
-    sched.observe_step_time(ms)             # feeds the admission cost model
+    sched.observe_step_time(ms)             # feeds the step cost model
 
 Rules (`docs/design.md#scheduler-pass`):
 - Admit (`#admission`): a request that can join at the next pass (a free row, blocks for its
-  tokens plus the margin, nothing else waiting) is not waiting work and is never refused for load;
-  the rest is priced, and refused with 429 once the work waiting ahead of it passes
-  `queue_limit_s` (its tenant's queue and, of each other tenant's, up to as much:
+  tokens plus the margin, nothing else waiting, and no more prefill ahead of it than one step
+  holds) is not waiting work and is never refused for load; the rest is priced by the step cost
+  model, and refused with 429 once the work ahead of it passes `queue_limit_s` (its tenant's
+  queue and the prefill its joined requests still owe and, of each other tenant's, up to as much:
   `AdmissionLedger.ahead_ms`), so one tenant's flood never refuses another. A Submit
   with `n` samples becomes `n` sibling requests.
 - Leave: requests that sampled a stop token or reached max_tokens leave in `update` the moment
@@ -24,14 +25,17 @@ Rules (`docs/design.md#scheduler-pass`):
   block its current tokens need, prefix-cache hits first (`#prefix-cache`); each step then asks
   it for the slots of the tokens it feeds the request.
 - Fair preemption (`#fairness`): when the fair choice cannot join, its tenant is below its fair
-  share of rows and it has waited more than `fair_preempt_steps` passes, the newest request of the
+  share of rows and it has waited more than `fair_preempt_steps` passes (or as long as that many
+  steps at the step target take, where passes run long), the newest request of the
   tenant most over its share is preempted for it. So the head request of a tenant below its share
   joins at most `fair_preempt_steps + 1` passes after it arrives, however the batch is held.
 - Build: one token per decoding request, then prompt chunks as one flat list, the chunks of
   tenants holding fewer rows first, then oldest first (so a request that fair preemption just
-  started is not held behind another tenant's prefills), all drawn from the step's budget (`step_budget.py`: the prefill budget rises when few
-  rows decode). The batch names the sequences that ended since the last one, so the engine
-  frees their per-sequence state at once.
+  started is not held behind another tenant's prefills), all drawn from the step's budget
+  (`step_budget.py`): prompt tokens (the budget rises when few rows decode) and time, the
+  step's estimated ms held to `step_target_ms` by cutting the chunks (the first chunk always
+  gets `MIN_CHUNK_TOKENS`, so every step makes progress). The batch names the sequences that
+  ended since the last one, so the engine frees their per-sequence state at once.
 - Preempt (`#preemption`): when a decoding request needs a block and none is free, the most
   recently admitted running request of the tenant holding the most blocks is preempted: its blocks
   are freed and it goes to the front of its tenant's queue. It is recomputed later (prompt plus tokens already produced) and resumes
@@ -43,6 +47,9 @@ Rules (`docs/design.md#scheduler-pass`):
   queued once its prompt's full blocks are registered, and find them in the prefix cache, so the
   prompt is computed once. Blocks a step fills are registered when the step is built
   (`kv.commit()`): its writes land before any later step reads them.
+- Paused rows (`#structured-output`, `grammar.py`): a sampling row whose grammar mask was not
+  ready emits nothing; `num_computed` goes back before its last real token (a draft's slots are
+  freed, a block that token completed is forgotten by the prefix cache), so it is computed again.
 - Speculation (`#speculative-decoding`, `speculation.py`): a decoding row also gets a draft from
   its own tokens where each draft token's chance of being kept beats what the step already
   yields per millisecond (the cost model's fitted step times say what a token costs), with slots that are never registered (`kv.allocate_draft_slots`; a draft never preempts and
@@ -56,12 +63,13 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING
 
-from ringserve.gpu_proc.admission import AdmissionController, AdmissionLedger, Decision
+from ringserve.gpu_proc.admission import AdmissionController, AdmissionLedger, Decision, retry_after_s
 from ringserve.gpu_proc.block_manager import BlockManager
+from ringserve.gpu_proc.cost_model import Sample, StepAudit
 from ringserve.gpu_proc.fairness import FairQueue
 from ringserve.gpu_proc.kv_manager import KVCacheManager
 from ringserve.gpu_proc.prompt_chunks import PromptScorer
@@ -72,6 +80,7 @@ from ringserve.gpu_proc.siblings import Siblings
 from ringserve.gpu_proc.speculation import Speculator, StepYield, accepted_prefix
 from ringserve.gpu_proc.step import SeqStep, StepBatch
 from ringserve.gpu_proc.step_budget import StepBudget, prefill_tokens_for
+from ringserve.gpu_proc.step_shape import StepShape, chunk_reads
 from ringserve.rules import finish_reason
 from ringserve.shm.messages import CancelReason, Finish, FinishReason, PromptLogprobs, Token
 
@@ -95,8 +104,10 @@ class Scheduler:
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
         admission: AdmissionController | None = None,
+        calibration: Sequence[Sample] = (),
     ) -> None:
-        """`config` is a `ringserve.config.Config` (or any object with its scheduler fields)."""
+        """`config` is a `ringserve.config.Config` (or any object with its scheduler fields);
+        `calibration`: the start-up calibration's timed steps, the cost model's prior."""
         if block_manager.block_size != config.block_size:  # NOTE: the one look at a block size here
             raise ValueError(
                 f"block manager has {block_manager.block_size}-token blocks, config says {config.block_size}"
@@ -110,8 +121,14 @@ class Scheduler:
         self.fair_preempt_steps = config.fair_preempt_steps
         self.margin_blocks = self.kv.margin(config.admission_margin)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.queue = FairQueue(config.key_row_cap, config.output_token_weight, max_rows=config.max_rows)
-        self.admission = admission or AdmissionController.from_config(config)
+        self.admission = admission or AdmissionController.from_config(config, calibration)
+        self.costs = self.admission.costs
+        self.step_target_ms = config.step_target
+        self._fixed_weight = config.output_token_weight  # 0: the cost model's
+        self.queue = FairQueue(
+            config.key_row_cap, self._fixed_weight or self.costs.output_token_weight(), max_rows=config.max_rows
+        )
+        self.audit = StepAudit()  # measured / estimated step times, by kind
         self.clock = clock
         self._rng = rng or random.Random()
         self._live: dict[WorkerRid, list[Request]] = {}  # every sample of a Submit until all have ended
@@ -134,8 +151,7 @@ class Scheduler:
         self._pass = 0
         self._seq_ids = itertools.count(1)
         self._next_admit_seq = 0
-        self.last_prefill_tokens = 0
-        self.last_decode_rows = 0
+        self.last_shape = StepShape()  # what the last built batch holds, as the cost model prices it
         self.preemptions = 0
         self.fair_preemptions = 0
         self.cancelled_tokens = 0
@@ -150,11 +166,12 @@ class Scheduler:
         if req.key in self._live:
             return Decision(400, code="duplicate_request", message=f"request {req.key} is already live")
         starts = self._starts_now(req.n, req.prompt_len)
+        ahead = self.ledger.ahead_ms(req.tenant, self._prefill_owed())
         decision = self.admission.decide(
             req.prompt_len,
             req.max_tokens,
             req.n,
-            0.0 if starts else self.ledger.ahead_ms(req.tenant),
+            0.0 if starts and ahead <= self.step_target_ms else ahead,
             pool_fits=self.kv.fits_pool(req.prompt_len, req.max_tokens, req.n),
             row_wait_ms=self._row_wait_ms,
             floor_tokens=req.sure_tokens,
@@ -178,13 +195,15 @@ class Scheduler:
                 flagged = True
         return flagged
 
-    def observe_step_time(self, ms: float, prefill_tokens: int | None = None, decode_rows: int | None = None) -> float:
-        """Feed one measured step (default: the counts of the last built batch) to the cost model;
-        returns what the model expected that step to take."""
-        prefill = self.last_prefill_tokens if prefill_tokens is None else prefill_tokens
-        rows = self.last_decode_rows if decode_rows is None else decode_rows
-        expected = self.admission.costs.step_ms(prefill, rows)
-        self.admission.observe_step(ms, prefill, rows)
+    def observe_step_time(self, ms: float, shape: StepShape | None = None) -> float:
+        """Feed one measured step (default: the last built batch) to the cost model; returns what
+        the model expected that step to take."""
+        shape = self.last_shape if shape is None else shape
+        expected = self.admission.observe_step(ms, shape)
+        if not shape.empty:
+            self.audit.add(shape.kind, ms, expected)
+        if not self._fixed_weight:
+            self.queue.output_token_weight = self.costs.output_token_weight()
         return expected
 
     # -- admission -------------------------------------------------------------------------------
@@ -200,6 +219,37 @@ class Scheduler:
         margin = self.margin_blocks if rows > n else 0
         return rows <= self.max_rows and self.kv.fits(n, prompt_len, margin, ledger.reserved_blocks)
 
+    def _prefill_owed(self) -> dict[str, float] | None:
+        """tenant -> estimated ms of prefill its joined (or starting) requests still owe, when
+        that is more than one step holds (None otherwise): their chunks run before a request that
+        joins after them, so admission counts them as work ahead, as it does a queue."""
+        owed: dict[str, float] = {}
+        chunk_ms = self.costs.chunk_ms
+        for r in self._running:
+            left = r.num_tokens - r.num_computed
+            if left > 1 or r.state == RequestState.PREFILL:
+                owed[r.tenant] = owed.get(r.tenant, 0.0) + chunk_ms(r.num_computed, left)
+        for r in self.ledger.starting:
+            owed[r.tenant] = owed.get(r.tenant, 0.0) + chunk_ms(0, r.prompt_len)
+        return owed if sum(owed.values()) > self.step_target_ms else None
+
+    def tenants_near_limit(self, most: int) -> dict[str, tuple[int, int]]:
+        """tenant -> (ms of work ahead of its next request, the Retry-After s of a refusal) for
+        the `most` tenants with the most work ahead, of those with over half the queue limit
+        ahead: workers refuse at once a request of theirs that would take it past the limit
+        (`api/refusals.py`)."""
+        owed = self._prefill_owed()
+        if not (owed or self.ledger.any_waiting):
+            return {}
+        work = self.ledger.work_by_tenant(owed)
+        floor = max(self.admission.queue_limit_ms / 2, self.step_target_ms)
+        ahead = {t: sum(min(w, mine) for w in work.values()) for t, mine in work.items()}
+        near = sorted((a, t) for t, a in ahead.items() if a > floor)[::-1][:most]
+        if not near:
+            return {}
+        wait = self._row_wait_ms()
+        return {t: (int(a), retry_after_s(a + wait)) for a, t in near}
+
     def _row_wait_ms(self) -> float:
         """Projected ms until a row frees (for Retry-After): 0 with one free, else until the
         running (or starting) request expected to end first ends, at the fitted step time."""
@@ -208,7 +258,7 @@ class Scheduler:
             return 0.0
         expected = self.admission.answers.mean
         left = min(max(min(r.max_tokens, max(expected, r.sure_tokens)) - len(r.generated), 1.0) for r in holders)
-        return left * self.admission.costs.decode_step_ms(len(holders))
+        return left * self.costs.decode_step_ms(len(holders))
 
     def _queue_samples(self, samples: list[Request], est_ms: float, starts: bool) -> None:
         """Queue a Submit's samples, as `siblings.hold` says: all now, or sample 0 first."""
@@ -216,7 +266,7 @@ class Scheduler:
         blocks = self.kv.blocks_for(samples[0].prompt_len)
         for s in samples:
             s.est_gpu_ms = est_ms / len(samples)
-            s.queued_pass = self._pass
+            s.queued_pass, s.queued_ts = self._pass, self.clock()
             if starts:
                 self.ledger.reserve(s, blocks)
             else:
@@ -277,7 +327,7 @@ class Scheduler:
             want = len(rows) + sum(len(d) for _, d in self._drafts.values())
             if len(token_ids) != want:
                 raise ValueError(f"{len(token_ids)} samples for {want} sampling rows")
-            self._apply_samples(rows, token_ids, logprobs, tops)
+            self._apply_samples(rows, token_ids, logprobs, tops, getattr(samples, "paused", frozenset()))
         events, self._events = self._events, []
         return events
 
@@ -315,7 +365,7 @@ class Scheduler:
         """Start the fair choice while it fits, preempting for it when fairness says so."""
         queue = self.queue
         while (req := queue.peek()) is not None:
-            if not self._start(req, now) and not self._fair_preempt(req):
+            if not self._start(req, now) and not self._fair_preempt(req, now):
                 break
         if self.ledger.reserved_rows:
             self._settle_starting()
@@ -346,10 +396,14 @@ class Scheduler:
         req.state = RequestState.PREFILL
         return True
 
-    def _fair_preempt(self, req: Request) -> bool:
+    def _fair_preempt(self, req: Request, now: float) -> bool:
         """Preempt the newest request of the tenant most over its fair share so `req` can start,
-        once `req` has waited more than `fair_preempt_steps` passes; True if one was preempted."""
-        if self._pass - req.queued_pass <= self.fair_preempt_steps:
+        once `req` has waited more than `fair_preempt_steps` passes, or as long as that many
+        steps at the target take (a slow or contended machine runs its passes long); True if
+        one was preempted."""
+        passes = self._pass - req.queued_pass
+        waited_ms = (now - req.queued_ts) * 1000.0
+        if passes <= self.fair_preempt_steps and waited_ms <= self.fair_preempt_steps * self.step_target_ms:
             return False
         victim_tenant = self.queue.preemptable_for(req.tenant)
         if victim_tenant is None:
@@ -382,13 +436,14 @@ class Scheduler:
         seqs: list[SeqStep] = []
         self._sampling = sampling = list(decoding)
         step = self._step_yield(len(decoding)) if self.spec is not None else None
-        drafted = 0
+        decode, reads = 0, 0
         for req in decoding:
             p = req.num_computed
             gen = req.generated
             req.num_computed = p + 1
             draft = self._draft(req, step) if step is not None else []
-            drafted += len(draft)
+            decode += 1 + len(draft)
+            reads += chunk_reads(p, 1 + len(draft))
             seqs.append(
                 SeqStep(
                     req.seq_id,
@@ -399,9 +454,11 @@ class Scheduler:
                     draft=len(draft),
                 )
             )
-        budget = StepBudget.for_step(self.prefill_budget, self.max_rows, len(seqs))
-        self.last_decode_rows = len(seqs) + drafted  # NOTE: a verified position costs about what a row does
-        self.last_prefill_tokens = self._prefill_chunks(prefilling, budget, seqs, sampling)
+        shape = StepShape(decode=decode, reads=reads)
+        budget = StepBudget.for_step(
+            self.prefill_budget, self.max_rows, len(seqs), self.step_target_ms - self.costs.step_ms(shape), self.costs
+        )
+        self.last_shape = shape + self._prefill_chunks(prefilling, budget, seqs, sampling)
         ended, self._ended_seqs = self._ended_seqs, []
         # NOTE: `sampling` was appended in lockstep with `seqs`, so it is in batch.sampling_seqs
         # order, which is the order of the runner's logits and the sampler's output.
@@ -410,15 +467,18 @@ class Scheduler:
     def _step_yield(self, rows: int) -> StepYield:
         """What a step of `rows` decoding rows is expected to yield, and what a draft token costs
         in it, from the cost model's fitted step times."""
-        costs = self.admission.costs
+        costs = self.costs
         step = costs.decode_step_ms(rows)
         return StepYield.for_step(rows, step, costs.decode_step_ms(rows + 1) - step)
 
     def _draft(self, req: Request, step: StepYield) -> list[int]:
         """A draft for a decoding row whose next token has its slot (`num_computed` past it), with
-        slots for its tokens; [] when none is worth it or no block is free beyond the margin."""
+        slots for its tokens; [] when none is worth it, the step's time target has no room for
+        it, or no block is free beyond the margin."""
         # NOTE: a step emits at most draft + 1 tokens: the draft stops short of max_tokens and the context.
         room = min(req.max_tokens - len(req.generated) - 1, self.context_limit - req.num_tokens - 1)
+        if step.token_ms > 0:
+            room = min(room, int((self.step_target_ms - step.ms) / step.token_ms))
         draft = self.spec.propose(req, req.tokens, req.num_tokens, room, step)  # type: ignore[union-attr]
         if not draft or not self.kv.allocate_draft_slots(req, len(draft), self.margin_blocks):
             return []
@@ -463,14 +523,15 @@ class Scheduler:
 
     def _prefill_chunks(
         self, prefilling: list[Request], budget: StepBudget, seqs: list[SeqStep], sampling: list[Request]
-    ) -> int:
-        """Prompt (or recompute) chunks, oldest request first, within `budget`; the tokens used."""
-        charge, kv, used = self.queue.charge, self.kv, 0
+    ) -> StepShape:
+        """Prompt (or recompute) chunks, in `prefilling`'s order, within `budget`; what they add."""
+        charge, kv = self.queue.charge, self.kv
+        added = StepShape()
         for req in prefilling:
-            if not budget.prefill_left:
-                break
             start, total = req.num_computed, req.num_tokens
-            end = min(total, start + budget.prefill_left)
+            end = start + budget.chunk_tokens(start, total - start)
+            if end == start:
+                break
             scoring = None
             if req.scores_prompt:
                 end, scoring = self._scorer.cut(req, start, end, budget)
@@ -492,10 +553,13 @@ class Scheduler:
             if samples:
                 sampling.append(req)
             req.num_computed = end
-            budget.take_prefill(end - start)
-            used += end - start
+            chunk = StepShape.chunk(start, end - start, samples) + StepShape(
+                logits=len(scoring.targets) if scoring is not None else 0
+            )
+            budget.take_prefill(end - start, chunk)
+            added = added + chunk
             charge(req.tenant, end - start, 0)
-        return used
+        return added
 
     def prefill_budget_for(self, decode_rows: int) -> int:
         """Prompt tokens allowed in a step with `decode_rows` decoding rows (`step_budget.py`)."""
@@ -512,7 +576,7 @@ class Scheduler:
             self._running.remove(req)
         req.num_computed = 0
         req.state = RequestState.PREEMPTED
-        req.queued_pass = self._pass
+        req.queued_pass, req.queued_ts = self._pass, self.clock()
         self.ledger.charge(
             req, self.admission.estimate_ms(req.prompt_len, req.max_tokens, 1, len(req.generated), req.sure_tokens)
         )
@@ -522,12 +586,16 @@ class Scheduler:
 
     # -- samples ---------------------------------------------------------------------------------
 
-    def _apply_samples(self, rows: list[Request], token_ids, logprobs, tops) -> None:
+    def _apply_samples(self, rows: list[Request], token_ids, logprobs, tops, paused=frozenset()) -> None:
         now = self.clock()
         drafts = self._drafts
         k = 0
         for req in rows:
             spec = drafts.pop(req, None) if drafts else None
+            if paused and req.seq_id in paused:
+                self._pause(req, spec)
+                k += 1 if spec is None else len(spec[1]) + 1
+                continue
             if spec is None:
                 self._emit(req, int(token_ids[k]), logprobs[k], tops[k], now)
                 k += 1
@@ -544,6 +612,12 @@ class Scheduler:
             else:
                 self.kv.accept_draft(req, start)
             k += n
+
+    def _pause(self, req: Request, spec: tuple[int, list[int]] | None) -> None:
+        """`req`'s samples are void this step (its grammar mask was not ready, `grammar.py`): it
+        emits nothing, and its last real token is computed again next step (with any draft)."""
+        req.num_computed = (spec[0] if spec is not None else req.num_computed) - 1
+        self.kv.uncompute(req)
 
     def _emit(self, req: Request, tok: int, logprob: float, top, now: float) -> bool:
         """Append one sampled token to `req` and stream it; True when that ended the request."""
@@ -615,6 +689,20 @@ class Scheduler:
         """Anything queued or running (the loop sleeps on its doorbell when not)."""
         return bool(self._live)
 
+    def step_requests(self, batch: StepBatch) -> list[Request]:
+        """The requests `batch` feeds, one per Submit (its samples share a key): what the GPU
+        process names in its step-in-flight record (`shm/in_flight.py`)."""
+        seqs = {s.seq_id for s in batch.seqs}
+        keys: dict[WorkerRid, Request] = {}
+        for req in self._running:
+            if req.seq_id in seqs:
+                keys.setdefault(req.key, req)
+        return list(keys.values())
+
+    def is_live(self, key: WorkerRid) -> bool:
+        """Some sample of the Submit `key` is queued or running."""
+        return key in self._live
+
     def live_keys(self) -> list[WorkerRid]:
         """Keys of every Submit with a sample queued or running (a copy: safe to cancel while iterating)."""
         return list(self._live)
@@ -622,6 +710,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         kv = self.kv.stats()
         spec = self.spec
+        coef, audit = self.costs.coefficients(), self.audit
         return SchedulerStats(
             queue_depth=len(self.queue) + len(self.siblings),
             queued_gpu_seconds=max(self.ledger.total_ms, 0.0) / 1000.0,
@@ -634,9 +723,20 @@ class Scheduler:
             cancelled_tokens=self.cancelled_tokens,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            c_prefill_ms=self.admission.costs.c_prefill_ms,
-            c_decode_ms=self.admission.costs.c_decode_ms,
-            cost_model_resets=self.admission.costs.resets,
+            c_prefill_ms=self.costs.c_prefill_ms,
+            c_decode_ms=self.costs.c_decode_ms,
+            cost_model_resets=self.costs.resets,
+            cost_base_ms=coef["base_ms"],
+            cost_token_ms=coef["per_token_ms"],
+            cost_logit_ms=coef["per_logit_ms"],
+            cost_read_us=coef["per_read_ms"] * 1000.0,
+            step_target_ms=self.step_target_ms,
+            cost_ratio_decode=audit.median("decode"),
+            cost_ratio_prefill=audit.median("prefill"),
+            cost_ratio_mixed=audit.median("mixed"),
+            cost_steps_decode=audit.steps["decode"],
+            cost_steps_prefill=audit.steps["prefill"],
+            cost_steps_mixed=audit.steps["mixed"],
             prefix_cache_queries=kv.queries,
             prefix_cache_hits=kv.hits,
             spec_decode_num_drafts=spec.drafts if spec else 0,

@@ -29,7 +29,18 @@ class SchedulerStats:
     generation_tokens_total: int
     c_prefill_ms: float
     c_decode_ms: float
-    cost_model_resets: int  # estimates found unusable and replaced by the configured constants
+    cost_model_resets: int  # estimates found unusable and replaced by the prior
+    cost_base_ms: float  # the step cost model's coefficients (`cost_model.py`)
+    cost_token_ms: float
+    cost_logit_ms: float
+    cost_read_us: float
+    step_target_ms: float
+    cost_ratio_decode: float  # median measured / estimated of the last steps of each kind
+    cost_ratio_prefill: float
+    cost_ratio_mixed: float
+    cost_steps_decode: int
+    cost_steps_prefill: int
+    cost_steps_mixed: int
     prefix_cache_queries: int  # tokens looked up in the prefix cache at each join (recompute too)
     prefix_cache_hits: int  # of those, tokens served from cached blocks
     spec_decode_num_drafts: int  # speculative decoding: drafts verified (vLLM's names)

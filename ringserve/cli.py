@@ -13,47 +13,61 @@ import sys
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("ringserve.serve_cli", "run the server: supervisor, GPU process and API workers"),
-    "shm": ("ringserve.tools.shm_inspect", "list ringserve shared-memory segments and ring state"),
-    "fetch-model": ("ringserve.tools.fetch_model", "download and convert a model (or convert a .gguf) once"),
-    "make-tiny-model": ("ringserve.tools.make_tiny_model", "build the small test Llama checkpoint"),
+    "shm": ("ringserve.tools.commands.shm_inspect", "list ringserve shared-memory segments and ring state"),
+    "fetch-model": ("ringserve.tools.commands.fetch_model", "download and convert a model (or convert a .gguf) once"),
+    "make-tiny-model": ("ringserve.tools.commands.make_tiny_model", "build the small test Llama checkpoint"),
     "make-dummy-model": (
-        "ringserve.tools.make_dummy_model",
+        "ringserve.tools.commands.make_dummy_model",
         "a weightless Llama-3-8B / Llama-2-7B shape for --load-format dummy",
     ),
-    "drill": ("ringserve.tools.drill", "crash-and-restart drills against a running server"),
-    "loadtest": ("ringserve.tools.loadtest", "open-loop load test of a /v1/completions endpoint"),
-    "fleet": ("ringserve.tools.fleet", "N replicas on this machine behind one Envoy (or its config: --print-config)"),
-    "soak": ("ringserve.tools.soak", "serve under load, then check blocks, fds, shm and RSS for leaks"),
-    "gpu-check": ("ringserve.tools.gpu_check", "the GPU suite, kernel and step benchmarks, load test and HF baseline"),
+    "drill": ("ringserve.tools.harness.drill", "crash-and-restart drills against a running server"),
+    "loadtest": ("ringserve.tools.harness.loadtest", "open-loop load test of a /v1/completions endpoint"),
+    "fleet": (
+        "ringserve.tools.fleet.replicas",
+        "N replicas on this machine behind one Envoy (or its config: --print-config)",
+    ),
+    "soak": ("ringserve.tools.harness.soak", "serve under load, then check blocks, fds, shm and RSS for leaks"),
+    "gpu-check": (
+        "ringserve.tools.commands.gpu_check",
+        "the GPU suite, kernel and step benchmarks, load test and HF baseline",
+    ),
     "kernel-resources": (
-        "ringserve.tools.kernel_resources",
+        "ringserve.tools.commands.kernel_resources",
         "registers, spills, occupancy, HMMA of each kernel (nvcc)",
     ),
 }
 
 # `ringserve bench NAME` -> module
 BENCHES: dict[str, tuple[str, str]] = {
-    "ring": ("ringserve.tools.bench_ring", "our ring vs pyzmq ipc vs multiprocessing.Queue"),
-    "step": ("ringserve.tools.bench_step", "per-step host overhead and sampler time"),
-    "sched-overhead": ("ringserve.tools.bench_sched", "scheduler pass time without a model"),
-    "api": ("ringserve.tools.bench_api", "tokens/s one API worker streams"),
-    "kernels": ("ringserve.tools.bench_kernels", "CUDA attention kernels against the bandwidth bound"),
-    "sched": ("ringserve.tools.sched_compare", "static / dynamic / continuous / chunked schedulers"),
-    "hf": ("ringserve.tools.hf_baseline", "the same trace through transformers generate (static batches)"),
-    "prefix": ("ringserve.tools.bench_prefix", "TTFT and throughput with and without prefix caching"),
-    "peers": ("ringserve.tools.bench_peers", "ringserve beside vLLM CPU: same checkpoint, client and run"),
-    "fleet": ("ringserve.tools.bench_fleet", "Envoy's least-request vs ORCA-weighted round robin on one trace"),
+    "ring": ("ringserve.tools.bench.ring", "our ring vs pyzmq ipc vs multiprocessing.Queue"),
+    "step": ("ringserve.tools.bench.step", "per-step host overhead and sampler time"),
+    "sched-overhead": ("ringserve.tools.bench.sched_overhead", "scheduler pass time without a model"),
+    "api": ("ringserve.tools.bench.api", "tokens/s one API worker streams"),
+    "kernels": ("ringserve.tools.bench.kernels", "CUDA attention kernels against the bandwidth bound"),
+    "sched": ("ringserve.tools.bench.sched_compare", "static / dynamic / continuous / chunked schedulers"),
+    "hf": ("ringserve.tools.bench.hf_baseline", "the same trace through transformers generate (static batches)"),
+    "prefix": ("ringserve.tools.bench.prefix", "TTFT and throughput with and without prefix caching"),
+    "peers": ("ringserve.tools.bench.peers", "ringserve beside vLLM CPU: same checkpoint, client and run"),
+    "fleet": ("ringserve.tools.bench.fleet", "Envoy's least-request vs ORCA-weighted round robin on one trace"),
     "structured": (
-        "ringserve.tools.bench_structured",
+        "ringserve.tools.bench.structured",
         "decode steps with 0 / 1 / all rows grammar-constrained; the mask fill per row per token",
     ),
     "fairness": (
-        "ringserve.tools.bench_fairness",
+        "ringserve.tools.bench.fairness",
         "key A floods, key B sends one short request a second: B's admissions, TTFT and queue wait",
     ),
     "controls": (
-        "ringserve.tools.bench_controls",
+        "ringserve.tools.bench.controls",
         "the sampler with and without vLLM's logits controls; prompt scoring",
+    ),
+    "cost-model": (
+        "ringserve.tools.bench.cost_model",
+        "the step cost model's estimates against measured decode, prefill and mixed steps",
+    ),
+    "overload": (
+        "ringserve.tools.bench.overload",
+        "closed-loop clients far past capacity: 429s, admitted TTFT, goodput at 32 and 512 streams",
     ),
 }
 

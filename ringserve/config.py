@@ -12,6 +12,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 MAX_SPECULATIVE_TOKENS = 16  # the per-position acceptance stats are declared for this many
+# How far a step's measured time may run past its estimate (the cost model holds the median within
+# [0.75, 1.33], docs/BENCHMARKS.md#cost-model): the derived step target leaves room for it.
+STEP_ESTIMATE_TOLERANCE = 4.0 / 3.0
 
 
 class ConfigError(ValueError):
@@ -55,7 +58,7 @@ class Config:
     # The chat template file to serve instead of the model's (`--chat-template FILE`; a known model
     # may default to one ringserve ships, ringserve/chat_templates/); never one a client sends.
     chat_template: str | None = None
-    # How a chat answer's tool calls are read (api/tool_parsers.py): auto (from the template),
+    # How a chat answer's tool calls are read (api/chat/tool_parsers.py): auto (from the template),
     # hermes (<tool_call> JSON blocks) or llama3_json
     tool_call_parser: str = "auto"
     api_keys_file: str | None = None
@@ -77,7 +80,16 @@ class Config:
     # A request of a tenant below its fair share of rows that has waited more than this many
     # passes, with every row held, preempts the newest request of the tenant most over its share.
     fair_preempt_steps: int = 4
-    output_token_weight: float = 12.0
+    # The first token promised to a tenant below its fair share (`docs/design.md#fairness`): its head
+    # request joins within fair_preempt_steps + 1 passes and samples in the pass it joins, so with
+    # each step held to step_target_ms its first token comes within (fair_preempt_steps + 2) steps.
+    fair_ttft_s: float = 1.0
+    # A step's estimated time (the cost model's) is held to this; prefill chunks are cut to fit.
+    # 0: derived from fair_ttft_s, fair_preempt_steps and STEP_ESTIMATE_TOLERANCE (125 ms by default).
+    step_target_ms: float = 0.0
+    # What an output token weighs against a prompt token in fair queueing; 0: what the cost model
+    # says one costs against the other on this machine (~12 on a GPU, ~1 on a CPU).
+    output_token_weight: float = 0.0
     prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
     # Reuse another tenant's cached blocks too. Off: the tenant (API key) salts the cache, so no key
     # can learn from timing or /metrics whether another sent a prompt; on only for one tenant's server.
@@ -100,7 +112,7 @@ class Config:
     # The logprob entries one response may carry (a token and its alternatives, echoed and prompt
     # tokens included, all choices): what a request may make a worker build (api/job_limits.py).
     max_response_logprobs: int = 500_000
-    # Stored responses (/v1/responses with `store: true`, api/response_store.py): kept this long,
+    # Stored responses (/v1/responses with `store: true`, api/responses/store.py): kept this long,
     # at most this many bytes per tenant and in all (the oldest go first); 0 bytes: nothing stored.
     response_store_ttl_s: float = 3600.0
     response_store_tenant_bytes: int = 8 * 1024 * 1024
@@ -111,6 +123,13 @@ class Config:
     keepalive_timeout_s: float = 15.0  # an idle keep-alive connection is closed after this
     listen_backlog: int = 2048  # the kernel caps it at net.core.somaxconn
     max_connections: int = 0  # per worker; 0: as many as its open-file limit allows
+    # structured output (docs/design.md#structured-output, ringserve/rules.py): caps checked before
+    # a schema or grammar is converted, and how long its conversion and check may take in one of
+    # a worker's grammar processes (killed past it); the GPU process's compile gets twice that
+    grammar_max_rules: int = 1000  # rules of a Lark or GBNF grammar
+    grammar_max_patterns: int = 64  # patternProperties patterns in a JSON schema, all objects together
+    grammar_timeout_s: float = 5.0
+    grammar_procs: int = 2  # grammar processes per API worker, started when first needed
     # shared memory
     ring_bytes: int = 4 * 1024 * 1024
     # failure handling
@@ -120,12 +139,18 @@ class Config:
     # 0: refuse at once (a single server, or one whose orchestrator waits first, like a preStop).
     unready_lead_s: float = 0.0
     watchdog_timeout_s: float = 10.0
+    # A GPU-loop pass that is still computing (its thread's CPU time advances) keeps beating for
+    # up to this long (gpu_proc/heartbeat.py): a slow step is not a hang, an endless one is.
+    watchdog_step_cap_s: float = 60.0
     # 0: never give up on a crashing child (restart with capped backoff; the API answers 503 with
     # the last GPU error meanwhile); N: exit 1 after N crashes within restart_window_s, for a
     # service manager to restart the whole service (the systemd unit passes 5)
     restart_limit: int = 0
     restart_window_s: float = 60.0
     restart_hold_s: float = 30.0  # a request held across a GPU-process restart gets an error after this
+    # A request in the step at two GPU-process deaths is not run again: neither resubmitted nor, if
+    # its client resends it (same tenant, prompt and parameters), admitted for this long (422)
+    quarantine_s: float = 600.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -141,6 +166,7 @@ class Config:
             "cpu_kv_blocks",
             "cpu_threads",
             "watchdog_timeout_s",
+            "watchdog_step_cap_s",
             "drain_timeout_s",
             "restart_window_s",
             "slow_reader_s",
@@ -151,9 +177,15 @@ class Config:
             "keepalive_timeout_s",
             "listen_backlog",
             "restart_hold_s",
+            "quarantine_s",
             "response_store_ttl_s",
             "num_speculative_tokens",
             "ngram_min",
+            "fair_ttft_s",
+            "grammar_max_rules",
+            "grammar_max_patterns",
+            "grammar_timeout_s",
+            "grammar_procs",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -166,6 +198,8 @@ class Config:
             "unready_lead_s",
             "response_store_tenant_bytes",
             "response_store_bytes",
+            "step_target_ms",
+            "output_token_weight",
         ):  # 0 has a meaning: see the fields
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -198,6 +232,13 @@ class Config:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
 
+    @property
+    def step_target(self) -> float:
+        """The ms a step's estimated time is held to: `step_target_ms`, or derived (see the field)."""
+        if self.step_target_ms:
+            return self.step_target_ms
+        return self.fair_ttft_s * 1000.0 / (self.fair_preempt_steps + 2) / STEP_ESTIMATE_TOLERANCE
+
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
 
@@ -220,6 +261,12 @@ class Config:
                 values[f.name] = _parse(f, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+# Every default as one value: what a part built without a Config (a test, a tool, the offline engine)
+# starts from, so a default is written once, in the field above (gpu_proc's admission, cost model
+# and KV sizing read theirs from here).
+DEFAULTS = Config()
 
 
 def _parse(f: dataclasses.Field, raw: str) -> object:

@@ -8,7 +8,9 @@ scheduling core decides with them when a sequence has finished.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -239,3 +241,131 @@ def submit_violation(msg: M.Submit, vocab_size: int, eos_token_ids: Iterable[int
             return Violation(param, f"{param} must be between 0 and {M.MAX_TOP_LOGPROBS}, got {value}.")
     outside = vocabulary_error(msg.prompt_ids, vocab_size)
     return None if outside is None else Violation("prompt", outside)
+
+
+# Structured output (docs/design.md#structured-output). What a grammar costs grows faster than its
+# text: llguidance's GBNF-to-Lark conversion is quadratic in pure Python (2,000 rules: 6 s), a
+# schema's patternProperties make its compile superlinear (450 of them: 9 to 12 s), and a chain of
+# about 2,800 rules overflows the compiler's stack. So the text is measured before any of it is
+# converted, and what then runs has a deadline (`grammar_timeout_s`): the worker converts and checks
+# in a child process it kills past it, the GPU process compiles off its loop within twice that.
+GRAMMAR_TOO_COMPLEX = "grammar_too_complex"
+MAX_CHOICES = 1024  # strings of a `choice` constraint
+
+_LARK_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_]\w*(?:\.-?\d+)?(?:\[[^\]\n]*\])?(?:\{[^}\n]*\})?[ \t]*:(?![:=])", re.M)
+_GBNF_RULE = re.compile(r"^[ \t]*[A-Za-z_][\w.-]*[ \t]*::=", re.M)
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarLimits:
+    """The structured-output caps of one server (`Config.grammar_*`)."""
+
+    max_rules: int
+    max_patterns: int
+    timeout_s: float
+
+    @classmethod
+    def of(cls, config) -> GrammarLimits:
+        return cls(config.grammar_max_rules, config.grammar_max_patterns, config.grammar_timeout_s)
+
+
+def grammar_rules(text: str) -> int:
+    """Rule (and terminal) definitions in a Lark or GBNF grammar: each `name:` or `name ::=` that
+    opens a line. A definition-like line inside a string counts too; the count errs high."""
+    return len(_LARK_RULE.findall(text)) + len(_GBNF_RULE.findall(text))
+
+
+def schema_patterns(schema: object) -> int:
+    """`patternProperties` patterns in a JSON schema, every object of it together."""
+    count, stack = 0, [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            pp = node.get("patternProperties")
+            if isinstance(pp, dict):
+                count += len(pp)
+            stack += node.values()
+        elif isinstance(node, list):
+            stack += node
+    return count
+
+
+def grammar_size_error(what: str, chars: int) -> str | None:
+    """Why a schema (as compact JSON) or grammar text of `chars` characters is refused unread."""
+    if chars <= M.MAX_GRAMMAR_CHARS:
+        return None
+    return (
+        f"{what} is {chars} characters; a structured-output schema (as compact JSON) or grammar may have "
+        f"at most {M.MAX_GRAMMAR_CHARS}. Shorten it."
+    )
+
+
+def grammar_text_error(what: str, text: str, limits: GrammarLimits) -> str | None:
+    """Why a Lark or GBNF grammar (or a regex) is refused before it is converted (None: it is not)."""
+    size = grammar_size_error(what, len(text))
+    if size is not None:
+        return size
+    rules = grammar_rules(text)
+    if rules <= limits.max_rules:
+        return None
+    return (
+        f"{what} defines {rules} rules; at most {limits.max_rules} are compiled (--grammar-max-rules). "
+        "Simplify the grammar, or raise --grammar-max-rules."
+    )
+
+
+def schema_error(what: str, schema: object, chars: int, limits: GrammarLimits) -> str | None:
+    """Why a JSON schema of `chars` characters (compact JSON) is refused before it is converted."""
+    size = grammar_size_error(what, chars)
+    if size is not None:
+        return size
+    patterns = schema_patterns(schema)
+    if patterns <= limits.max_patterns:
+        return None
+    return (
+        f"{what} has {patterns} patternProperties patterns; at most {limits.max_patterns} are compiled "
+        "(--grammar-max-patterns). Use fewer patterns (or properties), or raise --grammar-max-patterns."
+    )
+
+
+def choice_error(what: str, choices: object) -> str | None:
+    """Why a `choice` constraint is malformed (None: it is 1 to MAX_CHOICES non-empty strings)."""
+    if isinstance(choices, list) and 0 < len(choices) <= MAX_CHOICES and all(isinstance(c, str) and c for c in choices):
+        return None
+    return f"{what} must hold 1 to {MAX_CHOICES} non-empty strings."
+
+
+def grammar_timeout_error(what: str, seconds: float, limit: str = "--grammar-timeout-s") -> str:
+    """A grammar whose conversion, check or compile did not finish within `seconds` (`limit`)."""
+    return (
+        f"{what} did not compile within {seconds:g} s ({limit}). Simplify it (fewer rules, "
+        "alternatives or patternProperties), or raise --grammar-timeout-s."
+    )
+
+
+def compiled_grammar_error(grammar: str, limits: GrammarLimits) -> str | None:
+    """The caps again, on a grammar in llguidance's serialized form (a Submit's: the GPU process
+    checks what a worker let through before it compiles anything): a Lark text, or a JSON envelope
+    of Lark texts and JSON schemas. None where it is within them (or is not readable here: then
+    llguidance's own error stands)."""
+    what = "the structured-output grammar"
+    if not grammar.lstrip().startswith("{"):
+        return grammar_text_error(what, grammar, limits)
+    try:
+        parts = json.loads(grammar).get("grammars") or []
+    except (ValueError, AttributeError):
+        return None
+    for part in parts if isinstance(parts, list) else []:
+        if not isinstance(part, dict):
+            continue
+        lark, schema = part.get("lark_grammar"), part.get("json_schema")
+        found = (
+            grammar_text_error(what, lark, limits)
+            if isinstance(lark, str)
+            else schema_error(what, schema, 0, limits)
+            if schema is not None
+            else None
+        )
+        if found is not None:
+            return found
+    return None

@@ -10,11 +10,15 @@ Then it watches its children every POLL_S:
   workers' bells, so each worker fails its open streams with an error event at once; it publishes
   the failure (the process's own last error when it wrote one) in the control block, where the
   workers' 503s quote it, and restarts the process with capped exponential backoff; only with a
-  `restart_limit` does it give up, after that many crashes in `restart_window_s`, exiting 1;
+  `restart_limit` does it give up, after that many crashes in `restart_window_s`, exiting 1.
+  Before the fence it reads which requests were in the step the process was running and strikes
+  them (`suspects.py`): a request struck twice is quarantined (its worker fails it rather than
+  resubmit it; a resend is refused), and a death blamed on a known suspect is not counted;
 * a worker exits, or its heartbeat goes stale (a stuck event loop): it is restarted in its slot
   after a backoff (a new slot generation at once, so the GPU process drops the dead worker's rows
-  and frees their blocks); a stale one gets SIGUSR1 first and SIGKILL `LAST_WORDS_S` later, so it
-  can end its open streams with an error event (`api/last_words.py`);
+  and frees their blocks); a stale one gets SIGCONT (a stopped one could run no handler) and
+  SIGUSR1 first and SIGKILL `LAST_WORDS_S` later, so it can end its open streams with an error
+  event (`api/last_words.py`);
 * SIGTERM / SIGINT: drain (workers fail /ready for unready_lead_s, then refuse new requests;
   open streams get up to drain_timeout_s),
   stop the GPU process, unlink the shared memory, exit 0.
@@ -50,6 +54,7 @@ from ringserve.shm.instance import ShmInstance
 from ringserve.shm.messages import max_step_output_bytes, max_submit_bytes
 from ringserve.shm.ring import Ring, max_record_bytes
 from ringserve.shm.segment import cleanup_stale
+from ringserve.suspects import STRIKES_TO_QUARANTINE, Suspects, Verdict
 
 log = logging.getLogger("ringserve.supervisor")
 
@@ -102,6 +107,7 @@ class Supervisor:
         self.gpu_spawned_at = 0.0
         self.gpu_loading = False
         self.gpu_policy = RestartPolicy(config.restart_limit, config.restart_window_s)
+        self.suspects = Suspects(config.quarantine_s, config.restart_window_s)
         self.gpu_exit_seq = 0  # the exit note's sequence when the GPU process started
         self.last_gpu_error: str | None = None  # how the last GPU process ended, for the workers
         self.workers: list[subprocess.Popen | None] = [None] * self.n_workers
@@ -282,9 +288,15 @@ class Supervisor:
             return
         age = control.gpu_heartbeat_age_s()
         if age is not None and age > self.config.watchdog_timeout_s:
-            # NOTE: the GPU loop beats every pass and every IDLE_WAIT_S while idle, so a stale
-            # heartbeat means a hang (SIGSTOP, a stuck kernel, a deadlock), never mere idleness.
-            self._kill_gpu(now, f"sent no heartbeat for {age:.1f} s (watchdog {self.config.watchdog_timeout_s} s)")
+            # NOTE: the GPU loop beats every pass and every IDLE_WAIT_S while idle, and its monitor
+            # beats for a long pass while the loop thread computes (gpu_proc/heartbeat.py), so a
+            # stale heartbeat means a hang (SIGSTOP, a deadlock, a pass past the step cap), never
+            # mere idleness or a slow step.
+            self._kill_gpu(
+                now,
+                f"sent no heartbeat for {age:.1f} s (watchdog {self.config.watchdog_timeout_s:g} s: its loop is "
+                f"blocked, stopped, or one pass ran past --watchdog-step-cap-s {self.config.watchdog_step_cap_s:g} s)",
+            )
 
     def probe_interval_s(self, facts: dict) -> float:
         """Seconds between marker probes; 0 when off (auto: on CUDA with real weights)."""
@@ -328,11 +340,15 @@ class Supervisor:
         self._gpu_down(now, why)
 
     def _gpu_down(self, now: float, why: str) -> None:
-        """The GPU process is gone: fence it off, fail its streams, schedule the restart."""
+        """The GPU process is gone: blame its step, fence it off, fail its streams, schedule the
+        restart."""
         control = self.shm.control
         seq, note = control.gpu_exit()
         if note and seq != self.gpu_exit_seq:
             why = f"{why}: {note}"  # what the process itself said before exiting
+        # NOTE: the quarantine is published before the generation changes: a worker reads it when
+        # it sees the change, to fail what must not be resubmitted.
+        verdict = self._blame(control) if not self.stopping else None
         control.set_gpu_state(L.GpuState.DEAD)
         gen = control.bump_gpu_generation()
         self._fence_rings(gen)
@@ -343,7 +359,7 @@ class Supervisor:
             log.error("GPU process %s while draining; not restarting", why)
             self._publish_restart("stopped", None)
             return
-        backoff = self.gpu_policy.crashed(now)
+        backoff = self.gpu_policy.crashed(now, counts=verdict is None or verdict.counts)
         if backoff is None:
             self._status("GPU process crash loop: giving up")
             self._publish_restart("given_up", None)
@@ -353,7 +369,7 @@ class Supervisor:
                 f"manager can act (--restart-limit 0 keeps restarting instead)"
             )
         log.error(
-            "GPU process %s; restarting it in %.2f s as generation %d (%d crashes in the last %.0f s)",
+            "GPU process %s; restarting it in %.2f s as generation %d (%d crashes counted in the last %.0f s)",
             why,
             backoff,
             gen,
@@ -362,6 +378,35 @@ class Supervisor:
         )
         self._status(f"GPU process {why}; restarting (generation {gen})")
         self._publish_restart("restarting", time.time() + backoff)
+
+    def _blame(self, control) -> Verdict:
+        """Strike the requests that were in the step of the process that died (its own record:
+        one of an older generation says nothing about it) and publish the quarantine."""
+        record = control.step_record.read()
+        mine = record is not None and record.generation == control.gpu_generation
+        in_step = record.requests if mine else ()
+        wall = time.time()
+        verdict = self.suspects.death(wall, in_step)
+        if verdict.struck:
+            log.warning(
+                "the GPU process was running step %d with %d requests (fingerprints %s); %s",
+                record.step,
+                len(verdict.struck),
+                ", ".join(f"{fp:016x}" for fp in verdict.struck[:8]) + (" ..." if len(verdict.struck) > 8 else ""),
+                "this failure counts toward --restart-limit"
+                if verdict.counts
+                else f"not counted toward --restart-limit: {verdict.why}",
+            )
+        for fp in verdict.quarantined:
+            log.error(
+                "request %016x was in the step at %d GPU-process failures: it is not run again, and a resend of it "
+                "(same tenant, prompt and parameters) is refused for %.0f s",
+                fp,
+                STRIKES_TO_QUARANTINE,
+                self.config.quarantine_s,
+            )
+        control.set_quarantine(self.suspects.quarantine(wall))
+        return verdict
 
     def _publish_restart(self, state: str, retry_at: float | None) -> None:
         """Tell the workers (control block) why the GPU process is not ready and when it is next
@@ -409,6 +454,9 @@ class Supervisor:
                         age,
                         LAST_WORDS_S,
                     )
+                    # NOTE: SIGCONT first: a stopped process runs no handler, so SIGUSR1 alone
+                    # would wait, and the SIGKILL after it would cut every stream with no event.
+                    proc.send_signal(signal.SIGCONT)
                     proc.send_signal(signal.SIGUSR1)
                     self.worker_kill_at[slot] = now + LAST_WORDS_S
                     continue

@@ -1,167 +1,34 @@
-"""The control block: GPU generation, state and heartbeat, model facts, per-worker slots, and
-seqlock-protected stats (one GPU region, one region per worker).
+"""The control block: GPU generation, state and heartbeat, model facts, per-worker slots,
+seqlock-protected stats (one GPU region, one region per worker), and crash attribution (the step
+in flight, the quarantined requests: `shm/in_flight.py`).
 
-Writers: the supervisor (generation, state, slot pid/generation, restart status), the GPU process
-(its heartbeat, state READY, model facts, exit note, GPU stats), each worker (its slot heartbeat
-and its own stats). Every seqlocked region has exactly one writer at a time (successive GPU
-processes take turns); any process may read any region, so one worker can answer `/metrics` for
-the whole server.
-
-Seqlock: the writer makes the sequence word odd, writes, then makes it even; a reader copies the
-region between two reads of the word and retries when they differ or are odd. Under x86-64 TSO
-(stores and loads each stay in program order) that is all a seqlock needs; see `ring.py`.
+Writers: the supervisor (generation, state, slot pid/generation, restart status, the fingerprint
+key, the quarantine), the GPU process (its heartbeat, state READY, model facts, exit note, GPU
+stats, the step in flight), each worker (its slot heartbeat and its own stats). Every seqlocked
+region (`shm/seqlock.py`) has exactly one writer at a time (successive GPU processes take turns);
+any process may read any region, so one worker can answer `/metrics` for the whole server.
 """
 
 from __future__ import annotations
 
 import os
-import struct
 import time
 from collections.abc import Iterable, Mapping
 
 import msgspec
 
 from ringserve.shm import layout as L
+from ringserve.shm import stats_schema as S
+from ringserve.shm.in_flight import StepRecord
+from ringserve.shm.seqlock import BlobRegion, StatsRegion, TornReadError
+
+__all__ = ["Control", "ControlError", "TornReadError"]
 
 _U64 = L.U64
 
 
 class ControlError(Exception):
     """The control segment is not one this code can use."""
-
-
-class TornReadError(ControlError):
-    """A seqlocked region stayed mid-write for the whole timeout: its writer probably died there."""
-
-
-class SeqlockRegion:
-    """A sequence word followed by `size` bytes, at `offset` of `buf`. One writer only."""
-
-    __slots__ = ("_buf", "_off", "_size", "_seq")
-
-    SPINS = 200  # busy retries before the reader starts sleeping between tries
-
-    def __init__(self, buf, offset: int, size: int):
-        self._buf = buf
-        self._off = offset
-        self._size = size
-        self._seq = None  # the writer's cached sequence
-
-    def write(self, data) -> None:
-        """Publish `data` (exactly `size` bytes) as one consistent update."""
-        if len(data) != self._size:
-            raise ValueError(f"seqlock region holds {self._size} bytes, got {len(data)}")
-        buf, off = self._buf, self._off
-        seq = self._seq
-        if seq is None:
-            # A writer that died mid-write left the word odd: start from the next even value.
-            seq = (_U64.unpack_from(buf, off)[0] + 1) & ~1
-        _U64.pack_into(buf, off, seq + 1)
-        buf[off + 8 : off + 8 + self._size] = data
-        _U64.pack_into(buf, off, seq + 2)
-        self._seq = seq + 2
-
-    def read(self, timeout: float = 1.0) -> bytes:
-        """A consistent copy of the region; retries torn reads for up to `timeout` seconds.
-
-        A writer preempted mid-update holds the word odd for a scheduler slice, so after a
-        short spin the reader yields the CPU instead of burning it.
-        """
-        buf, off, end = self._buf, self._off, self._off + 8 + self._size
-        unpack = _U64.unpack_from
-        deadline = None
-        tries = 0
-        while True:
-            s1 = unpack(buf, off)[0]
-            if not s1 & 1:
-                data = buf[off + 8 : end]
-                if unpack(buf, off)[0] == s1:
-                    return data
-            tries += 1
-            if tries >= self.SPINS:
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + timeout
-                elif now > deadline:
-                    raise TornReadError(
-                        f"seqlock at offset {off} stayed odd or changing for "
-                        f"{timeout}s; its writer likely died mid-update"
-                    )
-                time.sleep(0.0001)
-
-    @property
-    def sequence(self) -> int:
-        return _U64.unpack_from(self._buf, self._off)[0]
-
-
-class StatsRegion:
-    """Named float64 values under a seqlock. The writer keeps a local copy and publishes it whole."""
-
-    __slots__ = ("names", "_index", "_region", "_struct", "_values")
-
-    def __init__(self, buf, offset: int, names: tuple[str, ...]):
-        self.names = names
-        self._index = {name: i for i, name in enumerate(names)}
-        self._struct = struct.Struct(f"{len(names)}d")
-        self._region = SeqlockRegion(buf, offset, self._struct.size)
-        self._values: list[float] | None = None
-
-    def _local(self) -> list[float]:
-        if self._values is None:  # resume from what is published (e.g. after a restart)
-            self._values = list(self._struct.unpack(self._region.read()))
-        return self._values
-
-    def set(self, name: str, value: float) -> None:
-        self._local()[self._index[name]] = value
-
-    def add(self, name: str, value: float = 1.0) -> None:
-        self._local()[self._index[name]] += value
-
-    def update(self, values: Mapping[str, float]) -> None:
-        local = self._local()
-        for name, value in values.items():
-            local[self._index[name]] = value
-
-    def reset(self) -> None:
-        """Writer: start from zeros (a fresh process, or after a writer died mid-update)."""
-        self._values = [0.0] * len(self.names)
-        self.publish()
-
-    def publish(self) -> None:
-        """Make the local values visible to readers as one consistent snapshot."""
-        self._region.write(self._struct.pack(*self._local()))
-
-    def read(self, timeout: float = 1.0) -> dict[str, float]:
-        """The last published snapshot as {name: value} (TornReadError after `timeout` s)."""
-        return dict(zip(self.names, self._struct.unpack(self._region.read(timeout))))
-
-
-class BlobRegion:
-    """A msgpack value under a seqlock: a length word, then up to `capacity` bytes."""
-
-    __slots__ = ("_region", "capacity", "name")
-
-    def __init__(self, buf, offset: int, capacity: int, name: str):
-        self._region = SeqlockRegion(buf, offset, 8 + capacity)
-        self.capacity = capacity
-        self.name = name
-
-    def write(self, value) -> None:
-        blob = msgspec.msgpack.encode(value)
-        if len(blob) > self.capacity:
-            raise ValueError(f"{self.name} take {len(blob)} bytes, the control block holds {self.capacity}")
-        self._region.write(_U64.pack(len(blob)) + blob.ljust(self.capacity, b"\0"))
-
-    def read(self):
-        """The last value written, or None before the first write."""
-        raw = self._region.read()
-        n = _U64.unpack_from(raw, 0)[0]
-        return msgspec.msgpack.decode(raw[8 : 8 + n]) if n else None
-
-    @property
-    def sequence(self) -> int:
-        """Changes with every write (a reader can tell whether a new writer wrote)."""
-        return self._region.sequence
 
 
 def _clip(text: str, limit: int) -> str:
@@ -188,10 +55,13 @@ class Control:
         self.n_workers = _U64.unpack_from(buf, L.CTRL_N_WORKERS_OFF)[0]
         if len(buf) < L.control_segment_size(self.n_workers):
             raise ControlError(f"control segment too small for {self.n_workers} workers")
-        self.gpu_stats = StatsRegion(buf, L.CTRL_GPU_STATS_OFF, L.GPU_STAT_NAMES)
+        self.gpu_stats = StatsRegion(buf, L.CTRL_GPU_STATS_OFF, S.GPU_STAT_NAMES)
         self._facts = BlobRegion(buf, L.CTRL_FACTS_OFF, L.CTRL_FACTS_BYTES, "model facts")
         self._gpu_exit = BlobRegion(buf, L.CTRL_GPU_EXIT_OFF, L.CTRL_NOTE_BYTES, "GPU exit note")
         self._restart = BlobRegion(buf, L.CTRL_RESTART_OFF, L.CTRL_NOTE_BYTES, "restart status")
+        self._refusals = BlobRegion(buf, L.CTRL_REFUSALS_OFF, L.CTRL_REFUSALS_BYTES, "refused tenants")
+        self.step_record = StepRecord(buf)
+        self._quarantine = BlobRegion(buf, L.CTRL_QUARANTINE_OFF, L.CTRL_QUARANTINE_BYTES, "quarantined requests")
         self._worker_stats: dict[int, StatsRegion] = {}
 
     @staticmethod
@@ -208,14 +78,17 @@ class Control:
             (L.CTRL_CREATED_NS_OFF, time.time_ns()),
             (L.CTRL_OWNER_PID_OFF, os.getpid()),
         ):
-            _U64.pack_into(buf, off, value)
-        _U64.pack_into(buf, L.CTRL_MAGIC_OFF, L.CONTROL_MAGIC)
+            L.store_word(buf, off, value)
+        buf[L.CTRL_FINGERPRINT_KEY_OFF : L.CTRL_FINGERPRINT_KEY_OFF + L.FINGERPRINT_KEY_BYTES] = os.urandom(
+            L.FINGERPRINT_KEY_BYTES
+        )
+        L.store_word(buf, L.CTRL_MAGIC_OFF, L.CONTROL_MAGIC)
 
     def _get(self, off: int) -> int:
         return _U64.unpack_from(self._buf, off)[0]
 
     def _set(self, off: int, value: int) -> None:
-        _U64.pack_into(self._buf, off, value)
+        L.store_word(self._buf, off, value)
 
     # -- GPU process ----------------------------------------------------------------------------
     @property
@@ -282,6 +155,47 @@ class Control:
         """The supervisor's restart status, or None before the first GPU-process failure."""
         return self._restart.read()
 
+    def set_refusals(self, limit_ms: float, near: Mapping[str, tuple[int, int]]) -> None:
+        """GPU process: its queue limit, and tenant -> (ms of work ahead, Retry-After s) for the
+        tenants near it, most work ahead first; as many as the region holds (a tenant left out
+        is decided by the GPU process itself)."""
+        items = [(t, list(v)) for t, v in list(near.items())[: L.MAX_REFUSED_TENANTS]]
+        while len(msgspec.msgpack.encode([limit_ms, dict(items)])) > self._refusals.capacity:
+            items.pop()
+        self._refusals.write([limit_ms, dict(items)])
+
+    def refusals(self) -> tuple[int, float, dict[str, tuple[int, int]]]:
+        """(sequence, queue limit ms, tenant -> (ms ahead, Retry-After s)): a reader re-reads
+        it only when the sequence moved."""
+        seq = self._refusals.sequence
+        limit, near = self._refusals.read() or (0.0, {})
+        return seq, limit, {t: (int(a), int(r)) for t, (a, r) in near.items()}
+
+    @property
+    def refusals_sequence(self) -> int:
+        return self._refusals.sequence
+
+    # -- crash attribution (shm/in_flight.py) ---------------------------------------------------
+    @property
+    def fingerprint_key(self) -> bytes:
+        """The instance's key of request fingerprints (random, set at creation): a fingerprint in
+        a log cannot be tested against a guessed prompt."""
+        return bytes(self._buf[L.CTRL_FINGERPRINT_KEY_OFF : L.CTRL_FINGERPRINT_KEY_OFF + L.FINGERPRINT_KEY_BYTES])
+
+    def set_quarantine(self, entries: Iterable[tuple[int, float]]) -> None:
+        """Supervisor: the quarantined requests, (fingerprint, until unix time) each."""
+        self._quarantine.write([list(e) for e in entries])
+
+    def quarantine(self) -> tuple[int, dict[int, float]]:
+        """(sequence, {fingerprint: until unix time}): the sequence changes with every write, so a
+        reader decodes the table again only when it changed."""
+        seq = self._quarantine.sequence
+        return seq, {int(fp): float(until) for fp, until in self._quarantine.read() or ()}
+
+    @property
+    def quarantine_sequence(self) -> int:
+        return self._quarantine.sequence
+
     # -- worker slots ---------------------------------------------------------------------------
     def _slot(self, slot: int) -> int:
         if not 0 <= slot < self.n_workers:
@@ -314,13 +228,13 @@ class Control:
         """The stats region of one worker (write it only from that worker)."""
         region = self._worker_stats.get(slot)
         if region is None:
-            region = StatsRegion(self._buf, self._slot(slot) + L.SLOT_STATS_OFF, L.WORKER_STAT_NAMES)
+            region = StatsRegion(self._buf, self._slot(slot) + L.SLOT_STATS_OFF, S.WORKER_STAT_NAMES)
             self._worker_stats[slot] = region
         return region
 
     def all_worker_stats(self, slots: Iterable[int] | None = None) -> dict[str, float]:
         """Sum of every worker's stats: what `/metrics` reports for the whole server."""
-        total = dict.fromkeys(L.WORKER_STAT_NAMES, 0.0)
+        total = dict.fromkeys(S.WORKER_STAT_NAMES, 0.0)
         for slot in range(self.n_workers) if slots is None else slots:
             for name, value in self.worker_stats(slot).read().items():
                 total[name] += value
@@ -333,6 +247,9 @@ class Control:
         snap["gpu_heartbeat_age_s"] = self.gpu_heartbeat_age_s()
         snap["model_facts"] = self.model_facts()
         snap["restart_status"] = self.restart_status()
+        step = self.step_record.read()
+        snap["requests_in_step"] = len(step.requests) + step.unnamed if step is not None else 0
+        snap["quarantined_requests"] = len(self.quarantine()[1])
         snap["gpu_stats"] = self.gpu_stats.read()
         snap["workers"] = [self.worker_slot(i) for i in range(self.n_workers)]
         return snap

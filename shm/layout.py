@@ -5,17 +5,23 @@ Two kinds of segment live under the segment directory (default `/dev/shm`):
 * a **ring segment** (`ringserve.<instance>.req.<i>` / `.out.<i>`): a 4 KiB header, then the data
   area of `capacity` bytes holding 8-byte-aligned records;
 * the **control segment** (`ringserve.<instance>.control`): GPU generation, state, heartbeat, model
-  facts, the GPU process's exit note, the supervisor's restart status, seqlock-protected GPU stats,
-  and one block per worker slot (pid, generation, heartbeat, seqlock-protected worker stats).
+  facts, the GPU process's exit note, the supervisor's restart status, the step in flight and the
+  quarantined requests (crash attribution, `shm/in_flight.py`), seqlock-protected GPU stats, and
+  one block per worker slot (pid, generation, heartbeat, seqlock-protected worker stats).
 
 Rings, the control block and the `ringserve shm` inspector import these names; nothing else
-writes an offset. Adding a stat is one entry in `stats_schema.GPU_STATS` / `WORKER_COUNTER_NAMES` /
-`HISTOGRAMS`: offsets and sizes follow, and `SCHEMA_ID` changes so processes built from different
+writes an offset. Every stat is declared in `stats_schema.py` (GPU stats, worker counters,
+histograms); the regions' sizes follow from it here, and `SCHEMA_ID` changes so processes built from different
 code refuse each other's segments (it covers the ring messages' fields too).
 
-NOTE: every 64-bit word is packed with a *native* `struct` format (no `<`/`=` prefix). CPython
-packs native integers with one `memcpy` of 8 bytes, which compiles to a single aligned store on
-x86-64; the standard-size formats write byte by byte and could be observed half-written.
+NOTE: every 64-bit word is read with a *native* `struct` format (no `<`/`=` prefix): CPython unpacks
+native integers with one `memcpy` of 8 bytes, a single aligned load on x86-64 (the standard-size
+formats go byte by byte and could see a word half-written). Words are *stored* with `store_word`,
+never `struct.pack_into`: `pack_into` zeroes its target before writing the value (CPython's
+`s_pack_internal` starts with a `memset`), so a reader in another process can see 0 in between -- an
+even sequence word over a half-written snapshot, a heartbeat of 0, a tail of 0 that makes a ring
+look full. `store_word` copies the 8 packed bytes with one `memcpy` (one 8-byte store in glibc's
+x86-64 and aarch64 copies); `tests/shm/test_words.py` catches a zero or a torn word between processes.
 """
 
 from __future__ import annotations
@@ -25,16 +31,23 @@ import zlib
 from dataclasses import dataclass
 from enum import IntEnum
 
-from ringserve.shm import messages, stats_schema
-from ringserve.shm.messages import FINISH_REASONS
+from ringserve.shm import messages
+from ringserve.shm import stats_schema as S
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 CACHE_LINE = 64
 PAGE = 4096
 SEGMENT_PREFIX = "ringserve."
 DEFAULT_DIRECTORY = "/dev/shm"
 
-U64 = struct.Struct("Q")  # native: one aligned 8-byte load/store (see the module note)
+U64 = struct.Struct("Q")  # native: one aligned 8-byte load (see the module note)
+_pack_word = U64.pack
+
+
+def store_word(buf, offset: int, value: int) -> None:
+    """Store one 64-bit word so that a concurrent reader sees the old value or the new, never 0 or
+    a mix (`U64.pack_into` would zero the word first; see the module note)."""
+    buf[offset : offset + 8] = _pack_word(value)
 
 
 def _magic(tag: bytes) -> int:
@@ -56,7 +69,7 @@ class Field:
         return U64.unpack_from(buf, self.offset)[0]
 
     def write(self, buf, value: int) -> None:
-        U64.pack_into(buf, self.offset, value)
+        store_word(buf, self.offset, value)
 
 
 # --- ring segment header --------------------------------------------------------------------
@@ -133,74 +146,6 @@ class GpuState(IntEnum):
     DEAD = 4
 
 
-# The GPU stats region holds one value per stat of `stats_schema.GPU_STATS`, in that order.
-GPU_STAT_NAMES: tuple[str, ...] = stats_schema.GPU_STAT_NAMES
-
-
-@dataclass(frozen=True)
-class Histogram:
-    """A fixed-bucket histogram: counts per upper bound (plus +Inf), a sum and a count."""
-
-    name: str
-    bounds: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        if not self.bounds or any(a >= b for a, b in zip(self.bounds, self.bounds[1:])):
-            raise ValueError(f"histogram {self.name}: bounds must be non-empty and increasing")
-
-    @property
-    def field_names(self) -> tuple[str, ...]:
-        buckets = tuple(f"{self.name}_bucket_{i}" for i in range(len(self.bounds) + 1))
-        return buckets + (f"{self.name}_sum", f"{self.name}_count")
-
-    def bucket_name(self, value: float) -> str:
-        """The field that counts `value`: the first bucket whose bound is at least it, else +Inf."""
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                return f"{self.name}_bucket_{i}"
-        return f"{self.name}_bucket_{len(self.bounds)}"
-
-    def cumulative(self, stats) -> list[float]:
-        """Cumulative counts per bound, then +Inf, from a stats snapshot ({field: value})."""
-        running, out = 0.0, []
-        for i in range(len(self.bounds) + 1):
-            running += stats.get(f"{self.name}_bucket_{i}", 0.0)
-            out.append(running)
-        return out
-
-
-TTFT_MS_BOUNDS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
-TPOT_MS_BOUNDS = (5, 10, 20, 30, 40, 50, 70, 100, 150, 250, 500, 1000)
-# The design's "latency split by prompt-length bucket" (`docs/design.md#limits-and-timeouts`): TTFT
-# and TPOT again per bucket of prompt tokens, named `<base>_plen_<label>` (the worker observes
-# them, /metrics labels them).
-PROMPT_LEN_LABELS = ("0_512", "512_2048", "2048_8192", "8192_plus")
-
-HISTOGRAMS: tuple[Histogram, ...] = (
-    Histogram("ttft_ms", TTFT_MS_BOUNDS),
-    Histogram("tpot_ms", TPOT_MS_BOUNDS),
-    Histogram("max_gap_ms", (25, 50, 100, 250, 500, 1000, 2500, 5000)),
-) + tuple(
-    Histogram(f"{base}_plen_{label}", bounds)
-    for base, bounds in (("ttft_ms", TTFT_MS_BOUNDS), ("tpot_ms", TPOT_MS_BOUNDS))
-    for label in PROMPT_LEN_LABELS
-)
-
-WORKER_COUNTER_NAMES: tuple[str, ...] = (
-    "requests_total",
-    "requests_rejected_400",
-    "requests_rejected_429",
-    "requests_rejected_other",
-    "prompt_tokens_total",
-    "completion_tokens_total",
-    "open_streams",
-    "slow_reader_cancels",
-    "disconnects",
-) + tuple(f"finished_{reason}" for reason in FINISH_REASONS)
-
-WORKER_STAT_NAMES: tuple[str, ...] = WORKER_COUNTER_NAMES + tuple(name for h in HISTOGRAMS for name in h.field_names)
-
-
 def _align(n: int, to: int = CACHE_LINE) -> int:
     return (n + to - 1) // to * to
 
@@ -216,6 +161,8 @@ CTRL_SCHEMA_OFF = 16
 CTRL_N_WORKERS_OFF = 24
 CTRL_CREATED_NS_OFF = 32
 CTRL_OWNER_PID_OFF = 40
+CTRL_FINGERPRINT_KEY_OFF = 48  # 16 random bytes from the supervisor: the key of request fingerprints
+FINGERPRINT_KEY_BYTES = 16
 CTRL_GPU_GENERATION_OFF = 1 * CACHE_LINE  # bumped by the supervisor for each GPU process start
 CTRL_GPU_STATE_OFF = CTRL_GPU_GENERATION_OFF + 8
 CTRL_GPU_PID_OFF = CTRL_GPU_GENERATION_OFF + 16
@@ -227,15 +174,33 @@ CTRL_FACTS_BYTES = 2048 - 16  # payload capacity of the model-facts blob
 CTRL_NOTE_BYTES = 1024 - 16
 CTRL_GPU_EXIT_OFF = _align(CTRL_FACTS_OFF + 16 + CTRL_FACTS_BYTES)
 CTRL_RESTART_OFF = _align(CTRL_GPU_EXIT_OFF + 16 + CTRL_NOTE_BYTES)
-CTRL_GPU_STATS_OFF = _align(CTRL_RESTART_OFF + 16 + CTRL_NOTE_BYTES)
-CTRL_WORKERS_OFF = CTRL_GPU_STATS_OFF + stats_region_size(len(GPU_STAT_NAMES))
+# The step in flight (`shm/in_flight.py`): a seqlock word, a header of STEP_HEADER_WORDS words
+# (writer's GPU generation, step number, monotonic ns at its start, entries), then up to
+# STEP_MAX_ENTRIES entries of STEP_ENTRY_WORDS words (worker slot, rid, fingerprint, tenant tag).
+# The GPU loop writes it before each forward and clears it after the step's samples are in.
+STEP_HEADER_WORDS = 4
+STEP_ENTRY_WORDS = 4
+STEP_MAX_ENTRIES = 512  # distinct requests in one step; beyond it a step's requests go unnamed
+CTRL_STEP_OFF = _align(CTRL_RESTART_OFF + 16 + CTRL_NOTE_BYTES)
+CTRL_STEP_BYTES = 8 * (STEP_HEADER_WORDS + STEP_ENTRY_WORDS * STEP_MAX_ENTRIES)
+# The quarantined requests (supervisor -> workers): a blob like the facts, of
+# [[fingerprint, until_unix_s], ...].
+CTRL_QUARANTINE_BYTES = 16 * 1024 - 16
+CTRL_QUARANTINE_OFF = _align(CTRL_STEP_OFF + 8 + CTRL_STEP_BYTES)
+# The tenants whose next request the GPU process would refuse now, and their Retry-After: workers
+# answer those 429s before reading the body (`api/refusals.py`); written when it changes.
+CTRL_REFUSALS_OFF = _align(CTRL_QUARANTINE_OFF + 16 + CTRL_QUARANTINE_BYTES)
+CTRL_REFUSALS_BYTES = 4096 - 16
+MAX_REFUSED_TENANTS = 64  # the most queued first; a tenant past them is refused by the GPU process
+CTRL_GPU_STATS_OFF = _align(CTRL_REFUSALS_OFF + 16 + CTRL_REFUSALS_BYTES)
+CTRL_WORKERS_OFF = CTRL_GPU_STATS_OFF + stats_region_size(len(S.GPU_STAT_NAMES))
 
 # Per worker slot: one line of slot words, then its stats region.
 SLOT_PID = 0
 SLOT_GENERATION = 8  # bumped by the supervisor when it starts a worker in this slot
 SLOT_HB = 16  # time.monotonic_ns() of the worker's last heartbeat
 SLOT_STATS_OFF = CACHE_LINE
-WORKER_BLOCK_BYTES = CACHE_LINE + stats_region_size(len(WORKER_STAT_NAMES))
+WORKER_BLOCK_BYTES = CACHE_LINE + stats_region_size(len(S.WORKER_STAT_NAMES))
 MAX_WORKERS = 1024
 
 CONTROL_FIELDS = tuple(
@@ -267,6 +232,6 @@ def control_segment_size(n_workers: int) -> int:
 # attach refuses a segment whose schema differs.
 _MESSAGE_FIELDS = tuple(f"{cls.__name__}({','.join(cls.__struct_fields__)})" for cls in messages.MESSAGE_TYPES)
 SCHEMA_ID = zlib.crc32(
-    "|".join((str(LAYOUT_VERSION),) + GPU_STAT_NAMES + WORKER_STAT_NAMES + _MESSAGE_FIELDS).encode()
-    + repr([h.bounds for h in HISTOGRAMS]).encode()
+    "|".join((str(LAYOUT_VERSION),) + S.GPU_STAT_NAMES + S.WORKER_STAT_NAMES + _MESSAGE_FIELDS).encode()
+    + repr([h.bounds for h in S.HISTOGRAMS]).encode()
 )

@@ -12,6 +12,7 @@ GPU process drops exactly the dead worker's requests (`rid_generation`).
 
 from __future__ import annotations
 
+import hashlib
 from enum import StrEnum
 
 import msgspec
@@ -150,6 +151,9 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     # Prefix-cache isolation: only requests with the same salt share cached KV blocks; a tenant
     # sets one to keep its prompts out of timing side channels (None: the shared cache).
     cache_salt: str | None = None
+    # `fingerprint(...)` of this request, set by its worker: names it across a resubmission and a
+    # client's resend, in the step-in-flight record and the quarantine (`shm/in_flight.py`)
+    fingerprint: int = 0
 
 
 class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel"):
@@ -171,6 +175,7 @@ class Rejected(msgspec.Struct, frozen=True, kw_only=True, tag="rejected"):
     code: str
     message: str
     retry_after_s: float | None = None
+    est_gpu_ms: float = 0.0  # a 429's price (the worker's refusals at once read it: api/refusals.py)
 
 
 class Token(msgspec.Struct, frozen=True, array_like=True):
@@ -248,6 +253,15 @@ def max_step_output_bytes(max_rows: int, prompt_positions: int) -> int:
     per_finish = 64
     per_prompt_token = 9 + 5 + 3 + pair * MAX_TOP_LOGPROBS
     return max_rows * (per_token + per_finish + 32) + prompt_positions * per_prompt_token + 256
+
+
+def fingerprint(msg: Submit, key: bytes) -> int:
+    """What makes two Submits the same request, as a keyed 64-bit hash (never 0): the tenant, the
+    prompt and every parameter, not the rid, request id, arrival or deadline. Keyed with the
+    instance's random key (`Control.fingerprint_key`), so a fingerprint in a log reveals nothing
+    of a prompt, not even to someone testing guesses."""
+    same = msgspec.structs.replace(msg, rid=0, request_id="", arrival_ts=0.0, deadline_ts=0.0, fingerprint=0)
+    return int.from_bytes(hashlib.blake2b(_encoder.encode(same), digest_size=8, key=key).digest(), "little") | 1
 
 
 def encode(msg: Message) -> bytes:

@@ -17,8 +17,8 @@ header, and a producer killed at any point leaves no half-written record visible
 
 NOTE (memory ordering): this relies on x86-64 TSO, where stores become visible to other cores in
 program order and loads are not reordered with other loads, so no fences are needed. The 8-byte
-words are packed with native `struct` formats (one aligned `memcpy`, i.e. one store; see
-`layout`). On a weakly ordered CPU (ARM) this protocol would need release/acquire fences.
+words are read with native `struct` formats and stored with `layout.store_word` (one aligned
+8-byte store each, never a zero in between; see `layout`). On a weakly ordered CPU (ARM) this protocol would need release/acquire fences.
 
 One process pushes, one pops. A full ring refuses (`try_push` -> False); it never blocks and
 never overwrites. A peer that replaces a dead one calls `adopt_producer` / `adopt_consumer`; the
@@ -33,7 +33,7 @@ import time
 from ringserve.shm import layout as L
 
 _U64 = L.U64
-_pack = _U64.pack_into
+_pack = L.store_word  # never pack_into: it zeroes the word first (layout's note)
 _unpack = _U64.unpack_from
 # Hot-path constants as module globals (cheaper than attribute lookups on `L` per record).
 _DATA = L.RING_DATA_OFF

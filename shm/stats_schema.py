@@ -1,8 +1,8 @@
-"""The GPU process's published stats, declared once.
+"""Every published stat, declared once: the GPU process's and the API workers'.
 
 Each `GpuStat` is one float64 in the control block's GPU stats region (`layout.py` sizes the
 region and folds the names into the schema checksum), one Prometheus metric on `/metrics`
-(`api/metrics.py`), one field of `ringserve shm` (`tools/shm_inspect.py`) and one value of the
+(`api/metrics.py`), one field of `ringserve shm` (`tools/commands/shm_inspect.py`) and one value of the
 fake GPU's stats (`api/fake_gpu.py`). The GPU process publishes `Scheduler.stats()` (its fields
 carry these names; a test keeps the two in step) plus the loop's own counters (`LOOP_STATS`).
 
@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_SPEC_POSITIONS = 16  # draft positions with an acceptance counter (config.MAX_SPECULATIVE_TOKENS)
+from ringserve.shm.messages import FINISH_REASONS
+
+# Draft positions with an acceptance counter: the config's MAX_SPECULATIVE_TOKENS, written twice because
+# shm imports no config and the scheduling core no stats (tests/api/test_metrics.py keeps them equal).
+MAX_SPEC_POSITIONS = 16
+STEP_KINDS = ("decode", "prefill", "mixed")  # the cost model's audit (gpu_proc/cost_model.StepAudit)
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,7 @@ class GpuStat:
     metric: str  # the Prometheus name
     help: str
     label: tuple[str, str] | None = None  # (name, value): one series of a labelled family sharing `metric`
+    loop: bool = False  # counted by the GPU loop itself, not by the scheduler (`LOOP_STATS`)
 
     def __post_init__(self) -> None:
         if self.kind not in ("gauge", "counter"):
@@ -71,7 +77,32 @@ GPU_STATS: tuple[GpuStat, ...] = (
         "cost_model_resets",
         "counter",
         "ringserve_cost_model_resets",
-        "Times the cost model found an estimate unusable and fell back to its configured constants.",
+        "Times the cost model found an estimate unusable and fell back to its prior (the start-up calibration).",
+    ),
+    GpuStat("cost_base_ms", "gauge", "ringserve_cost_base_ms", "Cost model: what every step costs, ms."),
+    GpuStat("cost_token_ms", "gauge", "ringserve_cost_token_ms", "Cost model: ms per token fed through the layers."),
+    GpuStat("cost_logit_ms", "gauge", "ringserve_cost_logit_ms", "Cost model: ms per position with logits."),
+    GpuStat("cost_read_us", "gauge", "ringserve_cost_read_us", "Cost model: microseconds per key an attention read."),
+    GpuStat("step_target_ms", "gauge", "ringserve_step_target_ms", "The estimated time each step is held to, ms."),
+    *(
+        GpuStat(
+            f"cost_ratio_{kind}",
+            "gauge",
+            "ringserve_cost_ratio",
+            "Median measured / estimated time of the last 256 steps of this kind (0 before the first).",
+            label=("kind", kind),
+        )
+        for kind in STEP_KINDS
+    ),
+    *(
+        GpuStat(
+            f"cost_steps_{kind}",
+            "counter",
+            "ringserve_cost_steps",
+            "Steps of this kind (decode: no prefill chunk; prefill: no decode row; mixed: both).",
+            label=("kind", kind),
+        )
+        for kind in STEP_KINDS
     ),
     GpuStat(
         "prefix_cache_queries",
@@ -108,28 +139,91 @@ GPU_STATS: tuple[GpuStat, ...] = (
         for j in range(MAX_SPEC_POSITIONS)
     ),
     # the GPU loop's own counters (LOOP_STATS)
-    GpuStat("step_ms", "gauge", "ringserve_step_ms", "Duration of the last GPU step, ms."),
-    GpuStat("steps", "counter", "ringserve_steps", "Steps the GPU loop has run."),
-    GpuStat("forward_ms", "gauge", "ringserve_forward_ms", "Forward and sampling time of the last step, ms."),
+    GpuStat("step_ms", "gauge", "ringserve_step_ms", "Duration of the last GPU step, ms.", loop=True),
+    GpuStat("steps", "counter", "ringserve_steps", "Steps the GPU loop has run.", loop=True),
+    GpuStat(
+        "forward_ms", "gauge", "ringserve_forward_ms", "Forward and sampling time of the last step, ms.", loop=True
+    ),
     GpuStat(
         "forward_est_ms",
         "gauge",
         "ringserve_forward_est_ms",
         "The cost model's estimate of the last step's forward and sampling time, ms (compare with forward_ms).",
-    ),
-    GpuStat(
-        "rejected_429",
-        "counter",
-        "ringserve_rejected_429",
-        "Requests refused with 429 (waiting GPU work over the limit).",
+        loop=True,
     ),
 )
 
-LOOP_STATS: tuple[str, ...] = (
-    "step_ms",
-    "steps",
-    "forward_ms",
-    "forward_est_ms",
-    "rejected_429",
-)  # counted by the GPU loop, not the scheduler
+LOOP_STATS: tuple[str, ...] = tuple(s.name for s in GPU_STATS if s.loop)
 GPU_STAT_NAMES: tuple[str, ...] = tuple(s.name for s in GPU_STATS)
+
+
+# The workers' stats: counters and fixed-bucket histograms, one stats region per worker slot
+# (`layout.py`), summed over the workers for /metrics (`api/metrics.py`).
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A fixed-bucket histogram: counts per upper bound (plus +Inf), a sum and a count."""
+
+    name: str
+    bounds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.bounds or any(a >= b for a, b in zip(self.bounds, self.bounds[1:])):
+            raise ValueError(f"histogram {self.name}: bounds must be non-empty and increasing")
+
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        buckets = tuple(f"{self.name}_bucket_{i}" for i in range(len(self.bounds) + 1))
+        return buckets + (f"{self.name}_sum", f"{self.name}_count")
+
+    def bucket_name(self, value: float) -> str:
+        """The field that counts `value`: the first bucket whose bound is at least it, else +Inf."""
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                return f"{self.name}_bucket_{i}"
+        return f"{self.name}_bucket_{len(self.bounds)}"
+
+    def cumulative(self, stats) -> list[float]:
+        """Cumulative counts per bound, then +Inf, from a stats snapshot ({field: value})."""
+        running, out = 0.0, []
+        for i in range(len(self.bounds) + 1):
+            running += stats.get(f"{self.name}_bucket_{i}", 0.0)
+            out.append(running)
+        return out
+
+
+TTFT_MS_BOUNDS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
+TPOT_MS_BOUNDS = (5, 10, 20, 30, 40, 50, 70, 100, 150, 250, 500, 1000)
+# The design's "latency split by prompt-length bucket" (`docs/design.md#limits-and-timeouts`): TTFT
+# and TPOT again per bucket of prompt tokens, named `<base>_plen_<label>` (the worker observes
+# them, /metrics labels them).
+PROMPT_LEN_BOUNDS = (512, 2048, 8192)  # upper bounds, in prompt tokens; the last bucket has none
+PROMPT_LEN_LABELS = tuple(f"{lo}_{hi}" for lo, hi in zip((0, *PROMPT_LEN_BOUNDS), PROMPT_LEN_BOUNDS)) + (
+    f"{PROMPT_LEN_BOUNDS[-1]}_plus",
+)
+
+HISTOGRAMS: tuple[Histogram, ...] = (
+    Histogram("ttft_ms", TTFT_MS_BOUNDS),
+    Histogram("tpot_ms", TPOT_MS_BOUNDS),
+    Histogram("max_gap_ms", (25, 50, 100, 250, 500, 1000, 2500, 5000)),
+) + tuple(
+    Histogram(f"{base}_plen_{label}", bounds)
+    for base, bounds in (("ttft_ms", TTFT_MS_BOUNDS), ("tpot_ms", TPOT_MS_BOUNDS))
+    for label in PROMPT_LEN_LABELS
+)
+
+WORKER_COUNTER_NAMES: tuple[str, ...] = (
+    "requests_total",
+    "requests_rejected_400",
+    "requests_rejected_429",
+    "refused_at_once",  # of those, answered before the body was read (api/refusals.py)
+    "requests_rejected_other",
+    "prompt_tokens_total",
+    "completion_tokens_total",
+    "open_streams",
+    "slow_reader_cancels",
+    "disconnects",
+) + tuple(f"finished_{reason}" for reason in FINISH_REASONS)
+
+WORKER_STAT_NAMES: tuple[str, ...] = WORKER_COUNTER_NAMES + tuple(name for h in HISTOGRAMS for name in h.field_names)

@@ -43,7 +43,7 @@ def tiny_model_dir(tmp_path_factory):
 
     A `pathlib.Path` to a Hugging Face checkpoint directory; treat it as read-only.
     """
-    from ringserve.tools.make_tiny_model import build_tiny_model
+    from ringserve.tools.commands.make_tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
@@ -51,7 +51,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_mha_model_dir(tmp_path_factory):
     """A multi-head variant of the tiny model (4 heads, 4 KV heads, 2 layers), built once per session."""
-    from ringserve.tools.make_tiny_model import TinyModelSpec, build_tiny_model
+    from ringserve.tools.commands.make_tiny_model import TinyModelSpec, build_tiny_model
 
     spec = TinyModelSpec(num_layers=2, num_kv_heads=4, seed=1)
     return build_tiny_model(tmp_path_factory.mktemp("tiny-mha-model"), spec)
@@ -61,7 +61,7 @@ def tiny_mha_model_dir(tmp_path_factory):
 def mid_model_dir(tmp_path_factory):
     """A mid-size random Llama (6 layers, hidden 384, GQA 6/2): CPU steps of tens of ms at 32 rows,
     closer to a real model's than the tiny one's, for admission and scheduling tests."""
-    from ringserve.tools.make_tiny_model import TinyModelSpec, build_tiny_model
+    from ringserve.tools.commands.make_tiny_model import TinyModelSpec, build_tiny_model
 
     spec = TinyModelSpec(num_layers=6, hidden_size=384, num_heads=6, num_kv_heads=2, intermediate_size=1024, seed=2)
     return build_tiny_model(tmp_path_factory.mktemp("mid-model"), spec)
@@ -89,7 +89,7 @@ def smollm2_gguf(smollm2_dir):
     """The GGUF file SmolLM2 was converted from (`pathlib.Path`, read-only): the reference that
     transformers loads in the parity tests."""
     from ringserve import models
-    from ringserve.tools.fetch_model import fetch_gguf
+    from ringserve.tools.commands.fetch_model import fetch_gguf
 
     try:
         return fetch_gguf(models.DEFAULT_MODEL)

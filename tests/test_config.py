@@ -6,10 +6,14 @@ from ringserve.config import Config, ConfigError
 
 
 def test_defaults_are_the_seeds_numbers():
-    """Block 16, 32 rows, 256-token prefill budget, 8,192 context, 2 s queue limit."""
+    """Block 16, 32 rows, 256-token prefill budget, 8,192 context, 2 s queue limit; the output
+    token's weight is the cost model's (0); steps held to 1 s / (4 + 2) / (4/3) = 125 ms, so a light
+    tenant's first token comes within 1 s."""
     c = Config()
     assert (c.block_size, c.max_rows, c.prefill_budget, c.context_limit) == (16, 32, 256, 8192)
-    assert (c.queue_limit_s, c.key_row_cap, c.output_token_weight) == (2.0, 8, 12.0)
+    assert (c.queue_limit_s, c.key_row_cap, c.output_token_weight) == (2.0, 8, 0.0)
+    assert c.step_target == 125.0 and Config(step_target_ms=40).step_target == 40
+    assert Config(fair_preempt_steps=2).step_target == 187.5
 
 
 def test_environment_then_overrides():

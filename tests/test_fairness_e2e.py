@@ -1,17 +1,13 @@
 """The design's fairness experiment on the real model with default flags (`docs/design.md#fairness`,
-`#admission`; issue 22, item 5): key A floods, key B sends one short request a second. B is never
-refused (admission charges A's queue to A) and B starts fast (fair preemption starts each B
-request within `fair_preempt_steps + 1` passes).
+`#admission`; issues 22 and 32): key A floods, key B sends one short request a second. B is never
+refused (admission charges A's queue to A) and B starts fast: fair preemption starts each B
+request within `fair_preempt_steps + 1` passes, and every step's estimated time is held to the
+step target (125 ms by default), so those passes take well under a second on any hardware.
 
-The design's experiment (A sends 100 at once) asserts its figure, B's p95 TTFT under 1 s. With A
-keeping 48 in flight (issue 22), A's requests start and end in waves: when a wave of ~27 rows ends
-together, the next step holds the prompts of all their successors (the prefill budget rises to 6x
-with 5 rows decoding) and on two CPU cores that one step takes ~1.7 s; a B request arriving then
-waits it out (B's TTFT max 3.4 s, p95 1.4–1.6 s in such runs; with `--prefill-budget 64` the
-longest step was 0.57 s and B's max 1.3 s). That is a property of the step budget on a slow device,
-not of admission or fair queueing, so this case asserts B is never refused (9 of 15 were before
-the per-tenant ledger), its median TTFT is under 1 s and its worst under 5 s, and prints them all.
-`ringserve bench fairness` runs the same clients and floods and reports the figures.
+Both floods assert the design's figure, B's p95 TTFT under 1 s. (Before issue 32, with A keeping 48
+in flight, a wave of A's successors joined together and the token budget let one step hold all
+their prompts, ~1.7 s on two CPU cores; B's p95 was 1.1-1.6 s in such runs, max 3.4 s.)
+`ringserve bench fairness` runs the same clients and floods, and A's tokens/s beside A alone.
 """
 
 from __future__ import annotations
@@ -20,8 +16,8 @@ import asyncio
 
 import pytest
 
-from ringserve.tools.bench_fairness import BAnswer, burst, in_flight, wait_idle, warm_up
-from ringserve.tools.sched_sim import percentile
+from ringserve.tools.bench.fairness import BAnswer, burst, in_flight, wait_idle, warm_up
+from ringserve.tools.bench.sched_sim import percentile
 from tests.helpers.server import ServerProcess
 
 pytestmark = pytest.mark.timeout(600)
@@ -57,7 +53,7 @@ def test_b_is_never_refused_and_starts_fast_while_a_keeps_48_in_flight(server):
     wait_idle(server.url)
     b, a_statuses = asyncio.run(asyncio.wait_for(in_flight(server.url, 48), 300))
     ttft = _report("48 in flight", b, a_statuses)
-    assert percentile(ttft, 50) < 1.0 and max(ttft) < 5.0, ttft
+    assert percentile(ttft, 95) < 1.0, ttft
 
 
 def test_b_is_never_refused_and_starts_fast_after_a_sends_100_at_once(server):

@@ -19,9 +19,9 @@ import aiohttp
 import pytest
 
 from ringserve.shm.segment import instance_id
-from ringserve.tools.drill import attach_control
-from ringserve.tools.fleet import FleetError, envoy_binary
-from ringserve.tools.fleet_probe import FleetProcess, free_port_run
+from ringserve.tools.fleet.probe import FleetProcess, free_port_run
+from ringserve.tools.fleet.replicas import FleetError, envoy_binary
+from ringserve.tools.harness.drill import attach_control
 from tests.helpers.fleet_load import VIOLATIONS, ClosedLoop, RouteWatch, one_request, wait_ready
 from tests.helpers.net import metrics
 
@@ -256,8 +256,11 @@ async def test_retry_budget_holds_with_two_replicas_down(fleet):
     stats0 = fleet.cluster_stats()
     os.kill(fleet.proc.pid, signal.SIGSTOP)  # no restarts while two are down
     try:
-        # 32 long answers for one replica's 8 rows: far more queued work than its 2 s limit.
-        async with ClosedLoop(fleet.url, clients=32, max_tokens=300) as load:
+        # 64 long answers for one replica's 8 rows: far more queued work than its 2 s limit. (32
+        # sat near it once the cost model priced this CPU's steps: one run in four refused none,
+        # and where few were refused, their retries, answered at once, never overlapped enough to
+        # reach the budget, so each refusal was retried twice.)
+        async with ClosedLoop(fleet.url, clients=64, max_tokens=300) as load:
             await asyncio.sleep(1.0)
             async with RouteWatch(fleet.admin_url, _host(fleet, 1)) as watch:
                 t0 = time.monotonic()
@@ -292,3 +295,71 @@ async def test_retry_budget_holds_with_two_replicas_down(fleet):
     # No storm: with the budget off the same drill retried 1.7 times per request (every refusal
     # twice); with it, well under once.
     assert retried < downstream
+
+
+def _worker_generations(fleet) -> list[int]:
+    """Each replica's worker slot generation (it grows when the worker is restarted)."""
+    out = []
+    for index in range(3):
+        seg, control = attach_control(fleet.shm_dir, instance_id(_supervisor(fleet, index)))
+        try:
+            out.append(control.worker_slot(0)["generation"])
+        finally:
+            seg.close()
+    return out
+
+
+async def test_a_grammar_too_complex_is_refused_at_once_not_retried_round_the_fleet(fleet):
+    """The issue's 5,000-rule GBNF (and a 2,200-rule one under the size cap, and the 450-pattern
+    schema) through Envoy: a 400 grammar_too_complex within seconds, while every replica's /health
+    answers within 1 s; no worker is restarted, Envoy retries nothing, the steady load loses
+    nothing. (Before: the conversion ran on the worker's event loop, its watchdog killed it, and
+    Envoy retried the reset onto every replica in turn.)"""
+    from tests.helpers.grammars import gbnf_chain, pattern_schema
+
+    bodies = [
+        {"prompt": "x", "max_tokens": 4, "guided_grammar": gbnf_chain(5000)},
+        {"prompt": "x", "max_tokens": 4, "guided_grammar": gbnf_chain(2200)},
+        {"prompt": "x", "max_tokens": 4, "guided_json": pattern_schema(450)},
+    ]
+    for index, url in enumerate(fleet.replica_urls()):  # the drill before may have left some restarting
+        await wait_ready(url, 0.0, timeout_s=60)
+        async with RouteWatch(fleet.admin_url, _host(fleet, index)) as watch:
+            await watch.wait(True, 0.0, timeout_s=30)
+    generations, retried0 = _worker_generations(fleet), _retries(fleet)
+    health: list[float] = []
+
+    async def probe(session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            for url in fleet.replica_urls():
+                t0 = time.monotonic()
+                async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                    await resp.read()
+                health.append(time.monotonic() - t0)
+            await asyncio.sleep(0.05)
+
+    answers = []
+    async with ClosedLoop(fleet.url, clients=CLIENTS, max_tokens=TOKENS) as load, aiohttp.ClientSession() as session:
+        await asyncio.sleep(1.0)
+        t_start = time.monotonic()
+        stop = asyncio.Event()
+        probing = asyncio.create_task(probe(session, stop))
+        for body in bodies:
+            t0 = time.monotonic()
+            async with session.post(fleet.url + "/v1/completions", json=body) as resp:
+                answers.append((resp.status, (await resp.json())["error"]["code"], time.monotonic() - t0))
+        await asyncio.sleep(1.0)
+        stop.set()
+        await probing
+    _report(
+        "grammars over the caps",
+        load,
+        t_start,
+        answers=[f"{s} {c} in {t:.2f} s" for s, c, t in answers],
+        slowest_health=max(health),
+        requests_retried=int(_retries(fleet) - retried0),
+    )
+    assert all(status == 400 and code == "grammar_too_complex" and took < 3.0 for status, code, took in answers)
+    assert max(health) < 1.0
+    assert _worker_generations(fleet) == generations and _retries(fleet) == retried0
+    _assert_nothing_lost(load, t_start)

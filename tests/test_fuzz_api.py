@@ -17,7 +17,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ringserve.tools.drill import attach_control, find_instance
+from ringserve.tools.harness.drill import attach_control, find_instance
 from tests.helpers.net import http_json
 from tests.helpers.responses_events import check_event_order, response_events
 from tests.helpers.server import ServerProcess

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from ringserve.restart_policy import BACKOFF_BASE_S
-from ringserve.tools.drill import attach_control, find_instance
+from ringserve.tools.harness.drill import attach_control, find_instance
 from tests.helpers.responses_events import check_event_order, response_events
 from tests.helpers.server import ServerProcess
 from tests.helpers.sse import iter_sse

@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from ringserve.tools.drill import attach_control, find_instance
+from ringserve.tools.harness.drill import attach_control, find_instance
 from tests.helpers.net import free_port, http_json
 from tests.helpers.server import ServerProcess
 

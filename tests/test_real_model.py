@@ -14,7 +14,7 @@ import random
 import aiohttp
 import pytest
 
-from ringserve.api.chat_template import ChatTemplate
+from ringserve.api.chat.template import ChatTemplate
 from ringserve.api.tokenizer import TextCodec
 from tests.helpers.sse import sse_events
 

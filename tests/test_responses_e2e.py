@@ -227,3 +227,21 @@ def test_langchain_use_responses_api_invoke_and_stream(smollm2_server):
         total = chunk if total is None else total + chunk
     assert total is not None and total.text == whole.text
     assert total.usage_metadata["total_tokens"] == whole.usage_metadata["total_tokens"]
+
+
+def test_reasoning_settings_as_codex_and_reasoning_setups_send_them(smollm2_server):
+    """The openai SDK with `reasoning_effort` on chat and `reasoning` on Responses (Codex CLI sends
+    `{"effort", "summary"}` on every request): answered; SmolLM2's template reads neither, so both
+    are named as ignored (`api/chat/reasoning.py`)."""
+    client = _client(smollm2_server)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, reasoning_effort="low"
+    )
+    assert raw.headers["x-ringserve-ignored-fields"] == "reasoning_effort"
+    assert raw.parse().choices[0].message.content is not None
+    raw = client.responses.with_raw_response.create(
+        model=MODEL, input="Hi", max_output_tokens=4, reasoning={"effort": "medium", "summary": "auto"}
+    )
+    assert raw.headers["x-ringserve-ignored-fields"] == "reasoning.effort, reasoning.summary"
+    answer = raw.parse()
+    assert answer.output_text is not None and answer.reasoning.effort == "medium"

@@ -312,6 +312,71 @@ def test_unsupported_schema_or_grammar_is_400_naming_the_construct(smollm2_serve
     assert err["param"] == param and construct in err["message"], err
 
 
+@pytest.mark.parametrize(
+    "extra_body, param, says",
+    [
+        ({"guided_grammar": 'start: a\na: "x" a\n'}, "guided_grammar", "admits no text"),
+        ({"structured_outputs": {"regex": "[^\\x00-\\U0010FFFF]"}}, "structured_outputs.regex", "admits no text"),
+    ],
+)
+def test_a_grammar_that_admits_nothing_is_400_through_the_openai_client(smollm2_server, extra_body, param, says):
+    """Grammars whose language is empty are the documented 400, as the openai client raises it
+    (they were a 200 with finish_reason stop and an empty or cut answer)."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        _client(smollm2_server).chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, max_tokens=8, extra_body=extra_body
+        )
+    err = caught.value.body
+    assert err["param"] == param and says in err["message"] and err["code"] == "unsupported_value", err
+
+
+def test_a_5000_rule_gbnf_is_refused_at_once_while_health_answers(smollm2_server):
+    """The issue's 172 KB GBNF grammar (and the 450-pattern schema): 400 grammar_too_complex in
+    well under a second, /health answering meanwhile; the server then serves a constrained request
+    as before (its worker was not restarted under it)."""
+    import concurrent.futures
+    import time
+
+    import httpx
+
+    from tests.helpers.grammars import gbnf_chain, pattern_schema
+
+    def health_latencies(stop) -> list[float]:
+        out = []
+        while not stop.is_set():
+            t0 = time.monotonic()
+            assert httpx.get(smollm2_server.url + "/health", timeout=10).status_code == 200
+            out.append(time.monotonic() - t0)
+            time.sleep(0.05)
+        return out
+
+    import threading
+
+    stop = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        probe = pool.submit(health_latencies, stop)
+        answers = []
+        for body in ({"guided_grammar": gbnf_chain(5000)}, {"guided_json": pattern_schema(450)}):
+            t0 = time.monotonic()
+            resp = httpx.post(
+                smollm2_server.url + "/v1/chat/completions",
+                json={"model": MODEL, "messages": ASK_WEATHER, "max_tokens": 4, **body},
+                timeout=60,
+            )
+            answers.append((resp.status_code, resp.json()["error"]["code"], time.monotonic() - t0))
+        time.sleep(0.3)
+        stop.set()
+        latencies = probe.result()
+    assert all(status == 400 and code == "grammar_too_complex" and took < 2.0 for status, code, took in answers)
+    assert latencies and max(latencies) < 1.0, latencies
+    done = _client(smollm2_server).chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, max_tokens=8, extra_body={"guided_choice": ["yes", "no"]}
+    )
+    assert done.choices[0].message.content in ("yes", "no")
+
+
 # -- tool calling --------------------------------------------------------------------------------
 
 

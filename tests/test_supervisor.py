@@ -15,7 +15,7 @@ import pytest
 
 from ringserve.restart_policy import BACKOFF_BASE_S, BACKOFF_MAX_S, RestartPolicy
 from ringserve.shm.segment import list_segments, pid_alive
-from ringserve.tools.drill import attach_control, find_instance
+from ringserve.tools.harness.drill import attach_control, find_instance
 from tests.helpers.net import free_port
 from tests.helpers.server import ServerProcess
 

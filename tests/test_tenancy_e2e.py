@@ -1,14 +1,14 @@
 """Issue 22's hostile tenant against a real `ringserve serve` on loopback: key A attacks, key B is
-the victim. Each test runs one case of `tools/hostile_tenants.py` (the same cases
-`python -m ringserve.tools.hostile_check` runs) and fails on any outcome it expects that did not
+the victim. Each test runs one case of `tools/harness/hostile_tenants.py` (the same cases
+`python -m ringserve.tools.harness.hostile_check` runs) and fails on any outcome it expects that did not
 hold, naming it. Before the fixes every case here had misses (the note of issue 22)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ringserve.tools import hostile_tenants as H
-from ringserve.tools.drill import attach_control, find_instance
+from ringserve.tools.harness import hostile_tenants as H
+from ringserve.tools.harness.drill import attach_control, find_instance
 from tests.helpers.server import ServerProcess
 
 pytestmark = pytest.mark.timeout(240)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .metadata import AttentionMetadata, host_tensor
+from ..host_tensor import host_tensor
+from .metadata import AttentionMetadata
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..step import SeqStep, StepBatch
+from ..step_inputs import build_step_inputs
 from . import AttentionBackend, reference
-from .metadata import build_step_inputs
 
 log = logging.getLogger("ringserve.gpu")
 

@@ -261,8 +261,8 @@ class Llama(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
         self.rope_cos, self.rope_sin = emb.cos().contiguous(), emb.sin().contiguous()
         self.backend = backend or get_backend(device, self.dtype, cpu_kernels=cpu_kernels)
-        # The fused forward runs oneDNN-packed matmuls: every x86/aarch64 torch wheel has oneDNN.
-        self.fused = self.backend.name == "cpu" and torch.backends.mkldnn.is_available()
+        # The fused forward runs oneDNN-packed matmuls: only where oneDNN packs this dtype here.
+        self.fused = self.backend.name == "cpu" and cpu_ops.packs(self.dtype)
         self.packed_head = None
         if self.fused:
             self.block_weights = [

@@ -10,7 +10,7 @@ import pytest
 
 from ringserve.api.app import init_app
 from ringserve.api.auth import Authenticator
-from ringserve.api.chat_template import ChatTemplate
+from ringserve.api.chat.template import ChatTemplate
 from ringserve.api.fake_gpu import FakeGpu, FakeStatus
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.state import STATE, ApiState
@@ -70,11 +70,12 @@ def serve(aiohttp_client, codec, chat_template) -> Callable:
         **config,
     ) -> Served:
         fake = fake or FakeGpu()
+        gpu_status = status(fake, ready)
         app = init_app(
             Config(**config),
-            GpuClient(fake, ready=ready),
+            GpuClient(fake, ready=ready, quarantined=lambda: fake.quarantined),
             codec,
-            status(fake, ready),
+            gpu_status,
             model_name=MODEL,
             auth=Authenticator(keys),
             **{"chat_template": chat_template, **(app_kw or {})},

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ringserve.tools import bench_api
+from ringserve.tools.bench import api as bench_api
 
 
 @pytest.mark.parametrize("mode", ["ring", "inproc"])

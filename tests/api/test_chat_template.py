@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from ringserve.api.chat_template import ChatTemplate, ChatTemplateError, compile_template, read_template
+from ringserve.api.chat.template import ChatTemplate, ChatTemplateError, compile_template, read_template
 from ringserve.api.tokenizer import TextCodec
 
 CONVERSATIONS = [

@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import pytest
 
 from ringserve.api.errors import ApiError
 from ringserve.api.fake_gpu import FakeGpu, FakeStatus
-from ringserve.api.gpu_client import RESTART_ERROR, GpuClient
-from ringserve.shm.messages import Accepted, Error, Finish, SamplingParams, Submit, Token
+from ringserve.api.gpu_client import GpuClient
+from ringserve.api.restart_hold import MAX_RESUBMITS, QUARANTINE_ERROR, RESTART_ERROR
+from ringserve.shm.messages import Accepted, Error, Finish, Rejected, SamplingParams, Submit, Token, fingerprint
 from tests.helpers.fake_api import prompt_text_of
 from tests.helpers.sse import sse_events
 
@@ -37,9 +39,13 @@ class _Control:
     """The control block as `ControlStatus` reads it, with facts that are missing or unreadable."""
 
     gpu_state = 0  # not READY
+    refusals_sequence = 0  # no tenant refused at once
 
     def __init__(self, facts) -> None:
         self.facts = facts
+
+    def refusals(self):
+        return 0, 0.0, {}
 
     def worker_stats(self, slot: int):
         return self  # its stats region too: publishing this worker's stats goes nowhere
@@ -127,22 +133,63 @@ async def test_request_without_tokens_is_resubmitted_under_a_new_rid():
     client.close()
 
 
-async def test_request_caught_by_a_second_restart_fails_instead_of_looping():
-    """Resubmitted once and caught by another crash: it gets the restart error, not a resubmission
-    (a request that crashes the GPU process must not crash it forever)."""
+async def test_request_quarantined_at_a_restart_fails_instead_of_being_resubmitted():
+    """Resubmitted once, then quarantined by the supervisor at the next death (it was in the step
+    both times): it gets the request_quarantined error, not a second resubmission, and its
+    admission answer is 422 (a request that crashes the GPU process must not crash it forever)."""
     fake = FakeGpu(paused=True)
-    client = GpuClient(fake, ready=lambda: fake.ready)
+    client = GpuClient(fake, ready=lambda: fake.ready, quarantined=lambda: fake.quarantined)
     client.start()
     stream = client.open_stream()
     await client.submit(stream, _submit(stream.rid))
     fake.restart()
     fake.come_back()
     await _until(lambda: client.resubmitted == 1)
+    fake.restart(quarantine=(stream.submit.fingerprint,))
+    fake.come_back()
+    items = await _collect(stream)
+    assert isinstance(items[-1], Error) and items[-1].code == QUARANTINE_ERROR
+    assert "refused for 600 s" in items[-1].message
+    assert client.resubmitted == 1 and len(fake.submits) == 2
+    client.close()
+
+
+async def test_queued_request_is_resubmitted_at_every_restart_up_to_the_cap():
+    """A request never blamed for a death (queued, not in the step) is resubmitted at each one, up
+    to MAX_RESUBMITS times; held through one more, it fails with the restart error."""
+    fake = FakeGpu(paused=True)
+    client = GpuClient(fake, ready=lambda: fake.ready, quarantined=lambda: fake.quarantined)
+    client.start()
+    stream = client.open_stream()
+    await client.submit(stream, _submit(stream.rid))
+    for n in range(1, MAX_RESUBMITS + 1):
+        fake.restart()
+        fake.come_back()
+        await _until(lambda n=n: client.resubmitted == n)
     fake.restart()
     fake.come_back()
     items = await _collect(stream)
     assert isinstance(items[-1], Error) and items[-1].code == RESTART_ERROR
-    assert client.resubmitted == 1 and len(fake.submits) == 2
+    assert len(fake.submits) == MAX_RESUBMITS + 1
+    client.close()
+
+
+async def test_resend_of_a_quarantined_request_is_refused_before_the_ring():
+    """The same request again (same tenant, prompt and parameters, another request id) while it is
+    quarantined: 422 request_quarantined with the time left as Retry-After, nothing sent; a request
+    that differs in one parameter, or comes from another tenant, is not refused."""
+    fake = FakeGpu(paused=True)
+    client = GpuClient(fake, ready=lambda: fake.ready, quarantined=lambda: fake.quarantined)
+    client.start()
+    fake.quarantined[fingerprint(_submit(0), b"")] = time.time() + 30.0
+    stream = client.open_stream()
+    with pytest.raises(ApiError) as info:
+        await client.submit(stream, msgspec.structs.replace(_submit(stream.rid), request_id="again"))
+    assert info.value.status == 422 and info.value.code == QUARANTINE_ERROR == info.value.type
+    assert 29 <= info.value.retry_after_s <= 30 and fake.submits == []
+    for other in (msgspec.structs.replace(_submit(0), max_tokens=7), msgspec.structs.replace(_submit(0), tenant="u")):
+        s = client.open_stream()
+        assert isinstance(await client.submit(s, msgspec.structs.replace(other, rid=s.rid)), Accepted)
     client.close()
 
 
@@ -320,7 +367,7 @@ async def test_draining_worker_fails_what_it_holds_at_once():
     await client.submit(first, _submit(first.rid))
     fake.restart()
     await asyncio.sleep(0.01)
-    client.stop_holding("server_shutdown", "shutting down")
+    client.restart_hold.stop_holding("server_shutdown", "shutting down")
     assert (await _collect(first))[-1].code == "server_shutdown"
     with pytest.raises(ApiError) as info:  # the restart is still in progress: it would be held
         await asyncio.wait_for(client.submit(second, _submit(second.rid)), 5)
@@ -346,3 +393,49 @@ async def test_not_ready_503_quotes_the_last_error_and_the_backoff(serve):
         assert "it exited with status 1: CheckpointError: /m: model directory not found" in err["message"]
         assert "4 failures" in err["message"]
         assert 12 <= int(resp.headers["Retry-After"]) <= 13
+
+
+async def test_quarantined_requests_through_the_app(serve):
+    """Through the routes: a plain request quarantined while held answers 422 with the error
+    object; a stream that had started gets the request_quarantined error event, then [DONE]; a
+    resend of either is 422 with Retry-After before anything is submitted."""
+    fake = FakeGpu(paused=True)
+    served = await serve(fake=fake, ready=lambda: fake.ready)
+    plain = asyncio.ensure_future(served.client.post("/v1/completions", json={"prompt": "p", "max_tokens": 4}))
+    streamed = asyncio.ensure_future(
+        served.client.post("/v1/completions", json={"prompt": "s", "max_tokens": 4, "stream": True})
+    )
+    await _until(lambda: len(fake.submits) == 2)
+    fake.restart(quarantine=tuple(s.fingerprint for s in fake.submits))
+    fake.come_back()
+    resp = await asyncio.wait_for(plain, 5)
+    body = await resp.json()
+    assert resp.status == 422 and body["error"]["code"] == "request_quarantined" == body["error"]["type"]
+    assert "Retry-After" not in resp.headers and resp.headers["x-request-id"]
+    resp = await asyncio.wait_for(streamed, 5)
+    events = sse_events(await asyncio.wait_for(resp.read(), 5))
+    assert resp.status == 200 and events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "request_quarantined" and events[-2]["error"]["tokens_streamed"] == 0
+    for body in ({"prompt": "p", "max_tokens": 4}, {"prompt": "s", "max_tokens": 4, "stream": True}):
+        again = await served.client.post("/v1/completions", json=body)
+        assert again.status == 422 and 590 <= int(again.headers["Retry-After"]) <= 600
+        assert (await again.json())["error"]["code"] == "request_quarantined"
+    assert len(fake.submits) == 2 and served.state.client.resubmitted == 0
+
+
+async def test_resubmission_refused_by_the_restarted_process_ends_the_request():
+    """Admitted before the restart, refused (429) when resubmitted to the restarted process: the
+    request ends with the restart error quoting the refusal; it does not wait forever for tokens
+    that will never come (the refusal used to be dropped: its admission was already answered)."""
+    fake = FakeGpu(paused=True)
+    client = GpuClient(fake, ready=lambda: fake.ready)
+    client.start()
+    stream = client.open_stream()
+    await client.submit(stream, _submit(stream.rid))
+    fake.restart()
+    fake.admit = lambda msg: Rejected(rid=msg.rid, status=429, code="overloaded", message="queue full", retry_after_s=3)
+    fake.come_back()
+    items = await _collect(stream)
+    assert isinstance(items[-1], Error) and items[-1].code == RESTART_ERROR
+    assert "queue full" in items[-1].message and client.resubmitted == 1
+    client.close()

@@ -10,9 +10,10 @@ import pytest
 from ringserve.api.app import init_app
 from ringserve.api.fake_gpu import FakeGpu, FakeStatus
 from ringserve.api.generation import LocalCancel
-from ringserve.api.gpu_client import GpuClient, RequestStream
+from ringserve.api.gpu_client import GpuClient
 from ringserve.api.peer_cancel import PeerCancel
 from ringserve.api.registry import OpenRequest, Registry
+from ringserve.api.request_stream import RequestStream
 from ringserve.config import Config
 from tests.helpers.sse import sse_events
 

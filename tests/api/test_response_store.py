@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from ringserve.api.response_store import ResponseStore
+from ringserve.api.responses.store import ResponseStore
 
 pytestmark = pytest.mark.asyncio
 
@@ -94,7 +94,7 @@ async def test_ids_are_per_tenant():
 _WRITER = textwrap.dedent(
     """
     import asyncio, sys
-    from ringserve.api.response_store import ResponseStore
+    from ringserve.api.responses.store import ResponseStore
 
     async def main(path, name):
         store = ResponseStore(path, ttl_s=600, tenant_bytes=1 << 20, total_bytes=1 << 22)

@@ -252,7 +252,10 @@ async def test_previous_response_id_continues_the_conversation(serve, codec, too
     "extra, param",
     [
         ({"background": True}, "background"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+        ({"reasoning": {"summary": "long"}}, "reasoning.summary"),
+        ({"reasoning": {"budget": 9}}, "reasoning.budget"),
+        ({"reasoning": {"effort": 5}}, "reasoning.effort"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": [TOOL], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
@@ -313,9 +316,9 @@ async def test_neutral_and_hint_fields_are_accepted_and_unknown_ones_named(serve
 async def test_a_store_that_fails_answers_anyway_and_reads_are_503(serve, codec, chat_template, tmp_path, caplog):
     """A database that cannot be written: the response is still answered (the failure logged);
     reading it is a 503 with Retry-After, not a 500."""
-    from ringserve.api.response_store import ResponseStore
+    from ringserve.api.responses.store import ResponseStore
 
-    caplog.set_level(logging.WARNING, logger="ringserve.api.response_store")
+    caplog.set_level(logging.WARNING, logger="ringserve.api.responses.store")
     broken = ResponseStore(str(tmp_path / "missing" / "db"), ttl_s=60, tenant_bytes=1 << 20, total_bytes=1 << 20)
     fake = FakeGpu(script=_answer(codec, "ok", chat_template.end_of_turn_ids[0]))
     served = await serve(fake=fake, app_kw={"response_store": broken})

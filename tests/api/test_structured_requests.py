@@ -161,3 +161,60 @@ async def test_history_with_tool_calls_developer_and_null_content_renders(serve,
     prompt = codec.decode(served.fake.submits[0].prompt_ids, False)
     assert "system\nBe brief." in prompt and "tool\nsunny" in prompt
     assert '"arguments": {"city": "Paris"}' in prompt
+
+
+def _strict_json(text: str):
+    """`text` read as JSON proper: NaN and Infinity refused, as any JSON parser but Python's does."""
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "choice, text",
+    [
+        ("required", '[{"name": "get_weather", "parameters": {"city": "\\ud800", "n": 1e999999, "m": 2.50}}]'),
+        (
+            "auto",
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud800", "n": 1e999999, "m": 2.50}}</tool_call>',
+        ),
+    ],
+)
+async def test_tool_arguments_are_json_whatever_the_model_wrote(serve, codec, tools_template, choice, text, stream):
+    """A lone surrogate escape and a number too large for a float, in a call's arguments: the
+    answer is a 200 (streamed: events to [DONE]) whose arguments are the JSON the model wrote —
+    not a 500 (the surrogate cannot be encoded once decoded), not `Infinity`, and `2.50` as written."""
+    eot = tools_template.end_of_turn_ids[0]
+    served = await serve(fake=FakeGpu(script=_answer(codec, text, eot)), app_kw={"chat_template": tools_template})
+    body = {"messages": HELLO, "tools": [TOOL], "tool_choice": choice, "max_tokens": 120, "stream": stream}
+    resp = await served.client.post("/v1/chat/completions", json=body)
+    assert resp.status == 200, await resp.text()
+    if stream:
+        events = sse_events(await resp.read())
+        assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events)
+        pieces = [
+            p
+            for e in events[1:-1]
+            if isinstance(e, dict) and e["choices"]
+            for p in e["choices"][0]["delta"].get("tool_calls") or []
+        ]
+        arguments = "".join(p["function"].get("arguments") or "" for p in pieces)
+    else:
+        (call,) = (await resp.json())["choices"][0]["message"]["tool_calls"]
+        arguments = call["function"]["arguments"]
+    assert arguments == '{"city": "\\ud800", "n": 1e999999, "m": 2.50}'
+    assert _strict_json(arguments)["city"] == "\ud800"
+
+
+async def test_nan_in_an_auto_tool_call_is_no_call(serve, codec, tools_template):
+    """`NaN` is not JSON: a <tool_call> block holding it is the model's text, not a call whose
+    arguments a client could not parse."""
+    eot = tools_template.end_of_turn_ids[0]
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": NaN}}</tool_call>'
+    served = await serve(fake=FakeGpu(script=_answer(codec, text, eot)), app_kw={"chat_template": tools_template})
+    resp = await served.client.post("/v1/chat/completions", json={"messages": HELLO, "tools": [TOOL], "max_tokens": 80})
+    message = (await resp.json())["choices"][0]["message"]
+    assert resp.status == 200 and not message.get("tool_calls") and "NaN" in message["content"]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ringserve.api.tool_parsers import Delta, make_parser, parse_all
+from ringserve.api.chat.tool_parsers import Delta, make_parser, parse_all
 
 HERMES = (
     'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'

@@ -18,6 +18,7 @@ from ringserve.gpu_proc.model.loader import load_model  # noqa: E402
 from ringserve.gpu_proc.model_runner import ModelRunner  # noqa: E402
 from ringserve.gpu_proc.offline import OfflineRequest, generate  # noqa: E402
 from ringserve.gpu_proc.step import RowSampling, SeqStep, StepBatch  # noqa: E402
+from ringserve.shm.messages import SamplingParams  # noqa: E402
 
 CUDA = torch.device("cuda")
 
@@ -37,10 +38,9 @@ def _requests(vocab: int, lengths, max_tokens=24, temperature=0.0, seed=0) -> li
         OfflineRequest(
             prompt_ids=[rng.randrange(3, vocab) for _ in range(n)],
             max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=0.9 if temperature else 1.0,
-            seed=seed + i,
-            ignore_eos=True,
+            sampling=SamplingParams(
+                temperature=temperature, top_p=0.9 if temperature else 1.0, seed=seed + i, ignore_eos=True
+            ),
         )
         for i, n in enumerate(lengths)
     ]

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from ringserve.gpu_proc.attention import get_backend
-from ringserve.gpu_proc.attention.metadata import build_step_inputs
 from ringserve.gpu_proc.attention.reference import paged_attention, paged_attention_naive, write_kv
 from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.step import SeqStep, StepBatch
+from ringserve.gpu_proc.step_inputs import build_step_inputs
 from tests.helpers.attention_cases import BS, run_case
 
 

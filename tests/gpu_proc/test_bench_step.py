@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ringserve.tools.bench_step import main
+from ringserve.tools.bench.step import main
 
 
 def test_bench_step_json_reports_every_phase(tiny_model_dir, capsys):

@@ -67,11 +67,33 @@ def test_silu_mul(n, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 3, 32, 64, 65, 130, 286, 1000, 1032])
 def test_packed_linear_equals_f_linear(rows, dtype):
-    """The packed weight computes F.linear (with and without bias)."""
+    """The packed weight computes F.linear (with and without bias); where oneDNN cannot pack the
+    dtype on this CPU, PackedLinear is F.linear itself."""
     w, b, x = _rand(96, 80, dtype=dtype), _rand(96, dtype=dtype, seed=3), _rand(rows, 80, dtype=dtype, seed=4)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)
     torch.testing.assert_close(cpu_ops.PackedLinear(w)(x), F.linear(x, w), **tol)
     torch.testing.assert_close(cpu_ops.PackedLinear(w, b)(x), F.linear(x, w, b), **tol)
+    assert (cpu_ops.PackedLinear(w).packed is not None) == cpu_ops.packs(dtype)
+
+
+def test_a_cpu_where_onednn_cannot_pack_bfloat16_runs_the_unfused_forward(tiny_model_dir, monkeypatch):
+    """oneDNN's bfloat16 packing needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only EPYC refused
+    it ("bf16 path needs the cpu support ...") and the model failed to load. Told that it cannot
+    pack, the model loads unfused and its logits equal the module-by-module forward's."""
+    monkeypatch.setitem(cpu_ops._PACKS, torch.bfloat16, False)
+    model, plain = load_model(tiny_model_dir, dtype=torch.bfloat16), load_model(tiny_model_dir, dtype=torch.bfloat16)
+    model.setup("cpu")
+    plain.setup("cpu", cpu_kernels=False)
+    assert not model.fused and model.packed_head is None
+    assert cpu_ops.PackedLinear(model.lm_head.weight).packed is None
+    a = model.args
+    runners = [
+        ModelRunner(m, KVPool(a.num_layers, 8, a.num_kv_heads, a.head_dim, dtype=torch.bfloat16))
+        for m in (model, plain)
+    ]
+    for step in _steps():
+        got, want = (r.execute(step) for r in runners)
+        torch.testing.assert_close(got, want, atol=0.25, rtol=0.25)
 
 
 def test_matmul_shapes_are_few_whatever_the_token_count():
@@ -121,6 +143,8 @@ def _steps():
 def test_fused_forward_matches_the_unfused_forward(tiny_model_dir, dtype, tol):
     """The fused CPU forward (packed projections, fused small ops, compiled attention) gives the
     logits of the module-by-module forward over the reference attention."""
+    if not cpu_ops.packs(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU (no AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
     fused, plain = load_model(tiny_model_dir, dtype=dtype), load_model(tiny_model_dir, dtype=dtype)
     plain.setup("cpu", cpu_kernels=False)
     assert fused.fused and fused.backend.name == "cpu" and not plain.fused
@@ -148,7 +172,7 @@ def test_argmax_rows_is_torch_argmax_with_ties_and_nan(vocab):
 
 def test_block_checks_its_inputs_before_the_kernels_run(tiny_model_dir):
     """A block call with a cache of another dtype, or too few positions, is a ValueError."""
-    from ringserve.gpu_proc.attention.metadata import build_step_inputs
+    from ringserve.gpu_proc.step_inputs import build_step_inputs
 
     model = load_model(tiny_model_dir)
     a = model.args

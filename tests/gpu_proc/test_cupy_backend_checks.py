@@ -7,8 +7,8 @@ import torch
 
 from ringserve.gpu_proc.attention import cupy_backend as cb
 from ringserve.gpu_proc.attention import cupy_checks as checks
-from ringserve.gpu_proc.attention.metadata import build_step_inputs
 from ringserve.gpu_proc.step import SeqStep, StepBatch
+from ringserve.gpu_proc.step_inputs import build_step_inputs
 
 CPU = torch.device("cpu")
 

@@ -12,7 +12,7 @@ import torch
 from ringserve.config import Config, ConfigError
 from ringserve.gpu_proc.model.llama import Llama
 from ringserve.gpu_proc.model.loader import CheckpointError, load_model, model_args_from_config, read_special_tokens
-from ringserve.tools.make_dummy_model import build_dummy_model, shape_config
+from ringserve.tools.commands.make_dummy_model import build_dummy_model, shape_config
 
 
 def _weightless_copy(model_dir, tmp_path):

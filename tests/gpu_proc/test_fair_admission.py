@@ -66,3 +66,22 @@ def test_memory_pressure_preempts_the_tenant_holding_the_most_blocks():
     assert b.is_running and b.state.name == "DECODE"
     preempted = [r for r in h.sched.snapshot().queued if r.tenant == "a"]
     assert preempted and all(r.state.name == "PREEMPTED" for r in preempted)
+
+
+def test_the_tenants_near_the_limit_are_published_and_cleared():
+    """`tenants_near_limit` names each tenant with over half the limit ahead of its next request,
+    that work and its Retry-After: here A and B each queue 1.25 s, so each has 2.5 s ahead (any
+    request of theirs gets 429); never a tenant with nothing queued (C, which is admitted); empty
+    again once the queues have drained."""
+    h = make_harness(num_blocks=8192, max_rows=8, queue_limit_s=2.0)
+    assert h.sched.tenants_near_limit(64) == {}
+    _fill(h, "a", 9, 0, max_tokens=1000, ignore_eos=True)  # 8 run, the 9th waits: 1.25 s
+    _fill(h, "b", 1, 100, max_tokens=1000, ignore_eos=True)  # waits: 1.25 s
+    near = h.sched.tenants_near_limit(64)
+    assert set(near) == {"a", "b"} and all(2400 < a < 2600 and 1 <= r <= 60 for a, r in near.values()), near
+    assert h.sched.admit(make_request(50, 1, 1, tenant="a", worker=1)).status == 429  # what the table says
+    assert h.sched.admit(make_request(51, 1, 1, tenant="c", worker=1)).accepted
+    for k in (*range(9), 100):
+        h.sched.cancel((1, k))
+    h.step()
+    assert h.sched.tenants_near_limit(64) == {}

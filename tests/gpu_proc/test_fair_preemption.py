@@ -59,7 +59,7 @@ def _run(tenants: list[Tenant], passes: int, **config) -> tuple[Harness, float, 
         first = {key for key, _ in h.tokens}
         batch = h.step()
         s = h.sched
-        ms += 24.5 + 0.48 * s.last_decode_rows + 0.1 * s.last_prefill_tokens
+        ms += 24.5 + 0.48 * s.last_shape.decode + 0.1 * s.last_shape.prefill
         for key, _ in h.tokens:
             if key not in first:
                 by_key[key].ttft.append(p + 1 - by_key[key].arrivals[key])

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 
 from ringserve.config import Config
@@ -56,8 +58,10 @@ class _Worker:
 
 
 @pytest.fixture
-def gpu_process(tiny_model_dir, tmp_path):
-    config = Config(num_blocks=64, max_rows=8, prefill_budget=32, context_limit=512, max_tokens_limit=256)
+def gpu_process(tiny_model_dir, tmp_path, request):
+    """The GPU process on the tiny model (`indirect` parameters: Config overrides)."""
+    overrides = getattr(request, "param", {})
+    config = Config(num_blocks=64, max_rows=8, prefill_budget=32, context_limit=512, max_tokens_limit=256, **overrides)
     shm = ShmInstance.create(ring_bytes=1 << 20, n_workers=1, directory=str(tmp_path))
     shm.control.bump_gpu_generation()
     shm.control.start_worker_slot(0, os.getpid())
@@ -92,13 +96,13 @@ def gpu_process(tiny_model_dir, tmp_path):
     shm.close()
 
 
-def _submit(rid, prompt, max_tokens=8, **sampling):
+def _submit(rid, prompt, max_tokens=8, tenant="t", **sampling):
     sampling.setdefault("temperature", 0.0)
     now = time.time()
     return M.Submit(
         rid=rid,
         request_id=f"req-{rid}",
-        tenant="t",
+        tenant=tenant,
         prompt_ids=prompt,
         max_tokens=max_tokens,
         sampling=M.SamplingParams(ignore_eos=True, **sampling),
@@ -219,3 +223,92 @@ def test_restarted_worker_keeps_its_own_requests_and_loses_its_predecessors(gpu_
     others = {t.rid for m in successor.messages if isinstance(m, M.StepOutput) for t in m.tokens} - {mine}
     assert others <= {dead} and M.rid_generation(dead) != new_gen
     successor.pump(lambda: shm.control.gpu_stats.read()["kv_blocks_free"] == 64)
+
+
+def test_step_in_flight_names_the_running_step_and_is_cleared_after(gpu_process):
+    """While a step runs, the control block names its requests (slot, rid, fingerprint) under this
+    process's generation: what the supervisor reads after a death. Between steps and once idle,
+    nothing is in flight."""
+    shm, proc = gpu_process
+    w = _Worker(shm)
+    w.send(msgspec.structs.replace(_submit(1, [5 + i % 300 for i in range(400)], max_tokens=100), fingerprint=0xFEED))
+    w.send(msgspec.structs.replace(_submit(2, [7, 8, 9], max_tokens=100), fingerprint=0xBEEF))
+    seen: set[tuple[int, int, int]] = set()
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(seen) < 2 and time.monotonic() < deadline:
+        os.kill(proc.pid, signal.SIGSTOP)  # a step frozen mid-flight, as a death would leave it
+        try:
+            record = shm.control.step_record.read()
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        if record is not None and record.requests:
+            assert record.generation == shm.control.gpu_generation
+            seen |= {(r.slot, r.rid, r.fingerprint) for r in record.requests}
+        time.sleep(0.003)
+    assert seen == {(0, 1, 0xFEED), (0, 2, 0xBEEF)}
+    w.pump(lambda: w.finishes(1) and w.finishes(2))
+    w.pump(lambda: shm.control.gpu_stats.read()["running_rows"] == 0)
+    time.sleep(0.3)
+    assert shm.control.step_record.read().requests == ()
+
+
+def _pattern_grammar(n: int) -> str:
+    """The issue's schema (n patternProperties `^xI[a-z]+$` -> integer) in serialized form, as a
+    worker would submit it (450: ~10 s to compile on this machine)."""
+    import llguidance
+
+    from tests.helpers.grammars import pattern_schema
+
+    return llguidance.LLMatcher.grammar_from_json_schema(pattern_schema(n), defaults={"whitespace_flexible": False})
+
+
+def test_a_grammar_over_the_caps_is_refused_before_it_compiles(gpu_process):
+    """Whatever a worker let through, the GPU process measures a grammar before compiling it:
+    the 450-pattern schema is a 400 naming --grammar-max-patterns, at once."""
+    shm, proc = gpu_process
+    w = _Worker(shm)
+    t0 = time.monotonic()
+    w.send(_submit(1, [5, 6], grammar=_pattern_grammar(450)))
+    w.pump(lambda: w.reply(1))
+    reply = w.reply(1)
+    assert isinstance(reply, M.Rejected) and (reply.status, reply.code) == (400, "grammar_too_complex")
+    assert "--grammar-max-patterns" in reply.message and time.monotonic() - t0 < 1.0
+    w.send(_submit(2, [5, 6]))
+    w.pump(lambda: w.finishes(2))
+    assert proc.poll() is None
+
+
+@pytest.mark.parametrize("gpu_process", [{"grammar_max_patterns": 100_000, "grammar_timeout_s": 0.5}], indirect=True)
+def test_a_compile_past_its_deadline_holds_no_step_and_is_refused(gpu_process):
+    """The 450-pattern schema past the caps (raised here) compiles for seconds: it waits outside
+    the scheduler and is refused 400 grammar_too_complex at its deadline (2 x 0.5 s), while
+    another tenant's requests stream at their usual pace, the heartbeat beats, the process lives;
+    a resend is refused at once."""
+    shm, proc = gpu_process
+    w = _Worker(shm)
+    control = shm.control
+    w.send(_submit(1, [5, 6], max_tokens=4, tenant="a", grammar=_pattern_grammar(450), temperature=1.0))
+    t0 = time.monotonic()
+    w.send(_submit(2, [7, 8, 9], max_tokens=200, tenant="b"))
+    arrivals: list[float] = []
+    ages: list[float] = []
+
+    def progressed() -> bool:
+        n = len(w.tokens(2))
+        while len(arrivals) < n:
+            arrivals.append(time.monotonic())
+        ages.append(control.gpu_heartbeat_age_s() or 0.0)
+        return bool(w.reply(1)) and bool(w.finishes(2))
+
+    w.pump(progressed, timeout=30)
+    refused = w.reply(1)
+    assert isinstance(refused, M.Rejected) and (refused.status, refused.code) == (400, "grammar_too_complex")
+    assert "did not compile within 1 s" in refused.message
+    gaps = [b - a for a, b in zip([t0, *arrivals], arrivals)]
+    assert len(w.tokens(2)) == 200 and max(gaps) < 1.0, max(gaps)
+    assert max(ages) < 1.0, max(ages)
+    assert w.finishes(1) == [] and proc.poll() is None
+    t1 = time.monotonic()
+    w.send(_submit(3, [5, 6], max_tokens=4, tenant="a", grammar=_pattern_grammar(450)))
+    w.pump(lambda: w.reply(3))
+    assert w.reply(3).code == "grammar_too_complex" and time.monotonic() - t1 < 0.5

@@ -56,7 +56,7 @@ def _serve(
         )
         assert sched.admit(req).accepted
         if sp.grammar is not None:
-            engine.grammar.prepare(sp.grammar)
+            engine.grammar.compiler.wait(sp.grammar)
     out: dict[tuple[int, int], list[int]] = {}
     reasons: dict[int, FinishReason] = {}
     for step in range(4000):

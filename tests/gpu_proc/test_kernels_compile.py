@@ -20,8 +20,8 @@ import pytest
 
 from ringserve.gpu_proc.attention import cupy_backend
 from ringserve.gpu_proc.attention.cupy_executor import resident_ctas
-from ringserve.tools import kernel_resources, nvrtc
-from ringserve.tools.kernel_resources import instantiated_source
+from ringserve.tools.commands import kernel_resources, nvrtc
+from ringserve.tools.commands.kernel_resources import instantiated_source
 
 ARCHS = ("sm_80", "sm_90")
 CUPY_ADDED_OPTIONS = nvrtc.CUPY_ADDED_OPTIONS

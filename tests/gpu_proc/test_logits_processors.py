@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ringserve.gpu_proc import logits_processors as lp
+from ringserve.gpu_proc.executor import sample_rows
 from ringserve.gpu_proc.logits_processors import ControlsState
 from ringserve.gpu_proc.sampler import sample
 from ringserve.gpu_proc.step import RowControls, RowSampling, SeqStep
@@ -146,7 +147,7 @@ def test_logprobs_are_the_raw_distributions():
     logits = _logits(1, seed=3)
     raw = torch.log_softmax(logits[0].clone(), -1)
     row = _row(1, st, PROMPT, OUTPUT, temperature=0.0, logprobs=2)
-    out = ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample_rows(logits, [row])
+    out = sample_rows(ControlsState(VOCAB, {EOS}, torch.device("cpu")), logits, [row])
     assert out.token_ids == [11]
     assert out.logprobs[0] == pytest.approx(raw[11].item(), abs=1e-5)
     top = torch.topk(raw, 2)
@@ -187,10 +188,10 @@ def test_seeded_rows_with_controls_are_batch_invariant():
     for seed in range(20):
         logits = _logits(3, seed=100 + seed)
         row = _row(1, st, PROMPT, OUTPUT, temperature=0.9, seed=seed)
-        alone += ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample_rows(logits[1:2].clone(), [row]).token_ids
+        alone += sample_rows(ControlsState(VOCAB, {EOS}, torch.device("cpu")), logits[1:2].clone(), [row]).token_ids
         batch = [_row(2, other, PROMPT, [], 0.5, seed=7), row, _row(3, None, PROMPT, OUTPUT, 1.0, seed=9)]
         together.append(
-            ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample_rows(logits.clone(), batch).token_ids[1]
+            sample_rows(ControlsState(VOCAB, {EOS}, torch.device("cpu")), logits.clone(), batch).token_ids[1]
         )
     assert alone == together
     assert len(set(alone)) > 3  # really sampled, not one forced token
@@ -204,7 +205,7 @@ def test_controls_change_what_is_sampled():
     plain = sample(
         logits.clone(), [RowSampling(temperature=1.0, seed=i) for i in range(4)], [s.context_len for s in rows]
     ).token_ids
-    biased = ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample_rows(logits.clone(), rows).token_ids
+    biased = sample_rows(ControlsState(VOCAB, {EOS}, torch.device("cpu")), logits.clone(), rows).token_ids
     assert biased == [17] * 4 and plain != biased
 
 
@@ -216,8 +217,8 @@ def test_masks_that_leave_nothing_still_keep_the_allowed_set():
         logits = _logits(1, seed=seed)
         logits[0, 9] = -50.0  # neither allowed token is likely: a raw fallback would pick another
         logits[0, EOS] = -50.0
-        out = ControlsState(VOCAB, {EOS}, torch.device("cpu")).sample_rows(
-            logits, [_row(1, st, PROMPT, [], 1.0, seed=seed)]
+        out = sample_rows(
+            ControlsState(VOCAB, {EOS}, torch.device("cpu")), logits, [_row(1, st, PROMPT, [], 1.0, seed=seed)]
         )
         assert out.token_ids[0] in (EOS, 9)
 

@@ -14,9 +14,9 @@ import torch
 from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.model.loader import load_model, read_special_tokens
 from ringserve.gpu_proc.model_runner import ModelRunner
-from ringserve.gpu_proc.offline import OfflineRequest, generate
+from ringserve.gpu_proc.offline import GREEDY, OfflineRequest, generate
 from ringserve.gpu_proc.step import RowSampling, SeqStep, StepBatch
-from ringserve.tools.make_tiny_model import TinyModelSpec, build_tiny_model
+from ringserve.tools.commands.make_tiny_model import TinyModelSpec, build_tiny_model
 
 TEXTS = [
     "",
@@ -97,7 +97,7 @@ def test_greedy_tokens_match_transformers_generate(model_dir, speculative):
     runner = _runner(model_dir)
     eos = read_special_tokens(model_dir).eos_token_ids
     # EOS ends a row in both (transformers reads it from generation_config.json).
-    reqs = [OfflineRequest(prompt_ids=p, max_tokens=NEW_TOKENS) for p in prompts]
+    reqs = [OfflineRequest(prompt_ids=p, max_tokens=NEW_TOKENS, sampling=GREEDY) for p in prompts]
     results = generate(runner, reqs, eos_token_ids=eos, prefill_budget=48, block_seed=5, speculative=speculative)
     hf = _hf(model_dir)
     for p, r in zip(prompts, results):

@@ -2,7 +2,7 @@
 
 import json
 
-from ringserve.tools import bench_prefix
+from ringserve.tools.bench import prefix as bench_prefix
 
 
 def test_bench_prefix_json_report(tiny_model_dir, capsys):

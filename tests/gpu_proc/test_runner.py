@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
+import msgspec
 import pytest
 import torch
 
-from ringserve.gpu_proc.attention.metadata import StepBatchError
 from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.model.loader import load_model, read_special_tokens
 from ringserve.gpu_proc.model_runner import ModelRunner
 from ringserve.gpu_proc.offline import OfflineRequest, StepRecord, generate
 from ringserve.gpu_proc.step import RowSampling, SeqStep, StepBatch
+from ringserve.gpu_proc.step_inputs import StepBatchError
+from ringserve.shm.messages import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +42,7 @@ def _mixed_requests(vocab, n=32, seed=0, **sampling):
         OfflineRequest(
             prompt_ids=[rng.randrange(2, vocab) for _ in range(k)],
             max_tokens=rng.randrange(12, 20),
-            ignore_eos=True,
-            **sampling,
+            sampling=SamplingParams(**{"temperature": 0.0, "seed": 0, "ignore_eos": True, **sampling}),
         )
         for k in lens
     ]
@@ -67,12 +69,15 @@ def test_greedy_batch_invariance_32_mixed_rows(model, eos):
 def test_seeded_batch_invariance_32_mixed_rows(model, eos):
     """Seeded sampling gives the same tokens alone and in a 32-row mixed step; seeds matter."""
     reqs = _mixed_requests(model.args.vocab_size, seed=1, temperature=0.9, top_p=0.95)
-    reqs = [OfflineRequest(**{**r.__dict__, "seed": i}) for i, r in enumerate(reqs)]
+    reqs = [replace(r, sampling=msgspec.structs.replace(r.sampling, seed=i)) for i, r in enumerate(reqs)]
     alone, batched = _alone_vs_batched(model, eos, reqs)
     assert alone == batched
-    reseeded = [OfflineRequest(**{**r.__dict__, "seed": 1000 + i}) for i, r in enumerate(reqs[:8])]
+    reseeded = [replace(r, sampling=msgspec.structs.replace(r.sampling, seed=1000 + i)) for i, r in enumerate(reqs[:8])]
     other = [r.token_ids for r in generate(_runner(model), reseeded, eos_token_ids=eos)]
     assert other != batched[:8]
+
+
+SEEDED = SamplingParams(temperature=1.0, seed=77, ignore_eos=True)
 
 
 def test_recompute_after_preemption_continues_identically(model, eos):
@@ -82,13 +87,13 @@ def test_recompute_after_preemption_continues_identically(model, eos):
     prompt = [rng.randrange(2, model.args.vocab_size) for _ in range(40)]
     full = generate(
         _runner(model),
-        [OfflineRequest(prompt_ids=prompt, max_tokens=12, temperature=1.0, seed=77, ignore_eos=True)],
+        [OfflineRequest(prompt_ids=prompt, max_tokens=12, sampling=SEEDED)],
         eos_token_ids=eos,
     )[0].token_ids
     # Positions fix the randomness, so resuming from prompt + 5 tokens at the same positions matches.
     resumed = generate(
         _runner(model),
-        [OfflineRequest(prompt_ids=prompt + full[:5], max_tokens=7, temperature=1.0, seed=77, ignore_eos=True)],
+        [OfflineRequest(prompt_ids=prompt + full[:5], max_tokens=7, sampling=SEEDED)],
         eos_token_ids=eos,
     )[0].token_ids
     assert resumed == full[5:]
@@ -137,3 +142,9 @@ def test_pool_must_match_model(model):
     """A KV pool shaped for another model is refused at construction."""
     with pytest.raises(ValueError, match="does not match"):
         ModelRunner(model, KVPool(model.args.num_layers + 1, 8, model.args.num_kv_heads, model.args.head_dim))
+
+
+def test_offline_requests_answer_to_the_servers_rules():
+    """An offline request's sampling settings are checked by the rule the server checks a body by."""
+    with pytest.raises(ValueError, match="temperature must be between 0 and 2"):
+        OfflineRequest(prompt_ids=[1], max_tokens=1, sampling=SamplingParams(temperature=3.0))

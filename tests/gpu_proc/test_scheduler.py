@@ -238,7 +238,7 @@ def test_step_times_recalibrate_admission_costs():
     h.step()
     before = h.sched.stats().c_decode_ms
     h.step()  # one decode row
-    assert (h.sched.last_decode_rows, h.sched.last_prefill_tokens) == (1, 0)
+    assert (h.sched.last_shape.decode, h.sched.last_shape.prefill, h.sched.last_shape.kind) == (1, 0, "decode")
     for _ in range(50):
         h.sched.observe_step_time(60.0)
     slow = h.sched.stats().c_decode_ms
@@ -308,3 +308,27 @@ def test_finished_requests_are_released_before_their_deadline():
     gc.collect()
     held = sum(1 for o in gc.get_objects() if type(o) is Request)
     assert held <= 64 + 8
+
+
+def test_step_requests_name_what_the_step_feeds_once_per_submit():
+    """What the step-in-flight record names (`Scheduler.step_requests`): a running request whose
+    chunk the budget left out of this step is not in it, nor a queued one; two samples of one
+    Submit are one request."""
+    h = make_harness(num_blocks=64, block_size=4, max_rows=2, prefill_budget=4)
+    a, b, c = (make_request(i, 40, max_tokens=4, ignore_eos=True) for i in (1, 2, 3))
+    for r in (a, b, c):
+        assert h.sched.admit(r).accepted
+    batch = h.sched.schedule(h.now)
+    assert {s.seq_id for s in batch.seqs} == {a.seq_id}  # b joined (a row is free) but got no budget
+    assert b.state == RequestState.PREFILL and c.state == RequestState.QUEUED
+    assert h.sched.step_requests(batch) == [a]
+    h.sched.update(h.engine.run(batch))
+    h.run_until_idle()
+    twins = make_request(4, 3, max_tokens=6, ignore_eos=True, n=2)
+    assert h.sched.admit(twins).accepted
+    for _ in range(4):
+        batch = h.sched.schedule(h.now)
+        named = h.sched.step_requests(batch)
+        assert [r.key for r in named] == [twins.key] and len(named) == 1
+        h.sched.update(h.engine.run(batch))
+    assert len(batch.seqs) == 2  # both samples decode in the last of those steps

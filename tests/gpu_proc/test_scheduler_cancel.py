@@ -156,18 +156,32 @@ def test_queued_work_over_limit_is_429_with_retry_after():
 
 
 def test_requests_that_can_start_now_are_never_refused_for_load():
-    """An idle 32-row server takes 32 long requests at once, however costly each is priced; the
-    33rd is the first waiting work and is admitted too (nothing waited before it); the work
-    behind it is refused. After a pass the 32 run and the queue holds only what waits, priced at
-    all its 1,000 tokens (EOS ignored, no stop ids: it will generate them all)."""
+    """An idle 32-row server takes 32 long requests at once, however costly each is priced (their
+    prompts all fit in the next step); the 33rd is the first waiting work and is admitted too
+    (nothing waited before it); the work behind it is refused. After a pass the 32 run and the
+    queue holds only what waits, priced at all its 1,000 tokens (EOS ignored, no stop ids: it will
+    generate them all)."""
     h = make_harness(num_blocks=4096, queue_limit_s=0.5, max_rows=32)
-    decisions = [h.sched.admit(make_request(i, 100, max_tokens=1000, ignore_eos=True)) for i in range(40)]
+    decisions = [h.sched.admit(make_request(i, 20, max_tokens=1000, ignore_eos=True)) for i in range(40)]
     assert [d.status for d in decisions] == [200] * 33 + [429] * 7
     h.step()
     s = h.sched.stats()
     assert (s.running_rows, s.queue_depth) == (32, 1) and abs(
-        s.queued_gpu_seconds - (100 * 0.1 + 1000 * 1.25) / 1000
-    ) < 1e-9
+        s.queued_gpu_seconds - (20 * 0.1 + 1000 * 1.25) / 1000
+    ) < 1e-6
+
+
+def test_prefill_that_joined_requests_still_owe_is_work_ahead():
+    """Issue 32: long prompts all "join at the next pass" while rows are free, but their chunks
+    run one after another, so each waits for the prefill of those before it as for a queue. At
+    0.1 ms a prompt token, 4,000-token prompts owe 400 ms each: the 5th would wait 1.6 s behind
+    the first four and cost 0.41 s itself, over the 2 s limit: 429 with a Retry-After (before,
+    all 20 were admitted, and the last waited 7.6 s for its first token)."""
+    h = make_harness(num_blocks=8192, queue_limit_s=2.0, max_rows=32)
+    decisions = [h.sched.admit(make_request(i, 4000, max_tokens=8)) for i in range(20)]
+    assert [d.status for d in decisions] == [200] * 4 + [429] * 16
+    assert decisions[4].retry_after_s is not None and decisions[4].retry_after_s >= 1
+    h.sched.check_integrity()
 
 
 def test_duplicate_key_is_refused():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ringserve.gpu_proc.speculation import NgramIndex, Speculator, StepYield, accepted_prefix
+from ringserve.gpu_proc.step_shape import StepShape
 from tests.helpers.scheduler_fakes import copying_token, expected_stream, make_harness, make_request
 
 SPEC = {"speculative": "ngram", "num_speculative_tokens": 4, "ngram_min": 1, "ngram_max": 3}
@@ -208,7 +209,7 @@ def test_a_compute_bound_batch_gets_no_drafts():
     h = make_harness(64, model=copying_token, max_rows=4, **SPEC)
     for _ in range(300):  # steps that cost 2 ms a row and nothing more
         for rows in (1, 2, 3, 4):
-            h.sched.observe_step_time(2.0 * rows, 0, rows)
+            h.sched.observe_step_time(2.0 * rows, StepShape.decode_rows(rows, 12))
     for r in reqs:
         assert h.sched.admit(r).accepted
     h.run_until_idle()

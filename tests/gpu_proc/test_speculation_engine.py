@@ -52,7 +52,7 @@ def _serve(engines, spec: bool, sampling: list[SamplingParams], prompts, max_tok
         )
         assert sched.admit(req).accepted
         if sp.grammar is not None:
-            engine.grammar.prepare(sp.grammar)
+            engine.grammar.compiler.wait(sp.grammar)
         if not together:
             serve_until_idle(sched, engine, out)
     serve_until_idle(sched, engine, out)

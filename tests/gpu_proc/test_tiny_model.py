@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ringserve.tools.make_tiny_model import BOS_TOKEN, EOS_TOKEN, TinyModelSpec, build_tiny_model, main
+from ringserve.tools.commands.make_tiny_model import BOS_TOKEN, EOS_TOKEN, TinyModelSpec, build_tiny_model, main
 
 
 def _tokenizer(model_dir):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ringserve.gpu_proc.attention.metadata import build_step_inputs
 from ringserve.gpu_proc.attention.reference import paged_attention, write_kv
 from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.step import SeqStep, StepBatch
+from ringserve.gpu_proc.step_inputs import build_step_inputs
 
 BS = 16
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from ringserve.tools.envoy_config import REPLICA_HEADER
-from ringserve.tools.fleet import envoy_healthy
-from ringserve.tools.sse_stream import DONE, iter_sse
+from ringserve.tools.fleet.envoy_config import REPLICA_HEADER
+from ringserve.tools.fleet.replicas import envoy_healthy
+from ringserve.tools.harness.sse_stream import DONE, iter_sse
 
 VIOLATIONS = ("refused_bare", "lost")
 

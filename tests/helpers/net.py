@@ -6,8 +6,8 @@ import json
 import urllib.error
 import urllib.request
 
-from ringserve.tools.metrics_page import scrape
-from ringserve.tools.ports import free_port as free_port  # re-exported: the tests import it from here
+from ringserve.tools.harness.metrics_page import scrape
+from ringserve.tools.harness.ports import free_port as free_port  # re-exported: the tests import it from here
 
 
 def http_json(

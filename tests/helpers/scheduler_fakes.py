@@ -165,12 +165,19 @@ class Harness:
         raise AssertionError(f"still busy after {max_steps} steps")
 
 
-def make_harness(num_blocks: int = 64, model=fake_token, **config) -> Harness:
+def make_harness(num_blocks: int = 64, model=fake_token, calibration=(), **config) -> Harness:
+    """A harness whose scheduler prices steps from `calibration` (timed steps, as the GPU process
+    measures at start-up) or, with none, from the configured constants."""
     config.setdefault("queue_limit_s", 1e6)
     cfg = Config(**config)
     h = Harness(sched=None, engine=FakeEngine(num_blocks, cfg.block_size, model))  # type: ignore[arg-type]
     h.sched = Scheduler(
-        cfg, BlockManager(num_blocks, cfg.block_size), eos_token_ids={EOS}, clock=lambda: h.now, rng=random.Random(7)
+        cfg,
+        BlockManager(num_blocks, cfg.block_size),
+        eos_token_ids={EOS},
+        clock=lambda: h.now,
+        rng=random.Random(7),
+        calibration=calibration,
     )
     return h
 

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from ringserve.tools.server_process import ChildServer
+from ringserve.tools.harness.server_process import ChildServer
 from tests.helpers.net import free_port, metrics
 
 

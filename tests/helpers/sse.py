@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ringserve.tools.sse_stream import iter_sse  # noqa: F401 (the tests read streams as the tools do)
+from ringserve.tools.harness.sse_stream import iter_sse  # noqa: F401 (the tests read streams as the tools do)
 
 
 def sse_events(raw: bytes | str) -> list:

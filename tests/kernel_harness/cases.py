@@ -11,8 +11,8 @@ import random
 
 import torch
 
-from ringserve.gpu_proc.attention.metadata import build_step_inputs
 from ringserve.gpu_proc.step import SeqStep, StepBatch
+from ringserve.gpu_proc.step_inputs import build_step_inputs
 
 BS = 16
 # atol, rtol per dtype: |got - oracle| <= atol + rtol * |oracle|

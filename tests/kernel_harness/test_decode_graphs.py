@@ -17,6 +17,7 @@ from ringserve.gpu_proc.model.loader import load_model
 from ringserve.gpu_proc.model_runner import ModelRunner
 from ringserve.gpu_proc.offline import OfflineRequest, generate
 from ringserve.gpu_proc.step import RowSampling, SeqStep, StepBatch
+from ringserve.shm.messages import SamplingParams
 
 from .executor import HarnessExecutor
 
@@ -64,7 +65,11 @@ def test_replayed_decode_steps_give_the_eager_tokens(tiny_model_dir):
     runner.graphs.capture_all()
     vocab = runner.model.args.vocab_size
     reqs = [
-        OfflineRequest(prompt_ids=[(7 * i + 3 * j) % (vocab - 3) + 3 for j in range(n)], max_tokens=6, ignore_eos=True)
+        OfflineRequest(
+            prompt_ids=[(7 * i + 3 * j) % (vocab - 3) + 3 for j in range(n)],
+            max_tokens=6,
+            sampling=SamplingParams(temperature=0.0, ignore_eos=True),
+        )
         for i, n in enumerate((5, 40, 1, 17, 3))
     ]
     want = [r.token_ids for r in generate(want_runner, reqs, eos_token_ids=frozenset(), prefill_budget=32)]

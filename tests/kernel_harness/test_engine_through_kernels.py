@@ -16,6 +16,7 @@ from ringserve.gpu_proc.model.loader import load_model
 from ringserve.gpu_proc.model_runner import ModelRunner
 from ringserve.gpu_proc.offline import OfflineRequest, generate
 from ringserve.gpu_proc.step import RowSampling, SeqStep, StepBatch
+from ringserve.shm.messages import SamplingParams
 
 from .executor import HarnessExecutor
 
@@ -35,10 +36,9 @@ def _requests(vocab: int, lengths, temperature=0.0, max_tokens=8) -> list[Offlin
         OfflineRequest(
             prompt_ids=[rng.randrange(3, vocab) for _ in range(n)],
             max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=0.9 if temperature else 1.0,
-            seed=i,
-            ignore_eos=True,
+            sampling=SamplingParams(
+                temperature=temperature, top_p=0.9 if temperature else 1.0, seed=i, ignore_eos=True
+            ),
         )
         for i, n in enumerate(lengths)
     ]

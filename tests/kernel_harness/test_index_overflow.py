@@ -17,9 +17,9 @@ import torch
 
 from ringserve.gpu_proc.attention import reference
 from ringserve.gpu_proc.attention.cupy_backend import AttentionKernels
-from ringserve.gpu_proc.attention.metadata import build_step_inputs
 from ringserve.gpu_proc.kv_sizing import plan_for_model
 from ringserve.gpu_proc.step import SeqStep, StepBatch
+from ringserve.gpu_proc.step_inputs import build_step_inputs
 
 from .cases import TOL
 from .executor import HarnessExecutor

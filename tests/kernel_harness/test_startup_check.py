@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 import torch
 
@@ -18,9 +19,11 @@ from ringserve.gpu_proc.executor import build_executor
 from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.model.loader import load_model
 from ringserve.gpu_proc.model_runner import ModelRunner
-from ringserve.gpu_proc.offline import OfflineRequest, generate
+from ringserve.gpu_proc.offline import GREEDY, OfflineRequest, generate
 
 from .executor import HarnessExecutor
+
+GREEDY_TO_LENGTH = msgspec.structs.replace(GREEDY, ignore_eos=True)
 
 CONFIG = Config(device="cpu", dtype="float32", num_blocks=64, cpu_kernels=False)
 
@@ -46,7 +49,7 @@ class Corrupting(HarnessExecutor):
 def _requests(vocab: int) -> list[OfflineRequest]:
     rng = random.Random(3)
     return [
-        OfflineRequest(prompt_ids=[rng.randrange(3, vocab) for _ in range(n)], max_tokens=8, ignore_eos=True)
+        OfflineRequest(prompt_ids=[rng.randrange(3, vocab) for _ in range(n)], max_tokens=8, sampling=GREEDY_TO_LENGTH)
         for n in (5, 40, 70, 1)
     ]
 

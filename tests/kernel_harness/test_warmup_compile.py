@@ -21,6 +21,7 @@ from ringserve.gpu_proc.model.loader import load_model
 from ringserve.gpu_proc.model_runner import ModelRunner
 from ringserve.gpu_proc.offline import OfflineRequest, generate
 from ringserve.gpu_proc.warmup import warm_up
+from ringserve.shm.messages import SamplingParams
 
 from .executor import HarnessExecutor, KernelFault
 
@@ -49,7 +50,12 @@ def _runner(model_dir, executor) -> ModelRunner:
 
 
 def _serve(runner) -> None:
-    reqs = [OfflineRequest(prompt_ids=list(range(3, 3 + n)), max_tokens=4, ignore_eos=True) for n in (30, 1, 9)]
+    reqs = [
+        OfflineRequest(
+            prompt_ids=list(range(3, 3 + n)), max_tokens=4, sampling=SamplingParams(temperature=0.0, ignore_eos=True)
+        )
+        for n in (30, 1, 9)
+    ]
     generate(runner, reqs, eos_token_ids=frozenset(), prefill_budget=16)
 
 

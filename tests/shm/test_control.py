@@ -9,6 +9,7 @@ import pytest
 
 from ringserve.api.worker_stats import WorkerStats
 from ringserve.shm import layout as L
+from ringserve.shm import stats_schema as S
 from ringserve.shm.control import Control, ControlError, TornReadError
 
 
@@ -51,7 +52,7 @@ def test_worker_slots_and_summed_stats():
     ctl.worker_heartbeat(1)
     slot = ctl.worker_slot(1)
     assert slot["pid"] == 43 and slot["generation"] == 2 and slot["heartbeat_age_s"] >= 0
-    ttft = L.HISTOGRAMS[0]
+    ttft = S.HISTOGRAMS[0]
     for i in range(3):
         stats = WorkerStats()  # what a worker counts and publishes into its slot
         stats.add("requests_total", i + 1)
@@ -72,14 +73,14 @@ def test_gpu_stats_round_trip():
     ctl.gpu_stats.update({"queue_depth": 3, "kv_blocks_free": 100.0})
     ctl.gpu_stats.publish()
     stats = Control(ctl._buf).gpu_stats.read()
-    assert set(stats) == set(L.GPU_STAT_NAMES)
+    assert set(stats) == set(S.GPU_STAT_NAMES)
     assert stats["queue_depth"] == 3 and stats["kv_blocks_free"] == 100.0 and stats["steps"] == 0
 
 
 def _hammer(buf, rounds: int) -> None:
     stats = Control(buf).gpu_stats
     for i in range(rounds):
-        stats.update({name: float(i) for name in L.GPU_STAT_NAMES})
+        stats.update({name: float(i) for name in S.GPU_STAT_NAMES})
         stats.publish()
 
 
@@ -131,3 +132,20 @@ def test_gpu_exit_note_and_restart_status():
     status = Control(ctl._buf).restart_status()
     assert status["state"] == "restarting" and status["failures"] == 3 and status["retry_at"] == 12.5
     assert status["last_error"].startswith("xxx") and len(status["last_error"]) < L.CTRL_NOTE_BYTES
+
+
+def test_tenants_near_the_limit_round_trip_and_are_trimmed_to_the_region():
+    """The GPU process's table for the workers' refusals at once: empty at first, read back as
+    written with its queue limit, its sequence moving only on a write; a table too large for the
+    region keeps its first (most work ahead) entries instead of failing the GPU loop."""
+    ctl = _make_control()
+    seq0, limit, table = ctl.refusals()
+    assert (limit, table) == (0.0, {})
+    ctl.set_refusals(2000.0, {"k-aaaa": (2100, 3), "k-bbbb": (1500, 60)})
+    seq1, limit, table = Control(ctl._buf).refusals()
+    assert (limit, table) == (2000.0, {"k-aaaa": (2100, 3), "k-bbbb": (1500, 60)})
+    assert seq1 != seq0 and ctl.refusals_sequence == seq1
+    many = {f"tenant-{i:04d}-" + "x" * 100: (3000 - i, 5) for i in range(200)}
+    ctl.set_refusals(2000.0, many)
+    _, _, table = ctl.refusals()
+    assert 0 < len(table) <= L.MAX_REFUSED_TENANTS and list(table) == list(many)[: len(table)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringserve.tools import bench_kernels as bk
+from ringserve.tools.bench import kernels as bk
 
 
 def test_seven_b_weight_bytes_are_the_seeds_14_gb():

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import math
 
-from ringserve.tools import bench_peers
-from ringserve.tools.bench_peers import Answer, agreement, failures, palindrome, summarize
-from ringserve.tools.peer_servers import probe_vllm, vllm_settings
-from ringserve.tools.peer_workloads import copy_prompts, flops_per_token, text_prompts
+from ringserve.tools.bench import peers as bench_peers
+from ringserve.tools.bench.peer_servers import probe_vllm, vllm_settings
+from ringserve.tools.bench.peer_workloads import copy_prompts, flops_per_token, text_prompts
+from ringserve.tools.bench.peers import Answer, agreement, failures, palindrome, summarize
 
 
 def test_summary_counts_tokens_and_flags_short_answers():

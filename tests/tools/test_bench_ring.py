@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ringserve.tools import bench_ring
+from ringserve.tools.bench import ring as bench_ring
 
 
 def test_json_report_has_the_ratios(capsys):

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from ringserve.cli import main as cli_main
-from ringserve.tools import bench_sched
+from ringserve.tools.bench import sched_overhead as bench_sched
 
 
 def test_json_output_has_keys_and_full_rows(capsys):

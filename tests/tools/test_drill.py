@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ringserve.tools import drill
-from ringserve.tools.drill import StreamResult, _report, attach_control, find_instance, format_table, run_drill
+from ringserve.tools.harness import drill
+from ringserve.tools.harness.drill import StreamResult, _report, attach_control, find_instance, format_table, run_drill
 from tests.helpers.net import http_json
 from tests.helpers.server import ServerProcess
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from ringserve.tools.sched_sim import percentile
+from ringserve.tools.bench.sched_sim import percentile
 from tests.helpers.net import metrics
 from tests.helpers.server import ServerProcess
 from tests.helpers.sse import iter_sse

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from ringserve.tools import soak
+from ringserve.tools.harness import soak
 
 
 def test_server_pids_finds_grandchildren():
@@ -44,6 +44,12 @@ def test_cost_model_check_fails_on_what_issue_21_saw():
     assert not soak.cost_model_check(steps, good | {"ringserve_cost_model_resets_total": 1.0})[0]
     assert not soak.cost_model_check([(3.0, 0.3)] * 3, good)[0]
     assert not soak.cost_model_check([], good)[0]
+    kind = good | {'ringserve_cost_steps_total{kind="prefill"}': 500.0, 'ringserve_cost_ratio{kind="prefill"}': 1.1}
+    assert soak.cost_model_check(steps, kind)[0]
+    assert not soak.cost_model_check(steps, kind | {'ringserve_cost_ratio{kind="prefill"}': 2.5})[0]  # issue 32
+    assert soak.cost_model_check(
+        steps, kind | {'ringserve_cost_steps_total{kind="prefill"}': 20.0, 'ringserve_cost_ratio{kind="prefill"}': 2.5}
+    )[0]  # too few to judge
 
 
 def test_short_soak_passes_every_check(tiny_model_dir, capsys):

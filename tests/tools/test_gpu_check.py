@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringserve.tools import gpu_check
-from ringserve.tools.gpu_check_wheels import IMAGE, carried
+from ringserve.tools.commands import gpu_check
+from ringserve.tools.harness.gpu_check_wheels import IMAGE, carried
 
 REPO = Path(__file__).resolve().parents[2]
 PY = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -114,7 +114,7 @@ def test_dry_run_installs_offline_and_imports_everything_from_an_image_like_venv
     env.pop("VIRTUAL_ENV", None)
     out = tmp_path / "gpu-check.json"
     run = subprocess.run(
-        ["bash", str(REPO / "tools" / "device_check.sh"), str(wheels), "--dry-run", "--out", str(out)],
+        ["bash", str(REPO / "tools" / "commands" / "device_check.sh"), str(wheels), "--dry-run", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from ringserve.tools import sched_compare
-from ringserve.tools.hf_baseline import compare, load_hf_model, markdown, run_hf
-from ringserve.tools.trace import TraceRequest
+from ringserve.tools.bench import sched_compare
+from ringserve.tools.bench.hf_baseline import compare, load_hf_model, markdown, run_hf
+from ringserve.tools.harness.trace import TraceRequest
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringserve.tools import hostile_check
+from ringserve.tools.harness import hostile_check
 
 
 def test_unknown_case_is_a_usage_error(capsys):

@@ -12,9 +12,9 @@ import urllib.request
 
 import pytest
 
-from ringserve.tools import loadtest
-from ringserve.tools.load_report import RequestRecord, goodput, summarize_rate
-from ringserve.tools.trace import TraceRequest
+from ringserve.tools.harness import loadtest
+from ringserve.tools.harness.loadtest_report import RequestRecord, goodput, summarize_rate
+from ringserve.tools.harness.trace import TraceRequest
 from tests.helpers.net import free_port
 
 
@@ -68,7 +68,8 @@ def test_parse_metrics_reads_ours_and_vllm_names():
         "# TYPE ringserve_running_rows gauge\nringserve_running_rows 7.0\n"
         "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.25\n"
         "# TYPE ringserve_preemptions counter\nringserve_preemptions_total 3.0\n"
-        "# TYPE ringserve_rejected_429 counter\nringserve_rejected_429_total 2.0\n"
+        "# TYPE ringserve_requests_rejected counter\n"
+        'ringserve_requests_rejected_total{status="400"} 5.0\nringserve_requests_rejected_total{status="429"} 2.0\n'
     )
     assert loadtest.parse_metrics(ours) == {
         "running_rows": 7.0,

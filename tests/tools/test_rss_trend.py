@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ringserve.tools.rss_trend import MIB, judge, write_report
+from ringserve.tools.harness.rss_trend import MIB, judge, write_report
 
 
 def _series(minutes: float, rss_mib) -> list[tuple[float, int]]:

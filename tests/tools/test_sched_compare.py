@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from ringserve.tools import sched_compare
-from ringserve.tools.batchers import ContinuousPolicy, RunToCompletionPolicy
-from ringserve.tools.sched_sim import DESIGN_7B_A100, SimExecutor, StepCost, replay
-from ringserve.tools.trace import TraceRequest, builtin_mix, poisson_arrivals, scaled
+from ringserve.tools.bench import sched_compare
+from ringserve.tools.bench.batchers import ContinuousPolicy, RunToCompletionPolicy
+from ringserve.tools.bench.sched_sim import DESIGN_7B_A100, SimExecutor, StepCost, replay
+from ringserve.tools.harness.trace import TraceRequest, builtin_mix, poisson_arrivals, scaled
 
 FLAT = StepCost(10.0, 1.0, 0.1)  # easy numbers: 10 ms + 1 ms/row + 0.1 ms/prompt token
 
@@ -109,7 +109,7 @@ def test_real_engine_replay_and_fit(tiny_model_dir):
 
     from ringserve.config import Config
     from ringserve.gpu_proc.executor import build_executor
-    from ringserve.tools.sched_sim import EngineExecutor
+    from ringserve.tools.bench.sched_sim import EngineExecutor
 
     torch.set_num_threads(1)
     engine = build_executor(Config(device="cpu", dtype="float32", num_blocks=256), tiny_model_dir)

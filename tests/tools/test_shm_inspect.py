@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from ringserve.tools import shm_inspect
+from ringserve.tools.commands import shm_inspect
 
 _HOLDER = textwrap.dedent("""
     import sys
@@ -117,7 +117,7 @@ def test_watch_redraws_and_shows_pool_and_slots(holder, capsys):
 
 def test_prefix_cache_hit_rate():
     """The hit rate is hits over lookups, and a dash before any lookup."""
-    from ringserve.tools.shm_inspect import _hit_rate
+    from ringserve.tools.commands.shm_inspect import _hit_rate
 
     assert _hit_rate({"prefix_cache_queries": 200.0, "prefix_cache_hits": 150.0}) == "75.0%"
     assert _hit_rate({"prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0}) == "-"
@@ -126,7 +126,7 @@ def test_prefix_cache_hit_rate():
 def test_speculation_mean_accepted_length():
     """Tokens a drafting row emits per verifying step: 1 + kept draft tokens per draft; a dash
     before any draft."""
-    from ringserve.tools.shm_inspect import _accepted_length
+    from ringserve.tools.commands.shm_inspect import _accepted_length
 
     assert _accepted_length({"spec_decode_num_drafts": 10.0, "spec_decode_num_accepted_tokens": 23.0}) == "3.30"
     assert _accepted_length({"spec_decode_num_drafts": 0.0}) == "-"

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from ringserve.tools.trace import CONTEXT_LIMIT, TraceRequest, builtin_mix, poisson_arrivals, read_jsonl, scaled
+from ringserve.tools.harness.trace import CONTEXT_LIMIT, TraceRequest, builtin_mix, poisson_arrivals, read_jsonl, scaled
 
 
 def test_builtin_mix_stays_in_the_seed_ranges_and_context():

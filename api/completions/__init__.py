@@ -1,0 +1,1 @@
+"""The /v1/completions route: its body (one prompt or a batch) and its answer."""

@@ -1,0 +1,1 @@
+"""The /v1/responses route: its body and input items, the answer's events and output items, the stored responses."""

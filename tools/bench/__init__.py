@@ -1,0 +1,1 @@
+"""Benchmarks (`ringserve bench …`): each `bench` subcommand's module, and the peers, traces and batchers they replay."""

@@ -1,0 +1,1 @@
+"""The product commands beside `ringserve serve`: the shm inspector, fetch-model, make-tiny-model and make-dummy-model, gpu-check (with device_check.sh), kernel-resources and the NVRTC loader it compiles with."""

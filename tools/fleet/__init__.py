@@ -1,0 +1,1 @@
+"""The fleet: `ringserve fleet` runs N replicas behind one Envoy, the Envoy config it generates, and a probe of a running fleet."""
