@@ -342,14 +342,19 @@ def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
     with _beating(control.gpu_heartbeat):
         from ringserve.gpu_proc.calibration import calibrate, describe
         from ringserve.gpu_proc.executor import build_executor
-    # NOTE: the heartbeat between load phases (and between kernel compiles) keeps the supervisor's
-    # watchdog satisfied through a long load; every kernel is compiled before READY.
-    executor = build_executor(config, model_dir, progress=control.gpu_heartbeat)
-    # NOTE: timed steps of each kind on this device, so the first request is priced by what a step
-    # costs here (`calibration.py`); the heartbeat between steps keeps the watchdog satisfied.
-    samples = calibrate(
-        executor, config.max_rows, config.prefill_budget, config.context_limit, progress=control.gpu_heartbeat
-    )
+    # NOTE: the heartbeat between load phases (and between kernel compiles and calibration steps)
+    # keeps the supervisor's watchdog satisfied through a long load; every kernel is compiled before
+    # READY. A single warm-up or calibration step (a full prefill budget) can outlast the watchdog
+    # on a slow box, so the loop's own monitor vouches for it while this thread computes, and a
+    # load that blocks still goes unbeaten (heartbeat.py).
+    loading = LoopHeartbeat(control.gpu_heartbeat, config.watchdog_step_cap_s, config.watchdog_timeout_s)
+    with loading.watching():
+        executor = build_executor(config, model_dir, progress=loading.beat)
+        # NOTE: timed steps of each kind on this device, so the first request is priced by what a
+        # step costs here (`calibration.py`)
+        samples = calibrate(
+            executor, config.max_rows, config.prefill_budget, config.context_limit, progress=loading.beat
+        )
     sched = Scheduler(
         config,
         BlockManager(executor.num_blocks, config.block_size),

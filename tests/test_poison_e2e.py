@@ -10,7 +10,8 @@ real poison request (a kernel fault, an endless grammar, a step too long for the
   stays up through two such requests of one tenant (four deaths, one counted);
 * a long step on a slowed box (an 1,800-token prompt in one 2,048-token step, 2 ms a token more,
   against a 1 s watchdog) still computes, so it is not killed; a step that stalls without
-  computing is a hang, and is killed (twice, then quarantined).
+  computing is a hang, and is killed (twice, then quarantined); and a start-up whose first step
+  (a warm-up or calibration step) computes for 1.5 s against that watchdog is not killed either.
 """
 
 from __future__ import annotations
@@ -64,6 +65,21 @@ if "ringserve.gpu_proc.main" in sys.orig_argv:
 
     scheduler.Scheduler.schedule = _scheduled
     scheduler.Scheduler.observe_step_time = _observed
+
+    from ringserve.gpu_proc import step  # no torch: this runs before the GPU process's first heartbeat
+
+    _init = step.StepBatch.__init__
+
+    def _first_step_slow(self, *args, **kwargs):  # the first step built (at start-up) computes 1.5 s
+        _init(self, *args, **kwargs)
+        if not step.planted_slow:
+            step.planted_slow = True
+            end = time.monotonic() + 1.5
+            while time.monotonic() < end:
+                sum(range(1000))
+
+    step.planted_slow = False
+    step.StepBatch.__init__ = _first_step_slow
 """
 
 
@@ -164,8 +180,9 @@ async def _slow_and_stalled(srv: ServerProcess) -> None:
 
 
 def test_long_step_that_computes_is_not_killed_but_a_stalled_one_is(tiny_model_dir, tmp_path):
-    """A 1 s watchdog: a 3.6 s step that computes completes in the same GPU process; a step that
-    stalls for 3 s without computing is killed, resubmitted, killed again, and quarantined."""
+    """A 1 s watchdog: a 1.5 s step at start-up and a 3.6 s step that computes complete
+    in the same GPU process; a step that stalls for 3 s without computing is killed, resubmitted,
+    killed again, and quarantined."""
     with ServerProcess(
         tiny_model_dir,
         tmp_path / "shm",
@@ -174,6 +191,7 @@ def test_long_step_that_computes_is_not_killed_but_a_stalled_one_is(tiny_model_d
         watchdog_timeout_s=1,
         sitecustomize=FAULTS,
     ) as srv:
+        assert _generation(srv) == 1, srv.log()[-3000:]  # the slow start-up step was not killed
         asyncio.run(_slow_and_stalled(srv))
         log = srv.log()
         assert "is still computing" in log, log[-3000:]

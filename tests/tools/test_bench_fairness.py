@@ -9,7 +9,7 @@ from ringserve.tools.bench import fairness as bench_fairness
 
 def test_reports_b_admitted_and_its_figures_for_each_variant(tiny_model_dir, capsys):
     """Two variants in palindrome order, the burst flood: every B admitted (exit 0), and each run
-    reports B's TTFT and server queue wait and the longest step seen."""
+    reports B's TTFT and server queue wait, A's tokens/s and the longest step seen."""
     rc = bench_fairness.main(
         ["--model", str(tiny_model_dir), "--flood", "burst", "--burst", "40", "--b-requests", "3"]
         + ["--variant", "--prefill-budget 64", "--runs", "2", "--json"]
@@ -21,7 +21,8 @@ def test_reports_b_admitted_and_its_figures_for_each_variant(tiny_model_dir, cap
     for r in out["runs"]:
         assert r["b_admitted"] == r["b_sent"] == 3
         assert len(r["b_ttft_ms"]) == 3 and len(r["b_queue_ms"]) == 3
-        assert 0 < r["a_answered"] <= 40 and r["longest_step_ms"] > 0
+        # NOTE: A's 200-token answers may all outlast the 4 s window on a slow box; its tokens may not
+        assert r["a_answered"] + r["a_refused"] <= 40 and r["a_tokens_per_s"] > 0 and r["longest_step_ms"] > 0
     assert set(out["medians_of_runs"]) == {"defaults | burst", "--prefill-budget 64 | burst"}
 
 
