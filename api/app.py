@@ -94,6 +94,7 @@ def init_app(
         grammar=GrammarChecker(codec, GrammarLimits.of(config), config.grammar_procs),
         response_store=response_store or ResponseStore.for_config(config, None),
     )
+    state.reasoning_parser = config.reasoning_parser
     if chat_template is not None:
         state.tool_call_parser = (
             chat_template.tool_call_parser if config.tool_call_parser == "auto" else config.tool_call_parser
@@ -326,7 +327,7 @@ async def _handle_ready(request: web.Request) -> web.Response:
 async def _handle_metrics(request: web.Request) -> web.Response:
     st = request.app[STATE]
     st.status.publish(st.stats)  # this worker's own numbers as of now; the others' lag <= one period
-    body = render(st.snapshot())
+    body = render(st.snapshot(), st.model_name)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

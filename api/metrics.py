@@ -59,8 +59,9 @@ _HIST_HELP = {
 
 
 class _SnapshotCollector:
-    def __init__(self, snap: StatsSnapshot) -> None:
+    def __init__(self, snap: StatsSnapshot, model_name: str) -> None:
         self.snap = snap
+        self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         gpu = self.snap.gpu
@@ -111,51 +112,75 @@ class _SnapshotCollector:
         )
 
     def _gateway(self, gpu: Mapping[str, float]) -> Iterator[Metric]:
-        """The Gateway API Inference Extension's model-server names, vLLM-spelled."""
-        yield GaugeMetricFamily(
-            "vllm:num_requests_waiting", "Requests waiting to be scheduled.", value=float(gpu.get("queue_depth", 0.0))
+        """The Gateway API Inference Extension's model-server names, vLLM-spelled, each series
+        labelled `model_name` as vLLM labels them (its Grafana dashboards filter on it)."""
+        model = self.model_name
+
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model], value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model], value)
+            return family
+
+        yield gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled.", float(gpu.get("queue_depth", 0.0))
         )
-        yield GaugeMetricFamily(
-            "vllm:num_requests_running", "Requests running on the GPU.", value=float(gpu.get("running_rows", 0.0))
+        yield gauge("vllm:num_requests_running", "Requests running on the GPU.", float(gpu.get("running_rows", 0.0)))
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1.", kv_usage(gpu))
+        yield gauge(
+            "vllm:gpu_cache_usage_perc", "KV-cache usage, 0 to 1 (the name older gateway releases read).", kv_usage(gpu)
         )
-        yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1.", value=kv_usage(gpu))
-        yield CounterMetricFamily(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in tokens.",
-            value=float(gpu.get("prefix_cache_queries", 0.0)),
+        yield counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", float(gpu.get("prefix_cache_queries", 0.0))
         )
-        yield CounterMetricFamily(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", value=float(gpu.get("prefix_cache_hits", 0.0))
+        yield counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", float(gpu.get("prefix_cache_hits", 0.0))
         )
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-            yield CounterMetricFamily(
+            yield counter(
                 f"vllm:spec_decode_{name}",
                 f"Speculative decoding: {name.replace('_', ' ').removeprefix('num ')}.",
-                value=float(gpu.get(f"spec_decode_{name}", 0.0)),
+                float(gpu.get(f"spec_decode_{name}", 0.0)),
             )
         yield _labelled(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             [s for s in S.GPU_STATS if s.metric == "ringserve_spec_decode_num_accepted_tokens_per_pos"],
             gpu,
+            model,
         )
         info = GaugeMetricFamily(
-            "vllm:cache_config_info", "KV-cache configuration.", labels=["block_size", "num_gpu_blocks"]
+            "vllm:cache_config_info", "KV-cache configuration.", labels=["model_name", "block_size", "num_gpu_blocks"]
         )
-        info.add_metric([str(int(self.snap.block_size)), str(int(gpu.get("kv_blocks_total", 0.0)))], 1.0)
+        info.add_metric([model, str(int(self.snap.block_size)), str(int(gpu.get("kv_blocks_total", 0.0)))], 1.0)
         yield info
-        yield from _gateway_compat(gpu, self.snap.started_at)
+        # NOTE: the endpoint picker's scrape fails without the LoRA family. No adapter is ever
+        # loaded, so its one series says so (`max_lora="0"`, none running or waiting), valued, as
+        # the protocol asks, at the Unix time that state was last updated: the server's start.
+        lora = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "LoRA adapters: none are served (max_lora 0).",
+            labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        lora.add_metric([model, "0", "", ""], self.snap.started_at)
+        yield lora
 
 
-def _labelled(metric: str, stats: list[S.GpuStat], gpu: Mapping[str, float]) -> Metric:
-    """One family of the GPU stats that share `metric`, a series per label value."""
+def _labelled(metric: str, stats: list[S.GpuStat], gpu: Mapping[str, float], model_name: str | None = None) -> Metric:
+    """One family of the GPU stats that share `metric`, a series per label value (and the
+    `model_name` label first when given)."""
     first = stats[0]
+    lead = [model_name] if model_name is not None else []
     family = (GaugeMetricFamily if first.kind == "gauge" else CounterMetricFamily)(
         metric,
         first.help,
-        labels=[first.label[0]],  # type: ignore[index]
+        labels=["model_name"] * len(lead) + [first.label[0]],  # type: ignore[index]
     )
     for stat in stats:
-        family.add_metric([stat.label[1]], float(gpu.get(stat.name, 0.0)))  # type: ignore[index]
+        family.add_metric([*lead, stat.label[1]], float(gpu.get(stat.name, 0.0)))  # type: ignore[index]
     return family
 
 
@@ -164,25 +189,6 @@ def kv_usage(gpu: Mapping[str, float]) -> float:
     total = float(gpu.get("kv_blocks_total", 0.0))
     free = float(gpu.get("kv_blocks_free", 0.0))
     return min(1.0, max(0.0, 1.0 - free / total)) if total > 0 else 0.0
-
-
-def _gateway_compat(gpu: Mapping[str, float], started_at: float) -> Iterator[Metric]:
-    """The protocol's names the endpoint picker also scrapes: the older KV-use name, and the LoRA
-    family (its scrape fails without it). No adapter is ever loaded, so the one series says so:
-    `max_lora="0"`, no running or waiting adapter; its value is, as the protocol asks, the Unix
-    time that state was last updated: the server's start."""
-    yield GaugeMetricFamily(
-        "vllm:gpu_cache_usage_perc",
-        "KV-cache usage, 0 to 1 (the name older gateway releases read).",
-        value=kv_usage(gpu),
-    )
-    lora = GaugeMetricFamily(
-        "vllm:lora_requests_info",
-        "LoRA adapters: none are served (max_lora 0).",
-        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
-    )
-    lora.add_metric(["0", "", ""], started_at)
-    yield lora
 
 
 def _sum_workers(workers: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -219,10 +225,10 @@ def _buckets(stats: Mapping[str, float], hist: S.Histogram) -> tuple[list[tuple[
     return list(zip(bounds, hist.cumulative(stats))), stats.get(f"{hist.name}_sum", 0.0) / 1000.0
 
 
-def render(snap: StatsSnapshot) -> bytes:
-    """The Prometheus text exposition of `snap`."""
+def render(snap: StatsSnapshot, model_name: str = "") -> bytes:
+    """The Prometheus text exposition of `snap`; `model_name` labels the `vllm:` series."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SnapshotCollector(snap))
+    registry.register(_SnapshotCollector(snap, model_name))
     return generate_latest(registry)
 
 

@@ -59,6 +59,9 @@ class ApiState:
     chat_template: ChatTemplate | None = None
     # How tool calls are read from a chat answer (`chat/tool_parsers.py`; `--tool-call-parser`).
     tool_call_parser: str = "hermes"
+    # How a reasoning model's thinking is read from its answer (`chat/reasoning_parsers.py`;
+    # `--reasoning-parser`); "" when the served model's answers are all content.
+    reasoning_parser: str = ""
     # Structured output's grammar check against the model's vocabulary (built from `codec`).
     grammar: GrammarChecker | None = None
     # Other names a request's `model` may use: the path the model was served from (vLLM's id).

@@ -61,6 +61,9 @@ class Config:
     # How a chat answer's tool calls are read (api/chat/tool_parsers.py): auto (from the template),
     # hermes (<tool_call> JSON blocks) or llama3_json
     tool_call_parser: str = "auto"
+    # How a reasoning model's thinking is read from a chat answer (api/chat/reasoning_parsers.py):
+    # deepseek_r1 or qwen3 (<think>...</think>); "" (default): every answer is content
+    reasoning_parser: str = ""
     api_keys_file: str | None = None
     metrics_keys_file: str | None = None  # keys for /metrics (one per line); None: /metrics is open
     # KV pool
@@ -221,6 +224,10 @@ class Config:
             raise ConfigError(f"attention_backend must be auto, cupy or reference, got {self.attention_backend!r}")
         if self.tool_call_parser not in ("auto", "hermes", "llama3_json"):
             raise ConfigError(f"tool_call_parser must be auto, hermes or llama3_json, got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in ("", "deepseek_r1", "qwen3"):
+            raise ConfigError(
+                f"reasoning_parser must be deepseek_r1 or qwen3 (or unset), got {self.reasoning_parser!r}"
+            )
         if self.speculative not in ("off", "ngram"):
             raise ConfigError(f"speculative must be off or ngram, got {self.speculative!r}")
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:

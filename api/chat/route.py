@@ -22,6 +22,7 @@ from aiohttp import web
 from ringserve.api.chat.output import ChatEventEncoder, ChatLogprobs, chat_body
 from ringserve.api.chat.protocol import ChatRequest, parse_chat_body
 from ringserve.api.chat.reasoning import template_variables
+from ringserve.api.chat.reasoning_parsers import ReasoningThenTools
 from ringserve.api.chat.template import ChatTemplate, ChatTemplateError
 from ringserve.api.chat.tool_calls import ToolRequest
 from ringserve.api.chat.tool_output import ParserFactory, ToolChatEncoder, tool_chat_body
@@ -44,8 +45,9 @@ async def handle_chat_completions(request: web.Request) -> web.StreamResponse:
     job = await chat_job(st, req)
     note_unapplied_reasoning(request, st, req, "reasoning_effort")
     output = OUTPUTS[req.common.output.tokens_as_ids]
-    if req.tools is not None:
-        output = tool_output(req.tools, st.tool_call_parser, output.logprob_format)
+    parser = answer_parser(st, req)
+    if parser is not None:
+        output = parsed_output(parser, output.logprob_format)
     return await run(request, st, job, output)
 
 
@@ -150,9 +152,25 @@ def tool_parser(tools: ToolRequest, parser: str) -> ParserFactory:
     return partial(make_parser, kind, named=tools.name if tools.choice == "named" else None)
 
 
-def tool_output(tools: ToolRequest, parser: str, logprob_format) -> Output:
-    """The response shapes of a request with tools: each choice's answer through its parser."""
-    new = tool_parser(tools, parser)
+def answer_parser(st: ApiState, req: ChatRequest) -> ParserFactory | None:
+    """How each answer is read, None when as plain content: its thinking first with the server's
+    `--reasoning-parser` (not for an answer a grammar forces: it has no thinking), then its tool
+    calls when it has tools."""
+    tools = tool_parser(req.tools, st.tool_call_parser) if req.tools is not None else None
+    forced = req.common.structured is not None or (req.tools is not None and req.tools.choice in ("named", "required"))
+    if not st.reasoning_parser or forced:
+        return tools
+    return partial(_reasoning_then, st.reasoning_parser, tools)
+
+
+def _reasoning_then(kind: str, tools: ParserFactory | None) -> ReasoningThenTools:
+    return ReasoningThenTools(kind, tools() if tools is not None else None)
+
+
+def parsed_output(parser: ParserFactory, logprob_format) -> Output:
+    """The response shapes of a request whose answers are parsed (reasoning, tool calls)."""
     return Output(
-        encoder=partial(ToolChatEncoder, parser=new), body=partial(tool_chat_body, new), logprob_format=logprob_format
+        encoder=partial(ToolChatEncoder, parser=parser),
+        body=partial(tool_chat_body, parser),
+        logprob_format=logprob_format,
     )

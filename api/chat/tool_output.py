@@ -3,13 +3,20 @@
 (the first piece of a call carries its `index`, `id`, `type` and `function.name`, the later ones
 `function.arguments` fragments) and answered as `message.tool_calls`, with `finish_reason:
 "tool_calls"` when the answer called a tool and was not cut short. Logprobs ride only on content
-chunks (text held back as a possible call carries none)."""
+chunks (text held back as a possible call carries none).
+
+With `--reasoning-parser` the same encoder and body carry a reasoning model's thinking
+(`reasoning_parsers.py`): streamed as `delta.reasoning` (and `delta.reasoning_content`, vLLM's
+older name, which clients still read), answered as `message.reasoning` and
+`message.reasoning_content` (null when the answer did not think), its content `null` when the
+answer was all thinking."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from ringserve.api.chat.output import ChatEventEncoder, chat_body
+from ringserve.api.chat.reasoning_parsers import ReasoningThenTools
 from ringserve.api.chat.tool_parsers import Delta, ToolCallParser, parse_all
 from ringserve.api.generation import Generation
 
@@ -49,6 +56,10 @@ class ToolChatEncoder(ChatEventEncoder):
         return head + super().finish(index, "", _reason(parser, reason), usage, timing)
 
     def _delta(self, index: int, d: Delta, logprobs: dict | None) -> bytes:
+        if d.reasoning:
+            delta = {"reasoning": d.text, "reasoning_content": d.text}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+            return self._chunk([choice], index=index) if d.text else b""
         if d.index is None:
             return self.text(index, d.text, logprobs) if d.text else b""
         call: dict = {"index": d.index}
@@ -61,12 +72,19 @@ class ToolChatEncoder(ChatEventEncoder):
 
 
 def tool_chat_body(parser: ParserFactory, request_id: str, model: str, gen: Generation) -> dict:
-    """The `chat.completion` body, each choice's answer split into content and tool calls."""
+    """The `chat.completion` body, each choice's answer split into reasoning, content and tool
+    calls."""
     body = chat_body(request_id, model, gen)
     for choice in body["choices"]:
         p = parser()
-        content, calls = parse_all(p, choice["message"]["content"])
+        reasoning, content, calls = parse_all(p, choice["message"]["content"])
+        message: dict = {"role": "assistant", "content": content}
         if calls:
-            choice["message"] = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
+            message.update(content=content.strip() or None, tool_calls=calls)
             choice["finish_reason"] = _reason(p, choice["finish_reason"])
+        if isinstance(p, ReasoningThenTools):
+            message.update(reasoning=reasoning, reasoning_content=reasoning)
+            if reasoning is not None and not content:
+                message["content"] = None
+        choice["message"] = message
     return body

@@ -40,9 +40,11 @@ def call_id() -> str:
 @dataclass(frozen=True, slots=True)
 class Delta:
     """Content text (`index` None), or a piece of tool call `index`: its `id` and `name` on the
-    first piece, then `arguments` fragments."""
+    first piece, then `arguments` fragments; `reasoning` text is the thinking of a reasoning
+    model (`reasoning_parsers.py`), not content."""
 
     text: str = ""
+    reasoning: bool = False
     index: int | None = None
     id: str | None = None
     name: str | None = None
@@ -307,15 +309,19 @@ def make_parser(kind: str, *, named: str | None = None) -> ToolCallParser:
     return HermesParser()
 
 
-def parse_all(parser: ToolCallParser, text: str) -> tuple[str, list[dict]]:
-    """A non-streamed answer: (its content, its tool calls as OpenAI's message objects)."""
+def parse_all(parser: ToolCallParser, text: str) -> tuple[str | None, str, list[dict]]:
+    """A non-streamed answer: (its reasoning, None when it has none; its content; its tool calls as
+    OpenAI's message objects)."""
+    reasoning: list[str] = []
     content: list[str] = []
     calls: list[dict] = []
     for d in parser.feed(text) + parser.finish():
-        if d.index is None:
+        if d.reasoning:
+            reasoning.append(d.text)
+        elif d.index is None:
             content.append(d.text)
         elif d.id is not None:
             calls.append({"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}})
         else:
             calls[d.index]["function"]["arguments"] += d.arguments
-    return "".join(content), calls
+    return ("".join(reasoning) if reasoning else None), "".join(content), calls

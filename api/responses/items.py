@@ -9,8 +9,10 @@ An `InputItem` is one of:
   assistant message before it (a response's output is a message, then its calls);
 - a `function_call_output` (`call_id`, `output`, a string or text parts): the tool's answer, a
   `tool` message.
-Any other item (`item_reference`, `reasoning`, hosted tools' calls) or content part (images,
-files, audio) is a 400 naming it. A response's output items are items of the same kind, so a
+- a `reasoning` item (a reasoning model's thinking, as a response returned it): accepted and left
+  out of the prompt, as thinking models' templates leave earlier turns' thinking out.
+Any other item (`item_reference`, hosted tools' calls) or content part (images, files, audio) is
+a 400 naming it. A response's output items are items of the same kind, so a
 stored conversation is its input items plus its output, and `previous_response_id` continues it.
 """
 
@@ -45,6 +47,8 @@ class InputItem(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     output: str | list[ContentPart] | None = None
     id: str | None = None
     status: str | None = None
+    summary: list | None = None  # a reasoning item's
+    encrypted_content: str | None = None  # a reasoning item's (ringserve never sends one)
 
 
 def input_items(value: str | list[InputItem] | None) -> tuple[InputItem, ...]:
@@ -99,14 +103,16 @@ def _add(messages: list[Message], item: InputItem, where: str) -> None:
             last.tool_calls = [*(last.tool_calls or ()), call]  # the calls of that assistant turn
         else:
             messages.append(Message(role="assistant", content=None, tool_calls=[call]))
+    elif kind == "reasoning":
+        return
     elif kind == "function_call_output":
         if item.call_id is None or item.output is None:
             raise bad_request(f"{where}: a function_call_output has a call_id and an output.", where)
         messages.append(Message(role="tool", content=_text(item.output, f"{where}.output"), tool_call_id=item.call_id))
     else:
         raise bad_request(
-            f"{where}.type {quoted(kind)} is not supported; ringserve reads messages, function_call and "
-            "function_call_output items.",
+            f"{where}.type {quoted(kind)} is not supported; ringserve reads messages, function_call, "
+            "function_call_output and reasoning items.",
             f"{where}.type",
             code="unsupported_value",
         )

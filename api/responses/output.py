@@ -2,15 +2,18 @@
 events of OpenAI's Responses API, built from the answer's text as the chat route's tool-call
 parser splits it (`chat/tool_parsers.py`).
 
-Output items: a `message` (`output_text` part) for the answer's text, a `function_call`
-(`call_id`, `name`, `arguments`) for each call, in the order the model wrote them. Whitespace
+Output items: a `reasoning` item (one `reasoning_text` part, no summary) for a reasoning model's
+thinking (`--reasoning-parser`, `chat/reasoning_parsers.py`), a `message` (`output_text` part) for
+the answer's text, a `function_call` (`call_id`, `name`, `arguments`) for each call, in the order
+the model wrote them. Whitespace
 alone between calls is no message; an answer with neither text nor calls is one empty message.
 The same `OutputItems` builds a streamed answer (emitting events as it goes) and a whole one, so
 both have the same items.
 
 A stream is: `response.created`, `response.in_progress`; per message `response.output_item.added`,
 `response.content_part.added`, `response.output_text.delta`..., `response.output_text.done`,
-`response.content_part.done`, `response.output_item.done`; per call
+`response.content_part.done`, `response.output_item.done` (a reasoning item the same, with
+`response.reasoning_text.delta` and `.done`); per call
 `response.output_item.added`, `response.function_call_arguments.delta`...,
 `response.function_call_arguments.done`, `response.output_item.done`; then
 `response.completed`, or `response.incomplete` (max_output_tokens reached, or cancelled by
@@ -102,15 +105,25 @@ def responses_usage(usage: dict) -> dict:
     }
 
 
+# The two kinds of text item: its id prefix, the type of its one part, and the events of its text
+# (`<event>.delta`, `<event>.done`)
+_TEXT_ITEMS = {
+    "message": ("msg_", "output_text", "response.output_text"),
+    "reasoning": ("rs_", "reasoning_text", "response.reasoning_text"),
+}
+
+
 class OutputItems:
-    """One answer's output items, built from its text (through `parser` when it has tools);
-    `emit(type, fields)`, when given, hears every stream event as the items change."""
+    """One answer's output items, built from its text (through `parser` when it has tools or a
+    reasoning parser); `emit(type, fields)`, when given, hears every stream event as the items
+    change."""
 
     def __init__(self, parser: ToolCallParser | None, emit: Emit | None = None) -> None:
         self.parser = parser
         self.emit = emit
         self.items: list[dict] = []  # closed and open, in output order
         self._message: dict | None = None  # the open message item
+        self._reasoning: dict | None = None  # the open reasoning item
         self._call: dict | None = None  # the open function call item
         self._held = ""  # whitespace that may only separate calls: shown once text follows it
 
@@ -125,12 +138,18 @@ class OutputItems:
             self._delta(d)
         status = "completed" if reason == "stop" else "incomplete"
         self._close_call(status)
-        if not self.items:
+        self._reasoning = self._close_text(self._reasoning, status)
+        if not any(i["type"] != "reasoning" for i in self.items):
             self._text(self._held)  # an answer of whitespace (or nothing) is that message
-        self._close_message(status)
+        self._message = self._close_text(self._message, status)
 
     # -- deltas --------------------------------------------------------------------------------
     def _delta(self, d: Delta) -> None:
+        if d.reasoning:
+            if d.text:
+                self._reasoning = self._append(self._reasoning, "reasoning", d.text)
+            return
+        self._reasoning = self._close_text(self._reasoning, "completed")
         if d.index is None:
             if not d.text:
                 return
@@ -140,7 +159,7 @@ class OutputItems:
                 return
             self._text(d.text)
         elif d.id is not None:
-            self._close_message("completed")
+            self._message = self._close_text(self._message, "completed")
             self._close_call("completed")
             self._held = ""
             self._open_call(d)
@@ -155,49 +174,45 @@ class OutputItems:
 
     def _text(self, text: str) -> None:
         """Text of the answer's message (opened by its first text)."""
-        message = self._message
-        if message is None:
-            message = self._message = {
-                "id": _item_id("msg_"),
-                "type": "message",
-                "status": "in_progress",
-                "role": "assistant",
-                "content": [],
-            }
-            self.items.append(message)
-            index = len(self.items) - 1
-            self._event("response.output_item.added", output_index=index, item=_copy(message))
-            message["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-            self._event(
-                "response.content_part.added",
-                item_id=message["id"],
-                output_index=index,
-                content_index=0,
-                part=_copy(message["content"][0]),
-            )
         text, self._held = self._held + text, ""
-        if text:
-            message["content"][0]["text"] += text
-            self._event(
-                "response.output_text.delta",
-                item_id=message["id"],
-                output_index=len(self.items) - 1,
-                content_index=0,
-                delta=text,
-                logprobs=[],
-            )
+        self._message = self._append(self._message, "message", text)
 
-    def _close_message(self, status: str) -> None:
-        message, self._message = self._message, None
-        if message is None:
-            return
-        index = self.items.index(message)
-        part = message["content"][0]
-        where = {"item_id": message["id"], "output_index": index, "content_index": 0}
-        self._event("response.output_text.done", **where, text=part["text"], logprobs=[])
+    def _append(self, item: dict | None, kind: str, text: str) -> dict:
+        """`text` added to the open text item of `kind` (message, reasoning), opened first when
+        `item` is None; the open item."""
+        prefix, part_type, event = _TEXT_ITEMS[kind]
+        if item is None:
+            item = {"id": _item_id(prefix), "type": kind, "status": "in_progress"}
+            item.update({"role": "assistant"} if kind == "message" else {"summary": []})
+            item["content"] = []
+            self.items.append(item)
+            index = len(self.items) - 1
+            self._event("response.output_item.added", output_index=index, item=_copy(item))
+            part = {"type": part_type, "text": ""}
+            if kind == "message":
+                part.update(annotations=[], logprobs=[])
+            item["content"].append(part)
+            self._event("response.content_part.added", **self._where(item), part=_copy(part))
+        if text:
+            item["content"][0]["text"] += text
+            extra = {"logprobs": []} if kind == "message" else {}
+            self._event(event + ".delta", **self._where(item), delta=text, **extra)
+        return item
+
+    def _close_text(self, item: dict | None, status: str) -> None:
+        """Close an open text item (message, reasoning); None, what is open after it."""
+        if item is None:
+            return None
+        part, where = item["content"][0], self._where(item)
+        extra = {"logprobs": []} if item["type"] == "message" else {}
+        self._event(_TEXT_ITEMS[item["type"]][2] + ".done", **where, text=part["text"], **extra)
         self._event("response.content_part.done", **where, part=_copy(part))
-        message["status"] = status
-        self._event("response.output_item.done", output_index=index, item=_copy(message))
+        item["status"] = status
+        self._event("response.output_item.done", output_index=where["output_index"], item=_copy(item))
+        return None
+
+    def _where(self, item: dict) -> dict:
+        return {"item_id": item["id"], "output_index": self.items.index(item), "content_index": 0}
 
     def _open_call(self, d: Delta) -> None:
         call = self._call = {

@@ -18,7 +18,7 @@ from typing import TypeVar
 import msgspec
 from aiohttp import web
 
-from ringserve.api.chat.route import chat_job, note_unapplied_reasoning, tool_parser
+from ringserve.api.chat.route import answer_parser, chat_job, note_unapplied_reasoning
 from ringserve.api.errors import ApiError, bad_request, quoted
 from ringserve.api.request_flow import read_request, run
 from ringserve.api.responses.items import InputItem, decode_items, encode_items
@@ -52,8 +52,7 @@ async def handle_responses(request: web.Request) -> web.StreamResponse:
     async def keep(response: dict, output: list[dict]) -> None:
         await store.put(tenant, shell.id, msgspec.json.encode(response), encode_items(conversation, output))
 
-    parser = tool_parser(req.tools, st.tool_call_parser) if req.tools is not None else None
-    output = ResponseOutput(shell, parser, keep if keeps else None)
+    output = ResponseOutput(shell, answer_parser(st, chat), keep if keeps else None)
     return await run(request, st, job, output.output())
 
 

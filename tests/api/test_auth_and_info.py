@@ -80,10 +80,13 @@ async def test_metrics_scrape_parses(serve):
         for s in fam.samples:
             samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
     assert samples[("ringserve_kv_blocks_free", ())] == 100.0
-    assert samples[("vllm:num_requests_running", ())] == 0.0
-    assert samples[("vllm:num_requests_waiting", ())] == 0.0
-    assert samples[("vllm:kv_cache_usage_perc", ())] == pytest.approx(1 - 100 / 128)
-    assert samples[("vllm:cache_config_info", (("block_size", "16"), ("num_gpu_blocks", "128")))] == 1.0
+    assert samples[("vllm:num_requests_running", (("model_name", MODEL),))] == 0.0
+    assert samples[("vllm:num_requests_waiting", (("model_name", MODEL),))] == 0.0
+    assert samples[("vllm:kv_cache_usage_perc", (("model_name", MODEL),))] == pytest.approx(1 - 100 / 128)
+    assert (
+        samples[("vllm:cache_config_info", (("block_size", "16"), ("model_name", MODEL), ("num_gpu_blocks", "128")))]
+        == 1.0
+    )
     assert samples[("ringserve_requests_finished_total", (("reason", "length"),))] == 1.0
     assert samples[("ringserve_requests_total", ())] == 1.0
     assert samples[("ringserve_completion_tokens_total", ())] == 3.0

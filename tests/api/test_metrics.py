@@ -10,6 +10,8 @@ from ringserve.api.worker_stats import WorkerStats
 from ringserve.shm import layout as L
 from ringserve.shm.control import Control
 
+M = (("model_name", "tiny"),)  # the label of every vllm: series (the served model)
+
 
 def _samples(text: bytes) -> dict:
     out = {}
@@ -49,15 +51,15 @@ def test_control_block_snapshot_renders_server_wide(control):
         stats.count_finish("stop")
         stats.observe("ttft_ms", ttft)
         stats.publish(control.worker_stats(slot))
-    s = _samples(metrics.render(metrics.from_control(control)))
-    assert s[("ringserve_queue_depth", ())] == 3 and s[("vllm:num_requests_waiting", ())] == 3
-    assert s[("ringserve_running_rows", ())] == 5 and s[("vllm:num_requests_running", ())] == 5
-    assert s[("vllm:kv_cache_usage_perc", ())] == pytest.approx(0.75)
-    assert s[("vllm:cache_config_info", (("block_size", "16"), ("num_gpu_blocks", "120")))] == 1
+    s = _samples(metrics.render(metrics.from_control(control), "tiny"))
+    assert s[("ringserve_queue_depth", ())] == 3 and s[("vllm:num_requests_waiting", M)] == 3
+    assert s[("ringserve_running_rows", ())] == 5 and s[("vllm:num_requests_running", M)] == 5
+    assert s[("vllm:kv_cache_usage_perc", M)] == pytest.approx(0.75)
+    assert s[("vllm:cache_config_info", (("block_size", "16"), *M, ("num_gpu_blocks", "120")))] == 1
     assert s[("ringserve_preemptions_total", ())] == 2
     assert s[("ringserve_cancelled_tokens_total", ())] == 17
-    assert s[("ringserve_prefix_cache_queries_total", ())] == 200 == s[("vllm:prefix_cache_queries_total", ())]
-    assert s[("ringserve_prefix_cache_hits_total", ())] == 150 == s[("vllm:prefix_cache_hits_total", ())]
+    assert s[("ringserve_prefix_cache_queries_total", ())] == 200 == s[("vllm:prefix_cache_queries_total", M)]
+    assert s[("ringserve_prefix_cache_hits_total", ())] == 150 == s[("vllm:prefix_cache_hits_total", M)]
     assert s[("ringserve_queued_gpu_seconds", ())] == 1.5
     assert s[("ringserve_requests_total", ())] == 20
     assert s[("ringserve_requests_finished_total", (("reason", "stop"),))] == 2
@@ -80,7 +82,7 @@ def test_gateway_protocol_families_have_the_protocol_types_and_labels(control):
     control.gpu_stats.update({"queue_depth": 2, "running_rows": 3, "kv_blocks_free": 25, "kv_blocks_total": 100})
     control.gpu_stats.publish()
     control.set_model_facts({"block_size": 16})
-    text = metrics.render(metrics.from_control(control, started_at=1_700_000_000.0)).decode()
+    text = metrics.render(metrics.from_control(control, started_at=1_700_000_000.0), "tiny").decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     expect = {
         "vllm:num_requests_waiting": 2,
@@ -90,13 +92,18 @@ def test_gateway_protocol_families_have_the_protocol_types_and_labels(control):
     }
     for name, value in expect.items():
         assert families[name].type == "gauge"
-        assert [s.value for s in families[name].samples] == [pytest.approx(value)]
+        assert [(s.labels, s.value) for s in families[name].samples] == [({"model_name": "tiny"}, pytest.approx(value))]
     info = families["vllm:cache_config_info"]
-    assert info.type == "gauge" and [s.labels for s in info.samples] == [{"block_size": "16", "num_gpu_blocks": "100"}]
+    assert info.type == "gauge" and [s.labels for s in info.samples] == [
+        {"model_name": "tiny", "block_size": "16", "num_gpu_blocks": "100"}
+    ]
     lora = families["vllm:lora_requests_info"]
     assert lora.type == "gauge"
     assert [(s.labels, s.value) for s in lora.samples] == [
-        ({"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}, 1_700_000_000.0)
+        (
+            {"model_name": "tiny", "max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""},
+            1_700_000_000.0,
+        )
     ]
 
 
@@ -141,7 +148,7 @@ def test_every_declared_gpu_stat_is_published_rendered_and_faked(control):
     assert len(set(GPU_STAT_NAMES)) == len(GPU_STAT_NAMES)
     control.gpu_stats.update({name: float(i + 1) for i, name in enumerate(GPU_STAT_NAMES)})
     control.gpu_stats.publish()
-    s = _samples(metrics.render(metrics.from_control(control)))
+    s = _samples(metrics.render(metrics.from_control(control), "tiny"))
     for i, stat in enumerate(GPU_STATS):
         name = stat.metric + ("_total" if stat.kind == "counter" else "")
         assert s[(name, (stat.label,) if stat.label else ())] == i + 1, stat

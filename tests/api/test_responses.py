@@ -267,7 +267,7 @@ async def test_previous_response_id_continues_the_conversation(serve, codec, too
             {"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input[0].content[0].type",
         ),
-        ({"input": [{"type": "reasoning", "id": "rs_1"}]}, "input[0].type"),
+        ({"input": [{"type": "item_reference", "id": "rs_1"}]}, "input[0].type"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
         ({"input": []}, "input"),
         ({"previous_response_id": "resp_/../x"}, "previous_response_id"),

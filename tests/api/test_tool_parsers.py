@@ -101,6 +101,7 @@ def test_required_choice_sends_each_call_once_complete(size):
 
 
 def test_parse_all_builds_openai_message_calls():
-    content, calls = parse_all(make_parser("hermes"), HERMES)
+    reasoning, content, calls = parse_all(make_parser("hermes"), HERMES)
+    assert reasoning is None
     assert content.strip() == "Let me check."
     assert calls[0]["type"] == "function" and json.loads(calls[1]["function"]["arguments"]) == {"city": "Paris"}

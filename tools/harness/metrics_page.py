@@ -7,13 +7,14 @@ import urllib.request
 
 def samples(text: str) -> dict[str, float]:
     """The samples of a Prometheus text page by name; labelled ones keyed `name{k="v",...}`
-    (labels sorted)."""
+    (labels sorted). `model_name`, the one label every `vllm:` series of a server (ringserve's
+    or vLLM's) carries alike, is left out of the key: one server serves one model."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name")
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
 
