@@ -1,7 +1,8 @@
 """`init_app`: the aiohttp application of one API worker.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET / DELETE
-/v1/responses/{response_id}), DELETE /v1/requests/{request_id},
+/v1/responses/{response_id}), POST /v1/messages and /v1/messages/count_tokens (Anthropic's, with
+errors in its shape), DELETE /v1/requests/{request_id},
 GET /v1/models, /v1/models/{id}, /version, /health, /ready, /metrics; vLLM's POST /tokenize and
 /detokenize. Four middlewares, in order: errors in the OpenAI shape (with x-request-id when one
 was assigned); the connection guard (the connection is busy); authentication (deny by default;
@@ -32,6 +33,8 @@ from ringserve.api.connections import ConnectionGuard
 from ringserve.api.errors import ApiError, from_http_exception, quoted
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.gpu_status import GpuStatus
+from ringserve.api.messages.output import error_body as anthropic_error_body
+from ringserve.api.messages.route import MESSAGES_PATHS, handle_count_tokens, handle_messages
 from ringserve.api.metrics import CONTENT_TYPE, render
 from ringserve.api.orca_report import HEADER as LOAD_REPORT_HEADER
 from ringserve.api.orca_report import LoadReport
@@ -48,7 +51,7 @@ from ringserve.config import Config
 from ringserve.rules import GrammarLimits
 from ringserve.shm.messages import CancelReason
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
 
 
 def init_app(
@@ -106,6 +109,8 @@ def init_app(
         ("POST", "/v1/completions", handle_completions),
         ("POST", "/v1/chat/completions", handle_chat_completions),
         ("POST", "/v1/responses", handle_responses),
+        ("POST", "/v1/messages", handle_messages),
+        ("POST", "/v1/messages/count_tokens", handle_count_tokens),
         ("GET", "/v1/responses/{response_id}", handle_get_response),
         ("DELETE", "/v1/responses/{response_id}", handle_delete_response),
         ("DELETE", "/v1/requests/{request_id}", _handle_delete),
@@ -149,6 +154,8 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
     headers = ignored_header(request)
     if rid:
         headers["x-request-id"] = rid
+    if request.path in MESSAGES_PATHS:  # Anthropic's clients read Anthropic's error shape
+        return error.response(headers or None, body=anthropic_error_body(error, rid))
     return error.response(headers or None)
 
 

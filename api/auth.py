@@ -1,7 +1,8 @@
 """Bearer-key authentication and the fairness tenant.
 
 With a keys file (`--api-keys FILE`: one key per line, `#` comments and blank lines ignored) every
-path but /health, /ready and /metrics needs `Authorization: Bearer <key>` naming one of them; keys
+path but /health, /ready and /metrics needs `Authorization: Bearer <key>` (or Anthropic's
+`x-api-key: <key>`, which anthropic-SDK clients send) naming one of them; keys
 are compared in constant time, all of them every time. The tenant the scheduler shares the GPU
 between is the key. Without keys the tenant is the bearer token when one is sent, else one shared
 tenant. Tenants travel as a short hash, so no key is ever written to shared memory or logs.
@@ -58,11 +59,15 @@ class Authenticator:
         self.enabled = bool(keys)
 
     def tenant(self, request: web.Request) -> str:
-        token = _bearer(request)
+        token = _bearer(request) or request.headers.get("x-api-key", "").strip() or None
         if not self.enabled:
             return tenant_of(token) if token else SHARED_TENANT
         if token is None:
-            raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="missing_api_key")
+            raise ApiError(
+                401,
+                "Missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
+                code="missing_api_key",
+            )
         if not _matches(self._digests, token):
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
         return tenant_of(token)

@@ -102,13 +102,17 @@ class ApiError(Exception):
         # Retry-After is whole seconds (RFC 9110); never 0, which invites an immediate retry storm.
         return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
-    def response(self, extra_headers: dict[str, str] | None = None) -> web.Response:
+    def response(self, extra_headers: dict[str, str] | None = None, body: dict | None = None) -> web.Response:
+        """The answer: the OpenAI error object, or `body` (another API's shape of this error)."""
         headers = self.headers()
         if extra_headers:
             headers.update(extra_headers)
         kind = _ClosingResponse if self.close_connection else web.Response
         return kind(
-            status=self.status, body=msgspec.json.encode(self.body()), content_type="application/json", headers=headers
+            status=self.status,
+            body=msgspec.json.encode(body if body is not None else self.body()),
+            content_type="application/json",
+            headers=headers,
         )
 
 

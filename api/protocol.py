@@ -180,8 +180,8 @@ def parse_sampling(body: SamplingBody) -> SamplingFields:
 def check_max_tokens(value: int, limit: int, param: str, minimum: int = 1) -> int:
     """`value` within [minimum, limit] (limit 0: no limit but the context)."""
     if value < minimum or (limit and value > limit):
-        upper = f" and {limit}" if limit else ""
-        raise bad_request(f"{param} must be at least {minimum}{upper}, got {value}.", param)
+        bounds = f"between {minimum} and {limit}" if limit else f"at least {minimum}"
+        raise bad_request(f"{param} must be {bounds}, got {value}.", param)
     return value
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 
 class StopMatcher:
-    """Per-sample matcher; `feed(text)` -> (text safe to emit, matched)."""
+    """Per-sample matcher; `feed(text)` -> (text safe to emit, matched); `matched` is the stop
+    string that ended the sample (Anthropic's `stop_sequence`), None before."""
 
-    __slots__ = ("_stops", "_prefixes", "_hold_max", "_held", "_include")
+    __slots__ = ("_stops", "_prefixes", "_hold_max", "_held", "_include", "matched")
 
     def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
         if any(not s for s in stops):
@@ -23,6 +24,7 @@ class StopMatcher:
         self._hold_max = max((len(s) for s in stops), default=1) - 1
         self._held = ""
         self._include = include
+        self.matched: str | None = None
 
     def feed(self, text: str) -> tuple[str, bool]:
         if not text:
@@ -31,13 +33,14 @@ class StopMatcher:
         # The match that completes first wins (ties: the one that starts first), as if the text
         # had arrived one character at a time; only the held text plus the new text can contain a
         # new match, because everything before it was already checked when it was held.
-        cut, end = -1, -1
+        cut, end, matched = -1, -1, None
         for s in self._stops:
             i = buf.find(s)
             if i != -1 and (cut == -1 or i + len(s) < end or (i + len(s) == end and i < cut)):
-                cut, end = i, i + len(s)
+                cut, end, matched = i, i + len(s), s
         if cut != -1:
             self._held = ""
+            self.matched = matched
             return buf[: end if self._include else cut], True
         hold = self._hold_length(buf)
         if hold:

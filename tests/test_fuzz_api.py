@@ -157,7 +157,9 @@ def _post(srv, body, path: str = "/v1/completions") -> None:
             status, kind, raw = resp.status, resp.headers.get("content-type", ""), resp.read()
     except urllib.error.HTTPError as err:
         status, kind, raw = err.code, err.headers.get("content-type", ""), err.read()
-    if status == 200 and kind.startswith("text/event-stream") and path == "/v1/responses":
+    if path == "/v1/messages":
+        _check_message_answer(status, kind, raw, body)
+    elif status == 200 and kind.startswith("text/event-stream") and path == "/v1/responses":
         # A well-formed Responses stream that did not fail (nothing failed on the server).
         events = response_events(raw)
         check_event_order(events)
@@ -214,6 +216,47 @@ def test_generated_responses_requests_get_a_response_or_a_4xx(server, body):
     """/v1/responses bodies generated from the spec (input items, tools, formats, stored and
     continued ids): never a 5xx; a stream passes the event-order check."""
     _post(server, body, "/v1/responses")
+
+
+def _check_message_answer(status: int, kind: str, raw: bytes, body_sent) -> None:
+    """A /v1/messages answer: a message, a stream that ends with message_stop and no error event,
+    or a 4xx in Anthropic's error shape."""
+    assert status < 500, (status, raw[-500:], body_sent)
+    if status == 200 and kind.startswith("text/event-stream"):
+        assert raw.rstrip().endswith(b'data: {"type":"message_stop"}') and b"event: error" not in raw, raw[-500:]
+        return
+    body = json.loads(raw)
+    if status == 200:
+        assert body["type"] == "message" and body["stop_reason"] in (
+            "end_turn",
+            "max_tokens",
+            "stop_sequence",
+            "tool_use",
+        )
+        return
+    assert 400 <= status < 500 and body["type"] == "error", (status, body, body_sent)
+    assert body["error"]["type"] and body["error"]["message"], body
+
+
+MESSAGES_REQUEST = SPEC["components"]["schemas"]["MessagesRequest"]
+# Valid bodies leave the model out (any generated name is a 404) and ask for a token at least.
+valid_messages_bodies = from_schema(MESSAGES_REQUEST).map(
+    lambda b: {**{k: v for k, v in b.items() if k != "model"}, "max_tokens": max(1, b["max_tokens"])}
+)
+confused_messages_bodies = st.builds(
+    lambda b, k, v: {**b, k: v},
+    valid_messages_bodies,
+    st.sampled_from(sorted(MESSAGES_REQUEST["properties"]) + ["mcp_servers", "container"]),
+    json_values,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(body=st.one_of(valid_messages_bodies, confused_messages_bodies))
+def test_generated_messages_requests_get_a_message_or_a_4xx(server, body):
+    """/v1/messages bodies generated from the spec (blocks, tools, thinking): never a 5xx; errors
+    are Anthropic-shaped, a stream ends with message_stop."""
+    _post(server, body, "/v1/messages")
 
 
 def _raw(srv, payload: bytes, read: bool = True, timeout: float = 20.0) -> bytes:

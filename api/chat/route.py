@@ -56,7 +56,7 @@ async def chat_job(st: ApiState, req: ChatRequest, param: str = "messages") -> J
     constrained by its tools or structured output, ending at the template's end of turn. Every
     route that speaks in messages (/v1/chat/completions, /v1/responses) goes through here;
     `param` names the messages in its errors (the route's field: messages, input)."""
-    template = _template(st)
+    template = chat_template(st)
     if req.tools is not None and not template.renders_tools:
         raise bad_request(
             f"The chat template of {st.model_name!r} does not render tools, so the model cannot be told "
@@ -71,18 +71,16 @@ async def chat_job(st: ApiState, req: ChatRequest, param: str = "messages") -> J
     if spec is not None:
         sampling = await constrain(st, spec, sampling)
     check_available(st)
-    prompt_ids = await tokenizing(st, _prompt_ids(st, template, req, param))
-    max_tokens = resolve_max_tokens(
-        len(prompt_ids), req.max_tokens, st.config.context_limit, st.config.max_tokens_limit
-    )
-    check_fits(len(prompt_ids), max_tokens, st.config.context_limit, param=param)
+    ids = await tokenizing(st, prompt_ids(st, template, req, param))
+    max_tokens = resolve_max_tokens(len(ids), req.max_tokens, st.config.context_limit, st.config.max_tokens_limit)
+    check_fits(len(ids), max_tokens, st.config.context_limit, param=param)
     check_min_tokens(common, max_tokens)
     if not sampling.ignore_eos:
         stops = tuple(dict.fromkeys(sampling.stop_token_ids + template.end_of_turn_ids))
         sampling = msgspec.structs.replace(sampling, stop_token_ids=stops)
     return Job.of(
         common,
-        [prompt_ids],
+        [ids],
         [max_tokens],
         sampling,
         req.logprobs,
@@ -93,11 +91,11 @@ async def chat_job(st: ApiState, req: ChatRequest, param: str = "messages") -> J
 
 def note_unapplied_reasoning(request: web.Request, st: ApiState, req: ChatRequest, field: str) -> None:
     """A reasoning effort the model's template does not read is named as ignored (`reasoning.py`)."""
-    if req.reasoning_effort is not None and not template_variables(_template(st), req.reasoning_effort):
+    if req.reasoning_effort is not None and not template_variables(chat_template(st), req.reasoning_effort):
         note_ignored(request, (field,))
 
 
-def _template(st: ApiState) -> ChatTemplate:
+def chat_template(st: ApiState) -> ChatTemplate:
     if st.chat_template is None:
         raise bad_request(
             f"The model {st.model_name!r} has no chat template (none in its "
@@ -109,7 +107,7 @@ def _template(st: ApiState) -> ChatTemplate:
     return st.chat_template
 
 
-async def _prompt_ids(st: ApiState, template: ChatTemplate, req: ChatRequest, param: str) -> list[int]:
+async def prompt_ids(st: ApiState, template: ChatTemplate, req: ChatRequest, param: str) -> list[int]:
     """Render, then tokenize as a prompt is (refused by its byte length before tokenizing when it
     cannot fit; a long one off the event loop)."""
     messages = req.messages

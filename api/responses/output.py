@@ -138,10 +138,10 @@ class OutputItems:
             self._delta(d)
         status = "completed" if reason == "stop" else "incomplete"
         self._close_call(status)
-        self._reasoning = self._close_text(self._reasoning, status)
+        self._close_reasoning(status)
         if not any(i["type"] != "reasoning" for i in self.items):
             self._text(self._held)  # an answer of whitespace (or nothing) is that message
-        self._message = self._close_text(self._message, status)
+        self._close_message(status)
 
     # -- deltas --------------------------------------------------------------------------------
     def _delta(self, d: Delta) -> None:
@@ -149,7 +149,7 @@ class OutputItems:
             if d.text:
                 self._reasoning = self._append(self._reasoning, "reasoning", d.text)
             return
-        self._reasoning = self._close_text(self._reasoning, "completed")
+        self._close_reasoning("completed")
         if d.index is None:
             if not d.text:
                 return
@@ -159,7 +159,7 @@ class OutputItems:
                 return
             self._text(d.text)
         elif d.id is not None:
-            self._message = self._close_text(self._message, "completed")
+            self._close_message("completed")
             self._close_call("completed")
             self._held = ""
             self._open_call(d)
@@ -182,34 +182,40 @@ class OutputItems:
         `item` is None; the open item."""
         prefix, part_type, event = _TEXT_ITEMS[kind]
         if item is None:
-            item = {"id": _item_id(prefix), "type": kind, "status": "in_progress"}
-            item.update({"role": "assistant"} if kind == "message" else {"summary": []})
-            item["content"] = []
+            own: dict = {"role": "assistant"} if kind == "message" else {"summary": []}
+            item = {"id": _item_id(prefix), "type": kind, "status": "in_progress", **own, "content": []}
             self.items.append(item)
             index = len(self.items) - 1
             self._event("response.output_item.added", output_index=index, item=_copy(item))
-            part = {"type": part_type, "text": ""}
+            part: dict = {"type": part_type, "text": ""}
             if kind == "message":
                 part.update(annotations=[], logprobs=[])
             item["content"].append(part)
             self._event("response.content_part.added", **self._where(item), part=_copy(part))
         if text:
             item["content"][0]["text"] += text
-            extra = {"logprobs": []} if kind == "message" else {}
+            extra: dict = {"logprobs": []} if kind == "message" else {}
             self._event(event + ".delta", **self._where(item), delta=text, **extra)
         return item
 
+    def _close_message(self, status: str) -> None:
+        message, self._message = self._message, None
+        self._close_text(message, status)
+
+    def _close_reasoning(self, status: str) -> None:
+        reasoning, self._reasoning = self._reasoning, None
+        self._close_text(reasoning, status)
+
     def _close_text(self, item: dict | None, status: str) -> None:
-        """Close an open text item (message, reasoning); None, what is open after it."""
+        """Close a text item (message, reasoning) if there is one."""
         if item is None:
-            return None
+            return
         part, where = item["content"][0], self._where(item)
-        extra = {"logprobs": []} if item["type"] == "message" else {}
+        extra: dict = {"logprobs": []} if item["type"] == "message" else {}
         self._event(_TEXT_ITEMS[item["type"]][2] + ".done", **where, text=part["text"], **extra)
         self._event("response.content_part.done", **where, part=_copy(part))
         item["status"] = status
         self._event("response.output_item.done", output_index=where["output_index"], item=_copy(item))
-        return None
 
     def _where(self, item: dict) -> dict:
         return {"item_id": item["id"], "output_index": self.items.index(item), "content_index": 0}
