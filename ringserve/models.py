@@ -167,6 +167,16 @@ def ensure(spec: str | None, dtype: str = "auto") -> ResolvedModel:
     return model
 
 
+def max_positions(directory: str | Path) -> int | None:
+    """The longest context the checkpoint's positions allow (`max_position_embeddings` of its
+    config.json), None when it does not say."""
+    try:
+        value = json.loads((Path(directory) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def _run_child(args: list[str], what: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "ringserve", *args])
     if proc.returncode != 0:

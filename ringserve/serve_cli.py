@@ -72,4 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     config = config.replace(
         model_name=config.model_name or model.name, chat_template=config.chat_template or model.chat_template
     )
+    positions = models.max_positions(model.directory)
+    if positions is not None and config.context_limit > positions:
+        if config.context_limit != Config.context_limit:  # asked for: refuse (a longer prompt would crash the step)
+            log.error(
+                "--context-limit %d exceeds what %s's positions allow (max_position_embeddings %d); serve it with "
+                "--context-limit %d or less",
+                config.context_limit,
+                model.name,
+                positions,
+                positions,
+            )
+            return 2
+        log.info("context limit %d: %s's max_position_embeddings", positions, model.name)
+        config = config.replace(context_limit=positions)
     return Supervisor(config, model.directory, args.shm_dir).run()

@@ -122,6 +122,9 @@ class ChatRequest:
     template_kwargs: dict | None = None
     tools: ToolRequest | None = None  # None: no tools, or tool_choice none
     reasoning_effort: str | None = None  # `reasoning.py`: a template variable where the template reads it
+    # max_tokens is a cap, held to the room the context leaves (Anthropic's clients send a fixed
+    # one, e.g. Claude Code's 32,000, whatever the model's context), not a 400 when it does not fit
+    max_tokens_is_cap: bool = False
 
 
 _decoder = msgspec.json.Decoder(_ChatBody)

@@ -72,7 +72,10 @@ async def chat_job(st: ApiState, req: ChatRequest, param: str = "messages") -> J
         sampling = await constrain(st, spec, sampling)
     check_available(st)
     ids = await tokenizing(st, prompt_ids(st, template, req, param))
-    max_tokens = resolve_max_tokens(len(ids), req.max_tokens, st.config.context_limit, st.config.max_tokens_limit)
+    wanted = req.max_tokens
+    if wanted is not None and req.max_tokens_is_cap:
+        wanted = max(1, min(wanted, st.config.context_limit - len(ids)))
+    max_tokens = resolve_max_tokens(len(ids), wanted, st.config.context_limit, st.config.max_tokens_limit)
     check_fits(len(ids), max_tokens, st.config.context_limit, param=param)
     check_min_tokens(common, max_tokens)
     if not sampling.ignore_eos:
@@ -130,7 +133,7 @@ async def prompt_ids(st: ApiState, template: ChatTemplate, req: ChatRequest, par
     ids = await encode_prompt(
         st.codec,
         text,
-        max_tokens=req.max_tokens,
+        max_tokens=None if req.max_tokens_is_cap else req.max_tokens,
         context_limit=st.config.context_limit,
         executor=st.executor,
         inline_chars=st.tokenize_inline_chars,

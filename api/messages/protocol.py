@@ -2,8 +2,8 @@
 for: like /v1/responses, a translation onto the chat route, not a pipeline of its own
 (`docs/api.md#post-v1messages`).
 
-Honoured: `model`, `max_tokens` (required, as Anthropic requires it), `messages` (user and
-assistant turns; `content` a string or blocks: `text`, `tool_use` on an assistant turn,
+Honoured: `model`, `max_tokens` (required, as Anthropic requires it; a cap, held to the room the
+context leaves), `messages` (user and assistant turns, and system messages between them; `content` a string or blocks: `text`, `tool_use` on an assistant turn,
 `tool_result` on a user turn, which becomes a tool message; `thinking` and `redacted_thinking`
 blocks are accepted and left out of the prompt, as thinking models' templates leave earlier turns'
 thinking out), `system` (a string or text blocks: a system message first), `tools` (custom tools:
@@ -31,6 +31,7 @@ from ringserve.api.errors import bad_request, quoted
 from ringserve.api.protocol import SamplingBody, check_max_tokens, parse_sampling
 
 THINKING = ("enabled", "disabled", "adaptive")
+ROLES = ("user", "assistant", "system")
 
 
 class Block(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -112,7 +113,9 @@ def parse_messages_body(
     if not count_only:
         if body.max_tokens is None:
             raise bad_request("max_tokens is required.", "max_tokens", code="missing_max_tokens")
-        max_tokens = check_max_tokens(body.max_tokens, max_tokens_limit, "max_tokens")
+        # NOTE: a cap (`ChatRequest.max_tokens_is_cap`): held to the server's limit, not refused by it
+        wanted = min(body.max_tokens, max_tokens_limit) if max_tokens_limit else body.max_tokens
+        max_tokens = check_max_tokens(wanted, max_tokens_limit, "max_tokens")
     if body.stop is not None:
         raise bad_request("stop is the OpenAI field; on /v1/messages send stop_sequences.", "stop", "unsupported_value")
     sampling_body = structs.replace(body, stop=body.stop_sequences, stream_options=None)
@@ -132,6 +135,7 @@ def parse_messages_body(
         continue_final_message=prefilled,
         template_kwargs={"enable_thinking": thinking} if thinking is not None else None,
         tools=tools,
+        max_tokens_is_cap=True,
     )
     return MessagesRequest(chat=chat, stream=bool(body.stream), thinking=thinking)
 
@@ -160,17 +164,18 @@ def _chat_messages(system: str | list[Block] | None, turns: list[Turn] | None) -
         raise bad_request(f"messages holds at most {MAX_MESSAGES} turns, got {len(turns)}.", "messages")
     out: list[Message] = []
     if system is not None:
-        text = system if isinstance(system, str) else _texts(system, "system")
+        text = _texts_of(system, "system")
         if text:
             out.append(Message(role="system", content=text))
     for i, turn in enumerate(turns):
         where = f"messages[{i}]"
-        if turn.role not in ("user", "assistant"):
+        if turn.role not in ROLES:
             raise bad_request(
-                f"{where}.role must be user or assistant, got {quoted(turn.role)} (the system prompt is the system "
-                "field).",
-                f"{where}.role",
+                f"{where}.role must be user, assistant or system, got {quoted(turn.role)}.", f"{where}.role"
             )
+        if turn.role == "system":  # a system message between turns (Claude Code sends reminders so)
+            out.append(Message(role="system", content=_texts_of(turn.content, f"{where}.content")))
+            continue
         if isinstance(turn.content, str):
             out.append(Message(role=turn.role, content=turn.content))
             continue
@@ -192,7 +197,7 @@ def _chat_messages(system: str | list[Block] | None, turns: list[Turn] | None) -
                 if block.tool_use_id is None:
                     raise bad_request(f"{at}: a tool_result block has a tool_use_id.", f"{at}.tool_use_id")
                 result = block.content if block.content is not None else ""
-                text = result if isinstance(result, str) else _texts(result, f"{at}.content")
+                text = _texts_of(result, f"{at}.content")
                 if block.is_error:
                     text = f"Error: {text}"
                 out.append(Message(role="tool", content=text, tool_call_id=block.tool_use_id))
@@ -210,6 +215,10 @@ def _chat_messages(system: str | list[Block] | None, turns: list[Turn] | None) -
                 )
             )
     return parse_chat_messages(out)
+
+
+def _texts_of(content: str | list[Block], where: str) -> str:
+    return content if isinstance(content, str) else _texts(content, where)
 
 
 def _texts(blocks: list[Block], where: str) -> str:

@@ -158,14 +158,14 @@ async def test_x_api_key_is_the_key_and_errors_are_anthropic_shaped(serve, codec
     assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "authentication_error"
     cases = [
         ({"messages": HI}, "max_tokens is required"),
-        ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        ({"max_tokens": 4, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         (
             {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
             "messages[0].content[0].type",
         ),
         ({"max_tokens": 4, "messages": HI, "tools": [{"type": "web_search_20250305", "name": "w"}]}, "server tool"),
         ({"max_tokens": 4, "messages": HI, "thinking": {"type": "sometimes"}}, "thinking.type"),
-        ({"max_tokens": 10**6, "messages": HI}, "max_tokens"),
+        ({"max_tokens": 0, "messages": HI}, "max_tokens"),
     ]
     for body, says in cases:
         resp = await served.client.post("/v1/messages", json={"model": MODEL, **body}, headers={"x-api-key": "key-a"})
@@ -176,6 +176,48 @@ async def test_x_api_key_is_the_key_and_errors_are_anthropic_shaped(serve, codec
         await good.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=HI)
     await good.close()
     await bad.close()
+
+
+async def test_what_claude_code_sends_is_served(serve, codec, chat_template):
+    """Claude Code's shape: a fixed max_tokens of 32,000 whatever the context (a cap, held to the
+    room the context and --max-tokens-limit leave), system reminders between the turns, adaptive
+    thinking, and fields of its betas (named as ignored)."""
+    served, client = await _client(serve, codec, chat_template, "one two three " * 120, context_limit=256)
+    turns = [{"role": "user", "content": "hi"}, {"role": "system", "content": "Remember the rules."}]
+    resp = await served.client.post(
+        "/v1/messages?beta=true",
+        json={
+            "model": MODEL,
+            "max_tokens": 32000,
+            "messages": turns,
+            "system": [{"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}}],
+            "thinking": {"type": "adaptive", "display": "omitted"},
+            "output_config": {"effort": "high"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "metadata": {"user_id": "u"},
+        },
+        headers={"anthropic-version": "2023-06-01", "anthropic-beta": "claude-code-20250219"},
+    )
+    body = await resp.json()
+    assert resp.status == 200, body
+    prompt_tokens = len(served.fake.submits[-1].prompt_ids)
+    assert body["stop_reason"] == "max_tokens" and body["usage"]["output_tokens"] == 256 - prompt_tokens
+    assert {"output_config", "context_management"} <= {
+        f.strip() for f in resp.headers["x-ringserve-ignored-fields"].split(",")
+    }
+    assert _prompt(served, codec).endswith(
+        chat_template.render(
+            [
+                {"role": "system", "content": "You are an agent."},
+                *[{"role": t["role"], "content": t["content"]} for t in turns],
+            ]
+        )[-40:]
+    )
+    served, client = await _client(serve, codec, chat_template, "one two three " * 120, max_tokens_limit=5)
+    async with client.messages.stream(model=MODEL, max_tokens=32000, messages=HI) as stream:  # the SDK streams so
+        msg = await stream.get_final_message()
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 5
+    await client.close()
 
 
 async def test_a_prompt_over_the_context_is_a_clear_error(serve, codec, chat_template):
