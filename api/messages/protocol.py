@@ -12,8 +12,8 @@ thinking out), `system` (a string or text blocks: a system message first), `tool
 `top_p`, `top_k`, `stream`, `thinking` (`enabled` / `disabled`: the template variable
 `enable_thinking` where the template reads it), and chat's sampling extras (`seed`, ...).
 Accepted without effect: `metadata` (`user_id`), `service_tier`, a block's `cache_control` and
-`citations`. Images, documents, server tools (`web_search_...`) and MCP servers are a 400 naming
-them. Unknown fields are ignored and named in `x-ringserve-ignored-fields`.
+`citations`; server tools (`web_search_...`, which ringserve does not run) are left out and named
+as ignored. Images, documents and MCP servers are a 400 naming them. Unknown fields are ignored and named in `x-ringserve-ignored-fields`.
 """
 
 from __future__ import annotations
@@ -121,7 +121,9 @@ def parse_messages_body(
     sampling_body = structs.replace(body, stop=body.stop_sequences, stream_options=None)
     common = parse_sampling(sampling_body)
     messages = _chat_messages(body.system, body.messages)
-    tools = parse_tools(*_chat_tools(body.tools, body.tool_choice), function_path="")
+    chat_tools, choice, parallel, server_tools = _chat_tools(body.tools, body.tool_choice)
+    on_ignored(server_tools)
+    tools = parse_tools(chat_tools, choice, parallel, function_path="")
     thinking = _thinking(body.thinking)
     prefilled = body.messages is not None and body.messages[-1].role == "assistant"
     chat = ChatRequest(
@@ -235,31 +237,30 @@ def _texts(blocks: list[Block], where: str) -> str:
     return "\n".join(texts)
 
 
-def _chat_tools(tools: list[CustomTool] | None, choice: dict | None) -> tuple[list[Tool] | None, object, bool | None]:
-    """(tools, tool_choice, parallel_tool_calls) as the chat route reads them."""
-    chat_tools = None
-    if tools is not None:
-        chat_tools = []
-        for i, t in enumerate(tools):
-            if t.type not in (None, "custom"):
-                raise bad_request(
-                    f"tools[{i}].type {quoted(t.type)} is a server tool, which ringserve does not run; send custom "
-                    "tools (name, description, input_schema).",
-                    f"tools[{i}].type",
-                    code="unsupported_value",
-                )
-            schema = t.input_schema if t.input_schema is not None else {"type": "object"}
-            chat_tools.append(Tool(type="function", function=Function(t.name, t.description, schema)))
+def _chat_tools(
+    tools: list[CustomTool] | None, choice: dict | None
+) -> tuple[list[Tool] | None, object, bool | None, tuple[str, ...]]:
+    """(tools, tool_choice, parallel_tool_calls) as the chat route reads them, and the server tools
+    (`web_search_...`, which ringserve does not run) left out, named `tools[i]`."""
+    custom: list[Tool] = []
+    server: list[str] = []
+    for i, t in enumerate(tools or ()):
+        if t.type not in (None, "custom"):
+            server.append(f"tools[{i}]")
+            continue
+        schema = t.input_schema if t.input_schema is not None else {"type": "object"}
+        custom.append(Tool(type="function", function=Function(t.name, t.description, schema)))
+    chat_tools = custom or ([] if tools is not None and not server else None)
     if choice is None:
-        return chat_tools, None, None
+        return chat_tools, None, None, tuple(server)
     kind = choice.get("type")
     parallel = None if choice.get("disable_parallel_tool_use") is None else not choice["disable_parallel_tool_use"]
     if kind in ("auto", "none"):
-        return chat_tools, kind, parallel
+        return chat_tools, kind, parallel, tuple(server)
     if kind == "any":
-        return chat_tools, "required", parallel
+        return chat_tools, "required", parallel, tuple(server)
     if kind == "tool" and isinstance(choice.get("name"), str):
-        return chat_tools, {"type": "function", "function": {"name": choice["name"]}}, parallel
+        return chat_tools, {"type": "function", "function": {"name": choice["name"]}}, parallel, tuple(server)
     raise bad_request(
         'tool_choice must be {"type": "auto"}, {"type": "any"}, {"type": "tool", "name": ...} or {"type": "none"}.',
         "tool_choice",

@@ -74,6 +74,7 @@ class _Tool(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
+    tools: list[_Tool] | None = None  # a namespace's function tools (Codex groups its agent tools so)
 
 
 class _ResponsesBody(SamplingBody):
@@ -157,9 +158,9 @@ def parse_responses_body(raw: bytes, *, max_tokens_limit: int, on_ignored=lambda
         )
     common = dataclasses.replace(common, structured=text_spec or common.structured)
     check_neutral({"n": (common.n == 1, "1"), "prompt_logprobs": (common.prompt_logprobs is None, "null")})
-    tools = parse_tools(
-        _chat_tools(body.tools), _tool_choice(body.tool_choice), body.parallel_tool_calls, function_path=""
-    )
+    chat_tools, hosted = _chat_tools(body.tools)
+    on_ignored(hosted)
+    tools = parse_tools(chat_tools, _tool_choice(body.tool_choice), body.parallel_tool_calls, function_path="")
     if tools is not None and tools.forced is not None and common.structured is not None:
         raise bad_request(
             f"{common.structured.param} cannot be combined with tool_choice {tools.choice!r}, which forces "
@@ -236,19 +237,25 @@ def _check_unsupported(body: _ResponsesBody) -> None:
             )
 
 
-def _chat_tools(tools: list[_Tool] | None) -> list[Tool] | None:
-    """The flat Responses tools as the chat route's (`parse_tools` checks them)."""
+def _chat_tools(tools: list[_Tool] | None) -> tuple[list[Tool] | None, tuple[str, ...]]:
+    """The flat Responses tools as the chat route's (`parse_tools` checks them): a namespace's
+    function tools join the others (their calls come back as plain function calls), and hosted
+    tools (`web_search`, `file_search`, ...), which ringserve cannot run, are left out; the second
+    item names them (`tools[i]`, for x-ringserve-ignored-fields)."""
     if tools is None:
-        return None
-    out = []
+        return None, ()
+    out: list[Tool] = []
+    hosted: list[str] = []
     for i, t in enumerate(tools):
-        fn = None
-        if t.type == "function":
-            if t.name is None:
-                raise bad_request(f"tools[{i}].name: a function tool needs a name.", f"tools[{i}].name")
-            fn = Function(t.name, t.description, t.parameters, t.strict)
-        out.append(Tool(type=t.type, function=fn))
-    return out
+        members = [(f"tools[{i}].tools[{j}]", m) for j, m in enumerate(t.tools or ())] if t.type == "namespace" else []
+        for where, fn in members or [(f"tools[{i}]", t)]:
+            if fn.type != "function":
+                hosted.append(where)
+                continue
+            if fn.name is None:
+                raise bad_request(f"{where}.name: a function tool needs a name.", f"{where}.name")
+            out.append(Tool(type="function", function=Function(fn.name, fn.description, fn.parameters, fn.strict)))
+    return (out if out or not hosted else None), tuple(hosted)
 
 
 def _tool_choice(choice):

@@ -163,7 +163,6 @@ async def test_x_api_key_is_the_key_and_errors_are_anthropic_shaped(serve, codec
             {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
             "messages[0].content[0].type",
         ),
-        ({"max_tokens": 4, "messages": HI, "tools": [{"type": "web_search_20250305", "name": "w"}]}, "server tool"),
         ({"max_tokens": 4, "messages": HI, "thinking": {"type": "sometimes"}}, "thinking.type"),
         ({"max_tokens": 0, "messages": HI}, "max_tokens"),
     ]
@@ -172,6 +171,13 @@ async def test_x_api_key_is_the_key_and_errors_are_anthropic_shaped(serve, codec
         payload = await resp.json()
         assert resp.status == 400 and payload["type"] == "error", payload
         assert payload["error"]["type"] == "invalid_request_error" and says in payload["error"]["message"], payload
+    # a server tool is left out (ringserve runs none) and named as ignored
+    resp = await served.client.post(
+        "/v1/messages",
+        json={"model": MODEL, "max_tokens": 2, "messages": HI, "tools": [{"type": "web_search_20250305", "name": "w"}]},
+        headers={"x-api-key": "key-a"},
+    )
+    assert resp.status == 200 and "tools[0]" in resp.headers["x-ringserve-ignored-fields"]
     with pytest.raises(anthropic.NotFoundError):
         await good.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=HI)
     await good.close()

@@ -87,11 +87,22 @@ async def test_a_refused_field_names_its_default(serve):
     assert "send null or n" in (await resp.json())["error"]["message"]
 
 
-async def test_a_hosted_tool_on_responses_is_told_the_responses_tool_shape(serve, tools_template):
+async def test_hosted_tools_on_responses_are_left_out_and_namespaces_flattened(serve, tools_template, codec):
+    """What Codex sends: a `web_search` tool (hosted: ringserve cannot run it) is left out and named
+    as ignored, a `namespace` of function tools is served as those functions; on chat, where there
+    are no hosted tools, another type is a 400 showing chat's tool shape."""
     served = await serve(app_kw={"chat_template": tools_template})
-    resp = await served.client.post("/v1/responses", json={"input": "hi", "tools": [{"type": "web_search"}]})
-    message = (await resp.json())["error"]["message"]
-    assert resp.status == 400 and '{"type": "function", "name": ...}' in message and '"function": {' not in message
+    fn = {"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}}
+    tools = [
+        {"type": "web_search", "external_web_access": False},
+        {"type": "namespace", "name": "agents", "description": "Sub-agents.", "tools": [fn]},
+    ]
+    resp = await served.client.post("/v1/responses", json={"input": "hi", "tools": tools, "max_output_tokens": 2})
+    assert resp.status == 200, await resp.text()
+    ignored = {f.strip() for f in resp.headers["x-ringserve-ignored-fields"].split(",")}
+    assert {"tools[0]", "tools[0].external_web_access"} <= ignored
+    prompt = codec.decode(served.fake.submits[-1].prompt_ids, False)
+    assert '"spawn_agent"' in prompt and "web_search" not in prompt
     resp = await served.client.post("/v1/chat/completions", json={"messages": HI, "tools": [{"type": "web_search"}]})
     assert '{"type": "function", "function": {"name": ...}}' in (await resp.json())["error"]["message"]
 

@@ -257,7 +257,6 @@ async def test_previous_response_id_continues_the_conversation(serve, codec, too
         ({"reasoning": {"budget": 9}}, "reasoning.budget"),
         ({"reasoning": {"effort": 5}}, "reasoning.effort"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": [TOOL], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"n": 2}, "n"),
