@@ -1,5 +1,5 @@
 """The supervisor: restart policy, systemd notifications, crash-loop exit, and cleanup after its
-own SIGKILL. (GPU-process and worker restarts under load are the drills: tests/tools/test_drill.py.)"""
+own SIGKILL. (GPU-process and worker restarts under load are the drills: tests/tools/harness/test_drill.py.)"""
 
 from __future__ import annotations
 

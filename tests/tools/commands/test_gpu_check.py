@@ -27,7 +27,7 @@ import torch
 from ringserve.tools.commands import gpu_check
 from ringserve.tools.harness.gpu_check_wheels import IMAGE, carried
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PY = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
