@@ -219,17 +219,22 @@ def _max_tokens(body: _ChatBody, limit: int) -> int | None:
     return check_max_tokens(given[0][1], limit, given[0][0])
 
 
-def parse_messages(messages: list[Message] | None) -> tuple[dict, ...]:
-    """Template-ready messages (`role`, `content`, and `name` when given), or a 400."""
+def check_count(messages: list | None, noun: str = "messages") -> None:
+    """A 400 unless `messages` (a route's conversation: messages, turns) holds 1 to MAX_MESSAGES."""
     if not messages:
         raise bad_request(
-            "messages must be a non-empty list of {role, content} objects.",
+            f"messages must be a non-empty list of {{role, content}} {'objects' if noun == 'messages' else noun}.",
             "messages",
             code="missing_messages" if messages is None else "invalid_value",
         )
     if len(messages) > MAX_MESSAGES:
-        raise bad_request(f"messages holds at most {MAX_MESSAGES} messages, got {len(messages)}.", "messages")
-    return tuple(_message(m, i) for i, m in enumerate(messages))
+        raise bad_request(f"messages holds at most {MAX_MESSAGES} {noun}, got {len(messages)}.", "messages")
+
+
+def parse_messages(messages: list[Message] | None) -> tuple[dict, ...]:
+    """Template-ready messages (`role`, `content`, and `name` when given), or a 400."""
+    check_count(messages)
+    return tuple(_message(m, i) for i, m in enumerate(messages or ()))
 
 
 def _message(m: Message, i: int) -> dict:

@@ -24,7 +24,7 @@ import msgspec
 from msgspec import structs
 
 from ringserve.api.body import decode_body
-from ringserve.api.chat.protocol import MAX_MESSAGES, AssistantToolCall, CalledFunction, ChatRequest, Message
+from ringserve.api.chat.protocol import AssistantToolCall, CalledFunction, ChatRequest, Message, check_count
 from ringserve.api.chat.protocol import parse_messages as parse_chat_messages
 from ringserve.api.chat.tool_calls import Function, Tool, parse_tools
 from ringserve.api.errors import bad_request, quoted
@@ -156,20 +156,13 @@ def _thinking(value: dict | None) -> bool | None:
 def _chat_messages(system: str | list[Block] | None, turns: list[Turn] | None) -> tuple[dict, ...]:
     """The conversation as the chat route's messages: the system prompt first, each tool_result a
     tool message, each tool_use a call of the assistant turn it is in."""
-    if not turns:
-        raise bad_request(
-            "messages must be a non-empty list of {role, content} turns.",
-            "messages",
-            code="missing_messages" if turns is None else "invalid_value",
-        )
-    if len(turns) > MAX_MESSAGES:
-        raise bad_request(f"messages holds at most {MAX_MESSAGES} turns, got {len(turns)}.", "messages")
+    check_count(turns, "turns")
     out: list[Message] = []
     if system is not None:
         text = _texts_of(system, "system")
         if text:
             out.append(Message(role="system", content=text))
-    for i, turn in enumerate(turns):
+    for i, turn in enumerate(turns or ()):
         where = f"messages[{i}]"
         if turn.role not in ROLES:
             raise bad_request(
