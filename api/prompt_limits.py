@@ -35,9 +35,10 @@ def min_prompt_tokens(codec: TextCodec, text: str) -> int:
 
 
 def check_fits(
-    prompt_tokens: int, max_tokens: int, context_limit: int, *, at_least: bool = False, param: str = "prompt"
+    prompt_tokens: int, max_tokens: int | None, context_limit: int, *, at_least: bool = False, param: str = "prompt"
 ) -> None:
-    """400 `context_length_exceeded` when the prompt and max_tokens cannot fit the context."""
+    """400 `context_length_exceeded` when the prompt and max_tokens (None: an answer of one token
+    at least) cannot fit the context."""
     message = context_error(prompt_tokens, max_tokens, context_limit, at_least=at_least)
     if message is not None:
         raise bad_request(message, param, code=CONTEXT_LENGTH_EXCEEDED)
@@ -62,7 +63,7 @@ async def encode_prompt(
     context (at least one token)."""
     if truncate is None:
         whole = text if isinstance(text, str) else "".join(text)
-        check_fits(min_prompt_tokens(codec, whole), max_tokens or 1, context_limit, at_least=True, param=param)
+        check_fits(min_prompt_tokens(codec, whole), max_tokens, context_limit, at_least=True, param=param)
     ids = await tokenize(
         codec, text, executor=executor, inline_chars=inline_chars, add_special_tokens=add_special_tokens
     )
@@ -101,12 +102,13 @@ def fit_ids(
                 f"truncate_prompt_tokens ({keep}) is over the context limit of {context_limit} tokens.",
                 "truncate_prompt_tokens",
             )
-        keep = context_limit - 1 if keep == -1 else keep
+        if keep == -1:  # room for the answer: max_tokens, or one token at least
+            keep = context_limit - (1 if max_tokens is None else max_tokens)
         if len(ids) > keep:
             ids = ids[len(ids) - keep :] if side == "left" else ids[:keep]
         if not ids:
             raise bad_request("truncate_prompt_tokens leaves an empty prompt.", "truncate_prompt_tokens")
-    check_fits(len(ids), max_tokens or 1, context_limit, param=param)
+    check_fits(len(ids), max_tokens, context_limit, param=param)
     return ids
 
 

@@ -53,12 +53,23 @@ PROMPT_LOGPROB_TOKENS_PER_STEP = 256
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
-def context_error(prompt_tokens: int, max_tokens: int, context_limit: int, *, at_least: bool = False) -> str | None:
-    """Why a prompt and its answer cannot fit the context (None: they fit). With `at_least`, the
-    prompt's count is a lower bound (from its length in bytes, before tokenizing)."""
-    if prompt_tokens + max_tokens <= context_limit:
+def context_error(
+    prompt_tokens: int, max_tokens: int | None, context_limit: int, *, at_least: bool = False
+) -> str | None:
+    """Why a prompt and its answer cannot fit the context (None: they fit). `max_tokens` None: the
+    client set no fixed length (or only a cap), so the answer needs one token at least; 0: the
+    prompt alone (/tokenize). With `at_least`, the prompt's count is a lower bound (from its length
+    in bytes, before tokenizing)."""
+    if prompt_tokens + (1 if max_tokens is None else max_tokens) <= context_limit:
         return None
     count = f"at least {prompt_tokens} tokens (from its length in bytes)" if at_least else f"{prompt_tokens} tokens"
+    if max_tokens is None:
+        return (
+            f"prompt ({count}) leaves no room for an answer in the context limit of {context_limit} "
+            "tokens; shorten the prompt."
+        )
+    if max_tokens == 0:
+        return f"prompt ({count}) is over the context limit of {context_limit} tokens; shorten the prompt."
     return (
         f"prompt ({count}) + max_tokens ({max_tokens}) is over the context limit of {context_limit} "
         f"tokens; shorten the prompt or lower max_tokens."
@@ -239,6 +250,8 @@ def submit_violation(msg: M.Submit, vocab_size: int, eos_token_ids: Iterable[int
     for param, value in (("logprobs", msg.logprobs), ("prompt_logprobs", msg.prompt_logprobs)):
         if value is not None and not 0 <= value <= M.MAX_TOP_LOGPROBS:
             return Violation(param, f"{param} must be between 0 and {M.MAX_TOP_LOGPROBS}, got {value}.")
+    if msg.pooling is not None and (msg.pooling not in M.POOLING_TYPES or msg.n != 1 or msg.max_tokens != 1):
+        return Violation("pooling", f"pooling is one of {', '.join(M.POOLING_TYPES)}, with n 1 and max_tokens 1.")
     outside = vocabulary_error(msg.prompt_ids, vocab_size)
     return None if outside is None else Violation("prompt", outside)
 

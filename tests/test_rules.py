@@ -47,6 +47,12 @@ def test_context_error_names_the_counts_and_the_limit():
     msg = context_error(91, 10, 100)
     assert "91 tokens" in msg and "max_tokens (10)" in msg and "100" in msg
     assert "at least 200 tokens" in context_error(200, 1, 100, at_least=True)
+    # no fixed max_tokens (or only a cap): room for one token is enough, and max_tokens is not named
+    assert context_error(99, None, 100) is None
+    assert "max_tokens" not in context_error(100, None, 100) and "no room for an answer" in context_error(
+        100, None, 100
+    )
+    assert context_error(100, 0, 100) is None and "max_tokens" not in context_error(101, 0, 100)
 
 
 def test_vocabulary_error_names_the_first_bad_id():

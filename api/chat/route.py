@@ -73,10 +73,11 @@ async def chat_job(st: ApiState, req: ChatRequest, param: str = "messages") -> J
     check_available(st)
     ids = await tokenizing(st, prompt_ids(st, template, req, param))
     wanted = req.max_tokens
+    # A cap (or no max_tokens) only needs room for one token; a fixed max_tokens needs all of it.
+    check_fits(len(ids), None if req.max_tokens_is_cap else wanted, st.config.context_limit, param=param)
     if wanted is not None and req.max_tokens_is_cap:
-        wanted = max(1, min(wanted, st.config.context_limit - len(ids)))
+        wanted = min(wanted, st.config.context_limit - len(ids))
     max_tokens = resolve_max_tokens(len(ids), wanted, st.config.context_limit, st.config.max_tokens_limit)
-    check_fits(len(ids), max_tokens, st.config.context_limit, param=param)
     check_min_tokens(common, max_tokens)
     if not sampling.ignore_eos:
         stops = tuple(dict.fromkeys(sampling.stop_token_ids + template.end_of_turn_ids))
