@@ -30,6 +30,7 @@ from ringserve.api.chat.route import handle_chat_completions
 from ringserve.api.chat.template import ChatTemplate
 from ringserve.api.completions.route import handle_completions
 from ringserve.api.connections import ConnectionGuard
+from ringserve.api.embeddings.route import handle_embeddings
 from ringserve.api.errors import ApiError, from_http_exception, quoted
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.gpu_status import GpuStatus
@@ -68,6 +69,7 @@ def init_app(
     chat_template: ChatTemplate | None = None,
     model_aliases: frozenset[str] = frozenset(),
     response_store: ResponseStore | None = None,
+    embedding_dims: int | None = None,
 ) -> web.Application:
     """Build a worker's app. `status` is what the worker knows of the GPU process besides its
     rings (`api/gpu_status.py`: readiness, the server-wide stats for /metrics, the restart status,
@@ -76,7 +78,7 @@ def init_app(
     `chat_template` formats /v1/chat/completions messages (None: that route answers 400);
     `model_aliases` are other names a request may give the model (the path it was served from);
     `response_store` keeps /v1/responses' stored responses (None: one in memory, this worker's
-    alone)."""
+    alone); `embedding_dims` is the width of the model's hidden states (/v1/embeddings)."""
     guard = ConnectionGuard(config)
     app = web.Application(
         client_max_size=config.max_body_bytes,
@@ -96,6 +98,7 @@ def init_app(
         model_aliases=frozenset(model_aliases) - {model_name},
         grammar=GrammarChecker(codec, GrammarLimits.of(config), config.grammar_procs),
         response_store=response_store or ResponseStore.for_config(config, None),
+        embedding_dims=embedding_dims,
     )
     state.reasoning_parser = config.reasoning_parser
     if chat_template is not None:
@@ -111,6 +114,7 @@ def init_app(
         ("POST", "/v1/responses", handle_responses),
         ("POST", "/v1/messages", handle_messages),
         ("POST", "/v1/messages/count_tokens", handle_count_tokens),
+        ("POST", "/v1/embeddings", handle_embeddings),
         ("GET", "/v1/responses/{response_id}", handle_get_response),
         ("DELETE", "/v1/responses/{response_id}", handle_delete_response),
         ("DELETE", "/v1/requests/{request_id}", _handle_delete),

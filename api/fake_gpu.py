@@ -10,7 +10,8 @@ those run against the real GPU process on the tiny model.
 The tokens a sample produces come from `script(submit, index)`, by default the prompt ids repeated
 in order, so a test knows exactly which text must come out. A Submit asking for prompt logprobs
 gets them in its first step: every prompt token from 1 on at -1.0, rank 1, and itself as its one
-alternative. Used by the API tests and
+alternative; a pooling Submit (an embedding) gets its `Pooled` record there too: the sum of its pooled
+positions' made-up hidden states (`fake_hidden`). Used by the API tests and
 `ringserve bench api` (where `step_interval_s=0` makes it a producer that never waits).
 
 `restart()` simulates a GPU-process death and the supervisor's fence: the fingerprints it is given
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import struct
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -40,6 +42,7 @@ from ringserve.shm.messages import (
     Finish,
     FinishReason,
     Message,
+    Pooled,
     PromptLogprobs,
     Rejected,
     StepOutput,
@@ -49,6 +52,13 @@ from ringserve.shm.messages import (
     encode,
 )
 from ringserve.shm.stats_schema import GPU_STAT_NAMES
+
+FAKE_HIDDEN_SIZE = 8  # the width of the fake's hidden states (an embedding's dimensions)
+
+
+def fake_hidden(token_id: int) -> list[float]:
+    """A token's made-up final hidden state: a fixed function of its id, so tests know the pooled sums."""
+    return [((token_id * 31 + j * 17) % 101) / 101 - 0.5 for j in range(FAKE_HIDDEN_SIZE)]
 
 
 def echo_prompt(submit: Submit, index: int) -> Iterator[int]:
@@ -202,8 +212,15 @@ class FakeGpu:
         tokens: list[Token] = []
         finishes: list[Finish] = []
         prompts: list[PromptLogprobs] = []
+        pooled: list[Pooled] = []
         for rid in list(self._rows):
             row = self._rows[rid]
+            if row.first_token is None and row.submit.pooling is not None:
+                ids = row.submit.prompt_ids if row.submit.pooling == "mean" else row.submit.prompt_ids[-1:]
+                total = [sum(col) for col in zip(*map(fake_hidden, ids))]
+                pooled.append(
+                    Pooled(rid, len(row.submit.prompt_ids) - len(ids), len(ids), struct.pack(f"<{len(total)}f", *total))
+                )
             if row.first_token is None and row.submit.prompt_logprobs is not None:
                 ids = row.submit.prompt_ids[1:]
                 top = [[(t, -1.0)] for t in ids] if row.submit.prompt_logprobs else None
@@ -237,7 +254,9 @@ class FakeGpu:
             if not any(row.live):
                 del self._rows[rid]
                 self._cancelled.pop(rid, None)
-        self._post(StepOutput(step=self._step, tokens=tokens, finishes=finishes, prompt_logprobs=prompts))
+        self._post(
+            StepOutput(step=self._step, tokens=tokens, finishes=finishes, prompt_logprobs=prompts, pooled=pooled)
+        )
         self._wake()
 
     def _finish(self, row: _Row, i: int, reason: FinishReason, now: float) -> Finish:

@@ -20,16 +20,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ringserve.api.detokenizer import Detokenizer
 from ringserve.api.errors import error_object, error_type
 from ringserve.api.logprobs import COMPLETION_LOGPROBS, LogprobFormat
 from ringserve.api.prompt_scores import PromptSheet
 from ringserve.api.protocol import OutputOptions
-from ringserve.api.request_stream import PromptScores
+from ringserve.api.request_stream import PooledChunk, PromptScores
 from ringserve.api.sse import Encoder
 from ringserve.api.stop_strings import StopMatcher
 from ringserve.api.tokenizer import TextCodec
-from ringserve.shm.messages import Error, Finish, FinishReason, Token
+from ringserve.shm.messages import Error, Finish, FinishReason, Pooled, Token
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,25 @@ class LocalCancel:
     """Fed into a request's stream by the worker itself (DELETE): end every sample `cancelled`."""
 
     reason: str = "cancelled"
+
+
+@dataclass(slots=True)
+class PoolSum:
+    """One prompt's pooled hidden states so far (`shm.messages.Pooled` chunks), added in float64."""
+
+    total: np.ndarray | None = None
+    count: int = 0
+
+    def add(self, rec: Pooled) -> None:
+        values = np.frombuffer(rec.values, dtype="<f4").astype(np.float64)
+        self.total = values if self.total is None else self.total + values
+        self.count += rec.count
+
+    def mean(self) -> np.ndarray:
+        """The mean hidden state of the pooled positions (one for last-token pooling)."""
+        if self.total is None or not self.count:
+            raise RuntimeError("no hidden states were pooled for this prompt")
+        return self.total / self.count
 
 
 @dataclass(slots=True)
@@ -74,13 +95,15 @@ class Generation:
         scored: bool = False,
         continuous_usage: bool = False,
         show_prompt_logprobs: int | None = None,
+        pooled: bool = False,
     ) -> None:
         """`encoder` writes the route's SSE events (None: not streaming); `logprobs` is the
         request's setting (None: no logprobs objects), shown as `logprob_format` says; `stop_ids`
         the request's stop token ids (their text is not shown); `echo` each prompt's text to show
         first; `scored`: the GPU sends the prompts' logprobs (echo with logprobs, prompt_logprobs);
         `show_prompt_logprobs`: vLLM's `prompt_logprobs` field on the body, with that many
-        alternatives (None: not shown)."""
+        alternatives (None: not shown); `pooled`: the GPU sends each prompt's hidden-state sums
+        (an embedding request), added up in `pools`."""
         self.codec = codec
         self.n = n
         self.prompts = prompts
@@ -112,6 +135,7 @@ class Generation:
             if scored
             else None
         )
+        self.pools: list[PoolSum] | None = [PoolSum() for _ in prompts] if pooled else None
         self.error: Error | None = None
         self.queue_ms: float | None = None  # from the GPU process's Finish records
         self.gpu_ttft_ms: float | None = None
@@ -146,6 +170,9 @@ class Generation:
                 self._gpu_finish(samples[item.index], item, out)
             elif kind is PromptScores:
                 self._prompt_scores(item)
+            elif kind is PooledChunk:
+                if self.pools is not None:
+                    self.pools[item.prompt].add(item.record)
             elif kind is LocalCancel:
                 for i, s in enumerate(samples):
                     if s.reason is None:

@@ -196,6 +196,11 @@ class GpuClient:
                 if s is not None:
                     s.streamed = True  # a resubmission would send them again
                     s.feed(item)
+            for pooled in msg.pooled:  # and so do its pooled hidden states
+                s = streams.get(pooled.rid)
+                if s is not None:
+                    s.streamed = True
+                    s.feed(pooled)
             for token in msg.tokens:
                 s = streams.get(token.rid)
                 if s is not None:

@@ -224,6 +224,35 @@ def token_ids(ids: list[int], param: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
+Prompt = str | tuple[int, ...]
+
+
+def prompt_batch(given: str | list, param: str, limit: int) -> tuple[Prompt, ...]:
+    """OpenAI's prompt shapes (completions' `prompt`, embeddings' `input`): a string, a list of
+    token ids, or a batch of 1 to `limit` of either."""
+    if isinstance(given, str):
+        if not given:
+            raise bad_request(f"{param} must not be empty.", param)
+        return (given,)
+    if given and all(type(x) is int for x in given):
+        return (token_ids(given, param),)
+    if not given or len(given) > limit:
+        raise bad_request(
+            f"{param} must be a non-empty string, a list of token ids, or a list of 1 to {limit} of either.", param
+        )
+    out: list[Prompt] = []
+    for i, item in enumerate(given):
+        if isinstance(item, str) and item:
+            out.append(item)
+        elif isinstance(item, list) and item and all(type(x) is int for x in item):
+            out.append(token_ids(item, f"{param}[{i}]"))
+        else:
+            raise bad_request(
+                f"{param}[{i}] must be a non-empty string or a non-empty list of token ids.", f"{param}[{i}]"
+            )
+    return tuple(out)
+
+
 def _sampling(body: SamplingBody) -> SamplingParams:
     """The body's sampling fields as the wire type, with their defaults and vLLM's spellings
     (-1 for off, a dict of biases), checked by the rule both sides apply (`rules.sampling_violation`)."""

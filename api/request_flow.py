@@ -57,6 +57,7 @@ class Job:
     show_prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` field on the response
     echo: list[str] | None = None  # per prompt: the text shown before its choices' answers
     score_only: bool = False  # max_tokens 0 with echo: the one generated token is not shown
+    pooling: str | None = None  # an embedding: how the GPU pools each prompt (`shm.messages.POOLING_TYPES`)
     options: OutputOptions = OutputOptions()
     include_usage: bool = False
     continuous_usage: bool = False
@@ -178,6 +179,7 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
                     logprobs=job.logprobs,
                     cache_salt=job.cache_salt,
                     prompt_logprobs=job.prompt_logprobs,
+                    pooling=job.pooling,
                 )
                 for stream, prompt, max_tokens in zip(streams, job.prompts, job.max_tokens)
             ],
@@ -198,6 +200,7 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
             scored=job.prompt_logprobs is not None,
             continuous_usage=job.continuous_usage,
             show_prompt_logprobs=job.show_prompt_logprobs,
+            pooled=job.pooling is not None,
         )
         flow = _Flow(request, st, entry, streams, gen, job.n)
         entry.cancel_gpu = lambda: flow.cancel_running(_cancel_reason(entry, gen))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from ringserve.shm.messages import Accepted, Error, Finish, PromptLogprobs, Rejected, Submit, Token
+from ringserve.shm.messages import Accepted, Error, Finish, Pooled, PromptLogprobs, Rejected, Submit, Token
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +17,14 @@ class PromptScores:
 
     prompt: int
     record: PromptLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class PooledChunk:
+    """A `Pooled` record (an embedding's hidden-state sum), tagged with its stream's prompt index."""
+
+    prompt: int
+    record: Pooled
 
 
 class Inbox:
@@ -46,9 +54,9 @@ class Inbox:
 
 
 class RequestStream:
-    """One Submit's channel: its admission answer, then Token / Finish / PromptScores / Error
-    records into its inbox. The streams of a batched request (one Submit per prompt) share an
-    inbox; stream `prompt` renumbers its samples from `offset` (= prompt * n)."""
+    """One Submit's channel: its admission answer, then Token / Finish / PromptScores / PooledChunk
+    / Error records into its inbox. The streams of a batched request (one Submit per prompt) share
+    an inbox; stream `prompt` renumbers its samples from `offset` (= prompt * n)."""
 
     __slots__ = (
         "rid",
@@ -83,6 +91,8 @@ class RequestStream:
             item = msgspec.structs.replace(item, index=item.index + self.offset)
         elif kind is PromptLogprobs:
             item = PromptScores(self.prompt, item)
+        elif kind is Pooled:
+            item = PooledChunk(self.prompt, item)
         self.inbox.feed(item)
 
     async def next_batch(self) -> list:

@@ -66,6 +66,8 @@ class ApiState:
     grammar: GrammarChecker | None = None
     # Other names a request's `model` may use: the path the model was served from (vLLM's id).
     model_aliases: frozenset[str] = frozenset()
+    # The width of the served model's hidden states: /v1/embeddings' dimensions (None: unknown).
+    embedding_dims: int | None = None
     # Stored responses of /v1/responses, shared by the instance's workers (`responses/store.py`).
     response_store: ResponseStore | None = None
 

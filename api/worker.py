@@ -35,6 +35,7 @@ from ringserve.api.responses.store import ResponseStore
 from ringserve.api.state import STATE, ApiState
 from ringserve.api.tokenizer import TextCodec
 from ringserve.config import Config
+from ringserve.models import hidden_size
 from ringserve.shm.messages import first_rid
 
 log = logging.getLogger("ringserve.api.worker")
@@ -130,10 +131,11 @@ def run_worker(
     first_rid: int = 1,
     model_aliases: frozenset[str] = frozenset(),
     response_store_path: str | None = None,
+    embedding_dims: int | None = None,
 ) -> int:
     """The worker process's main: runs until SIGTERM (drain) or SIGINT. `response_store_path` is
     the instance's stored-responses database, which every worker opens (None: this worker's own,
-    in memory)."""
+    in memory); `embedding_dims`: the model's hidden size (None: read from its config.json)."""
     # A SIGTERM while still starting (nothing to drain yet) is a clean exit; the event loop's own
     # handler, installed below, takes over once serving.
     signal.signal(signal.SIGTERM, _exit_cleanly)
@@ -177,6 +179,7 @@ def run_worker(
             chat_template=chat_template,
             model_aliases=model_aliases,
             response_store=ResponseStore.for_config(config, response_store_path),
+            embedding_dims=embedding_dims or hidden_size(tokenizer_dir),
         )
         last_words.install(app[STATE].registry)  # the supervisor's SIGUSR1 before it kills us
         await serve(config, app, sock, stop)
@@ -311,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             directory=args.shm_dir,
             model_aliases=frozenset(args.model_alias),
         )
-    from ringserve.api.fake_gpu import FakeGpu, FakeStatus
+    from ringserve.api.fake_gpu import FAKE_HIDDEN_SIZE, FakeGpu, FakeStatus
 
     fake = FakeGpu(step_interval_s=args.step_ms / 1000.0)
     return run_worker(
@@ -322,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_dir=args.tokenizer,
         model_name=args.model_name,
         model_aliases=frozenset(args.model_alias),
+        embedding_dims=FAKE_HIDDEN_SIZE,
     )
 
 

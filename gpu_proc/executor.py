@@ -20,6 +20,7 @@ from ringserve.gpu_proc.kv_sizing import GIB, device_memory, kv_block_bytes, mem
 from ringserve.gpu_proc.logits_processors import ControlsState, row_settings
 from ringserve.gpu_proc.model.loader import load_model, read_special_tokens
 from ringserve.gpu_proc.model_runner import ModelRunner
+from ringserve.gpu_proc.pooling import sums as pooled_sums
 from ringserve.gpu_proc.prompt_logprobs import score
 from ringserve.gpu_proc.sampler import SampleOutput, sample
 from ringserve.gpu_proc.step import SeqStep, StepBatch
@@ -68,17 +69,25 @@ class Executor:
 
     def step(self, batch: StepBatch) -> SampleOutput | None:
         """One forward pass and the samples of its sampling rows, with the prompt logprobs of its
-        scoring rows (None when no row samples or scores)."""
+        scoring rows and the hidden-state sums of its pooling rows (None when no row samples,
+        scores or pools)."""
         self.release(batch.finished)
         rows = batch.sampling_rows  # a draft row samples at each position it verifies
         masks = self.grammar.begin(rows) if rows else None  # filled while the forward runs
-        logits = self.runner.execute(batch)
+        hidden = None
+        if batch.pools:
+            logits, hidden = self.runner.execute_pooling(batch)
+        else:
+            logits = self.runner.execute(batch)
         out = sample_rows(self.controls, logits[: len(rows)], rows, masks) if rows else None
         if masks is not None and masks.paused and out is not None:
             out.paused = frozenset(masks.paused)  # NOTE: final once the masks were applied
         if batch.scores_prompts:
             out = out or SampleOutput([], [], [])
             out.prompt_logprobs = score(logits[len(rows) :], batch)
+        if hidden is not None:
+            out = out or SampleOutput([], [], [])
+            out.pooled = pooled_sums(hidden, batch)
         return out
 
     def release(self, seq_ids: list[int]) -> None:

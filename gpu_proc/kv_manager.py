@@ -115,12 +115,12 @@ class KVCacheManager:
 
     def join(self, req: Request, reserve: int = 0) -> bool:
         """Start `req`'s table: the cached blocks of its leading full blocks by reference (none
-        while it is owed prompt logprobs: a cached block has no logits), then fresh blocks for the
-        rest of its current tokens, with `num_computed` past the hits. False, with nothing taken,
-        when fewer than those blocks plus `reserve` are free."""
+        while it reads every prompt position: a cached block keeps no logits or hidden states),
+        then fresh blocks for the rest of its current tokens, with `num_computed` past the hits.
+        False, with nothing taken, when fewer than those blocks plus `reserve` are free."""
         if req.block_ids:
             raise ValueError(f"{req.key}#{req.index} joins with blocks already")
-        hits = cached_prefix(self.cache, req) if self.uses_cache(req) and not req.scores_prompt else []
+        hits = cached_prefix(self.cache, req) if self.uses_cache(req) and not req.reads_every_position else []
         bm = self.bm
         need = bm.blocks_for(req.num_tokens)
         taken = need - sum(1 for b in hits if bm.ref_count(b))  # a hit in use costs no free block
@@ -130,7 +130,7 @@ class KVCacheManager:
             bm.acquire(hits)
             req.block_ids += hits
         req.num_computed = len(hits) * self.block_size
-        if self.caching and not req.scores_prompt:
+        if self.caching and not req.reads_every_position:
             self.cache.record(req.num_tokens, req.num_computed)
         self._grow(req.block_ids, need - len(hits))
         return True

@@ -45,7 +45,7 @@ BACKLOG_LIMIT = 4096  # records per worker waiting for ring space before its req
 class Outbox:
     """One worker's pending output: encoded records waiting for room in its ring."""
 
-    __slots__ = ("ring", "bell", "backlog", "tokens", "finishes", "prompts")
+    __slots__ = ("ring", "bell", "backlog", "tokens", "finishes", "prompts", "pooled")
 
     def __init__(self, ring, bell) -> None:
         self.ring = ring
@@ -54,6 +54,7 @@ class Outbox:
         self.tokens: list[M.Token] = []
         self.finishes: list[M.Finish] = []
         self.prompts: list[M.PromptLogprobs] = []
+        self.pooled: list[M.Pooled] = []
 
     def send(self, msg: M.Message) -> None:
         self.backlog.append(M.encode(msg))
@@ -251,16 +252,22 @@ class EngineLoop:
                 box.tokens.append(record)
             elif type(record) is M.Finish:
                 box.finishes.append(record)
+            elif type(record) is M.Pooled:
+                box.pooled.append(record)
             else:
                 box.prompts.append(record)
         for slot, box in enumerate(boxes):
-            if box.tokens or box.finishes or box.prompts:
+            if box.tokens or box.finishes or box.prompts or box.pooled:
                 box.send(
                     M.StepOutput(
-                        step=self.step_no, tokens=box.tokens, finishes=box.finishes, prompt_logprobs=box.prompts
+                        step=self.step_no,
+                        tokens=box.tokens,
+                        finishes=box.finishes,
+                        prompt_logprobs=box.prompts,
+                        pooled=box.pooled,
                     )
                 )
-                box.tokens, box.finishes, box.prompts = [], [], []
+                box.tokens, box.finishes, box.prompts, box.pooled = [], [], [], []
             if not box.flush() and len(box.backlog) > BACKLOG_LIMIT:
                 self._drop_worker(slot, f"worker slot {slot} stopped reading its output ring")
 

@@ -11,18 +11,20 @@ and restarts need nothing from it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from .host_tensor import host_tensor
 from .kv_pool import KVPool
+from .pooling import pooled_rows
 from .prompt_logprobs import logits_rows
 from .step import StepBatch
 from .step_inputs import StepInputs, build_step_inputs
 
 if TYPE_CHECKING:
     from .cuda_graphs import DecodeGraphs
+    from .model.llama import Llama
 
 
 class ModelRunner:
@@ -58,15 +60,33 @@ class ModelRunner:
             inputs.logits_indices = torch.cat((inputs.logits_indices, scored))
         return inputs
 
-    @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Device work of a step: float32 logits `[R, vocab]` for the sampling rows."""
+    def _check_positions(self, inputs: StepInputs) -> None:
         if self.max_position is not None and inputs.meta.max_seq_len > self.max_position:
             raise ValueError(
                 f"context of {inputs.meta.max_seq_len} tokens exceeds the model's "
                 f"max_position_embeddings {self.max_position}"
             )
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Device work of a step: float32 logits `[R, vocab]` for the sampling rows."""
+        self._check_positions(inputs)
         return self.model(inputs.input_ids, inputs.meta, self.kv_pool, inputs.logits_indices)
+
+    @torch.inference_mode()
+    def execute_pooling(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """`execute` for a step with pooling rows (`pooling.py`): the logits as `execute` returns
+        them, and the final hidden states `[Q, hidden]` of the pooled positions, in
+        `pooled_rows` order. Never a graph replay: graphs capture decode steps without pooling."""
+        inputs = self.prepare(batch)
+        self._check_positions(inputs)
+        pooled = host_tensor("q", pooled_rows(batch)).to(self.device)
+        n = inputs.logits_indices.shape[0]
+        indices = torch.cat((inputs.logits_indices, pooled))
+        model = cast("Llama", self.model)
+        h = model.final_hidden(inputs.input_ids, inputs.meta, self.kv_pool, indices)
+        logits = model.head(h[:n]) if n else h.new_zeros((0, model.args.vocab_size), dtype=torch.float32)
+        return logits, h[n:]
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run one step; logits `[R (+ P), vocab]` float32, rows in the order of

@@ -1,10 +1,15 @@
-"""Prompt logprobs in the scheduler: which prefill chunks score which prompt tokens (pure Python;
-the logits side is `prompt_logprobs.py`), `docs/design.md#sampling`.
+"""What prefill chunks compute besides the KV cache, in the scheduler (pure Python): which chunks
+score which prompt tokens (prompt logprobs; the logits side is `prompt_logprobs.py`,
+`docs/design.md#sampling`) and which pool which positions' hidden states (embeddings; the torch
+side is `pooling.py`, `docs/design.md#embeddings`).
 
 A request that asks for prompt logprobs scores its prompt in the prefill chunks it runs anyway, at
 most the step budget's scoring allowance (`PROMPT_LOGPROB_TOKENS_PER_STEP` for all rows together):
 a chunk is cut where the allowance runs out, and a recompute after preemption never scores a token
 twice. The logits at position q score prompt token q + 1 (token 0 has no logprob).
+
+An embedding request pools in the chunks it runs anyway, too: every prompt position once (mean
+pooling; `Request.reads_every_position` keeps its prefix-cache hits off), or the last one only.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ringserve.gpu_proc.step import PromptScoring
-from ringserve.shm.messages import PromptLogprobs
+from ringserve.shm.messages import Pooled, PromptLogprobs
 
 if TYPE_CHECKING:
     from ringserve.gpu_proc.request import Request
@@ -58,3 +63,41 @@ class PromptScorer:
             (req.key[0], PromptLogprobs(req.key[1], start, logprobs, ranks, top))
             for (req, start), (logprobs, ranks, top) in zip(rows, scored)
         ]
+
+
+class PromptPooler:
+    """The chunks of the batch being built that pool prompt positions, and their results' events."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self) -> None:
+        self._rows: list[tuple[Request, int, int]] = []  # (request, first position, count), batch order
+
+    def __bool__(self) -> bool:
+        return bool(self._rows)
+
+    def cut(self, req: Request, start: int, end: int) -> tuple[int, int] | None:
+        """The chunk offsets (first, count) whose hidden states the chunk `[start, end)` of a
+        pooling request adds to its sum, or None; a recompute never pools a position twice."""
+        if req.pooling == "mean":
+            lo, hi = max(start, req.prompt_pooled), min(end, req.prompt_len)
+        else:  # last: the chunk that reaches the prompt's end
+            lo, hi = req.prompt_len - 1, req.prompt_len
+            if not (req.prompt_pooled < hi and start <= lo < end):
+                return None
+        if lo >= hi:
+            return None
+        req.prompt_pooled = hi
+        self._rows.append((req, lo, hi - lo))
+        return lo - start, hi - lo
+
+    def results(self, pooled) -> list[tuple[int, Pooled]]:
+        """The wire events for the last batch's pooling chunks: `pooled` holds one float32 sum (as
+        bytes) per pooling row in batch order."""
+        rows, self._rows = self._rows, []
+        if pooled is None or len(pooled) != len(rows):
+            raise ValueError(
+                f"the last batch pooled {len(rows)} prompt chunks but "
+                f"{0 if pooled is None else len(pooled)} results were given"
+            )
+        return [(req.key[0], Pooled(req.key[1], lo, count, values)) for (req, lo, count), values in zip(rows, pooled)]

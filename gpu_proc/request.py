@@ -57,6 +57,7 @@ class Request:
     cache_salt: str | None = None  # prefix-cache isolation: only equal salts share cached blocks
     prompt_logprobs: int | None = None  # top-N alternatives per prompt token; None: not scored
     fingerprint: int = 0  # the Submit's (`shm.messages.fingerprint`): names it in the step-in-flight record
+    pooling: str | None = None  # an embedding: how its prompt's hidden states pool (`prompt_chunks.py`)
     # -- set by the scheduler ------------------------------------------------------------------
     seq_id: int = 0
     row_sampling: RowSampling | None = None  # the sampler's settings, with this sample's seed and index
@@ -75,6 +76,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     cancel_reason: CancelReason | None = None
     prompt_scored: int = 1  # the next prompt token to score (token 0 has no logprob)
+    prompt_pooled: int = 0  # the next prompt position whose hidden state is pooled
     first_join_ts: float | None = None
     first_token_ts: float | None = None
     # NOTE: derived once: every sampled token of every row is looked up in it (O(1), not O(ids))
@@ -109,6 +111,7 @@ class Request:
             cache_salt=tenant_cache_salt(msg.tenant, msg.cache_salt) if cache_per_tenant else msg.cache_salt,
             prompt_logprobs=msg.prompt_logprobs,
             fingerprint=msg.fingerprint,
+            pooling=msg.pooling,
         )
 
     def sibling(self, index: int) -> Request:
@@ -154,6 +157,12 @@ class Request:
     def scores_prompt(self) -> bool:
         """Prompt logprobs are still owed: its prefill chunks must run (no prefix-cache hits)."""
         return self.prompt_logprobs is not None and self.prompt_scored < len(self.prompt_ids)
+
+    @property
+    def reads_every_position(self) -> bool:
+        """Its prefill must compute every prompt position (no prefix-cache hits): prompt logprobs
+        are owed, or a mean pooling still needs hidden states a cached block does not keep."""
+        return self.scores_prompt or (self.pooling == "mean" and self.prompt_pooled < len(self.prompt_ids))
 
     @property
     def is_waiting(self) -> bool:

@@ -87,6 +87,7 @@ class SampleOutput:
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]] | None]
     prompt_logprobs: list | None = None  # set by the engine (`prompt_logprobs.score`), not here
+    pooled: list[bytes] | None = None  # set by the engine (`pooling.sums`), not here
     # sequences whose samples are void: a grammar mask was not ready (`grammar.py`); the scheduler
     # emits nothing for them and computes their last token again
     paused: frozenset[int] = frozenset()

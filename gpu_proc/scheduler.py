@@ -5,7 +5,7 @@ Pure bookkeeping, no torch: the GPU-process loop calls
     decision = sched.admit(request)         # per Submit: 400 / 429 / accepted (est_gpu_ms)
     sched.cancel(key, reason, index)        # per Cancel: a flag, read at the next step boundary
     batch = sched.schedule(now)             # a StepBatch for the runner (may be empty)
-    events = sched.update(sample_output)    # (worker slot, Token | Finish | PromptLogprobs) wire records
+    events = sched.update(sample_output)    # (worker slot, Token | Finish | PromptLogprobs | Pooled) records
     sched.observe_step_time(ms)             # feeds the step cost model
 
 Rules (`docs/design.md#scheduler-pass`):
@@ -72,7 +72,7 @@ from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.cost_model import Sample, StepAudit
 from ringserve.gpu_proc.fairness import FairQueue
 from ringserve.gpu_proc.kv_manager import KVCacheManager
-from ringserve.gpu_proc.prompt_chunks import PromptScorer
+from ringserve.gpu_proc.prompt_chunks import PromptPooler, PromptScorer
 from ringserve.gpu_proc.request import Request, RequestState, WorkerRid
 from ringserve.gpu_proc.scheduler_checks import SchedulerIntegrityError, SchedulerSnapshot, check_scheduler
 from ringserve.gpu_proc.scheduler_stats import SchedulerStats
@@ -82,14 +82,14 @@ from ringserve.gpu_proc.step import SeqStep, StepBatch
 from ringserve.gpu_proc.step_budget import StepBudget, prefill_tokens_for
 from ringserve.gpu_proc.step_shape import StepShape, chunk_reads
 from ringserve.rules import finish_reason
-from ringserve.shm.messages import CancelReason, Finish, FinishReason, PromptLogprobs, Token
+from ringserve.shm.messages import CancelReason, Finish, FinishReason, Pooled, PromptLogprobs, Token
 
 if TYPE_CHECKING:
     from ringserve.config import Config
 
 __all__ = ["Scheduler", "SchedulerIntegrityError", "SchedulerStats"]
 
-Event = tuple[int, Token | Finish | PromptLogprobs]  # (worker slot, the record for its StepOutput)
+Event = tuple[int, Token | Finish | PromptLogprobs | Pooled]  # (worker slot, the record for its StepOutput)
 
 
 class Scheduler:
@@ -147,6 +147,7 @@ class Scheduler:
         self._events: list[Event] = []
         self._sampling: list[Request] = []  # requests sampling in the last batch, in batch order
         self._scorer = PromptScorer()  # the last batch's chunks that score prompt tokens
+        self._pooler = PromptPooler()  # and those that pool prompt positions (embeddings)
         self._ended_seqs: list[int] = []  # seq ids that ended since the last batch was built
         self._pass = 0
         self._seq_ids = itertools.count(1)
@@ -312,13 +313,17 @@ class Scheduler:
 
     def update(self, samples=None) -> list[Event]:
         """Take the last batch's samples (`.token_ids`, `.logprobs`, `.top_logprobs`, one per
-        sampling row in `batch.sampling_rows` order: a draft row's verified positions each, and `.prompt_logprobs`, one (logprobs, ranks,
-        top) per row with `scoring` in batch order, or None; None for a batch with neither) and
-        return every event since the last call, including the finishes the pass's leave phase made
-        for cancelled and expired requests. Call it after every `schedule()`, even an empty one."""
+        sampling row in `batch.sampling_rows` order: a draft row's verified positions each;
+        `.prompt_logprobs`, one (logprobs, ranks, top) per row with `scoring` in batch order, or
+        None; `.pooled`, one float32 sum per row with `pooling`; None for a batch with none of
+        these) and return every event since the last call, including the finishes the pass's leave
+        phase made for cancelled and expired requests. Call it after every `schedule()`, even an
+        empty one."""
         rows, self._sampling = self._sampling, []
         if self._scorer:
             self._events += self._scorer.results(getattr(samples, "prompt_logprobs", None))
+        if self._pooler:
+            self._events += self._pooler.results(getattr(samples, "pooled", None))
         if samples is None:
             if rows:
                 raise ValueError(f"the last batch has {len(rows)} sampling rows but no samples were given")
@@ -452,6 +457,8 @@ class Scheduler:
                     req.block_ids,
                     req.row_sampling,
                     draft=len(draft),
+                    # a one-token prompt, or one whose cached prefix leaves one, joins as a decode row
+                    pooling=self._pooler.cut(req, p, p + 1) if req.pooling is not None else None,
                 )
             )
         shape = StepShape(decode=decode, reads=reads)
@@ -462,7 +469,13 @@ class Scheduler:
         ended, self._ended_seqs = self._ended_seqs, []
         # NOTE: `sampling` was appended in lockstep with `seqs`, so it is in batch.sampling_seqs
         # order, which is the order of the runner's logits and the sampler's output.
-        return StepBatch(seqs=seqs, scores_prompts=bool(self._scorer), finished=ended, has_drafts=bool(self._drafts))
+        return StepBatch(
+            seqs=seqs,
+            scores_prompts=bool(self._scorer),
+            finished=ended,
+            has_drafts=bool(self._drafts),
+            pools=bool(self._pooler),
+        )
 
     def _step_yield(self, rows: int) -> StepYield:
         """What a step of `rows` decoding rows is expected to yield, and what a draft token costs
@@ -548,6 +561,7 @@ class Scheduler:
                     req.block_ids,
                     req.row_sampling if samples else None,
                     scoring,
+                    self._pooler.cut(req, start, end) if req.pooling is not None else None,
                 )
             )
             if samples:

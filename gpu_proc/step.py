@@ -59,6 +59,9 @@ class SeqStep:
     block_table: list[int]  # KV blocks covering start_pos + len(token_ids) tokens, in order
     sampling: RowSampling | None = None  # set when this row samples after its last new token
     scoring: PromptScoring | None = None  # set when this chunk's prompt logprobs are wanted
+    # Embeddings: the final hidden states at chunk offsets `first .. first + count - 1` are summed
+    # (`pooling.py`); set as (first, count) when this chunk holds prompt positions a request pools.
+    pooling: tuple[int, int] | None = None
     # Speculative decoding: the last `draft` new tokens are guesses (`speculation.py`), and the row
     # samples after each of its last draft + 1 tokens, so that the scheduler can verify them.
     draft: int = 0
@@ -89,6 +92,7 @@ class StepBatch:
     scores_prompts: bool = False  # some row has `scoring` (checked once per step, not per row)
     finished: list[int] = field(default_factory=list)  # seq ids that ended since the last batch: free their state
     has_drafts: bool = False  # some row has a `draft` (checked once per step, not per row)
+    pools: bool = False  # some row has `pooling` (checked once per step, not per row)
 
     @property
     def num_tokens(self) -> int:

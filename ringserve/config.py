@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ringserve.shm.messages import POOLING_TYPES
+
 MAX_SPECULATIVE_TOKENS = 16  # the per-position acceptance stats are declared for this many
 # How far a step's measured time may run past its estimate (the cost model holds the median within
 # [0.75, 1.33], docs/BENCHMARKS.md#cost-model): the derived step target leaves room for it.
@@ -64,6 +66,9 @@ class Config:
     # How a reasoning model's thinking is read from a chat answer (api/chat/reasoning_parsers.py):
     # deepseek_r1 or qwen3 (<think>...</think>); "" (default): every answer is content
     reasoning_parser: str = ""
+    # How /v1/embeddings pools a prompt's final hidden states (api/embeddings/, gpu_proc/pooling.py):
+    # last (the last prompt token's, vLLM's default for a decoder model) or mean
+    embedding_pooling: str = "last"
     api_keys_file: str | None = None
     metrics_keys_file: str | None = None  # keys for /metrics (one per line); None: /metrics is open
     # KV pool
@@ -228,6 +233,8 @@ class Config:
             raise ConfigError(
                 f"reasoning_parser must be deepseek_r1 or qwen3 (or unset), got {self.reasoning_parser!r}"
             )
+        if self.embedding_pooling not in POOLING_TYPES:
+            raise ConfigError(f"embedding_pooling must be {' or '.join(POOLING_TYPES)}, got {self.embedding_pooling!r}")
         if self.speculative not in ("off", "ngram"):
             raise ConfigError(f"speculative must be off or ngram, got {self.speculative!r}")
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:

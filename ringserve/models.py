@@ -170,9 +170,19 @@ def ensure(spec: str | None, dtype: str = "auto") -> ResolvedModel:
 def max_positions(directory: str | Path) -> int | None:
     """The longest context the checkpoint's positions allow (`max_position_embeddings` of its
     config.json), None when it does not say."""
+    return _config_int(directory, "max_position_embeddings")
+
+
+def hidden_size(directory: str | Path) -> int | None:
+    """The width of the checkpoint's hidden states (an embedding's dimensions), None when its
+    config.json does not say."""
+    return _config_int(directory, "hidden_size")
+
+
+def _config_int(directory: str | Path, name: str) -> int | None:
     try:
-        value = json.loads((Path(directory) / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError):
+        value = json.loads((Path(directory) / "config.json").read_text()).get(name)
+    except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, int) and value > 0 else None
 

@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from ringserve.config import Config
+from ringserve.models import hidden_size
 from ringserve.port_claim import PortInUse, claim_port
 from ringserve.probe import AUTO_INTERVAL_S, MarkerProbe, first_key
 from ringserve.restart_policy import RestartPolicy
@@ -65,6 +66,7 @@ EXTEND_EVERY_S = 10.0  # EXTEND_TIMEOUT_USEC cadence while the first model load 
 WORKER_START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 5.0  # beyond the drain: how long a child has to exit after SIGTERM
 LAST_WORDS_S = 1.0  # a stale worker's time, after SIGUSR1, to end its streams before SIGKILL
+UNKNOWN_HIDDEN_SIZE = 8192  # an embedding's width when config.json does not say (a 70B model's)
 
 
 def default_workers() -> int:
@@ -210,7 +212,11 @@ class Supervisor:
             raise SupervisorError(f"cannot start: {exc}") from None
         largest = max(
             max_submit_bytes(self.config.context_limit),
-            max_step_output_bytes(self.config.max_rows, PROMPT_LOGPROB_TOKENS_PER_STEP),
+            max_step_output_bytes(
+                self.config.max_rows,
+                PROMPT_LOGPROB_TOKENS_PER_STEP,
+                hidden_size(self.model_dir) or UNKNOWN_HIDDEN_SIZE,
+            ),
         )
         fits = max_record_bytes(self.config.ring_bytes)
         if largest > fits:

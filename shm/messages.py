@@ -154,6 +154,12 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     # `fingerprint(...)` of this request, set by its worker: names it across a resubmission and a
     # client's resend, in the step-in-flight record and the quarantine (`shm/in_flight.py`)
     fingerprint: int = 0
+    # Embeddings (`/v1/embeddings`): pool the prompt's final hidden states (one of POOLING_TYPES)
+    # into `Pooled` records instead of showing generated text; None: a generation.
+    pooling: str | None = None
+
+
+POOLING_TYPES = ("last", "mean")  # the last prompt token's hidden state, or the mean of them all
 
 
 class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel"):
@@ -208,6 +214,17 @@ class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
     top: list[list[tuple[int, float]]] | None = None
 
 
+class Pooled(msgspec.Struct, frozen=True, array_like=True):
+    """The sum of the final (normed) hidden states at prompt positions `start .. start + count - 1`,
+    float32 little-endian bytes, from one prefill chunk of a pooling request: the worker adds its
+    chunks and divides by their count (one chunk of one position for last-token pooling)."""
+
+    rid: int
+    start: int
+    count: int
+    values: bytes
+
+
 class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag="step"):
     """All of one worker's news from one step."""
 
@@ -215,6 +232,7 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag="step"):
     tokens: list[Token] = []
     finishes: list[Finish] = []
     prompt_logprobs: list[PromptLogprobs] = []
+    pooled: list[Pooled] = []
 
 
 class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
@@ -226,7 +244,19 @@ class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
 
 
 Message = Submit | Cancel | Accepted | Rejected | StepOutput | Error
-MESSAGE_TYPES = (SamplingParams, Submit, Cancel, Accepted, Rejected, Token, Finish, PromptLogprobs, StepOutput, Error)
+MESSAGE_TYPES = (
+    SamplingParams,
+    Submit,
+    Cancel,
+    Accepted,
+    Rejected,
+    Token,
+    Finish,
+    PromptLogprobs,
+    Pooled,
+    StepOutput,
+    Error,
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -243,16 +273,18 @@ def max_submit_bytes(context_limit: int) -> int:
     return ids + bias + bad + strings + 1024  # field names, scalars and headers
 
 
-def max_step_output_bytes(max_rows: int, prompt_positions: int) -> int:
-    """An upper bound on one StepOutput record: a token (with MAX_TOP_LOGPROBS alternatives) and a
-    finish for each of `max_rows` rows, and prompt logprobs for `prompt_positions` prompt tokens
-    (the GPU process scores at most that many per step, `gpu_proc/step.py`), each with
-    MAX_TOP_LOGPROBS alternatives. The supervisor checks it against the ring record limit."""
+def max_step_output_bytes(max_rows: int, prompt_positions: int, hidden_size: int = 0) -> int:
+    """An upper bound on one StepOutput record: a token (with MAX_TOP_LOGPROBS alternatives), a
+    finish and a pooled sum of `hidden_size` float32s for each of `max_rows` rows, and prompt
+    logprobs for `prompt_positions` prompt tokens (the GPU process scores at most that many per
+    step, `gpu_proc/step.py`), each with MAX_TOP_LOGPROBS alternatives. The supervisor checks it
+    against the ring record limit."""
     pair = 5 + 9 + 1  # (id, float64)
     per_token = 32 + pair * MAX_TOP_LOGPROBS
     per_finish = 64
     per_prompt_token = 9 + 5 + 3 + pair * MAX_TOP_LOGPROBS
-    return max_rows * (per_token + per_finish + 32) + prompt_positions * per_prompt_token + 256
+    per_pooled = 4 * hidden_size + 32
+    return max_rows * (per_token + per_finish + per_pooled + 32) + prompt_positions * per_prompt_token + 256
 
 
 def fingerprint(msg: Submit, key: bytes) -> int:

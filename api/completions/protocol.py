@@ -18,11 +18,13 @@ from ringserve.api.body import decode_body
 from ringserve.api.errors import bad_request
 from ringserve.api.protocol import (
     MAX_LOGPROBS,
+    Prompt,
     SamplingBody,
     SamplingFields,
     check_max_tokens,
     check_neutral,
     parse_sampling,
+    prompt_batch,
     token_ids,
 )
 
@@ -43,9 +45,6 @@ class _Body(SamplingBody):
     suffix: str | None = None
     best_of: int | None = None
     prompt_embeds: str | list | None = None
-
-
-Prompt = str | tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,27 +117,6 @@ def _prompts(body: _Body) -> tuple[Prompt, ...]:
         )
     if body.prompt_token_ids is not None:
         return (token_ids(body.prompt_token_ids, "prompt_token_ids"),)
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("prompt must not be empty.", "prompt")
-        return (prompt,)
-    if prompt and all(type(x) is int for x in prompt):
-        return (token_ids(prompt, "prompt"),)
-    # A batch (OpenAI's shapes): strings, or token-id lists; each becomes its own choices.
-    if not prompt or len(prompt) > MAX_PROMPTS:
-        raise bad_request(
-            f"prompt must be a non-empty string, a list of token ids, or a list of 1 to {MAX_PROMPTS} of either.",
-            "prompt",
-        )
-    out: list[Prompt] = []
-    for i, p in enumerate(prompt):
-        if isinstance(p, str) and p:
-            out.append(p)
-        elif isinstance(p, list) and p and all(type(x) is int for x in p):
-            out.append(token_ids(p, f"prompt[{i}]"))
-        else:
-            raise bad_request(
-                f"prompt[{i}] must be a non-empty string or a non-empty list of token ids.", f"prompt[{i}]"
-            )
-    return tuple(out)
+    assert body.prompt is not None
+    # A batch (OpenAI's shapes): each prompt becomes its own choices.
+    return prompt_batch(body.prompt, "prompt", MAX_PROMPTS)

@@ -300,31 +300,40 @@ class Llama(nn.Module):
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVPool, logits_indices: torch.Tensor
     ) -> torch.Tensor:
         """Run T new tokens; return float32 logits `[R, vocab]` for the tokens at `logits_indices`."""
+        return self.head(self.final_hidden(input_ids, meta, kv_pool, logits_indices))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits `[R, vocab]` of final hidden states `h` `[R, hidden]`."""
+        if self.packed_head is not None:
+            return self.packed_head(h).float()
+        return self.lm_head(h).float()
+
+    def final_hidden(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVPool, indices: torch.Tensor
+    ) -> torch.Tensor:
+        """Run T new tokens; return the final norm's output `[R, hidden]` for the tokens at
+        `indices` (what the head reads, and what an embedding pools)."""
         if self.backend is None or self.rope_cos is None or self.rope_sin is None:
             raise RuntimeError("Llama.setup(device) must run before the first forward")
         if self.packed_head is not None:  # the fused CPU forward (setup packed it)
-            return self._forward_fused(
-                input_ids, meta, kv_pool, logits_indices, self.packed_head, self.rope_cos, self.rope_sin
-            )
+            return self._hidden_fused(input_ids, meta, kv_pool, indices, self.rope_cos, self.rope_sin)
         cos, sin = self.rope_cos[meta.positions], self.rope_sin[meta.positions]  # [T, head_dim]
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, meta, kv_pool.k[i], kv_pool.v[i], self.backend)
-        # The final norm and the head only for tokens that sample: a prefill chunk needs one row.
-        x = self.model.norm(x[logits_indices])  # [R, hidden]
-        return self.lm_head(x).float()  # [R, vocab]
+        # The final norm (and the head) only for tokens that sample: a prefill chunk needs one row.
+        return self.model.norm(x[indices])  # [R, hidden]
 
-    def _forward_fused(
+    def _hidden_fused(
         self,
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
         kv_pool: KVPool,
-        logits_indices: torch.Tensor,
-        head: cpu_ops.PackedLinear,
+        indices: torch.Tensor,
         rope_cos: torch.Tensor,
         rope_sin: torch.Tensor,
     ) -> torch.Tensor:
-        """`forward` with the CPU kernels: the same math, each block in one compiled call
+        """`final_hidden` with the CPU kernels: the same math, each block in one compiled call
         (`cpu_ops.block`). The residual stream is carried beside the block output so each add is
         fused into the next norm. The first block's inputs are checked; the others have the same
         shapes, dtypes and strides."""
@@ -337,6 +346,5 @@ class Llama(nn.Module):
             raise RuntimeError("a model without layers has no residual stream")
         # NOTE: always gathered, even when there are as many indices as tokens: scored prompt
         # positions follow the sampling rows, so the order can differ from the tokens'.
-        x, residual = x[logits_indices], residual[logits_indices]
-        h = cpu_ops.add_rms_norm_(x, residual, self.model.norm.weight, self.args.rms_norm_eps)  # [R, hidden]
-        return head(h).float()  # [R, vocab]
+        x, residual = x[indices], residual[indices]
+        return cpu_ops.add_rms_norm_(x, residual, self.model.norm.weight, self.args.rms_norm_eps)  # [R, hidden]
