@@ -292,6 +292,8 @@ def _model_card(st: ApiState) -> dict:
         "owned_by": "ringserve",
         "root": st.model_name,  # (vLLM shows the path it serves from: not a client's business)
         "max_model_len": st.config.context_limit,
+        # ringserve's: how the weights are served (null until the GPU process has loaded)
+        "quantization": (st.status.health().get("weights") or {}).get("quantization"),
     }
 
 

@@ -46,7 +46,8 @@ class GpuStatus(Protocol):
         ...
 
     def health(self) -> dict:
-        """What /health adds to "ok": the attention backend and its kernel check."""
+        """What /health adds to "ok": the attention backend and its kernel check, and how the
+        weights are served (`weights`: quantization, formats, dtype, bytes)."""
         ...
 
     def publish(self, own: WorkerStats) -> None:
@@ -110,7 +111,8 @@ class ControlStatus:
         return self._eos
 
     def health(self) -> dict:
-        return {"attention": (self.control.model_facts() or {}).get("attention")}
+        facts = self.control.model_facts() or {}
+        return {"attention": facts.get("attention"), "weights": facts.get("weights")}
 
     def publish(self, own: WorkerStats) -> None:
         own.publish(self._region)

@@ -38,10 +38,20 @@ import torch
 log = logging.getLogger("ringserve.gpu")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("cpu_attention.cpp", "cpu_fused.cpp", "cpu_sampling.cpp", "cpu_block.cpp")
+SOURCES = ("cpu_attention.cpp", "cpu_fused.cpp", "cpu_sampling.cpp", "cpu_block.cpp", "cpu_quant.cpp")
 HEADERS = ("cpu_common.h", "cpu_kernels.h")
 CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-Wno-psabi")
-_OPS = ("paged_attention", "write_kv", "rms_norm", "add_rms_norm", "rope", "silu_mul", "argmax_rows", "block")
+_OPS = (
+    "paged_attention",
+    "write_kv",
+    "rms_norm",
+    "add_rms_norm",
+    "rope",
+    "silu_mul",
+    "argmax_rows",
+    "block",
+    "qlinear",
+)
 _PROGRESS_S = 0.5
 
 

@@ -28,6 +28,7 @@ stay small (see there).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.nn import functional as F
@@ -156,6 +157,7 @@ class PackedLinear:
                 f"{tuple(weight.shape)} on {weight.device}"
             )
         self.weight, self.bias = weight, bias
+        self.shape = tuple(weight.shape)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if packs(weight.dtype) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -196,10 +198,11 @@ class BlockWeights:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     eps: float
-    qkv: PackedLinear
-    o: PackedLinear
-    gate_up: PackedLinear
-    down: PackedLinear
+    # PackedLinear or quant.QuantLinear (GGUF blocks): both give `shape`, `packed` and `bias`
+    qkv: Any
+    o: Any
+    gate_up: Any
+    down: Any
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -209,9 +212,9 @@ class BlockWeights:
         hidden = self.input_norm.shape[0]
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shapes = {
-            "qkv": (self.qkv.weight.shape, (q + 2 * kv, hidden)),
-            "o": (self.o.weight.shape, (hidden, q)),
-            "down": (self.down.weight.shape, (hidden, self.gate_up.weight.shape[0] // 2)),
+            "qkv": (self.qkv.shape, (q + 2 * kv, hidden)),
+            "o": (self.o.shape, (hidden, q)),
+            "down": (self.down.shape, (hidden, self.gate_up.shape[0] // 2)),
         }
         for name, (got, want) in shapes.items():
             if tuple(got) != want:

@@ -67,6 +67,13 @@ class Executor:
             compile_timeout_s=self.grammar_timeout_s * GPU_TIMEOUT_FACTOR,
         )
 
+    def weights(self) -> dict:
+        """How the weights are served (the GPU process publishes it for /health and the model card):
+        `Llama.weights_served` and their bytes."""
+        model = self.runner.model
+        served = getattr(model, "weights_served", lambda: {"quantization": "none"})()
+        return {**served, "bytes": weights_bytes(model)}
+
     def step(self, batch: StepBatch) -> SampleOutput | None:
         """One forward pass and the samples of its sampling rows, with the prompt logprobs of its
         scoring rows and the hidden-state sums of its pooling rows (None when no row samples,
@@ -133,9 +140,18 @@ def _load_cpu_kernels(progress: Callable[[], None] | None) -> bool:
 
 
 def weights_bytes(model) -> int:
-    """Bytes the model's weights take (tied weights and fused views counted once)."""
-    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
-    return sum(storages.values())
+    """Bytes the model's weights take (tied weights and fused views counted once; a weight served
+    from its GGUF blocks by the blocks' bytes, its float parameter never being allocated)."""
+    storages = {
+        p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters() if not p.is_meta
+    }
+    return sum(storages.values()) + getattr(model, "quantized_bytes", 0)
+
+
+def _weights_kind(model, dtype_name: str) -> str:
+    """The memory plan's word for the weights: their dtype, and the GGUF formats held as blocks."""
+    formats = model.weights_served()["formats"] if hasattr(model, "weights_served") else {}
+    return dtype_name + "".join(f" + {n} {f}" for f, n in sorted(formats.items()))
 
 
 def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype) -> int:
@@ -155,7 +171,7 @@ def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype)
         log.info(
             "memory plan: weights %.2f GiB (%s); KV cache %d blocks x %.2f MiB = %.2f GiB, %d tokens",
             weights_bytes(model) / GIB,
-            dtype_name,
+            _weights_kind(model, dtype_name),
             num_blocks,
             block / 2**20,
             num_blocks * block / GIB,
@@ -179,7 +195,7 @@ def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype)
         max_rows=config.max_rows,
         prefill_budget=config.prefill_budget,
     )
-    for line in memory_plan_lines(plan, weights_bytes(model), dtype_name):
+    for line in memory_plan_lines(plan, weights_bytes(model), dtype_name):  # CUDA: never blocks, yet
         log.info("%s", line)
     return plan.num_blocks
 
@@ -257,8 +273,16 @@ def build_executor(
         # API workers share these cores: torch's default of one thread per core starves them.
         tune_cpu_process(config.cpu_threads, pin=config.cpu_pin)
         cpu_kernels = config.cpu_kernels and _load_cpu_kernels(progress)
-    model = load_model(model_dir, device, config.dtype, config.load_format, progress=progress, cpu_kernels=cpu_kernels)
-    dtype = next(model.parameters()).dtype
+    model = load_model(
+        model_dir,
+        device,
+        config.dtype,
+        config.load_format,
+        progress=progress,
+        cpu_kernels=cpu_kernels,
+        quantization=config.quantization,
+    )
+    dtype = model.dtype
     attention = choose_attention(config, model, device, kernels, progress)
     special = read_special_tokens(model_dir)
     args = model.args

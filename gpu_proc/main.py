@@ -382,6 +382,7 @@ def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
             "dtype": str(executor.dtype).removeprefix("torch."),
             "load_s": round(time.monotonic() - t0, 3),
             "attention": executor.attention,
+            "weights": executor.weights(),
         }
     )
     loop.publish(0.0)

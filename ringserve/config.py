@@ -35,6 +35,9 @@ class Config:
     model_name: str | None = None  # the `model` id the API reports; default: the directory name
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     load_format: str = "auto"  # auto: the checkpoint's safetensors | dummy: random weights of its shape
+    # auto: a converted GGUF's Q4_0 / Q4_1 / Q8_0 weights served as their blocks (CPU kernels) |
+    # none: every weight dequantized (the reference)
+    quantization: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     # torch threads of the GPU process when it computes on the CPU: the API workers share the
     # cores, and oversubscribed torch threads slow each step many times over.
@@ -223,6 +226,8 @@ class Config:
             raise ConfigError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.quantization not in ("auto", "none"):
+            raise ConfigError(f"quantization must be auto or none, got {self.quantization!r}")
         if self.probe_interval_s < 0 and self.probe_interval_s != -1:
             raise ConfigError(f"probe_interval_s must be >= 0 (0: off) or -1 (auto), got {self.probe_interval_s}")
         if self.attention_backend not in ("auto", "cupy", "reference"):

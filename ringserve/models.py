@@ -26,7 +26,7 @@ from pathlib import Path
 TINY_MODEL = "tiny"
 TINY_DIR_NAME = "tiny-llama"
 # Bump when the conversion's output changes: directories written by an older converter are redone.
-CONVERSION_FORMAT = 1
+CONVERSION_FORMAT = 2  # 2: quantized.safetensors beside model.safetensors
 MARKER = "ringserve-model.json"  # written last into a converted directory: its presence means done
 
 

@@ -100,14 +100,21 @@ def smollm2_gguf(smollm2_dir):
 @pytest.fixture(scope="session")
 def smollm2_server(smollm2_dir, tmp_path_factory):
     """`ringserve serve --model smollm2-135m-instruct` (the name, resolved as `make serve` does),
-    one for every module that talks to the real model."""
+    one for every module that talks to the real model. `--quantization none`: the weights
+    dequantized, the reference these modules compare with transformers (the GGUF blocks served
+    as they are, the default, differ from it by their int8 activations: tests/test_quant_e2e.py)."""
     from ringserve import models
     from tests.helpers.server import ServerProcess
 
     # queue_limit_s: 200 requests at once are far above 2 s of estimated CPU work; admission
     # would rightly answer 429, which is not what these tests are about.
     with ServerProcess(
-        models.DEFAULT_MODEL, tmp_path_factory.mktemp("smollm2-shm"), workers=2, queue_limit_s=600, ready_timeout_s=300
+        models.DEFAULT_MODEL,
+        tmp_path_factory.mktemp("smollm2-shm"),
+        workers=2,
+        queue_limit_s=600,
+        ready_timeout_s=300,
+        quantization="none",
     ) as srv:
         yield srv
 

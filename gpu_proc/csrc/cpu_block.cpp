@@ -64,8 +64,10 @@ at::Tensor linear_once(const at::Tensor& x, const at::Tensor& packed, const std:
 
 // x [T, K] (contiguous) times a weight packed by mkldnn::_reorder_linear_weight (+ bias): [T, N],
 // in the row pieces of matmul_pieces(T) (a last piece longer than the rows left runs on them
-// padded with zero rows).
+// padded with zero rows). A quantized weight (GGUF blocks, cpu_quant.cpp) runs its own kernel,
+// which keeps no per-shape state.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  if (is_quantized(packed)) return qlinear(x, packed, bias);
   const int64_t t = x.size(0);
   const std::vector<int64_t> pieces = matmul_pieces(t);
   std::vector<at::Tensor> outs;

@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+
 namespace ringserve_cpu {
 
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -15,5 +17,8 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Ten
 void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
 void rope(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 void silu_mul(const at::Tensor& gate_up, at::Tensor out);
+// A GGUF-quantized weight (uint8 blocks, cpu_quant.cpp) and the linear layer that reads it.
+bool is_quantized(const at::Tensor& w);
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 
 }  // namespace ringserve_cpu

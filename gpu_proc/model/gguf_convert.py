@@ -7,6 +7,8 @@ architecture first (`read_gguf_header`, a few bytes, so a wrong file fails in mi
 what it is), then writes what `loader.py` and the API workers read:
 
     model.safetensors       every tensor in the stored dtype (float32 unless asked otherwise)
+    quantized.safetensors   the tensors in a format the CPU kernels read, as their GGUF blocks
+                            (`gguf_blocks.py`; served unless `--quantization none`)
     config.json             LlamaConfig, without the quantization entry
     tokenizer.json          the fast tokenizer built from the GGUF vocabulary
     tokenizer_config.json   special tokens and the chat template
@@ -138,6 +140,8 @@ def convert_gguf(
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .gguf_blocks import QUANTIZED_FILE, write_quantized
+
     if dtype not in STORE_DTYPES:
         raise GgufError(f"dtype {dtype!r}: choose one of {', '.join(STORE_DTYPES)}")
     gguf_path, out = Path(gguf_path), Path(out_dir)
@@ -161,6 +165,9 @@ def convert_gguf(
         say(f"writing model.safetensors ({size / 2**20:.0f} MiB)")
         save_file(tensors, str(work / "model.safetensors"), metadata={"format": "pt"})
         del model, tensors
+        kept = write_quantized(gguf_path, work / QUANTIZED_FILE)
+        if kept:
+            say(f"kept {len(kept)} tensors as GGUF blocks ({', '.join(sorted(set(kept.values())))})")
         _write_config(
             work,
             config,

@@ -21,6 +21,7 @@ from .. import cpu_ops
 from ..attention import AttentionBackend, get_backend
 from ..attention.metadata import AttentionMetadata
 from ..kv_pool import KVPool
+from ..quant import QuantLinear, dequantize
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +107,37 @@ def _fuse(projs: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | No
     return weight, bias
 
 
+Projection = cpu_ops.PackedLinear | QuantLinear
+
+
+def _projection(projs: tuple[nn.Linear, ...], blocks: dict[nn.Module, torch.Tensor]) -> Projection:
+    """The projections as one weight for the CPU matmul: their GGUF blocks concatenated when all
+    of them are held quantized in one format (`quant.QuantLinear`), else the float weights fused
+    and packed (`_fuse`), dequantizing any that were held quantized (a group of mixed formats)."""
+    held = [blocks.get(p) for p in projs]
+    if all(b is not None for b in held) and len({b.shape[2] for b in held if b is not None}) == 1:
+        bias = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
+        return QuantLinear(torch.cat([b for b in held if b is not None]), bias)
+    for p, b in zip(projs, held):
+        if b is not None:
+            p.weight = nn.Parameter(dequantize(b).to(p.weight.dtype), requires_grad=False)
+    if len(projs) == 1:
+        return cpu_ops.PackedLinear(projs[0].weight, projs[0].bias)
+    return cpu_ops.PackedLinear(*_fuse(projs))
+
+
+class QuantEmbedding(nn.Module):
+    """`nn.Embedding` over GGUF blocks `[vocab, hidden / 32, bytes]`: the rows a step reads,
+    dequantized (the same values as the dequantized checkpoint's embedding)."""
+
+    def __init__(self, blocks: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.blocks, self.dtype = blocks, dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return dequantize(self.blocks[input_ids]).to(self.dtype)
+
+
 def _number(cfg: dict[str, object], name: str) -> float:
     value = cfg.get(name)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -147,15 +179,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, args.num_kv_heads * args.head_dim, bias=bias)
         self.o_proj = nn.Linear(args.num_heads * args.head_dim, h, bias=bias)
         self.scale = args.head_dim**-0.5
-        self.qkv: cpu_ops.PackedLinear | None = None  # set by fuse_projections
-        self.o: cpu_ops.PackedLinear | None = None
+        self.qkv: Projection | None = None  # set by fuse_projections
+        self.o: Projection | None = None
 
-    def fuse_projections(self) -> tuple[cpu_ops.PackedLinear, cpu_ops.PackedLinear]:
+    def fuse_projections(self, blocks: dict[nn.Module, torch.Tensor]) -> tuple[Projection, Projection]:
         """One `[(heads + 2 kv_heads) * head_dim, hidden]` weight for q, k and v (the three
         projections keep their names, so state dicts are unchanged, as views into it), and the
-        projections packed for the CPU matmul: (qkv, o)."""
-        self.qkv = qkv = cpu_ops.PackedLinear(*_fuse((self.q_proj, self.k_proj, self.v_proj)))
-        self.o = o = cpu_ops.PackedLinear(self.o_proj.weight, self.o_proj.bias)
+        projections packed for the CPU matmul, or read from their GGUF `blocks`: (qkv, o)."""
+        self.qkv = qkv = _projection((self.q_proj, self.k_proj, self.v_proj), blocks)
+        self.o = o = _projection((self.o_proj,), blocks)
         return qkv, o
 
     def forward(
@@ -185,14 +217,14 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
-        self.gate_up: cpu_ops.PackedLinear | None = None  # set by fuse_projections
-        self.down: cpu_ops.PackedLinear | None = None
+        self.gate_up: Projection | None = None  # set by fuse_projections
+        self.down: Projection | None = None
 
-    def fuse_projections(self) -> tuple[cpu_ops.PackedLinear, cpu_ops.PackedLinear]:
+    def fuse_projections(self, blocks: dict[nn.Module, torch.Tensor]) -> tuple[Projection, Projection]:
         """One `[2 * intermediate, hidden]` weight for gate and up (views keep the old names),
-        packed for the CPU matmul like down_proj: (gate_up, down)."""
-        self.gate_up = gate_up = cpu_ops.PackedLinear(*_fuse((self.gate_proj, self.up_proj)))
-        self.down = down = cpu_ops.PackedLinear(self.down_proj.weight, self.down_proj.bias)
+        packed for the CPU matmul like down_proj, or read from their GGUF `blocks`: (gate_up, down)."""
+        self.gate_up = gate_up = _projection((self.gate_proj, self.up_proj), blocks)
+        self.down = down = _projection((self.down_proj,), blocks)
         return gate_up, down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,7 +268,10 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.backend: AttentionBackend | None = None
         self.fused = False
-        self.packed_head: cpu_ops.PackedLinear | None = None  # the fused CPU forward's lm_head
+        self.packed_head: Projection | None = None  # the fused CPU forward's lm_head
+        # GGUF blocks of weights served quantized (name -> blocks, `quant.py`), set by the loader;
+        # their parameters stay on the meta device unless setup has to dequantize them.
+        self.quantized: dict[str, torch.Tensor] = {}
         self.block_weights: list[tuple] = []  # per block, cpu_ops.BlockWeights.args()
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
@@ -264,16 +299,51 @@ class Llama(nn.Module):
         # The fused forward runs oneDNN-packed matmuls: only where oneDNN packs this dtype here.
         self.fused = self.backend.name == "cpu" and cpu_ops.packs(self.dtype)
         self.packed_head = None
+        if self.quantized and not self.fused:
+            self._dequantize_all()  # only the fused CPU forward reads GGUF blocks
         if self.fused:
+            modules = dict(self.named_modules())
+            blocks = {modules[n.removesuffix(".weight")]: b for n, b in self.quantized.items()}
             self.block_weights = [
-                self._block_weights(cast(TransformerBlock, layer)).args() for layer in self.model.layers
+                self._block_weights(cast(TransformerBlock, layer), blocks).args() for layer in self.model.layers
             ]
-            self.packed_head = cpu_ops.PackedLinear(self.lm_head.weight)
+            embed = self.quantized.get("model.embed_tokens.weight")
+            if embed is not None:
+                self.model.embed_tokens = QuantEmbedding(embed, self.dtype)  # type: ignore[assignment]
+            head = self.quantized.get("lm_head.weight", embed if self.args.tie_word_embeddings else None)
+            if head is not None:
+                self.packed_head = QuantLinear(head)
+            else:
+                self.packed_head = _projection((self.lm_head,), blocks)
 
-    def _block_weights(self, layer: TransformerBlock) -> cpu_ops.BlockWeights:
+    def _dequantize_all(self) -> None:
+        for name, b in self.quantized.items():
+            module = self.get_submodule(name.removesuffix(".weight"))
+            module.weight = nn.Parameter(dequantize(b).to(self.dtype), requires_grad=False)
+        if self.args.tie_word_embeddings:
+            self.tie_weights()
+        self.quantized = {}
+
+    def weights_served(self) -> dict:
+        """What /health and the model card say of the weights: `quantization` "gguf" (some served
+        as their blocks) or "none", the blocks' formats with their tensor counts, and the dtype of
+        everything else."""
+        formats: dict[str, int] = {}
+        for b in self.quantized.values():
+            name = QuantLinear(b).format.name
+            formats[name] = formats.get(name, 0) + 1
+        dtype = str(self.dtype).removeprefix("torch.")
+        return {"quantization": "gguf" if formats else "none", "formats": formats, "dtype": dtype}
+
+    @property
+    def quantized_bytes(self) -> int:
+        """Bytes of the weights held as GGUF blocks (a tied embedding and head counted once)."""
+        return sum(b.numel() for b in self.quantized.values())
+
+    def _block_weights(self, layer: TransformerBlock, blocks: dict[nn.Module, torch.Tensor]) -> cpu_ops.BlockWeights:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv, o = attn.fuse_projections()
-        gate_up, down = mlp.fuse_projections()
+        qkv, o = attn.fuse_projections(blocks)
+        gate_up, down = mlp.fuse_projections(blocks)
         return cpu_ops.BlockWeights(
             layer.input_layernorm.weight,
             layer.post_attention_layernorm.weight,
@@ -288,13 +358,14 @@ class Llama(nn.Module):
             attn.scale,
         )
 
+    # NOTE: read from the final norm, never held quantized (the head's weight may be on meta)
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.norm.weight.dtype
 
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVPool, logits_indices: torch.Tensor

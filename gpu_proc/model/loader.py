@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .gguf_blocks import QUANTIZED_FILE
 from .llama import Llama, ModelArgs
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -156,6 +157,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 _INITIALIZERS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("auto", "none")
 
 
 @contextmanager
@@ -180,11 +182,14 @@ def load_model(
     load_format: str = "auto",
     progress: Callable[[], None] | None = None,
     cpu_kernels: bool = True,
+    quantization: str = "auto",
 ) -> Llama:
     """Load a checkpoint directory onto `device` in `dtype`, ready for `forward` (setup done; on the
     CPU with the compiled kernels unless `cpu_kernels` is False, see `Llama.setup`).
     `load_format="dummy"` reads only config.json and makes random weights (dummy_weights.py).
-    `progress()`, if given, is called after each tensor is read."""
+    `quantization="auto"` serves the GGUF blocks of a converted GGUF (`gguf_blocks.py`) as they
+    are where the fused CPU forward runs; "none" (and every other device, for now) serves the
+    dequantized weights. `progress()`, if given, is called after each tensor is read."""
     from safetensors import SafetensorError, safe_open
 
     model_dir = Path(model_dir)
@@ -203,6 +208,9 @@ def load_model(
         return random_model(args, device, dtype, cpu_kernels=cpu_kernels)
     if load_format != "auto":
         raise CheckpointError(f"load format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+    if quantization not in QUANTIZATIONS:
+        raise CheckpointError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    quantized = _read_quantized(model_dir) if quantization == "auto" and device.type == "cpu" and cpu_kernels else {}
 
     with torch.device("meta"), _no_initial_values():
         model = Llama(args)
@@ -217,6 +225,8 @@ def load_model(
             with safe_open(str(f), framework="pt", device="cpu") as reader:
                 for name in reader.keys():
                     if name.endswith(_IGNORED_SUFFIXES) or (args.tie_word_embeddings and name == "lm_head.weight"):
+                        continue
+                    if name in quantized:  # served from its blocks: the float copy is never read
                         continue
                     if name not in expected:
                         raise CheckpointError(
@@ -234,18 +244,44 @@ def load_model(
                         progress()
         except SafetensorError as e:
             raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
-    missing = sorted(set(expected) - set(state))
+    for name, blocks in quantized.items():
+        rows, cols = expected.get(name, (0, 0))
+        if blocks.shape[0] != rows or blocks.shape[1] * 32 != cols:
+            raise CheckpointError(
+                f"{model_dir / QUANTIZED_FILE}: tensor {name!r} holds blocks {tuple(blocks.shape)}, "
+                f"config.json implies a [{rows}, {cols}] weight"
+            )
+    missing = sorted(set(expected) - set(state) - set(quantized))
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise CheckpointError(f"{model_dir}: tensor {missing[0]!r}{more} missing from the safetensors files")
-    model.load_state_dict(state, strict=not args.tie_word_embeddings, assign=True)
+    model.load_state_dict(state, strict=not (args.tie_word_embeddings or quantized), assign=True)
     if args.tie_word_embeddings:
         model.tie_weights()
+    model.quantized = quantized
     model.eval().requires_grad_(False)
     model.setup(device, cpu_kernels=cpu_kernels)
     if progress is not None:
         progress()
     return model
+
+
+def _read_quantized(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The GGUF blocks a conversion kept (`gguf_blocks.QUANTIZED_FILE`), by name; {} if none."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = model_dir / QUANTIZED_FILE
+    if not path.is_file():
+        return {}
+    try:
+        blocks = load_file(str(path))
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
+    for name, b in blocks.items():
+        if b.dtype != torch.uint8 or b.dim() != 3:
+            raise CheckpointError(f"{path}: tensor {name!r} is {b.dtype} {tuple(b.shape)}, not GGUF blocks")
+    return blocks
 
 
 @dataclass(frozen=True)

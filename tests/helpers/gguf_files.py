@@ -44,8 +44,18 @@ def _gguf_name(name: str) -> str:
     return f"blk.{layer}.{_LAYER_NAMES[rest.removesuffix('.weight')]}.weight"
 
 
-def write_llama_gguf(model_dir: Path, path: Path, *, architecture: str = "llama") -> Path:
-    """`model_dir` (a Llama checkpoint with a byte-level BPE tokenizer.json) as the GGUF `path`."""
+def write_llama_gguf(
+    model_dir: Path,
+    path: Path,
+    *,
+    architecture: str = "llama",
+    quant: str | None = None,
+    overrides: dict[str, str | None] | None = None,
+) -> Path:
+    """`model_dir` (a Llama checkpoint with a byte-level BPE tokenizer.json) as the GGUF `path`.
+    `quant` ("Q8_0", "Q4_1", ...) quantizes every matrix whose rows split into 32-weight blocks, as
+    llama.cpp's quantizer does; `overrides` gives a tensor (by the end of its Hugging Face name,
+    e.g. "k_proj.weight") another type, or None for float32."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -88,7 +98,15 @@ def write_llama_gguf(model_dir: Path, path: Path, *, architecture: str = "llama"
             t = _interleave_rotary(t, heads)
         elif name.endswith("k_proj.weight"):
             t = _interleave_rotary(t, kv_heads)
-        w.add_tensor(_gguf_name(name), np.ascontiguousarray(t, dtype=np.float32))
+        kind = quant
+        for suffix, other in (overrides or {}).items():
+            kind = other if name.endswith(suffix) else kind
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        if kind is not None and t.ndim == 2 and t.shape[1] % 32 == 0:
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(_gguf_name(name), t)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -156,13 +156,14 @@ def _model_runner(
     dtype: str = "auto",
     cuda_graphs: bool = False,
     cpu_kernels: bool = True,
+    quantization: str = "auto",
 ):
     from ringserve.gpu_proc.kv_pool import KVPool
     from ringserve.gpu_proc.model.loader import load_model
     from ringserve.gpu_proc.model_runner import ModelRunner
     from ringserve.gpu_proc.warmup import warm_up
 
-    model = load_model(model_dir, device, dtype, load_format, cpu_kernels=cpu_kernels)
+    model = load_model(model_dir, device, dtype, load_format, cpu_kernels=cpu_kernels, quantization=quantization)
     a = model.args
     runner = ModelRunner(
         model, KVPool(a.num_layers, max_rows * 64, a.num_kv_heads, a.head_dim, dtype=model.dtype, device=device)
@@ -196,6 +197,7 @@ def run(
     cuda_graphs: bool = False,
     reference: bool = False,
     drafts: tuple[int, ...] = (),
+    dequantized: bool = False,
 ) -> dict:
     import torch
 
@@ -225,6 +227,8 @@ def run(
         runners = {"tiny": _model_runner(model_dir, device, max_rows, load_format, dtype, cuda_graphs)}
         if reference:  # the same model on the torch reference path (CPU kernels off), in the same run
             runners["tiny_ref"] = _model_runner(model_dir, device, max_rows, load_format, dtype, cpu_kernels=False)
+        if dequantized:  # a converted GGUF's weights dequantized (--quantization none), in the same run
+            runners["tiny_none"] = _model_runner(model_dir, device, max_rows, load_format, dtype, quantization="none")
         runners |= {"null": _null_runner(device, max_rows), "flat": _null_runner(device, max_rows, flat=True)}
         for name, runner in runners.items():
             report["models"][name] = {str(r): measure(runner, r, iters, warmup) for r in rows_list}
@@ -297,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run the model on the torch reference path (CPU kernels off): 'tiny_ref' rows",
     )
+    p.add_argument(
+        "--dequantized",
+        action="store_true",
+        help="also run a converted GGUF's model with every weight dequantized (--quantization none): 'tiny_none' rows",
+    )
     args = p.parse_args(argv)
     try:
         rows = sorted({int(x) for x in args.rows.split(",") if x.strip()})
@@ -321,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         args.cuda_graphs == "on",
         args.reference,
         drafts,
+        args.dequantized,
     )
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0

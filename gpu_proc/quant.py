@@ -1,0 +1,125 @@
+"""GGUF-quantized weights kept as they are stored, and the linear layer that reads them.
+
+A quantized weight is its GGUF blocks as a uint8 tensor `[N, K / 32, block_bytes]`: every block
+holds 32 consecutive weights of one output row, and the block's size names the format (`FORMATS`).
+The kernel (`csrc/cpu_quant.cpp`, `torch.ops.ringserve_cpu.qlinear`) quantizes the activations
+per 32 elements to int8 as llama.cpp does and takes integer dots with the blocks; the references
+here are its spec, in torch:
+
+- `dequantize(w)`: the float32 weight the blocks stand for (what `--quantization none` serves,
+  and what transformers' GGUF loader gives);
+- `quantize_activations(x)`: the kernel's int8 rows, scales and sums;
+- `qlinear_reference(x, w)`: the kernel's arithmetic (exact integer block dots, float scales),
+  equal to the kernel up to float summation order.
+
+Rows of a weight can be permuted or concatenated as tensors (a block never spans two rows), which
+is how the loader undoes llama.cpp's rotary row order and fuses q/k/v and gate/up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32  # weights per block, every format here
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    name: str
+    ggml_type: int  # gguf.GGMLQuantizationType
+    block_bytes: int
+
+
+Q4_0 = QuantFormat("Q4_0", 2, 18)
+Q4_1 = QuantFormat("Q4_1", 3, 20)
+Q8_0 = QuantFormat("Q8_0", 8, 34)
+FORMATS = {f.block_bytes: f for f in (Q4_0, Q4_1, Q8_0)}
+BY_TYPE = {f.ggml_type: f for f in FORMATS.values()}
+
+
+def format_of(w: torch.Tensor) -> QuantFormat:
+    if w.dtype != torch.uint8 or w.dim() != 3 or w.shape[2] not in FORMATS:
+        raise ValueError(
+            f"not a quantized weight: expected uint8 [N, K/32, block bytes] with blocks of "
+            f"{sorted(FORMATS)} bytes, got {w.dtype} {tuple(w.shape)}"
+        )
+    return FORMATS[w.shape[2]]
+
+
+def _half(w: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte `at` of every block, as float32 `[N, nb, 1]`."""
+    return w[..., at : at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """16 bytes a block -> its 32 values: low nibbles are weights 0-15, high nibbles 16-31."""
+    return torch.cat((packed & 0x0F, packed >> 4), dim=-1).to(torch.int32)
+
+
+def dequantize(w: torch.Tensor) -> torch.Tensor:
+    """float32 `[N, K]` of quantized blocks `[N, K / 32, bytes]` (ggml's dequantize_row_*)."""
+    fmt = format_of(w)
+    n, nb, _ = w.shape
+    d = _half(w, 0)
+    if fmt is Q8_0:
+        values = d * w[..., 2:].view(torch.int8).float()
+    elif fmt is Q4_0:
+        values = d * (_nibbles(w[..., 2:]) - 8).float()
+    else:
+        values = d * _nibbles(w[..., 4:]).float() + _half(w, 2)
+    return values.reshape(n, nb * BLOCK)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x `[T, K]` -> (int8 values `[T, K/32, 32]`, float32 scales `[T, K/32]`, int32 sums `[T, K/32]`):
+    per block d = max|x| / 127 and q = round-half-even(x / d), as the kernel does."""
+    t, k = x.shape
+    blocks = x.float().reshape(t, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv[..., None]).to(torch.int8)
+    return q, d, q.to(torch.int32).sum(-1)
+
+
+def qlinear_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's result for x `[T, K]` and blocks `[N, K/32, bytes]`, in float64 then x's dtype."""
+    fmt = format_of(w)
+    q, dx, sx = quantize_activations(x)
+    dw = _half(w, 0)[..., 0].double()  # [N, nb]
+    if fmt is Q8_0:
+        ints = w[..., 2:].view(torch.int8).to(torch.int32)
+    else:
+        ints = _nibbles(w[..., 4:] if fmt is Q4_1 else w[..., 2:])
+    # exact integer block dots [T, N, nb]
+    dots = torch.einsum("tbi,nbi->tnb", q.to(torch.float64), ints.to(torch.float64))
+    scale = dx.double()[:, None, :] * dw[None]  # [T, N, nb]
+    out = (dots * scale).sum(-1)
+    if fmt is Q4_0:
+        out -= 8 * (scale * sx.double()[:, None, :]).sum(-1)
+    elif fmt is Q4_1:
+        mw = _half(w, 2)[..., 0].double()
+        out += (dx.double()[:, None, :] * mw[None] * sx.double()[:, None, :]).sum(-1)
+    if bias is not None:
+        out += bias.double()
+    return out.to(x.dtype)
+
+
+class QuantLinear:
+    """`F.linear(x, dequantize(w))` read from the blocks (`PackedLinear`'s interface: the fused
+    block takes `packed`, here the blocks themselves, and the C++ `linear` dispatches on uint8)."""
+
+    def __init__(self, blocks: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.format = format_of(blocks)
+        if not blocks.is_contiguous() or blocks.device.type != "cpu":
+            raise ValueError("quantized blocks must be a contiguous CPU tensor")
+        self.packed, self.bias = blocks, bias
+        self.shape = (blocks.shape[0], blocks.shape[1] * BLOCK)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.ringserve_cpu.qlinear.default(x, self.packed, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()

@@ -1,0 +1,165 @@
+"""GGUF-quantized weights served as their blocks: the CPU kernel (`csrc/cpu_quant.cpp`) against its
+torch reference (`gpu_proc/quant.py`), the blocks a conversion keeps, and the model served from them.
+
+Tolerances: the kernel equals `qlinear_reference` (exact integer block dots, float scales) within
+float32 summation order (rtol 1e-5); against the float matmul of the dequantized weight it differs
+by the int8 quantization of the activations, as llama.cpp's does (here under 2 % of the largest
+output). Batch invariance is exact: a row's output is the same bits alone and in any batch.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ringserve.gpu_proc import quant
+from ringserve.gpu_proc.cpu_ext import load_cpu_ops
+from ringserve.gpu_proc.kv_pool import KVPool
+from ringserve.gpu_proc.model.gguf_blocks import QUANTIZED_FILE, read_formats
+from ringserve.gpu_proc.model.gguf_convert import convert_gguf
+from ringserve.gpu_proc.model.loader import load_model
+from ringserve.gpu_proc.model_runner import ModelRunner
+from ringserve.gpu_proc.offline import GREEDY, OfflineRequest, generate
+from ringserve.gpu_proc.step import RowSampling, SeqStep, StepBatch
+from tests.helpers.gguf_files import write_llama_gguf
+
+gguf = pytest.importorskip("gguf")
+FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    load_cpu_ops()
+
+
+def _blocks(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
+    """Random weights quantized by gguf-py as llama.cpp does: (blocks [n, k/32, bytes], the bytes)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    raw = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, fmt))
+    return torch.from_numpy(raw.copy()).reshape(n, k // 32, -1), raw
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_is_ggmls(fmt):
+    blocks, raw = _blocks(fmt, 40, 128)
+    want = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, fmt))
+    assert quant.format_of(blocks).name == fmt
+    assert torch.equal(quant.dequantize(blocks), torch.from_numpy(want.astype(np.float32)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("k", (96, 352))  # an odd count of blocks (3, 11) takes the kernel's tail
+def test_kernel_matches_its_reference(fmt, dtype, k):
+    blocks, _ = _blocks(fmt, 72, k)
+    bias = torch.randn(72).to(dtype)
+    for t in (0, 1, 3, 4, 5, 17):
+        x = (torch.randn(t, k) * 3).to(dtype)
+        got = torch.ops.ringserve_cpu.qlinear.default(x, blocks, bias)
+        want = quant.qlinear_reference(x, blocks, bias)
+        assert got.dtype == dtype and got.shape == (t, 72)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(
+            got.float(), want.float(), rtol=tol, atol=tol * (want.abs().max().item() if t else 1.0)
+        )
+        if t:  # the int8 activations cost accuracy, as llama.cpp's do: a bounded amount
+            exact = x.float() @ quant.dequantize(blocks).T + bias.float()
+            assert (got.float() - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_rows_result_is_the_same_alone_and_in_any_batch(fmt):
+    blocks, _ = _blocks(fmt, 50, 352, seed=1)
+    x = torch.randn(37, 352)
+    whole = torch.ops.ringserve_cpu.qlinear.default(x, blocks, None)
+    for lo, hi in ((0, 1), (5, 6), (3, 11), (36, 37), (1, 37)):
+        part = torch.ops.ringserve_cpu.qlinear.default(x[lo:hi].contiguous(), blocks, None)
+        assert torch.equal(part, whole[lo:hi])
+
+
+def test_the_kernel_refuses_what_it_cannot_read():
+    blocks, _ = _blocks("Q8_0", 8, 64)
+    with pytest.raises(RuntimeError, match="K = 32"):
+        torch.ops.ringserve_cpu.qlinear.default(torch.randn(2, 96), blocks, None)
+    with pytest.raises(RuntimeError, match="no format"):
+        torch.ops.ringserve_cpu.qlinear.default(torch.randn(2, 64), torch.zeros(8, 2, 30, dtype=torch.uint8), None)
+    with pytest.raises(ValueError, match="not a quantized weight"):
+        quant.QuantLinear(torch.zeros(8, 2, 30, dtype=torch.uint8))
+
+
+def _convert(tiny_model_dir, tmp_path, name, **kw):
+    path = write_llama_gguf(tiny_model_dir, tmp_path / f"{name}.gguf", **kw)
+    return convert_gguf(path, tmp_path / name, say=lambda line: None)
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("quant")
+    return {
+        "Q8_0": _convert(tiny_model_dir, tmp, "q8", quant="Q8_0"),
+        "Q4_1": _convert(tiny_model_dir, tmp, "q41", quant="Q4_1"),
+        # a group of mixed formats (q Q8_0, k/v Q4_0) is dequantized; the rest stays blocks
+        "mixed": _convert(tiny_model_dir, tmp, "mixed", quant="Q4_0", overrides={"q_proj.weight": "Q8_0"}),
+    }
+
+
+def test_a_conversion_keeps_the_blocks_that_dequantize_to_its_weights(converted):
+    from safetensors.torch import load_file
+
+    for fmt in ("Q8_0", "Q4_1"):
+        d = converted[fmt]
+        blocks = load_file(str(d / QUANTIZED_FILE))
+        floats = load_file(str(d / "model.safetensors"))
+        # every projection, the embedding and the head (hidden 128 and intermediate 352 split into blocks)
+        assert len(blocks) == 4 * 7 + 2 and set(read_formats(d / QUANTIZED_FILE).values()) == {fmt}
+        for name, b in blocks.items():  # q/k rows back in Hugging Face's rotary order, as transformers'
+            assert torch.equal(quant.dequantize(b), floats[name]), name
+
+
+def _runner(model_dir, quantization="auto"):
+    model = load_model(model_dir, "cpu", quantization=quantization)
+    a = model.args
+    return ModelRunner(model, KVPool(a.num_layers, 128, a.num_kv_heads, a.head_dim))
+
+
+def _logprob(runner, ids):
+    """Sum of log p(ids[i+1] | ids[:i+1]): one prefill, every position's logits."""
+    batch = StepBatch([SeqStep(0, ids, 0, list(range((len(ids) + 15) // 16)), RowSampling(temperature=0.0))])
+    inputs = runner.prepare(batch)
+    m = runner.model
+    hidden = m.final_hidden(inputs.input_ids, inputs.meta, runner.kv_pool, torch.arange(len(ids)))
+    logp = torch.log_softmax(m.head(hidden).double(), -1)
+    return logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum().item()
+
+
+@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_1", "mixed"))
+def test_the_model_is_served_from_its_blocks(converted, fmt):
+    """`--quantization auto` holds the projections, embedding and head as blocks (their float
+    parameters never allocated), and its loglikelihood of a text stays near the dequantized
+    reference's (`none`); greedy output is the same alone and in a batch."""
+    d = converted[fmt]
+    q, ref = _runner(d), _runner(d, "none")
+    file_bytes = (d / QUANTIZED_FILE).stat().st_size
+    assert ref.model.quantized_bytes == 0
+    assert 0.95 * file_bytes < q.model.quantized_bytes <= file_bytes
+    meta = [n for n, p in q.model.named_parameters() if p.is_meta]
+    assert any("q_proj" in n for n in meta) == (fmt != "mixed")  # a mixed q/k/v group is dequantized
+    assert any("gate_proj" in n for n in meta)
+    ids = list(range(3, 200, 3))
+    lq, lr = _logprob(q, ids), _logprob(ref, ids)
+    assert abs(lq - lr) <= 0.01 * abs(lr), (lq, lr)
+    prompts = [list(range(5, 5 + n)) for n in (1, 17, 40)]
+    reqs = [OfflineRequest(prompt_ids=p, max_tokens=12, sampling=GREEDY) for p in prompts]
+    together = generate(q, reqs, eos_token_ids=frozenset())
+    for r, want in zip(reqs, together):
+        assert generate(q, [r], eos_token_ids=frozenset())[0].token_ids == want.token_ids
+
+
+def test_quantization_none_and_unknown_values(converted):
+    with pytest.raises(ValueError, match="quantization 'int4'"):
+        load_model(converted["Q8_0"], "cpu", quantization="int4")
+    marker = json.loads((converted["Q8_0"] / "ringserve-model.json").read_text())
+    assert marker["format"] >= 2
