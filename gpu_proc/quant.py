@@ -106,20 +106,35 @@ def qlinear_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
     return out.to(x.dtype)
 
 
-class QuantLinear:
-    """`F.linear(x, dequantize(w))` read from the blocks (`PackedLinear`'s interface: the fused
-    block takes `packed`, here the blocks themselves, and the C++ `linear` dispatches on uint8)."""
+def repack(blocks: torch.Tensor) -> torch.Tensor:
+    """The blocks in the layout the kernel reads (same shape and bytes: on an AVX-512 VNNI CPU runs
+    of 16 blocks interleaved so one dot covers all 16, `csrc/cpu_quant.cpp`; elsewhere as stored)."""
+    format_of(blocks)
+    if not blocks.is_contiguous() or blocks.device.type != "cpu":
+        raise ValueError("quantized blocks must be a contiguous CPU tensor")
+    return torch.ops.ringserve_cpu.qrepack.default(blocks)
 
-    def __init__(self, blocks: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.format = format_of(blocks)
-        if not blocks.is_contiguous() or blocks.device.type != "cpu":
-            raise ValueError("quantized blocks must be a contiguous CPU tensor")
-        self.packed, self.bias = blocks, bias
-        self.shape = (blocks.shape[0], blocks.shape[1] * BLOCK)
+
+class QuantLinear:
+    """`F.linear(x, dequantize(blocks))` read from the blocks (`PackedLinear`'s interface: the
+    fused block takes `packed`, here the repacked blocks, and the C++ `linear` dispatches on uint8).
+    `packed`: blocks already repacked (a tied embedding's)."""
+
+    def __init__(
+        self, blocks: torch.Tensor | None, bias: torch.Tensor | None = None, *, packed: torch.Tensor | None = None
+    ) -> None:
+        if packed is None:
+            if blocks is None:
+                raise ValueError("QuantLinear needs blocks or packed blocks")
+            packed = repack(blocks)
+        self.format = format_of(packed)
+        self.packed, self.bias = packed, bias
+        self.shape = (packed.shape[0], packed.shape[1] * BLOCK)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.ringserve_cpu.qlinear.default(x, self.packed, self.bias)
 
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel()
+
+def embedding(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """float32 rows `ids` of repacked blocks: `dequantize(blocks)[ids]`, bit for bit."""
+    return torch.ops.ringserve_cpu.qembed.default(packed, ids)

@@ -21,7 +21,7 @@ from .. import cpu_ops
 from ..attention import AttentionBackend, get_backend
 from ..attention.metadata import AttentionMetadata
 from ..kv_pool import KVPool
-from ..quant import QuantLinear, dequantize
+from ..quant import QuantLinear, dequantize, embedding, format_of
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,15 +127,16 @@ def _projection(projs: tuple[nn.Linear, ...], blocks: dict[nn.Module, torch.Tens
 
 
 class QuantEmbedding(nn.Module):
-    """`nn.Embedding` over GGUF blocks `[vocab, hidden / 32, bytes]`: the rows a step reads,
-    dequantized (the same values as the dequantized checkpoint's embedding)."""
+    """`nn.Embedding` over repacked GGUF blocks `[vocab, hidden / 32, bytes]` (`quant.repack`,
+    shared with a tied head): the rows a step reads, dequantized (the dequantized checkpoint's
+    embedding, bit for bit)."""
 
-    def __init__(self, blocks: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, packed: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
-        self.blocks, self.dtype = blocks, dtype
+        self.packed, self.dtype = packed, dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return dequantize(self.blocks[input_ids]).to(self.dtype)
+        return embedding(self.packed, input_ids).to(self.dtype)
 
 
 def _number(cfg: dict[str, object], name: str) -> float:
@@ -272,6 +273,8 @@ class Llama(nn.Module):
         # GGUF blocks of weights served quantized (name -> blocks, `quant.py`), set by the loader;
         # their parameters stay on the meta device unless setup has to dequantize them.
         self.quantized: dict[str, torch.Tensor] = {}
+        self.quantized_formats: dict[str, int] = {}  # served blocks: tensors per format (set by setup)
+        self.served_blocks: list[torch.Tensor] = []  # the repacked blocks the forward reads
         self.block_weights: list[tuple] = []  # per block, cpu_ops.BlockWeights.args()
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
@@ -302,19 +305,34 @@ class Llama(nn.Module):
         if self.quantized and not self.fused:
             self._dequantize_all()  # only the fused CPU forward reads GGUF blocks
         if self.fused:
-            modules = dict(self.named_modules())
-            blocks = {modules[n.removesuffix(".weight")]: b for n, b in self.quantized.items()}
-            self.block_weights = [
-                self._block_weights(cast(TransformerBlock, layer), blocks).args() for layer in self.model.layers
-            ]
-            embed = self.quantized.get("model.embed_tokens.weight")
-            if embed is not None:
-                self.model.embed_tokens = QuantEmbedding(embed, self.dtype)  # type: ignore[assignment]
-            head = self.quantized.get("lm_head.weight", embed if self.args.tie_word_embeddings else None)
-            if head is not None:
-                self.packed_head = QuantLinear(head)
-            else:
-                self.packed_head = _projection((self.lm_head,), blocks)
+            self._setup_fused()
+
+    def _setup_fused(self) -> None:
+        """The blocks of the fused forward: projections packed (or their GGUF blocks concatenated
+        and repacked, `_projection`), the embedding and head read from blocks where they are held
+        so (one repacked copy when tied). `quantized` is emptied: the forward holds the blocks."""
+        modules = dict(self.named_modules())
+        blocks = {modules[n.removesuffix(".weight")]: b for n, b in self.quantized.items()}
+        self.block_weights = [
+            self._block_weights(cast(TransformerBlock, layer), blocks).args() for layer in self.model.layers
+        ]
+        embed = self.quantized.get("model.embed_tokens.weight")
+        head = self.quantized.get("lm_head.weight", embed if self.args.tie_word_embeddings else None)
+        self.packed_head = QuantLinear(head) if head is not None else _projection((self.lm_head,), blocks)
+        if embed is not None:
+            tied = head is embed and isinstance(self.packed_head, QuantLinear)
+            packed = cast(torch.Tensor, self.packed_head.packed) if tied else QuantLinear(embed).packed
+            self.model.embed_tokens = QuantEmbedding(packed, self.dtype)  # type: ignore[assignment]
+        served = [w[3] for w in self.block_weights] + [w[5] for w in self.block_weights]
+        served += [w[7] for w in self.block_weights] + [w[9] for w in self.block_weights]
+        served += [self.packed_head.packed]
+        if embed is not None:
+            served.append(cast(QuantEmbedding, self.model.embed_tokens).packed)
+        self.served_blocks = [t for t in served if t is not None and t.dtype == torch.uint8]
+        for b in self.quantized.values():
+            name = format_of(b).name
+            self.quantized_formats[name] = self.quantized_formats.get(name, 0) + 1
+        self.quantized = {}  # the originals: the repacked copies above replace them
 
     def _dequantize_all(self) -> None:
         for name, b in self.quantized.items():
@@ -328,17 +346,15 @@ class Llama(nn.Module):
         """What /health and the model card say of the weights: `quantization` "gguf" (some served
         as their blocks) or "none", the blocks' formats with their tensor counts, and the dtype of
         everything else."""
-        formats: dict[str, int] = {}
-        for b in self.quantized.values():
-            name = QuantLinear(b).format.name
-            formats[name] = formats.get(name, 0) + 1
+        formats = dict(self.quantized_formats)
         dtype = str(self.dtype).removeprefix("torch.")
         return {"quantization": "gguf" if formats else "none", "formats": formats, "dtype": dtype}
 
     @property
     def quantized_bytes(self) -> int:
         """Bytes of the weights held as GGUF blocks (a tied embedding and head counted once)."""
-        return sum(b.numel() for b in self.quantized.values())
+        storages = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in self.served_blocks}
+        return sum(storages.values()) + sum(b.numel() for b in self.quantized.values())
 
     def _block_weights(self, layer: TransformerBlock, blocks: dict[nn.Module, torch.Tensor]) -> cpu_ops.BlockWeights:
         attn, mlp = layer.self_attn, layer.mlp
