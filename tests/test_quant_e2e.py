@@ -82,7 +82,9 @@ def test_a_server_serves_the_blocks(runners, codec, smollm2_dir, tmp_path):
     ref = [r.token_ids for r in generate(runners["none"], reqs, eos_token_ids=frozenset())]
     agree = [next((i for i, (a, b) in enumerate(zip(w, r)) if a != b), len(w)) for w, r in zip(want, ref)]
     print(f"\ngreedy tokens equal to the dequantized reference's before the first difference: {agree} of 24")
-    with ServerProcess(smollm2_dir, tmp_path, workers=1, queue_limit_s=600, ready_timeout_s=300) as srv:
+    with ServerProcess(
+        smollm2_dir, tmp_path, workers=1, queue_limit_s=600, ready_timeout_s=300, quantization="auto"
+    ) as srv:
         health = requests.get(f"{srv.url}/health", timeout=10).json()
         assert health["weights"]["quantization"] == "gguf" and health["weights"]["formats"] == {"Q4_1": 210, "Q8_0": 1}
         card = requests.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]

@@ -182,7 +182,7 @@ def load_model(
     load_format: str = "auto",
     progress: Callable[[], None] | None = None,
     cpu_kernels: bool = True,
-    quantization: str = "auto",
+    quantization: str = "none",
 ) -> Llama:
     """Load a checkpoint directory onto `device` in `dtype`, ready for `forward` (setup done; on the
     CPU with the compiled kernels unless `cpu_kernels` is False, see `Llama.setup`).

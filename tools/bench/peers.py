@@ -27,8 +27,8 @@ run), and, with speculation, the mean accepted length (from each server's
 float32 at least 95 % of requests token-identical; in bfloat16 reported only), each mismatch
 printed with its first differing position. The goals of issues 27 and 35 are evaluated on the medians.
 
-A model may be a GGUF file (`--models FILE.gguf`): ringserve serves it as `--model FILE.gguf` does
-(its Q4_0 / Q4_1 / Q8_0 weights as their blocks), llama.cpp's `llama-server` (engine `llamacpp`,
+A model may be a GGUF file (`--models FILE.gguf`): ringserve serves it as `--model FILE.gguf
+--quantization auto` does (its Q4_0 / Q4_1 / Q8_0 weights as their blocks), llama.cpp's `llama-server` (engine `llamacpp`,
 `--llama-server`) the file itself, and the prompts come from its converted tokenizer. Greedy
 agreement on a GGUF is reported, never gated: two engines' quantized kernels round differently.
 """
@@ -171,7 +171,10 @@ async def closed_loop(url: str, bodies: list[dict], concurrency: int, timeout_s:
             answers[i] = await _request(session, url, bodies[i], timeout_s)
 
     t0 = time.perf_counter()
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    # NOTE: a new connection per request: llama-server closes idle keep-alive connections, and a
+    # request written into one that closed fails ("Can not write request body"); on loopback the
+    # connect costs every engine the same ~0.1 ms
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
         await asyncio.gather(*(stream(session) for _ in range(min(concurrency, len(bodies)))))
     done = [a for a in answers if a is not None]
     if len(done) != len(answers):
@@ -544,7 +547,8 @@ def run_model(args, name: str, model_dir: str, skips: dict[str, str | None], log
         for engine in args.engines:
             ngram = spec if engine.endswith("+ngram") else None
             if engine.startswith("ringserve"):
-                specs[engine] = ringserve_spec(model_dir, args.dtype, args.ringserve_arg, ngram, server)
+                extra = (["--quantization", "auto"] if gguf else []) + args.ringserve_arg  # a GGUF: its blocks
+                specs[engine] = ringserve_spec(model_dir, args.dtype, extra, ngram, server)
             elif engine == "llamacpp":
                 why = skips["llamacpp"] or (None if gguf else "llama.cpp serves GGUF files: pass --models FILE.gguf")
                 if why:

@@ -156,7 +156,7 @@ def _model_runner(
     dtype: str = "auto",
     cuda_graphs: bool = False,
     cpu_kernels: bool = True,
-    quantization: str = "auto",
+    quantization: str = "auto",  # the bench compares against "none" itself (--dequantized)
 ):
     from ringserve.gpu_proc.kv_pool import KVPool
     from ringserve.gpu_proc.model.loader import load_model
