@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import requests
-import torch
 
 from ringserve.gpu_proc.cpu_ext import load_cpu_ops
 from ringserve.gpu_proc.executor import weights_bytes
@@ -22,7 +21,7 @@ from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.model.loader import load_model
 from ringserve.gpu_proc.model_runner import ModelRunner
 from ringserve.gpu_proc.offline import GREEDY, OfflineRequest, generate
-from ringserve.gpu_proc.step import RowSampling, SeqStep, StepBatch
+from tests.helpers.loglikelihood import loglikelihood
 from tests.helpers.server import ServerProcess
 
 TEXT = Path(__file__).resolve().parents[1] / "tools" / "data" / "english.txt"
@@ -47,15 +46,6 @@ def codec(smollm2_dir):
     return Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
 
 
-def _logprob(runner, ids: list[int]) -> float:
-    batch = StepBatch([SeqStep(0, ids, 0, list(range((len(ids) + 15) // 16)), RowSampling(temperature=0.0))])
-    inputs = runner.prepare(batch)
-    m = runner.model
-    hidden = m.final_hidden(inputs.input_ids, inputs.meta, runner.kv_pool, torch.arange(len(ids)))
-    logp = torch.log_softmax(m.head(hidden).double(), -1)
-    return logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum().item()
-
-
 def test_the_model_is_its_blocks(runners, smollm2_gguf):
     import gguf
 
@@ -68,7 +58,7 @@ def test_the_model_is_its_blocks(runners, smollm2_gguf):
 
 def test_loglikelihood_of_a_held_text_within_3_percent(runners, codec):
     ids = codec.encode(TEXT.read_text()).ids[:1024]
-    lq, lr = _logprob(runners["auto"], ids), _logprob(runners["none"], ids)
+    lq, lr = loglikelihood(runners["auto"], ids), loglikelihood(runners["none"], ids)
     print(
         f"\nloglikelihood of {len(ids)} tokens: quantized {lq:.1f}, dequantized {lr:.1f} ({(lq - lr) / abs(lr):+.2%})"
     )

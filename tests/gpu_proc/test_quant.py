@@ -23,8 +23,8 @@ from ringserve.gpu_proc.model.gguf_convert import convert_gguf
 from ringserve.gpu_proc.model.loader import load_model
 from ringserve.gpu_proc.model_runner import ModelRunner
 from ringserve.gpu_proc.offline import GREEDY, OfflineRequest, generate
-from ringserve.gpu_proc.step import RowSampling, SeqStep, StepBatch
 from tests.helpers.gguf_files import write_llama_gguf
+from tests.helpers.loglikelihood import loglikelihood
 
 gguf = pytest.importorskip("gguf")
 FORMATS = ("Q8_0", "Q4_0", "Q4_1")
@@ -139,16 +139,6 @@ def _runner(model_dir, quantization="auto"):
     return ModelRunner(model, KVPool(a.num_layers, 128, a.num_kv_heads, a.head_dim))
 
 
-def _logprob(runner, ids):
-    """Sum of log p(ids[i+1] | ids[:i+1]): one prefill, every position's logits."""
-    batch = StepBatch([SeqStep(0, ids, 0, list(range((len(ids) + 15) // 16)), RowSampling(temperature=0.0))])
-    inputs = runner.prepare(batch)
-    m = runner.model
-    hidden = m.final_hidden(inputs.input_ids, inputs.meta, runner.kv_pool, torch.arange(len(ids)))
-    logp = torch.log_softmax(m.head(hidden).double(), -1)
-    return logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum().item()
-
-
 @pytest.mark.parametrize("fmt", ("Q8_0", "Q4_1", "mixed"))
 def test_the_model_is_served_from_its_blocks(converted, fmt):
     """`--quantization auto` holds the projections, embedding and head as blocks (their float
@@ -166,7 +156,7 @@ def test_the_model_is_served_from_its_blocks(converted, fmt):
     assert any("q_proj" in n for n in meta) == (fmt != "mixed")  # a mixed q/k/v group is dequantized
     assert any("gate_proj" in n for n in meta)
     ids = list(range(3, 200, 3))
-    lq, lr = _logprob(q, ids), _logprob(ref, ids)
+    lq, lr = loglikelihood(q, ids), loglikelihood(ref, ids)
     assert abs(lq - lr) <= 0.01 * abs(lr), (lq, lr)
     prompts = [list(range(5, 5 + n)) for n in (1, 17, 40)]
     reqs = [OfflineRequest(prompt_ids=p, max_tokens=12, sampling=GREEDY) for p in prompts]
@@ -194,10 +184,10 @@ def test_a_second_setup_keeps_the_blocks_and_a_non_fused_one_dequantizes_them(co
     q.model.setup("cpu", q.model.backend)
     assert [b.data_ptr() for b in q.model.served_blocks] == served
     ids = list(range(3, 90, 2))
-    before = _logprob(q, ids)
+    before = loglikelihood(q, ids)
     q.model.setup("cpu", reference_backend())
     ref.model.setup("cpu", reference_backend())
     assert not q.model.fused and q.model.weights_served()["quantization"] == "none"
     for (name, a), (_, b) in zip(q.model.state_dict().items(), ref.model.state_dict().items()):
         assert torch.equal(a, b), name
-    assert abs(_logprob(q, ids) - before) <= 0.01 * abs(before)
+    assert abs(loglikelihood(q, ids) - before) <= 0.01 * abs(before)
