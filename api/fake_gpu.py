@@ -11,8 +11,10 @@ The tokens a sample produces come from `script(submit, index)`, by default the p
 in order, so a test knows exactly which text must come out. A Submit asking for prompt logprobs
 gets them in its first step: every prompt token from 1 on at -1.0, rank 1, and itself as its one
 alternative; a pooling Submit (an embedding) gets its `Pooled` record there too: the sum of its pooled
-positions' made-up hidden states (`fake_hidden`). Used by the API tests and
-`ringserve bench api` (where `step_interval_s=0` makes it a producer that never waits).
+positions' made-up hidden states (`fake_hidden`). The one GPU stand-in: `FakeEngine` holds those
+rules; `FakeGpu` drives it on the worker's event loop for the API tests and `ringserve bench api
+--inproc` (where `step_interval_s=0` makes it a producer that never waits), and the bench producer
+(`tools/bench/producer.py`) drives it from its own process over a real shared-memory ring.
 
 `restart()` simulates a GPU-process death and the supervisor's fence: the fingerprints it is given
 are quarantined, rows are dropped, the worker is told (the generation-change Error the ring
@@ -79,29 +81,145 @@ class _Row:
 
 
 @dataclass
-class FakeGpu:
-    """Transport implementation; see the module docstring. Not thread-safe (one event loop)."""
+class FakeEngine:
+    """The stand-in's engine, without an event loop or a transport: `take` admits a Submit or notes a
+    Cancel, `step` runs one step over every running row. `FakeGpu` drives it on the event loop in the
+    worker's process; the bench producer (`tools/bench/producer.py`) drives it over a real ring."""
 
     script: Callable[[Submit, int], Iterator[int]] = echo_prompt
-    step_interval_s: float = 0.0
     eos_token_ids: frozenset[int] = frozenset()
     context_limit: int = 1 << 30  # as the real engine, a sample also ends where the context does
     admit: Callable[[Submit], Rejected | None] | None = None
+    submits: list[Submit] = field(default_factory=list)
+    cancels: list[Cancel] = field(default_factory=list)
+    finished: dict[str, int] = field(default_factory=dict)
+    _rows: dict[int, _Row] = field(default_factory=dict)
+    _cancelled: dict[int, FinishReason] = field(default_factory=dict)  # rid -> finish of the whole request
+    _step: int = 0
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    def take(self, msg: Submit | Cancel) -> Accepted | Rejected | None:
+        """A Submit's answer (Accepted, or the `admit` refusal); None for a Cancel, which the next
+        step finishes."""
+        if isinstance(msg, Cancel):
+            self.cancels.append(msg)
+            row = self._rows.get(msg.rid)
+            reason = CancelReason(msg.reason).finish  # as the GPU process finishes it
+            if row is not None and msg.index is not None:
+                row.cancelled[msg.index] = reason
+            elif row is not None:
+                self._cancelled[msg.rid] = reason
+            return None
+        self.submits.append(msg)
+        refusal = self.admit(msg) if self.admit is not None else None
+        if refusal is not None:
+            return refusal
+        self._rows[msg.rid] = _Row(
+            msg,
+            [self.script(msg, i) for i in range(msg.n)],
+            [0] * msg.n,
+            [True] * msg.n,
+            time.time(),
+            stop_token_ids=frozenset(msg.sampling.stop_token_ids),
+        )
+        return Accepted(rid=msg.rid, est_gpu_ms=1.0)
+
+    def drop(self) -> None:
+        """Every row gone, as when the GPU process dies."""
+        self._rows.clear()
+        self._cancelled.clear()
+
+    def step(self) -> StepOutput:
+        """One token for every live sample, the finishes this step makes, and a new row's prompt
+        logprobs or pooled record in its first step."""
+        self._step += 1
+        now = time.time()
+        tokens: list[Token] = []
+        finishes: list[Finish] = []
+        prompts: list[PromptLogprobs] = []
+        pooled: list[Pooled] = []
+        for rid, row in list(self._rows.items()):
+            submit = row.submit
+            if row.first_token is None:
+                row.first_token = now
+                self._first_step(row, prompts, pooled)
+            cancelled = self._cancelled.get(rid)
+            alternatives = submit.logprobs
+            for i in range(submit.n):
+                if not row.live[i]:
+                    continue
+                ended = cancelled or row.cancelled.get(i)
+                if ended is not None:
+                    finishes.append(self._finish(row, i, ended, now))
+                    continue
+                tid = next(row.tokens[i])
+                generated = row.generated[i] = row.generated[i] + 1
+                tokens.append(Token(rid, i, tid, -0.5, [(tid, -0.5)] * alternatives if alternatives else None))
+                reason = finish_reason(
+                    tid,
+                    generated,
+                    len(submit.prompt_ids) + generated,
+                    eos_token_ids=self.eos_token_ids,
+                    stop_token_ids=row.stop_token_ids,
+                    ignore_eos=submit.sampling.ignore_eos,
+                    max_tokens=submit.max_tokens,
+                    context_limit=self.context_limit,
+                )
+                if reason is not None:
+                    finishes.append(self._finish(row, i, reason, now))
+            if not any(row.live):
+                del self._rows[rid]
+                self._cancelled.pop(rid, None)
+        return StepOutput(step=self._step, tokens=tokens, finishes=finishes, prompt_logprobs=prompts, pooled=pooled)
+
+    @staticmethod
+    def _first_step(row: _Row, prompts: list[PromptLogprobs], pooled: list[Pooled]) -> None:
+        """A row's prompt logprobs and pooled record, which come with its first step."""
+        submit = row.submit
+        if submit.pooling is not None:
+            ids = submit.prompt_ids if submit.pooling == "mean" else submit.prompt_ids[-1:]
+            total = [sum(col) for col in zip(*map(fake_hidden, ids))]
+            pooled.append(
+                Pooled(submit.rid, len(submit.prompt_ids) - len(ids), len(ids), struct.pack(f"<{len(total)}f", *total))
+            )
+        if submit.prompt_logprobs is not None:
+            ids = submit.prompt_ids[1:]
+            top = [[(t, -1.0)] for t in ids] if submit.prompt_logprobs else None
+            prompts.append(PromptLogprobs(submit.rid, 1, [-1.0] * len(ids), [1] * len(ids), top))
+
+    def _finish(self, row: _Row, i: int, reason: FinishReason, now: float) -> Finish:
+        row.live[i] = False
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        first = row.first_token if row.first_token is not None else now
+        return Finish(
+            row.submit.rid,
+            i,
+            reason,
+            len(row.submit.prompt_ids),
+            row.generated[i],
+            0.1,
+            (first - row.submit.arrival_ts) * 1000.0,
+        )
+
+
+@dataclass
+class FakeGpu(FakeEngine):
+    """Transport implementation over a `FakeEngine`; see the module docstring. Not thread-safe (one
+    event loop)."""
+
+    step_interval_s: float = 0.0
     wire: bool = True  # round-trip every message through msgpack, as the ring does
     paused: bool = False  # hold every running row (no tokens) until resumed
     ready: bool = True  # False between restart() and come_back()
     restarts: int = 0
     discarded: list[Submit] = field(default_factory=list)  # Submits sent while not ready
-    submits: list[Submit] = field(default_factory=list)
-    cancels: list[Cancel] = field(default_factory=list)
-    finished: dict[str, int] = field(default_factory=dict)
     quarantined: dict[int, float] = field(default_factory=dict)  # the supervisor's quarantine: fingerprint -> until
-    _rows: dict[int, _Row] = field(default_factory=dict)
-    _cancelled: dict[int, FinishReason] = field(default_factory=dict)  # rid -> finish of the whole request
     _deliver: Callable[[Message], None] | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _timer: asyncio.Handle | None = None
-    _step: int = 0
 
     # Transport -------------------------------------------------------------------------------
     def open(self, deliver: Callable[[Message], None]) -> None:
@@ -115,27 +233,9 @@ class FakeGpu:
             if isinstance(msg, Submit):
                 self.discarded.append(msg)
             return True  # pushed onto a ring the next process will discard
-        if isinstance(msg, Submit):
-            self.submits.append(msg)
-            refusal = self.admit(msg) if self.admit is not None else None
-            self._post(refusal or Accepted(rid=msg.rid, est_gpu_ms=1.0))
-            if refusal is None:
-                self._rows[msg.rid] = _Row(
-                    msg,
-                    [self.script(msg, i) for i in range(msg.n)],
-                    [0] * msg.n,
-                    [True] * msg.n,
-                    time.time(),
-                    stop_token_ids=frozenset(msg.sampling.stop_token_ids),
-                )
-        else:
-            self.cancels.append(msg)
-            row = self._rows.get(msg.rid)
-            reason = CancelReason(msg.reason).finish  # as the GPU process finishes it
-            if row is not None and msg.index is not None:
-                row.cancelled[msg.index] = reason
-            elif row is not None:
-                self._cancelled[msg.rid] = reason
+        answer = self.take(msg)
+        if answer is not None:
+            self._post(answer)
         self._wake()
         return True
 
@@ -151,7 +251,7 @@ class FakeGpu:
 
     def fail(self, code: str = "gpu_restart", message: str = "the GPU process restarted") -> None:
         """Simulate a GPU-process crash: every open request gets an error, rows are dropped."""
-        self._rows.clear()
+        self.drop()
         self._post(Error(code=code, message=message))
 
     def restart(self, quarantine: tuple[int, ...] = ()) -> None:
@@ -160,8 +260,7 @@ class FakeGpu:
         the fence, as it does)."""
         for fp in quarantine:
             self.quarantined[fp] = time.time() + 600.0
-        self._rows.clear()
-        self._cancelled.clear()
+        self.drop()
         self.ready = False
         self.restarts += 1
         self._post(Error(code="gpu_restart", message="The GPU process restarted."))
@@ -169,10 +268,6 @@ class FakeGpu:
     def come_back(self) -> None:
         """The restarted GPU process adopted the rings and is READY."""
         self.ready = True
-
-    @property
-    def running(self) -> int:
-        return len(self._rows)
 
     def stats(self) -> dict[str, float]:
         """A GPU stats region snapshot (every stat `shm.stats_schema.GPU_STATS` declares), as
@@ -207,71 +302,8 @@ class FakeGpu:
         self._timer = None
         if self.paused or self._deliver is None:
             return
-        self._step += 1
-        now = time.time()
-        tokens: list[Token] = []
-        finishes: list[Finish] = []
-        prompts: list[PromptLogprobs] = []
-        pooled: list[Pooled] = []
-        for rid in list(self._rows):
-            row = self._rows[rid]
-            if row.first_token is None and row.submit.pooling is not None:
-                ids = row.submit.prompt_ids if row.submit.pooling == "mean" else row.submit.prompt_ids[-1:]
-                total = [sum(col) for col in zip(*map(fake_hidden, ids))]
-                pooled.append(
-                    Pooled(rid, len(row.submit.prompt_ids) - len(ids), len(ids), struct.pack(f"<{len(total)}f", *total))
-                )
-            if row.first_token is None and row.submit.prompt_logprobs is not None:
-                ids = row.submit.prompt_ids[1:]
-                top = [[(t, -1.0)] for t in ids] if row.submit.prompt_logprobs else None
-                prompts.append(PromptLogprobs(rid, 1, [-1.0] * len(ids), [1] * len(ids), top))
-            cancelled = self._cancelled.get(rid)
-            for i in range(row.submit.n):
-                if not row.live[i]:
-                    continue
-                ended = cancelled or row.cancelled.get(i)
-                if ended is not None:
-                    finishes.append(self._finish(row, i, ended, now))
-                    continue
-                tid = next(row.tokens[i])
-                row.generated[i] += 1
-                if row.first_token is None:
-                    row.first_token = now
-                alternatives = [(tid, -0.5)] * row.submit.logprobs if row.submit.logprobs else None
-                tokens.append(Token(rid, i, tid, -0.5, alternatives))
-                reason = finish_reason(
-                    tid,
-                    row.generated[i],
-                    len(row.submit.prompt_ids) + row.generated[i],
-                    eos_token_ids=self.eos_token_ids,
-                    stop_token_ids=row.stop_token_ids,
-                    ignore_eos=row.submit.sampling.ignore_eos,
-                    max_tokens=row.submit.max_tokens,
-                    context_limit=self.context_limit,
-                )
-                if reason is not None:
-                    finishes.append(self._finish(row, i, reason, now))
-            if not any(row.live):
-                del self._rows[rid]
-                self._cancelled.pop(rid, None)
-        self._post(
-            StepOutput(step=self._step, tokens=tokens, finishes=finishes, prompt_logprobs=prompts, pooled=pooled)
-        )
+        self._post(self.step())
         self._wake()
-
-    def _finish(self, row: _Row, i: int, reason: FinishReason, now: float) -> Finish:
-        row.live[i] = False
-        self.finished[reason] = self.finished.get(reason, 0) + 1
-        first = row.first_token if row.first_token is not None else now
-        return Finish(
-            row.submit.rid,
-            i,
-            reason,
-            len(row.submit.prompt_ids),
-            row.generated[i],
-            0.1,
-            (first - row.submit.arrival_ts) * 1000.0,
-        )
 
 
 def _round_trip(msg: Submit | Cancel) -> Submit | Cancel:

@@ -2,8 +2,9 @@
 
 Default (ring mode): the real worker process (`ringserve.api.worker --attach`: validation,
 tokenization, ring transport, incremental detokenization, stop-string checks, SSE encoding, socket
-writes) on a shared-memory ring pair, fed by `bench_producer` in its own process, which answers
-as fast as the ring takes records (one token per running sample per step). When the worker falls
+writes) on a shared-memory ring pair, fed by `tools/bench/producer.py` in its own process (the API
+tests' stand-in driven over the ring), which answers as fast as the ring takes records (one token
+per running sample per step). When the worker falls
 behind, several steps wait in the ring and it writes them to each client in one go, so this is
 the worker's throughput under saturation. `--inproc` runs the fake GPU inside the worker's process
 instead: one token per stream per write and the producer's own work counted against the worker, a
@@ -215,7 +216,7 @@ def run(
     stop: list[str] | None = None,
 ) -> dict:
     """The real worker process (`ringserve.api.worker --attach`) on a shared-memory ring pair,
-    fed by `bench_producer` in its own process: the worker's CPU is only the worker's work."""
+    fed by `tools/bench/producer.py` in its own process: the worker's CPU is only the worker's work."""
     import shutil
     import socket
     import subprocess
