@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ringserve.api.connections import abort_connection
-from ringserve.api.generation import LocalCancel
+from ringserve.api.generation import Generation, LocalCancel
+from ringserve.api.gpu_client import GpuClient
 from ringserve.api.request_stream import RequestStream
 from ringserve.shm.messages import MAX_REQUEST_ID_CHARS, CancelReason
 
@@ -25,20 +26,22 @@ _CLIENT_ID = re.compile(rf"^[A-Za-z0-9._:\-]{{1,{MAX_REQUEST_ID_CHARS}}}$")
 
 @dataclass(slots=True)
 class OpenRequest:
-    """An open request as DELETE and the slow-reader watchdog see it."""
+    """A generation request open in this worker, from its submission to its release (one owner of
+    its running state): what DELETE, the slow-reader watchdog and `last_words` see, its streams (one
+    per prompt of a batch, `n` samples each) and, once its rows are submitted, its output."""
 
     request_id: str
     tenant: str
-    stream: RequestStream
+    streams: list[RequestStream]  # every stream feeds the first one's inbox
     transport: Any  # the client connection's asyncio transport (None once it closed)
+    client: GpuClient
+    n: int = 1
+    gen: Generation | None = None  # its output state, set once its rows are submitted
     write_since: float = 0.0  # loop.time() when a still-blocked write started; 0: not writing
     ended_by: CancelReason | None = None  # why it ended early (DELETE, a slow reader, a disconnect); set once
     # Once its SSE has begun: (code, message) -> the bytes that end the stream with that error
     # (an error event and [DONE], framed as the response is); see `last_words`.
     farewell: Callable[[str, str], bytes] | None = None
-    # Cancels its rows on the GPU now (set once they are submitted): a DELETE must stop the work
-    # even while the handler is blocked writing to a client that reads nothing.
-    cancel_gpu: Callable[[], None] | None = None
 
     def end(self, reason: CancelReason) -> bool:
         """End the request from the worker's side (`DELETE` or `SLOW_READER`); the first reason
@@ -52,10 +55,41 @@ class OpenRequest:
             if self.transport is not None:
                 abort_connection(self.transport)
         elif first:
-            if self.cancel_gpu is not None:
-                self.cancel_gpu()
-            self.stream.feed(LocalCancel(reason))
+            # Stop the work on the GPU now: the handler may be blocked writing to a client that
+            # reads nothing.
+            self.cancel_running()
+            self.streams[0].feed(LocalCancel(reason))
         return first
+
+    async def next_batch(self) -> list:
+        return await self.streams[0].next_batch()  # every stream feeds the one inbox
+
+    def running(self) -> list[RequestStream]:
+        """The streams with a sample the GPU has not finished."""
+        if self.gen is None:
+            return []
+        n, samples = self.n, self.gen.samples
+        return [s for p, s in enumerate(self.streams) if not all(x.gpu_done for x in samples[p * n : (p + 1) * n])]
+
+    def cancel_running(self) -> None:
+        """Cancel every stream the GPU still runs (once each: a DELETE may have already)."""
+        reason = self.cancel_reason()
+        for stream in self.running():
+            if not stream.cancelled:
+                self.client.cancel(stream.rid, reason)
+
+    def cancel_sample(self, index: int) -> None:
+        """A stop string ended choice `index`: stop its row."""
+        self.client.cancel(self.streams[index // self.n].rid, CancelReason.STOP, index=index % self.n)
+
+    def cancel_reason(self) -> CancelReason:
+        """Why the rows still running are cancelled: the reason the request ended early, else a
+        stop string ended every sample, else its client went away."""
+        if self.ended_by is CancelReason.DELETE:
+            return CancelReason.CANCELLED  # NOTE: the GPU process ends it alike; the wire says cancelled
+        if self.ended_by is not None:
+            return self.ended_by
+        return CancelReason.STOP if self.gen is not None and self.gen.unfinished == 0 else CancelReason.DISCONNECT
 
 
 class Registry:

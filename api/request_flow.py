@@ -157,10 +157,9 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
     client = st.client
     inbox = Inbox()
     streams = [client.open_stream(inbox, p, p * job.n) for p in range(len(job.prompts))]
-    entry = OpenRequest(request_id, request[TENANT], streams[0], request.transport)
+    entry = OpenRequest(request_id, request[TENANT], streams, request.transport, client, job.n)
     st.registry.add(entry)
     st.stats.add("open_streams")
-    gen: Generation | None = None
     try:
         await _submit(
             client,
@@ -184,7 +183,7 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
                 for stream, prompt, max_tokens in zip(streams, job.prompts, job.max_tokens)
             ],
         )
-        gen = Generation(
+        entry.gen = gen = Generation(
             st.codec,
             n=job.n,
             stop=job.stop,
@@ -202,19 +201,17 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
             show_prompt_logprobs=job.show_prompt_logprobs,
             pooled=job.pooling is not None,
         )
-        flow = _Flow(request, st, entry, streams, gen, job.n)
-        entry.cancel_gpu = lambda: flow.cancel_running(_cancel_reason(entry, gen))
         if job.stream:
             gen.encoder = output.encoder(request_id, st.model_name, int(arrival), job.include_usage)
-            return await _stream(flow, output)
-        return await _complete(flow, output)
+            return await _stream(request, st, entry, output)
+        return await _complete(request, st, entry, output)
     except asyncio.CancelledError:
         _count_gone(st, entry)  # the client went away; its handler was cancelled
         raise
     finally:
-        if gen is not None:
-            _Flow(request, st, entry, streams, gen, job.n).cancel_running(_cancel_reason(entry, gen))
-            _record(st, gen)
+        entry.cancel_running()
+        if entry.gen is not None:
+            _record(st, entry.gen)
         for stream in streams:
             client.release(stream)
         st.registry.remove(entry)
@@ -242,44 +239,16 @@ async def _submit(client: GpuClient, streams: list[RequestStream], submits: list
         raise refused[0]
 
 
-@dataclass(slots=True)
-class _Flow:
-    """A running request: its streams (one per prompt) and its output state."""
-
-    request: web.Request
-    st: ApiState
-    entry: OpenRequest
-    streams: list[RequestStream]
-    gen: Generation
-    n: int
-
-    async def next_batch(self) -> list:
-        return await self.entry.stream.next_batch()  # every stream feeds the one inbox
-
-    def running(self) -> list[RequestStream]:
-        """The streams with a sample the GPU has not finished."""
-        n, samples = self.n, self.gen.samples
-        return [s for p, s in enumerate(self.streams) if not all(x.gpu_done for x in samples[p * n : (p + 1) * n])]
-
-    def cancel_running(self, reason: CancelReason) -> None:
-        """Cancel every stream the GPU still runs (once each: a DELETE may have already)."""
-        for stream in self.running():
-            if not stream.cancelled:
-                self.st.client.cancel(stream.rid, reason)
-
-    def cancel_sample(self, index: int) -> None:
-        self.st.client.cancel(self.streams[index // self.n].rid, CancelReason.STOP, index=index % self.n)
-
-    def headers(self) -> dict[str, str]:
-        return {"x-request-id": self.entry.request_id, **ignored_header(self.request)}
+def _headers(request: web.Request, entry: OpenRequest) -> dict[str, str]:
+    return {"x-request-id": entry.request_id, **ignored_header(request)}
 
 
-async def _stream(flow: _Flow, output: Output) -> web.StreamResponse:
-    request, st, entry, gen = flow.request, flow.st, flow.entry, flow.gen
+async def _stream(request: web.Request, st: ApiState, entry: OpenRequest, output: Output) -> web.StreamResponse:
+    gen = _generation(entry)
     encoder = gen.encoder
     if encoder is None:
         raise RuntimeError("a streamed request's generation has its event encoder")
-    resp = web.StreamResponse(headers={**_SSE_HEADERS, **flow.headers()})
+    resp = web.StreamResponse(headers={**_SSE_HEADERS, **_headers(request, entry)})
     sock = request.transport.get_extra_info("socket") if request.transport is not None else None
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
@@ -291,15 +260,15 @@ async def _stream(flow: _Flow, output: Output) -> web.StreamResponse:
         if opening:
             await resp.write(opening)
         while not gen.finished:
-            events = gen.consume(await flow.next_batch())
-            _cancel_stopped(flow)
+            events = gen.consume(await entry.next_batch())
+            _cancel_stopped(entry, gen)
             if events:
                 entry.write_since = loop.time()
                 await resp.write(b"".join(events) if len(events) > 1 else events[0])
                 entry.write_since = 0.0
         tail = [encoder.END]
         if gen.error is None:
-            await _settle(flow)
+            await _settle(st, entry, gen)
             if output.finished is not None:
                 await output.finished(entry.request_id, gen)
             tail.insert(0, encoder.usage(gen.usage(), gen.timing()))
@@ -350,11 +319,11 @@ def _count_gone(st: ApiState, entry: OpenRequest) -> None:
         st.stats.add("disconnects")
 
 
-async def _complete(flow: _Flow, output: Output) -> web.Response:
-    st, entry, gen = flow.st, flow.entry, flow.gen
+async def _complete(request: web.Request, st: ApiState, entry: OpenRequest, output: Output) -> web.Response:
+    gen = _generation(entry)
     while not gen.finished:
-        gen.consume(await flow.next_batch())
-        _cancel_stopped(flow)
+        gen.consume(await entry.next_batch())
+        _cancel_stopped(entry, gen)
     if gen.error is not None:
         err = gen.error_body()["error"]
         extra = {k: v for k, v in err.items() if k not in ("message", "type", "param", "code")}
@@ -367,11 +336,11 @@ async def _complete(flow: _Flow, output: Output) -> web.Response:
             extra=extra,
             retry_after_s=st.status.reload_s() if status == 503 else None,
         )
-    await _settle(flow)
+    await _settle(st, entry, gen)
     if output.finished is not None:
         await output.finished(entry.request_id, gen)
     body = output.body(entry.request_id, st.model_name, gen)
-    return web.Response(body=await _encode(body), content_type="application/json", headers=flow.headers())
+    return web.Response(body=await _encode(body), content_type="application/json", headers=_headers(request, entry))
 
 
 ENCODE_SLICE = 2048  # list items encoded between two turns of the event loop
@@ -398,17 +367,16 @@ async def _encode(value: Any) -> bytes:
     return msgspec.json.encode(value)
 
 
-async def _settle(flow: _Flow) -> None:
+async def _settle(st: ApiState, entry: OpenRequest, gen: Generation) -> None:
     """Every sample is finished for the client; stop the GPU rows still running (stop strings,
     DELETE) and give their Finish records (timing) a moment to arrive."""
-    gen = flow.gen
     if gen.gpu_done:
         return
-    flow.cancel_running(_cancel_reason(flow.entry, gen))
+    entry.cancel_running()
     try:
-        async with asyncio.timeout(flow.st.finish_grace_s):
+        async with asyncio.timeout(st.finish_grace_s):
             while not gen.gpu_done:
-                gen.consume(await flow.next_batch())
+                gen.consume(await entry.next_batch())
     except TimeoutError:
         pass
     if gen.gpu_done:
@@ -418,24 +386,19 @@ async def _settle(flow: _Flow) -> None:
         s.gpu_done = True
 
 
-def _cancel_stopped(flow: _Flow) -> None:
+def _cancel_stopped(entry: OpenRequest, gen: Generation) -> None:
     """A stop string ended a sample while others still run: stop that sample's GPU row now (the
     request's own Cancel covers the last one)."""
-    gen = flow.gen
     while gen.stopped:
         index = gen.stopped.pop()
         if gen.unfinished and not gen.samples[index].gpu_done:
-            flow.cancel_sample(index)
+            entry.cancel_sample(index)
 
 
-def _cancel_reason(entry: OpenRequest, gen: Generation) -> CancelReason:
-    """Why the rows still running are cancelled as the request ends: the reason it ended early,
-    else a stop string ended every sample, else its client went away."""
-    if entry.ended_by is CancelReason.DELETE:
-        return CancelReason.CANCELLED  # NOTE: the GPU process ends it alike; the wire says cancelled
-    if entry.ended_by is not None:
-        return entry.ended_by
-    return CancelReason.STOP if gen.unfinished == 0 else CancelReason.DISCONNECT
+def _generation(entry: OpenRequest) -> Generation:
+    if entry.gen is None:
+        raise RuntimeError("a request streams or completes only once its rows are submitted")
+    return entry.gen
 
 
 def check_available(st: ApiState) -> None:

@@ -30,8 +30,12 @@ async def test_peer_cancels_only_for_the_submitting_tenant():
     try:
         stream = RequestStream(1, asyncio.get_running_loop())
         owned_id = regs[1].new_id(None, "tenant-a")  # cmpl-1-...: names its worker
-        regs[1].add(OpenRequest(owned_id, "tenant-a", stream, None))
-        regs[2].add(OpenRequest("client-chosen", "tenant-a", RequestStream(2, asyncio.get_running_loop()), None))
+        regs[1].add(OpenRequest(owned_id, "tenant-a", [stream], None, GpuClient(FakeGpu())))
+        regs[2].add(
+            OpenRequest(
+                "client-chosen", "tenant-a", [RequestStream(2, asyncio.get_running_loop())], None, GpuClient(FakeGpu())
+            )
+        )
         assert await peers[0].cancel(owned_id, "tenant-b") is False
         assert await peers[0].cancel("cmpl-1-unknown", "tenant-a") is False
         assert await peers[0].cancel(owned_id, "tenant-a") is True
