@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from ringserve.api.gpu_status import DEFAULT_RELOAD_S
 from ringserve.api.metrics import StatsSnapshot
 from ringserve.api.worker_stats import WorkerStats
+from ringserve.config import DEFAULTS
 from ringserve.rules import finish_reason
 from ringserve.shm.messages import (
     Accepted,
@@ -326,7 +327,7 @@ class FakeStatus:
         return self._ready()
 
     def snapshot(self, own: WorkerStats) -> StatsSnapshot:
-        return StatsSnapshot(gpu=self.fake.stats(), workers=[own.as_dict()], block_size=16)
+        return StatsSnapshot(gpu=self.fake.stats(), workers=[own.as_dict()], block_size=DEFAULTS.block_size)
 
     def reload_s(self) -> float:
         return DEFAULT_RELOAD_S

@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ringserve.config import DEFAULTS
+
 from .grammar_compile import GrammarCompiler
 from .step import RowControls, SeqStep
 
@@ -135,7 +137,7 @@ class GrammarState:
         vocab_size: int,
         eos_token_ids,
         device: torch.device,
-        max_rows: int = 256,
+        max_rows: int = DEFAULTS.max_rows,  # the mask buffer's first size; it grows to a step's masked rows
         compile_timeout_s: float = 10.0,
     ) -> None:
         self.vocab_size = vocab_size

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ringserve.config import MAX_SPECULATIVE_TOKENS
+from ringserve.shm.messages import MAX_SPECULATIVE_TOKENS
 
 __all__ = ["SCHEDULER_STAT_NAMES", "SchedulerStats"]
 

@@ -11,9 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ringserve.shm.messages import POOLING_TYPES
+from ringserve.shm.messages import MAX_SPECULATIVE_TOKENS, POOLING_TYPES
 
-MAX_SPECULATIVE_TOKENS = 16  # the per-position acceptance stats are declared for this many
 # How far a step's measured time may run past its estimate (the cost model holds the median within
 # [0.75, 1.33], docs/BENCHMARKS.md#cost-model): the derived step target leaves room for it.
 STEP_ESTIMATE_TOLERANCE = 4.0 / 3.0

@@ -81,6 +81,9 @@ FINISH_REASONS = tuple(FinishReason)
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; a bigger id would not fit the int32 the model reads
 MAX_REQUEST_ID_CHARS = 128
+# Draft tokens a row may verify in one step (`--num-speculative-tokens`' bound): the GPU stats declare
+# an acceptance counter per draft position (`shm.stats_schema`), and the config checks against it.
+MAX_SPECULATIVE_TOKENS = 16
 MAX_CACHE_SALT_CHARS = 1024  # vLLM's limit
 # The logits controls (docs/design.md#sampling) that grow a Submit: entries of `logit_bias`
 # (OpenAI documents 300 as its own limit; we take more), ids of `allowed_token_ids`, and

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ringserve.shm.messages import FINISH_REASONS
+from ringserve.shm.messages import FINISH_REASONS, MAX_SPECULATIVE_TOKENS
 
-# Draft positions with an acceptance counter: the config's MAX_SPECULATIVE_TOKENS, written twice because
-# shm imports no config and the scheduling core no stats (tests/api/test_metrics.py keeps them equal).
-MAX_SPEC_POSITIONS = 16
 STEP_KINDS = ("decode", "prefill", "mixed")  # the cost model's audit (gpu_proc/cost_model.StepAudit)
 
 
@@ -136,7 +133,7 @@ GPU_STATS: tuple[GpuStat, ...] = (
             "Drafts whose token at this position was kept.",
             label=("position", str(j)),
         )
-        for j in range(MAX_SPEC_POSITIONS)
+        for j in range(MAX_SPECULATIVE_TOKENS)
     ),
     # the GPU loop's own counters (LOOP_STATS)
     GpuStat("step_ms", "gauge", "ringserve_step_ms", "Duration of the last GPU step, ms.", loop=True),

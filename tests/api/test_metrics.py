@@ -139,9 +139,8 @@ def test_every_declared_gpu_stat_is_published_rendered_and_faked(control):
     exactly the declared stats (so the GPU process publishes each), /metrics renders every one
     under its declared name and kind, and the fake GPU reports each."""
     from ringserve.api.fake_gpu import FakeGpu
-    from ringserve.config import MAX_SPECULATIVE_TOKENS
     from ringserve.gpu_proc.scheduler_stats import SCHEDULER_STAT_NAMES
-    from ringserve.shm.stats_schema import GPU_STAT_NAMES, GPU_STATS, LOOP_STATS, MAX_SPEC_POSITIONS
+    from ringserve.shm.stats_schema import GPU_STAT_NAMES, GPU_STATS, LOOP_STATS
 
     scheduler_stats = set(SCHEDULER_STAT_NAMES)
     assert scheduler_stats | set(LOOP_STATS) == set(GPU_STAT_NAMES) and not scheduler_stats & set(LOOP_STATS)
@@ -153,7 +152,6 @@ def test_every_declared_gpu_stat_is_published_rendered_and_faked(control):
         name = stat.metric + ("_total" if stat.kind == "counter" else "")
         assert s[(name, (stat.label,) if stat.label else ())] == i + 1, stat
     assert set(FakeGpu().stats()) == set(GPU_STAT_NAMES)
-    assert MAX_SPEC_POSITIONS == MAX_SPECULATIVE_TOKENS
 
 
 def test_attention_backend_and_check_failures_from_the_model_facts(control):

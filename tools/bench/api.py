@@ -243,7 +243,7 @@ def run(
     shm_dir = L.DEFAULT_DIRECTORY if os.path.isdir(L.DEFAULT_DIRECTORY) else tmp
     shm = ShmInstance.create(ring_bytes=Config().ring_bytes, n_workers=1, directory=shm_dir)
     shm.control.set_gpu_state(L.GpuState.READY)
-    shm.control.set_model_facts({"block_size": 16})
+    shm.control.set_model_facts({"block_size": Config().block_size})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
