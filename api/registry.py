@@ -35,7 +35,6 @@ class OpenRequest:
     streams: list[RequestStream]  # every stream feeds the first one's inbox
     transport: Any  # the client connection's asyncio transport (None once it closed)
     client: GpuClient
-    n: int = 1
     gen: Generation | None = None  # its output state, set once its rows are submitted
     write_since: float = 0.0  # loop.time() when a still-blocked write started; 0: not writing
     ended_by: CancelReason | None = None  # why it ended early (DELETE, a slow reader, a disconnect); set once
@@ -68,7 +67,7 @@ class OpenRequest:
         """The streams with a sample the GPU has not finished."""
         if self.gen is None:
             return []
-        n, samples = self.n, self.gen.samples
+        n, samples = self.gen.n, self.gen.samples
         return [s for p, s in enumerate(self.streams) if not all(x.gpu_done for x in samples[p * n : (p + 1) * n])]
 
     def cancel_running(self) -> None:
@@ -78,9 +77,9 @@ class OpenRequest:
             if not stream.cancelled:
                 self.client.cancel(stream.rid, reason)
 
-    def cancel_sample(self, index: int) -> None:
-        """A stop string ended choice `index`: stop its row."""
-        self.client.cancel(self.streams[index // self.n].rid, CancelReason.STOP, index=index % self.n)
+    def cancel_sample(self, gen: Generation, index: int) -> None:
+        """A stop string ended choice `index` of `gen` (this request's output): stop its row."""
+        self.client.cancel(self.streams[index // gen.n].rid, CancelReason.STOP, index=index % gen.n)
 
     def cancel_reason(self) -> CancelReason:
         """Why the rows still running are cancelled: the reason the request ended early, else a

@@ -157,7 +157,7 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
     client = st.client
     inbox = Inbox()
     streams = [client.open_stream(inbox, p, p * job.n) for p in range(len(job.prompts))]
-    entry = OpenRequest(request_id, request[TENANT], streams, request.transport, client, job.n)
+    entry = OpenRequest(request_id, request[TENANT], streams, request.transport, client)
     st.registry.add(entry)
     st.stats.add("open_streams")
     try:
@@ -203,8 +203,8 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
         )
         if job.stream:
             gen.encoder = output.encoder(request_id, st.model_name, int(arrival), job.include_usage)
-            return await _stream(request, st, entry, output)
-        return await _complete(request, st, entry, output)
+            return await _stream(request, st, entry, gen, output)
+        return await _complete(request, st, entry, gen, output)
     except asyncio.CancelledError:
         _count_gone(st, entry)  # the client went away; its handler was cancelled
         raise
@@ -243,8 +243,9 @@ def _headers(request: web.Request, entry: OpenRequest) -> dict[str, str]:
     return {"x-request-id": entry.request_id, **ignored_header(request)}
 
 
-async def _stream(request: web.Request, st: ApiState, entry: OpenRequest, output: Output) -> web.StreamResponse:
-    gen = _generation(entry)
+async def _stream(
+    request: web.Request, st: ApiState, entry: OpenRequest, gen: Generation, output: Output
+) -> web.StreamResponse:
     encoder = gen.encoder
     if encoder is None:
         raise RuntimeError("a streamed request's generation has its event encoder")
@@ -319,8 +320,9 @@ def _count_gone(st: ApiState, entry: OpenRequest) -> None:
         st.stats.add("disconnects")
 
 
-async def _complete(request: web.Request, st: ApiState, entry: OpenRequest, output: Output) -> web.Response:
-    gen = _generation(entry)
+async def _complete(
+    request: web.Request, st: ApiState, entry: OpenRequest, gen: Generation, output: Output
+) -> web.Response:
     while not gen.finished:
         gen.consume(await entry.next_batch())
         _cancel_stopped(entry, gen)
@@ -392,13 +394,7 @@ def _cancel_stopped(entry: OpenRequest, gen: Generation) -> None:
     while gen.stopped:
         index = gen.stopped.pop()
         if gen.unfinished and not gen.samples[index].gpu_done:
-            entry.cancel_sample(index)
-
-
-def _generation(entry: OpenRequest) -> Generation:
-    if entry.gen is None:
-        raise RuntimeError("a request streams or completes only once its rows are submitted")
-    return entry.gen
+            entry.cancel_sample(gen, index)
 
 
 def check_available(st: ApiState) -> None:
