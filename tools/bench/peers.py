@@ -6,7 +6,8 @@ same dtype. One server is up at a time, in the order A B C D D C B A (for two en
 every engine runs twice, and the two runs of one engine bracket the others', so a machine
 whose load drifts shows up as a spread between an engine's runs rather than as a ratio. Both
 runs are reported, with their median and range. Runs next to each other in that order share one
-server start. With `--pin S:C` the server's whole process tree runs on CPUs S and the client on
+server start; each run has its own prompts (the same lengths), so a second run on a warm server
+meets none of the first's in a prompt cache. With `--pin S:C` the server's whole process tree runs on CPUs S and the client on
 CPUs C (the same for every engine); `--pin none` (the default) lets the kernel place them; give
 both to report both.
 
@@ -323,7 +324,7 @@ def palindrome(names: list[str]) -> list[tuple[str, int]]:
 
 def run_engines(
     specs: dict[str, ServerSpec],
-    workloads: list[Workload],
+    workloads: tuple[list[Workload], list[Workload]],
     warmup: Workload | None,
     args,
     logs: Path,
@@ -331,8 +332,8 @@ def run_engines(
     costs: tuple[float, float],
     client: set[int] | None,
 ) -> tuple[dict, dict]:
-    """Every engine twice, one server at a time, in palindrome order (see the module docstring).
-    Returns (per engine: command, settings and both runs' figures; per engine and workload: the
+    """Every engine twice, one server at a time, in palindrome order (see the module docstring),
+    run r on `workloads[r]` (the same keys, other prompts). Returns (per engine: command, settings and both runs' figures; per engine and workload: the
     first run's answers)."""
     results: dict = {}
     answers: dict[str, dict[str, list[Answer]]] = {}
@@ -354,7 +355,7 @@ def run_engines(
                         bodies = [_body(warmup, p, spec.extra_body) for p in warmup.prompts]
                         asyncio.run(closed_loop(spec.url, bodies, warmup.concurrency, args.request_timeout_s))
                 for run in runs:
-                    for w in workloads:
+                    for w in workloads[run]:
                         time.sleep(args.settle_s)  # NOTE: vLLM's worker busy-polls for a second after a request
                         entry["runs"][run][w.key], got = _drive(srv, w, args, costs, client)
                         if run == 0:
@@ -473,8 +474,10 @@ def resolve_models(names: list[str], scratch: Path) -> dict[str, str]:
     return dirs
 
 
-def make_workloads(args, model_dir: str) -> tuple[list[Workload], Workload | None]:
-    seed, out = args.seed, []
+def make_workloads(args, model_dir: str, run: int = 0) -> tuple[list[Workload], Workload | None]:
+    """The workloads of run `run` (0 or 1): each run its own prompts, so an engine whose two runs
+    share one server start (palindrome order) does not meet its first run's prompts in its cache."""
+    seed, out = args.seed * 1000 + 100 * run, []
     for k, c in enumerate(args.concurrency):
         n = args.requests or max(8, 2 * c)
         for name in args.workloads:
@@ -483,20 +486,20 @@ def make_workloads(args, model_dir: str) -> tuple[list[Workload], Workload | Non
                     Workload(
                         "text",
                         c,
-                        text_prompts(model_dir, n, args.prompt_tokens, seed * 1000 + k),
+                        text_prompts(model_dir, n, args.prompt_tokens, seed + k),
                         args.output_tokens,
                         True,
                     )
                 )
             elif name == "random":
-                prompts = random_prompts(model_vocab(model_dir), n, args.prompt_tokens, seed * 1000 + k)
+                prompts = random_prompts(model_vocab(model_dir), n, args.prompt_tokens, seed + k)
                 out.append(Workload("random", c, prompts, args.output_tokens, True))
     if "copy" in args.workloads:
         for k, c in enumerate(args.copy_concurrency):
             n = args.requests or max(8, 2 * c)
-            prompts = copy_prompts(model_dir, n, args.copy_tokens, seed * 1000 + 500 + k)
+            prompts = copy_prompts(model_dir, n, args.copy_tokens, seed + 500 + k)
             out.append(Workload("copy", c, prompts, args.copy_output_tokens, False))
-    warm = text_prompts(model_dir, args.warmup, args.prompt_tokens, seed * 1000 + 999) if args.warmup else None
+    warm = text_prompts(model_dir, args.warmup, args.prompt_tokens, seed + 999) if args.warmup else None
     return out, (Workload("warmup", min(8, args.warmup), warm, args.output_tokens, True) if warm else None)
 
 
@@ -528,7 +531,7 @@ def run_model(args, name: str, model_dir: str, skips: dict[str, str | None], log
     print(f"model {name} ({model_dir})", file=sys.stderr, flush=True)
     gguf = model_dir.endswith(".gguf")
     checkpoint = _checkpoint(model_dir)
-    workloads, warmup = make_workloads(args, checkpoint)
+    (workloads, warmup), (second, _) = make_workloads(args, checkpoint), make_workloads(args, checkpoint, 1)
     costs = flops_per_token(checkpoint)
     spec = Speculation(args.num_speculative_tokens, args.ngram_min, args.ngram_max)
     entry: dict = {
@@ -563,7 +566,9 @@ def run_model(args, name: str, model_dir: str, skips: dict[str, str | None], log
                 specs[engine] = vllm_spec(
                     args.vllm_python, checkpoint, args.dtype, args.vllm_arg, args.vllm_kv_gib, ngram, server
                 )
-        results, answers = run_engines(specs, workloads, warmup, args, logs, f"{name}-{pin_text}", costs, client)
+        results, answers = run_engines(
+            specs, (workloads, second), warmup, args, logs, f"{name}-{pin_text}", costs, client
+        )
         with _client_cpus(server):
             peak.append(gemm_peak_gflops(args.dtype))
         combined = combine(results, workloads, median(p["peak"] for p in peak))
