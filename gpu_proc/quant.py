@@ -107,8 +107,9 @@ def qlinear_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 
 
 def repack(blocks: torch.Tensor) -> torch.Tensor:
-    """The blocks in the layout the kernel reads (same shape and bytes: on an AVX-512 VNNI CPU runs
-    of 16 blocks interleaved so one dot covers all 16, `csrc/cpu_quant.cpp`; elsewhere as stored)."""
+    """The blocks in the layout the kernel reads (same shape and bytes: on an AVX-512 VNNI CPU
+    panels of 16 rows interleaved block by block so one dot's lanes are 16 outputs,
+    `csrc/cpu_quant.cpp`; elsewhere as stored)."""
     format_of(blocks)
     if not blocks.is_contiguous() or blocks.device.type != "cpu":
         raise ValueError("quantized blocks must be a contiguous CPU tensor")

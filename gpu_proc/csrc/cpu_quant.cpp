@@ -12,14 +12,14 @@
 //
 // Each output element depends on its own row of x and of the weight only, in a fixed order, so a
 // row's result is the same whatever else is in the step (batch invariance, as the float path
-// keeps it). Rows of x are taken four at a time so each unpacked weight block serves four dots
-// (a prefill step's rows); a decode step's one row reads every weight byte once, which is what
-// bounds decode. Spec: gpu_proc/quant.py (`qlinear_reference`, the same arithmetic in torch);
+// keeps it). On AVX-512 VNNI the weight is repacked at load into panels of 16 rows, whose lanes
+// are 16 outputs (`dot_panel`), and rows of x are taken eight at a time so each unpacked weight
+// block serves eight dots (a prefill step's rows); a decode step's one row reads every weight
+// byte once. Spec: gpu_proc/quant.py (`qlinear_reference`, the same arithmetic in torch);
 // test: tests/gpu_proc/test_quant.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros_like.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -40,12 +40,11 @@ namespace {
 constexpr int kBlock = 32;
 constexpr int64_t kQ4_0 = 18, kQ4_1 = 20, kQ8_0 = 34;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define RS_QUANT_512 1  // the grouped layout and its kernel; elsewhere the blocks as stored
+#define RS_QUANT_512 1  // the panel layout and its kernel; elsewhere the blocks as stored
 #endif
-constexpr int64_t kGroup = 16;    // blocks per run of the grouped layout
-template <int64_t kBytes> constexpr int64_t kValueBytes = kBytes == kQ8_0 ? 512 : 256;  // a run's values
-constexpr int kRows = 4;          // rows of x per pass over a weight row's blocks
-constexpr int64_t kNGrain = 16;   // weight rows per parallel task
+template <int64_t kBytes> constexpr int64_t kValueBytes = kBytes == kQ8_0 ? 512 : 256;  // a panel block's values
+constexpr int kRows = 4;    // rows of x per pass over a weight row's blocks (rows as stored)
+constexpr int kPanel = 16;  // weight rows per panel of the AVX-512 layout
 
 RS_INLINE float half(const uint8_t* p) {
   uint16_t bits;
@@ -53,14 +52,29 @@ RS_INLINE float half(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
+RS_INLINE int32_t load_u32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Panels of 16 rows a weight has in the layout qlinear reads (none where the AVX-512 kernel does
+// not run: the blocks as stored).
+int64_t panel_count(int64_t n) {
+#if defined(RS_QUANT_512)
+  return n / kPanel;
+#else
+  (void)n;
+  return 0;
+#endif
+}
+
 // The activations of one call: per row and 32-element block, int8 values, their scale and their sum.
 struct XQuant {
   std::vector<int8_t> q;    // [T, K]
   std::vector<float> d;     // [T, K / 32]
   std::vector<int32_t> s;   // [T, K / 32]: sum of q
-  std::vector<float> ds;    // [T, K / 32]: d * sum of q (the Q4 formats' offset term)
-  std::vector<float> dv;    // [T, K / 32 * 8]: d repeated over the 8 int32 lanes of its block's dot
-  std::vector<int8_t> xg;   // [T, groups, 8, 64]: q in the grouped layout's order (AVX-512 only)
+  std::vector<float> ds;    // [T, K / 32]: d * sum of q (the offset term of Q4 and of Q8_0 stored + 128)
 };
 
 template <typename T>
@@ -70,11 +84,6 @@ void quantize_rows(const at::Tensor& x, XQuant& out) {
   out.d.resize(t * nb);
   out.s.resize(t * nb);
   out.ds.resize(t * nb);
-  out.dv.resize(t * nb * 8);
-#if defined(RS_QUANT_512)
-  const int64_t groups = nb / kGroup;
-  out.xg.resize(t * groups * 512);
-#endif
   const T* base = x.data_ptr<T>();
   const int64_t stride = x.stride(0);
   at::parallel_for(0, t, 16, [&](int64_t lo, int64_t hi) {
@@ -97,14 +106,7 @@ void quantize_rows(const at::Tensor& x, XQuant& out) {
         }
         out.d[r * nb + b] = d;
         out.s[r * nb + b] = sum;
-#if defined(RS_QUANT_512)
-        if (b < groups * kGroup) {  // element 4j+e of block 16g+l goes to byte 4l+e of chunk j
-          int8_t* xg = out.xg.data() + r * groups * 512 + (b / kGroup) * 512 + (b % kGroup) * 4;
-          for (int i = 0; i < kBlock; ++i) xg[(i / 4) * 64 + i % 4] = q[i];
-        }
-#endif
         out.ds[r * nb + b] = d * static_cast<float>(sum);
-        for (int l = 0; l < 8; ++l) out.dv[(r * nb + b) * 8 + l] = d;
       }
     }
   });
@@ -137,131 +139,65 @@ RS_INLINE __m256i unpack_nibbles(const uint8_t* p) {  // weights 0-15 low nibble
 #endif
 
 #if defined(RS_QUANT_512)
-// The grouped layout (`qrepack`, at load): each run of 16 whole blocks of a weight row is stored
-// so that one 512-bit dot covers 4 elements of every block, one int32 lane per block; 8 such dots
-// (Q4: 4 loads of two nibbles a byte) sum whole blocks in integers, and then one convert, one
-// scale and one offset per 16 blocks finish them, where the per-block layout needs them per 2.
-// Same bytes as the blocks: values (Q8_0: 8 x 64 bytes of q + 128; Q4: 4 x 64 bytes, byte 4l+e
-// of chunk c holding element 8c+e of block l low and 8c+4+e high), then the 16 scales d (fp16),
-// then for Q4_1 the 16 offsets m (fp16). A row's last nb % 16 blocks stay as they are.
-// Per weight row, for its last (ungrouped) blocks: each block's scale over the 8 lanes of its
-// dot, and the offset coefficient (Q4_1: m; Q4_0: -8 d).
-template <int64_t kBytes>
-RS_INLINE void weight_scales(const uint8_t* w, int64_t nb, float* dwv, float* off) {
+// The panel layout (`qrepack`, at load): each run of 16 weight rows (a panel) is stored block by
+// block, so that one 512-bit dot takes 4 weights of the same block of all 16 rows, one int32 lane
+// per row, against 4 values of x broadcast: the lanes are 16 outputs, and nothing is summed across
+// lanes. Block b of a panel, same bytes as its 16 blocks: values (Q8_0: 8 x 64 bytes, byte 4l+e of
+// chunk c holding element 4c+e of row l, as q + 128; Q4: 4 x 64 bytes, byte 4l+e of chunk c
+// holding element 4c+e of row l low and 16+4c+e high), then the 16 rows' scales d (fp16), then for
+// Q4_1 their offsets m (fp16). A weight's last N % 16 rows stay as stored (`dot_rows`).
+//
+// Rows r0..r0+rows (rows <= kPanelRows) of x against one panel (nb blocks), into out. Every output
+// gets the same sequence of float operations whatever `rows` and r0 are (batch invariance).
+constexpr int kPanelRows = 8;  // rows of x per pass over a panel's blocks, which stay in L1
+
+template <int64_t kBytes, typename T>
+RS_INLINE void dot_panel(const uint8_t* p, int64_t nb, const XQuant& xq, int64_t k, int64_t r0, int rows, T* out,
+                         int64_t ldo) {
+  __m512 acc[kPanelRows];
+  for (int j = 0; j < kPanelRows; ++j) acc[j] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * kBytes;
-    const float d = half(blk);
-    for (int l = 0; l < 8; ++l) dwv[b * 8 + l] = d;
-    off[b] = kBytes == kQ4_1 ? half(blk + 2) : -8.f * d;
-  }
-}
-
-// Two blocks' weights as 64 unsigned bytes (Q4: the nibbles; Q8_0: |q|), and for Q8_0 the signs.
-template <int64_t kBytes>
-RS_INLINE __m512i pair_values(const uint8_t* b0, __m512i* q) {
-  if constexpr (kBytes == kQ8_0) {
-    const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
-    const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + kBytes + 2));
-    *q = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
-    return _mm512_abs_epi8(*q);
-  } else {
-    constexpr int at = kBytes == kQ4_1 ? 4 : 2;
-    return _mm512_inserti64x4(_mm512_castsi256_si512(unpack_nibbles(b0 + at)), unpack_nibbles(b0 + kBytes + at), 1);
-  }
-}
-
-// Rows r0..r0+rows of x against the grouped blocks of one weight row (`groups` runs of 16), added
-// into acc. Every output gets the same sequence of float operations whatever `rows` and r0 are
-// (batch invariance).
-template <int64_t kBytes>
-RS_INLINE void dot_groups(const uint8_t* w, int64_t groups, int64_t nb, const XQuant& xq, int64_t r0, int rows,
-                          __m512* acc) {
-  const int64_t xg_row = groups * 8 * 64;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* wg = w + g * kGroup * kBytes;
-    __m512i isum[kRows];
-    for (int j = 0; j < kRows; ++j) isum[j] = _mm512_setzero_si512();
+    const uint8_t* blk = p + b * kPanel * kBytes;
+    __m512i isum[kPanelRows];
+    for (int j = 0; j < kPanelRows; ++j) isum[j] = _mm512_setzero_si512();
     if constexpr (kBytes == kQ8_0) {
       for (int c = 0; c < 8; ++c) {
-        const __m512i u = _mm512_loadu_si512(wg + 64 * c);
+        const __m512i u = _mm512_loadu_si512(blk + 64 * c);
         for (int j = 0; j < rows; ++j) {
-          const int8_t* xg = xq.xg.data() + (r0 + j) * xg_row + g * 512;
-          isum[j] = _mm512_dpbusd_epi32(isum[j], u, _mm512_loadu_si512(xg + 64 * c));
+          const int8_t* q = xq.q.data() + (r0 + j) * k + b * kBlock + 4 * c;
+          isum[j] = _mm512_dpbusd_epi32(isum[j], u, _mm512_set1_epi32(load_u32(q)));
         }
       }
     } else {
-      const __m512i m = _mm512_set1_epi8(0x0F);
       for (int c = 0; c < 4; ++c) {
-        const __m512i p = _mm512_loadu_si512(wg + 64 * c);
-        const __m512i lo = _mm512_and_si512(p, m), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), m);
+        const __m512i v = _mm512_loadu_si512(blk + 64 * c);
+        const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
         for (int j = 0; j < rows; ++j) {
-          const int8_t* xg = xq.xg.data() + (r0 + j) * xg_row + g * 512 + 128 * c;
-          isum[j] = _mm512_dpbusd_epi32(isum[j], lo, _mm512_loadu_si512(xg));
-          isum[j] = _mm512_dpbusd_epi32(isum[j], hi, _mm512_loadu_si512(xg + 64));
+          const int8_t* q = xq.q.data() + (r0 + j) * k + b * kBlock + 4 * c;
+          isum[j] = _mm512_dpbusd_epi32(isum[j], lo, _mm512_set1_epi32(load_u32(q)));
+          isum[j] = _mm512_dpbusd_epi32(isum[j], hi, _mm512_set1_epi32(load_u32(q + 16)));
         }
       }
     }
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + kValueBytes<kBytes>)));
+    constexpr int64_t at = kValueBytes<kBytes>;
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + at)));
     __m512 off;
     if constexpr (kBytes == kQ4_1)
-      off = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + kValueBytes<kBytes> + 32)));
+      off = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + at + 32)));
     else  // Q4_0: w = d (n - 8); Q8_0 stored as q + 128
       off = _mm512_mul_ps(dw, _mm512_set1_ps(kBytes == kQ8_0 ? -128.f : -8.f));
     for (int j = 0; j < rows; ++j) {
-      const int64_t at = (r0 + j) * nb + g * kGroup;
-      acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[j]), _mm512_loadu_ps(xq.d.data() + at)), dw, acc[j]);
-      acc[j] = _mm512_fmadd_ps(off, _mm512_loadu_ps(xq.ds.data() + at), acc[j]);
-    }
-  }
-}
-
-// The same for a row's last blocks in their own layout (b0: the first one's index, rb of them),
-// two blocks per 512-bit dot.
-template <int64_t kBytes>
-RS_INLINE void dot_rest(const uint8_t* w, int64_t b0, int64_t rb, int64_t nb, const float* dwv, const float* off,
-                        const XQuant& xq, int64_t k, int64_t r0, int rows, __m512* acc) {
-  __m256 tail[kRows];
-  for (int j = 0; j < kRows; ++j) tail[j] = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 1 < rb; b += 2) {
-    __m512i q = _mm512_setzero_si512();
-    const __m512i u = pair_values<kBytes>(w + b * kBytes, &q);
-    const __m512 dw = _mm512_loadu_ps(dwv + b * 8);
-    for (int j = 0; j < rows; ++j) {
-      const int64_t r = r0 + j;
-      __m512i s = _mm512_loadu_si512(xq.q.data() + r * k + (b0 + b) * kBlock);
-      if constexpr (kBytes == kQ8_0) s = _mm512_mask_sub_epi8(s, _mm512_movepi8_mask(q), _mm512_setzero_si512(), s);
-      const __m512 f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s));
-      acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_loadu_ps(xq.dv.data() + (r * nb + b0 + b) * 8)), dw, acc[j]);
-    }
-  }
-  if (b < rb) {  // an odd last block: the same arithmetic on 256 bits
-    const uint8_t* blk = w + b * kBytes;
-    __m256i u, q = _mm256_setzero_si256();
-    if constexpr (kBytes == kQ8_0) {
-      q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-      u = _mm256_sign_epi8(q, q);
-    } else {
-      u = unpack_nibbles(blk + (kBytes == kQ4_1 ? 4 : 2));
-    }
-    const __m256 dw = _mm256_loadu_ps(dwv + b * 8);
-    for (int j = 0; j < rows; ++j) {
-      const int64_t r = r0 + j;
-      __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + r * k + (b0 + b) * kBlock));
-      if constexpr (kBytes == kQ8_0) s = _mm256_sign_epi8(s, q);
-      const __m256 f = _mm256_cvtepi32_ps(dot_u8s8(u, s));
-      tail[j] = _mm256_fmadd_ps(_mm256_mul_ps(f, _mm256_loadu_ps(xq.dv.data() + (r * nb + b0 + b) * 8)), dw, tail[j]);
+      const int64_t x = (r0 + j) * (k / kBlock) + b;
+      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[j]), _mm512_set1_ps(xq.d[x]));
+      acc[j] = _mm512_fmadd_ps(f, dw, acc[j]);
+      acc[j] = _mm512_fmadd_ps(off, _mm512_set1_ps(xq.ds[x]), acc[j]);
     }
   }
   for (int j = 0; j < rows; ++j) {
-    acc[j] = _mm512_add_ps(acc[j], _mm512_zextps256_ps512(tail[j]));
-    if constexpr (kBytes != kQ8_0) {  // the offset term: sum over blocks of off * d_x * sum(q_x)
-      const float* ds = xq.ds.data() + (r0 + j) * nb + b0;
-      for (int64_t c = 0; c < rb; c += 16) {
-        const __mmask16 m = rb - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (rb - c)) - 1);
-        acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, off + c), _mm512_maskz_loadu_ps(m, ds + c), acc[j]);
-      }
-    }
+    float v[kPanel];
+    _mm512_storeu_ps(v, acc[j]);
+    for (int l = 0; l < kPanel; ++l) out[(r0 + j) * ldo + l] = static_cast<T>(v[l]);
   }
 }
 #endif
@@ -333,40 +269,32 @@ template <int64_t kBytes, typename T>
 void qlinear_rows(const XQuant& xq, const at::Tensor& w, int64_t t, int64_t k, T* out) {
   const int64_t n = w.size(0), nb = w.size(1);
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  at::parallel_for(0, n, kNGrain, [&](int64_t lo, int64_t hi) {
-    float acc[kRows];
+  const int64_t panels = panel_count(n);  // then n % 16 rows as stored
+  // Tasks: a panel each, then one per 16 rows as stored; every row of x against a task's weight
+  // rows while their blocks stay in cache.
+  const int64_t tasks = panels + (n - panels * kPanel + 15) / 16;
+  at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t task = lo; task < hi; ++task) {
 #if defined(RS_QUANT_512)
-    // Tiles of kNGrain weight rows: the scales of their last blocks made once, then every row of
-    // x against the tile while its blocks stay in cache.
-    const int64_t groups = nb / kGroup, rb = nb - groups * kGroup;
-    std::vector<float> dwv(kNGrain * rb * 8 + 1), off(kNGrain * rb + 1);
-    for (int64_t c0 = lo; c0 < hi; c0 += kNGrain) {
-      const int64_t c1 = std::min(hi, c0 + kNGrain);
-      for (int64_t c = c0; c < c1; ++c)
-        weight_scales<kBytes>(wp + (c * nb + groups * kGroup) * kBytes, rb, dwv.data() + (c - c0) * rb * 8,
-                              off.data() + (c - c0) * rb);
+      if (task < panels) {
+        const uint8_t* p = wp + task * kPanel * nb * kBytes;
+        for (int64_t r0 = 0; r0 < t; r0 += kPanelRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, t - r0));
+          dot_panel<kBytes, T>(p, nb, xq, k, r0, rows, out + task * kPanel, n);
+        }
+        continue;
+      }
+#endif
+      const int64_t c0 = panels * kPanel + (task - panels) * 16, c1 = std::min(n, c0 + 16);
+      float acc[kRows];
       for (int64_t r0 = 0; r0 < t; r0 += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, t - r0));
         for (int64_t c = c0; c < c1; ++c) {
-          __m512 sums[kRows];
-          for (int j = 0; j < kRows; ++j) sums[j] = _mm512_setzero_ps();
-          const uint8_t* wc = wp + c * nb * kBytes;
-          dot_groups<kBytes>(wc, groups, nb, xq, r0, rows, sums);
-          dot_rest<kBytes>(wc + groups * kGroup * kBytes, groups * kGroup, rb, nb, dwv.data() + (c - c0) * rb * 8,
-                           off.data() + (c - c0) * rb, xq, k, r0, rows, sums);
-          for (int j = 0; j < rows; ++j) out[(r0 + j) * n + c] = static_cast<T>(_mm512_reduce_add_ps(sums[j]));
+          dot_rows<kBytes>(wp + c * nb * kBytes, nb, xq, k, r0, rows, acc);
+          for (int j = 0; j < rows; ++j) out[(r0 + j) * n + c] = static_cast<T>(acc[j]);
         }
       }
     }
-#else
-    for (int64_t r0 = 0; r0 < t; r0 += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, t - r0));
-      for (int64_t c = lo; c < hi; ++c) {
-        dot_rows<kBytes>(wp + c * nb * kBytes, nb, xq, k, r0, rows, acc);
-        for (int j = 0; j < rows; ++j) out[(r0 + j) * n + c] = static_cast<T>(acc[j]);
-      }
-    }
-#endif
   });
 }
 
@@ -378,14 +306,20 @@ RS_INLINE float value(float d, float m, int32_t n) {
   return p + m;
 }
 
-// Element i of block l (of 16) of a group in the grouped layout, as its integer and scales.
+// Byte of element i of row l in a panel's block (Q4: its low nibble for i < 16, else its high one).
 template <int64_t kBytes>
-RS_INLINE float grouped_value(const uint8_t* g, int l, int i) {
-  const float d = half(g + kValueBytes<kBytes> + 2 * l);
-  if constexpr (kBytes == kQ8_0) return value(d, 0.f, static_cast<int32_t>(g[(i / 4) * 64 + 4 * l + i % 4]) - 128);
-  const uint8_t byte = g[(i / 8) * 64 + 4 * l + i % 4];
-  const int32_t n = (i % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
-  if constexpr (kBytes == kQ4_1) return value(d, half(g + kValueBytes<kBytes> + 32 + 2 * l), n);
+RS_INLINE int64_t panel_byte(int l, int i) {
+  return kBytes == kQ8_0 ? (i / 4) * 64 + 4 * l + i % 4 : ((i % 16) / 4) * 64 + 4 * l + i % 4;
+}
+
+// Element i of row l of a panel's block, as the reference dequantizes it.
+template <int64_t kBytes>
+RS_INLINE float panel_value(const uint8_t* blk, int l, int i) {
+  const float d = half(blk + kValueBytes<kBytes> + 2 * l);
+  const uint8_t byte = blk[panel_byte<kBytes>(l, i)];
+  if constexpr (kBytes == kQ8_0) return value(d, 0.f, static_cast<int32_t>(byte) - 128);
+  const int32_t n = i < 16 ? (byte & 0x0F) : (byte >> 4);
+  if constexpr (kBytes == kQ4_1) return value(d, half(blk + kValueBytes<kBytes> + 32 + 2 * l), n);
   return value(d, 0.f, n - 8);
 }
 
@@ -399,39 +333,35 @@ RS_INLINE float stored_value(const uint8_t* blk, int i) {
   return value(d, 0.f, n - 8);
 }
 
+// 16 weight rows as stored (src, [16, nb, kBytes]) -> one panel (dst, same bytes; zeroed).
 template <int64_t kBytes>
-void repack_row(const uint8_t* src, uint8_t* dst, int64_t nb) {
-  const int64_t groups = nb / kGroup;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* in = src + g * kGroup * kBytes;
-    uint8_t* out = dst + g * kGroup * kBytes;
-    for (int l = 0; l < kGroup; ++l) {
-      const uint8_t* blk = in + l * kBytes;
+void repack_panel(const uint8_t* src, uint8_t* dst, int64_t nb) {
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* out = dst + b * kPanel * kBytes;
+    for (int l = 0; l < kPanel; ++l) {
+      const uint8_t* blk = src + (l * nb + b) * kBytes;
       for (int i = 0; i < kBlock; ++i) {
         if constexpr (kBytes == kQ8_0) {
-          out[(i / 4) * 64 + 4 * l + i % 4] = static_cast<uint8_t>(static_cast<int8_t>(blk[2 + i]) + 128);
+          out[panel_byte<kBytes>(l, i)] = static_cast<uint8_t>(static_cast<int8_t>(blk[2 + i]) + 128);
         } else {
           const uint8_t* nib = blk + (kBytes == kQ4_1 ? 4 : 2);
           const uint8_t n = i < 16 ? (nib[i] & 0x0F) : (nib[i - 16] >> 4);
-          out[(i / 8) * 64 + 4 * l + i % 4] |= (i % 8) < 4 ? n : static_cast<uint8_t>(n << 4);
+          out[panel_byte<kBytes>(l, i)] |= i < 16 ? n : static_cast<uint8_t>(n << 4);
         }
       }
-      std::memcpy(out + kValueBytes<kBytes> + 2 * l, blk, 2);                               // d
+      std::memcpy(out + kValueBytes<kBytes> + 2 * l, blk, 2);                                      // d
       if constexpr (kBytes == kQ4_1) std::memcpy(out + kValueBytes<kBytes> + 32 + 2 * l, blk + 2, 2);  // m
     }
   }
-  std::memcpy(dst + groups * kGroup * kBytes, src + groups * kGroup * kBytes, (nb - groups * kGroup) * kBytes);
 }
 
+// Row r of the repacked blocks of a weight with `panels` panels, dequantized into out [nb * 32].
 template <int64_t kBytes>
-void embed_row(const uint8_t* row, int64_t nb, float* out) {
-  const int64_t groups = nb / kGroup;
+void embed_row(const uint8_t* w, int64_t panels, int64_t nb, int64_t r, float* out) {
   for (int64_t b = 0; b < nb; ++b) {
-    for (int i = 0; i < kBlock; ++i) {
-      out[b * kBlock + i] = b < groups * kGroup
-                                ? grouped_value<kBytes>(row + (b / kGroup) * kGroup * kBytes, static_cast<int>(b % kGroup), i)
-                                : stored_value<kBytes>(row + b * kBytes, i);
-    }
+    const uint8_t* blk = r < panels * kPanel ? w + ((r / kPanel) * kPanel * nb + b * kPanel) * kBytes : w + (r * nb + b) * kBytes;
+    for (int i = 0; i < kBlock; ++i)
+      out[b * kBlock + i] = r < panels * kPanel ? panel_value<kBytes>(blk, static_cast<int>(r % kPanel), i) : stored_value<kBytes>(blk, i);
   }
 }
 
@@ -445,32 +375,31 @@ void by_format(int64_t bytes, F&& f) {
 
 }  // namespace
 
-// The blocks in the layout qlinear reads (the grouped layout where the AVX-512 kernel runs; as
-// they are elsewhere), same shape and bytes.
+// The blocks in the layout qlinear reads (panels of 16 rows, then the rest as stored), same shape
+// and bytes.
 at::Tensor qrepack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte, "qrepack: expected contiguous uint8 [N, K/32, bytes]");
-#if defined(RS_QUANT_512)
-  at::Tensor out = at::zeros_like(w);
-  const int64_t n = w.size(0), nb = w.size(1), bytes = w.size(2);
+  const int64_t n = w.size(0), nb = w.size(1), bytes = w.size(2), panels = panel_count(n);
+  at::Tensor out = w.clone();
   by_format(bytes, [&](auto fmt) {
     constexpr int64_t kB = decltype(fmt)::value;
-    at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
-      for (int64_t r = lo; r < hi; ++r)
-        repack_row<kB>(w.data_ptr<uint8_t>() + r * nb * kB, out.data_ptr<uint8_t>() + r * nb * kB, nb);
+    const uint8_t* src = w.data_ptr<uint8_t>();
+    uint8_t* dst = out.data_ptr<uint8_t>();
+    at::parallel_for(0, panels, 4, [&](int64_t lo, int64_t hi) {
+      for (int64_t p = lo; p < hi; ++p) {
+        std::memset(dst + p * kPanel * nb * kB, 0, kPanel * nb * kB);
+        repack_panel<kB>(src + p * kPanel * nb * kB, dst + p * kPanel * nb * kB, nb);
+      }
     });
   });
   return out;
-#else
-  by_format(w.size(2), [](auto) {});
-  return w.clone();
-#endif
 }
 
 // Rows `ids` of repacked blocks (qrepack), dequantized: float32 [len(ids), K] (an embedding lookup).
 at::Tensor qembed(const at::Tensor& w, const at::Tensor& ids) {
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte, "qembed: expected contiguous uint8 [N, K/32, bytes]");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "qembed: ids must be int64 [T]");
-  const int64_t n = w.size(0), nb = w.size(1), bytes = w.size(2), t = ids.size(0);
+  const int64_t n = w.size(0), nb = w.size(1), bytes = w.size(2), t = ids.size(0), panels = panel_count(n);
   const at::Tensor idx = ids.contiguous();
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t i = 0; i < t; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "qembed: id ", ip[i], " outside [0, ", n, ")");
@@ -478,15 +407,8 @@ at::Tensor qembed(const at::Tensor& w, const at::Tensor& ids) {
   by_format(bytes, [&](auto fmt) {
     constexpr int64_t kB = decltype(fmt)::value;
     at::parallel_for(0, t, 16, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) {
-#if defined(RS_QUANT_512)
-        embed_row<kB>(w.data_ptr<uint8_t>() + ip[i] * nb * kB, nb, out.data_ptr<float>() + i * nb * kBlock);
-#else
-        const uint8_t* row = w.data_ptr<uint8_t>() + ip[i] * nb * kB;
-        for (int64_t b = 0; b < nb; ++b)
-          for (int e = 0; e < kBlock; ++e) out.data_ptr<float>()[i * nb * kBlock + b * kBlock + e] = stored_value<kB>(row + b * kB, e);
-#endif
-      }
+      for (int64_t i = lo; i < hi; ++i)
+        embed_row<kB>(w.data_ptr<uint8_t>(), panels, nb, ip[i], out.data_ptr<float>() + i * nb * kBlock);
     });
   });
   return out;

@@ -5,8 +5,17 @@ The conversion (`gguf_convert.py`) writes beside the dequantized `model.safetens
 uint8 blocks `[N, K / 32, block_bytes]` under its Hugging Face name, in Hugging Face row order (the
 q and k projections' rows are permuted back from llama.cpp's rotary order, as transformers does for
 the float weights; a row permutation moves whole blocks). The safetensors metadata names each
-tensor's format. Tensors of other formats (the K-quants, ...) are only in `model.safetensors`,
-served dequantized. `dequantize` of a block tensor here equals its float tensor there exactly.
+tensor's format, and for a transcoded one the format it came from.
+
+Formats the kernels do not read are transcoded to one they do (`TRANSCODED`), kept quantized:
+Q4_K's sub-blocks of 32 are Q4_1 blocks (w = d sc n - dmin m: the same nibbles, the scale d sc and
+offset -dmin m rounded to fp16, a relative 2^-11 of each), and the 5- and 6-bit formats are
+requantized to Q8_0 (per 32 weights, as llama.cpp's quantizer does: an error of at most half a
+step of 1/127 of a block's largest weight and the fp16 rounding of that step, where their own
+steps are 1/31 of a range or coarser). For the kernels' own formats,
+`dequantize` of a block tensor here equals its float tensor there exactly; for a transcoded one
+it is within those bounds. Other formats (Q2_K, Q3_K, the IQ ones) are only in
+`model.safetensors`, served dequantized.
 """
 
 from __future__ import annotations
@@ -16,9 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..quant import BY_TYPE
+from ..quant import BLOCK, BY_TYPE, Q4_1, Q8_0, QuantFormat
 
 QUANTIZED_FILE = "quantized.safetensors"
+
+# GGML type -> (its name, the kernel format it is served as)
+TRANSCODED = {6: ("Q5_0", Q8_0), 7: ("Q5_1", Q8_0), 12: ("Q4_K", Q4_1), 13: ("Q5_K", Q8_0), 14: ("Q6_K", Q8_0)}
+_Q4_K = 12
 
 _LAYER = {
     "attn_q": "self_attn.q_proj",
@@ -48,6 +61,32 @@ def _unpermute_rotary(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
+def transcode(ggml_type: int, rows: np.ndarray) -> tuple[QuantFormat, np.ndarray]:
+    """A tensor's raw rows `[N, row bytes]` in a `TRANSCODED` format -> (the kernel format, its
+    blocks `[N, K / 32, block bytes]`)."""
+    import gguf
+
+    name, fmt = TRANSCODED[ggml_type]
+    qtype = getattr(gguf.GGMLQuantizationType, name)
+    n = rows.shape[0]
+    if ggml_type == _Q4_K:  # block: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+        supers = rows.reshape(-1, 144)
+        d = supers[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = supers[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mins = gguf.quants.Q4_K.get_scale_min(supers[:, 4:16])
+        # 4 runs of 32 bytes: low nibbles are sub-block 2j, high ones 2j+1
+        qs = supers[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        nib = (qs & 0x0F).reshape(-1, 8, BLOCK)
+        blocks = np.empty((supers.shape[0], 8, fmt.block_bytes), dtype=np.uint8)
+        blocks[..., 0:2] = (d * sc.astype(np.float32)).astype(np.float16)[..., None].view(np.uint8)
+        blocks[..., 2:4] = (-(dmin * mins.astype(np.float32))).astype(np.float16)[..., None].view(np.uint8)
+        blocks[..., 4:] = nib[..., :16] | (nib[..., 16:] << 4)  # Q4_1: weights 0-15 low, 16-31 high
+        return fmt, blocks.reshape(n, -1, fmt.block_bytes)
+    values = gguf.quants.dequantize(rows, qtype)  # float32 [N, K]
+    raw = gguf.quants.quantize(np.ascontiguousarray(values, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+    return fmt, raw.reshape(n, -1, fmt.block_bytes)
+
+
 def write_quantized(gguf_path: Path, out: Path) -> dict[str, str]:
     """Write `out` (a safetensors file) with the quantized tensors of `gguf_path`; returns
     {name: format} of what it wrote (empty: nothing in a kernel format, and no file written)."""
@@ -62,27 +101,36 @@ def write_quantized(gguf_path: Path, out: Path) -> dict[str, str]:
     kv_heads = int(kv_field.parts[-1][0]) if kv_field is not None else heads
     tensors: dict[str, torch.Tensor] = {}
     formats: dict[str, str] = {}
+    sources: dict[str, str] = {}
     for t in reader.tensors:
-        fmt = BY_TYPE.get(int(t.tensor_type))
-        name = hf_name(t.name)
-        if fmt is None or name is None:
+        kind, name = int(t.tensor_type), hf_name(t.name)
+        if name is None or (kind not in BY_TYPE and kind not in TRANSCODED):
             continue
         rows = np.asarray(t.data)  # [N, row bytes]
-        if rows.dtype != np.uint8 or rows.shape[1] % fmt.block_bytes:
+        if rows.dtype != np.uint8 or rows.ndim != 2:
             continue
+        if kind in TRANSCODED:
+            fmt, blocks = transcode(kind, rows)
+            sources[name] = TRANSCODED[kind][0]
+        else:
+            fmt = BY_TYPE[kind]
+            if rows.shape[1] % fmt.block_bytes:
+                continue
+            blocks = rows.reshape(rows.shape[0], rows.shape[1] // fmt.block_bytes, fmt.block_bytes)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
-            rows = _unpermute_rotary(rows, heads if "q_proj" in name else kv_heads)
-        blocks = rows.reshape(rows.shape[0], rows.shape[1] // fmt.block_bytes, fmt.block_bytes)
+            blocks = _unpermute_rotary(blocks, heads if "q_proj" in name else kv_heads)
         tensors[name] = torch.from_numpy(np.array(blocks))  # a copy: the reader's map is read-only
         formats[name] = fmt.name
     if tensors:
-        save_file(tensors, str(out), metadata={"format": "pt", "ringserve_formats": json.dumps(formats)})
+        meta = {"format": "pt", "ringserve_formats": json.dumps(formats), "ringserve_sources": json.dumps(sources)}
+        save_file(tensors, str(out), metadata=meta)
     return formats
 
 
-def read_formats(path: Path) -> dict[str, str]:
-    """{name: format} of a quantized.safetensors file."""
+def read_formats(path: Path, key: str = "ringserve_formats") -> dict[str, str]:
+    """{name: format} of a quantized.safetensors file (key "ringserve_sources": {name: the GGUF
+    format it was transcoded from}, for those that were)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt", device="cpu") as reader:
-        return json.loads((reader.metadata() or {}).get("ringserve_formats", "{}"))
+        return json.loads((reader.metadata() or {}).get(key, "{}"))

@@ -10,6 +10,7 @@ sequence's block table (see `attention/reference.py`). Module names follow Huggi
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import cast
 
@@ -283,6 +284,7 @@ class Llama(nn.Module):
         # their parameters stay on the meta device unless setup has to dequantize them.
         self.quantized: dict[str, torch.Tensor] = {}
         self.quantized_formats: dict[str, int] = {}  # served blocks: tensors per format (set by setup)
+        self.transcoded: dict[str, str] = {}  # {name: the GGUF format its blocks were transcoded from}
         self.served_blocks: list[torch.Tensor] = []  # the repacked blocks the forward reads
         self.block_weights: list[tuple] = []  # per block, cpu_ops.BlockWeights.args()
         self.rope_cos: torch.Tensor | None = None
@@ -385,11 +387,13 @@ class Llama(nn.Module):
 
     def weights_served(self) -> dict:
         """What /health and the model card say of the weights: `quantization` "gguf" (some served
-        as their blocks) or "none", the blocks' formats with their tensor counts, and the dtype of
-        everything else."""
+        as their blocks) or "none", the blocks' formats with their tensor counts, the GGUF formats
+        some were transcoded from (with counts), and the dtype of everything else."""
         formats = dict(self.quantized_formats)
         dtype = str(self.dtype).removeprefix("torch.")
-        return {"quantization": "gguf" if formats else "none", "formats": formats, "dtype": dtype}
+        transcoded = dict(Counter(self.transcoded.values())) if formats else {}
+        served = {"quantization": "gguf" if formats else "none", "formats": formats, "dtype": dtype}
+        return served | ({"transcoded_from": transcoded} if transcoded else {})
 
     @property
     def quantized_bytes(self) -> int:

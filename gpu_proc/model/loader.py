@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .gguf_blocks import QUANTIZED_FILE
+from .gguf_blocks import QUANTIZED_FILE, read_formats
 from .llama import Llama, ModelArgs
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -259,6 +259,8 @@ def load_model(
     if args.tie_word_embeddings:
         model.tie_weights()
     model.quantized = quantized
+    if quantized:  # {name: the GGUF format it was transcoded from} (gguf_blocks.TRANSCODED)
+        model.transcoded = read_formats(model_dir / QUANTIZED_FILE, "ringserve_sources")
     model.eval().requires_grad_(False)
     model.setup(device, cpu_kernels=cpu_kernels)
     if progress is not None:

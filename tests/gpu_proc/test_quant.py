@@ -191,3 +191,82 @@ def test_a_second_setup_keeps_the_blocks_and_a_non_fused_one_dequantizes_them(co
     for (name, a), (_, b) in zip(q.model.state_dict().items(), ref.model.state_dict().items()):
         assert torch.equal(a, b), name
     assert abs(loglikelihood(q, ids) - before) <= 0.01 * abs(before)
+
+
+def _k_quant_rows(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random rows of K-quant super-blocks (gguf-py dequantizes them but cannot make them): random
+    integers and 6-bit scales, fp16 super-block scales of a real weight's size."""
+    rng = np.random.default_rng(seed)
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    size, bytes_ = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (n * k // size, bytes_), dtype=np.uint8)
+    scales = rng.uniform(1e-4, 4e-4, (blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
+    if kind in ("Q4_K", "Q5_K"):  # d, dmin first
+        blocks[:, 0:4] = scales
+    else:  # Q6_K: d last
+        blocks[:, -2:] = scales[:, 0:2]
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("kind", ("Q4_K", "Q6_K", "Q5_K", "Q5_0"))
+def test_other_formats_are_transcoded_to_the_kernels_within_their_bounds(kind):
+    """Q4_K's sub-blocks are Q4_1 blocks up to fp16 rounding of their scale and offset; the 5- and
+    6-bit formats are requantized to Q8_0: at most half a step of 1/127 of a 32-block's largest
+    weight away, plus the fp16 rounding of the step (`gguf_blocks.TRANSCODED`)."""
+    from ringserve.gpu_proc.model.gguf_blocks import transcode
+
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    if kind.endswith("_K"):
+        rows = _k_quant_rows(kind, 24, 512)
+    else:
+        w = np.random.default_rng(3).standard_normal((24, 512)).astype(np.float32)
+        rows = gguf.quants.quantize(w, qtype)
+    want = torch.from_numpy(gguf.quants.dequantize(rows, qtype).astype(np.float32))
+    fmt, blocks = transcode(int(qtype), rows)
+    got = quant.dequantize(torch.from_numpy(blocks))
+    assert fmt.name == ("Q4_1" if kind == "Q4_K" else "Q8_0") and got.shape == want.shape == (24, 512)
+    err = (got - want).abs()
+    if kind == "Q4_K":
+        assert err.max() <= 2.0**-10 * want.abs().max()
+    else:
+        block_max = want.reshape(24, 16, 32).abs().amax(-1, keepdim=True)
+        step = block_max / 127  # its fp16 rounding: 2^-11 relative, 2^-25 absolute below fp16's normals
+        assert (err.reshape(24, 16, 32) <= step / 2 + 127 * torch.clamp(step * 2.0**-11, min=2.0**-25) * 1.01).all()
+    # and the kernel reads them as any other blocks
+    x = torch.randn(3, 512)
+    torch.testing.assert_close(
+        quant.QuantLinear(torch.from_numpy(blocks))(x),
+        quant.qlinear_reference(x, torch.from_numpy(blocks)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_a_gguf_with_k_quants_is_kept_quantized(tmp_path):
+    """A Q4_K / Q6_K file (the common Q4_K_M mix) keeps those tensors as blocks, says which formats
+    they came from, and undoes the rotary row order of q as for the kernels' own formats."""
+    from ringserve.gpu_proc.model.gguf_blocks import write_quantized
+
+    rows = {
+        "blk.0.attn_q.weight": ("Q4_K", _k_quant_rows("Q4_K", 64, 256, 1)),
+        "blk.0.ffn_down.weight": ("Q6_K", _k_quant_rows("Q6_K", 32, 512, 2)),
+    }
+    w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    for name, (kind, r) in rows.items():
+        w.add_tensor(name, r, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = tmp_path / QUANTIZED_FILE
+    formats = write_quantized(tmp_path / "k.gguf", out)
+    assert formats == {"model.layers.0.self_attn.q_proj.weight": "Q4_1", "model.layers.0.mlp.down_proj.weight": "Q8_0"}
+    assert set(read_formats(out, "ringserve_sources").values()) == {"Q4_K", "Q6_K"}
+    from safetensors.torch import load_file
+
+    q = quant.dequantize(load_file(str(out))["model.layers.0.self_attn.q_proj.weight"])
+    want = gguf.quants.dequantize(rows["blk.0.attn_q.weight"][1], gguf.GGMLQuantizationType.Q4_K)
+    want = want.reshape(4, 8, 2, 256).swapaxes(1, 2).reshape(64, 256)  # llama.cpp's rotary order undone
+    assert (q - torch.from_numpy(want)).abs().max() <= 2.0**-10 * abs(want).max()
