@@ -32,10 +32,14 @@ class QuantFormat:
     block_bytes: int
 
 
-Q4_0 = QuantFormat("Q4_0", 2, 18)
-Q4_1 = QuantFormat("Q4_1", 3, 20)
-Q8_0 = QuantFormat("Q8_0", 8, 34)
-FORMATS = {f.block_bytes: f for f in (Q4_0, Q4_1, Q8_0)}
+Q4_0 = QuantFormat("Q4_0", 2, 18)  # d, 16 bytes of nibbles: w = d (n - 8)
+Q4_1 = QuantFormat("Q4_1", 3, 20)  # d, m, nibbles: w = d n + m
+Q5_0 = QuantFormat("Q5_0", 6, 22)  # d, 32 high bits, nibbles: w = d (n - 16)
+Q5_1 = QuantFormat("Q5_1", 7, 24)  # d, m, high bits, nibbles: w = d n + m
+Q8_0 = QuantFormat("Q8_0", 8, 34)  # d, 32 int8: w = d q
+FORMATS = {f.block_bytes: f for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)}
+_NIBBLES_AT = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8}
+_ZERO = {Q4_0: 8, Q5_0: 16}  # the formats without m: w = d (n - zero)
 BY_TYPE = {f.ggml_type: f for f in FORMATS.values()}
 
 
@@ -58,17 +62,29 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat((packed & 0x0F, packed >> 4), dim=-1).to(torch.int32)
 
 
+def _ints(w: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """int32 `[N, nb, 32]`: the blocks' integers (Q8_0 signed; Q4/Q5 unsigned, Q5's bit 4 being
+    bit i of the block's 32 high bits)."""
+    if fmt is Q8_0:
+        return w[..., 2:].view(torch.int8).to(torch.int32)
+    at = _NIBBLES_AT[fmt]
+    n = _nibbles(w[..., at : at + 16])
+    if fmt in (Q5_0, Q5_1):
+        high = w[..., at - 4 : at].to(torch.int32)  # little-endian uint32
+        bits = (high[..., :, None] >> torch.arange(8, dtype=torch.int32)) & 1  # [N, nb, 4 bytes, 8]
+        n = n | (bits.reshape(*n.shape) << 4)
+    return n
+
+
 def dequantize(w: torch.Tensor) -> torch.Tensor:
     """float32 `[N, K]` of quantized blocks `[N, K / 32, bytes]` (ggml's dequantize_row_*)."""
     fmt = format_of(w)
     n, nb, _ = w.shape
-    d = _half(w, 0)
-    if fmt is Q8_0:
-        values = d * w[..., 2:].view(torch.int8).float()
-    elif fmt is Q4_0:
-        values = d * (_nibbles(w[..., 2:]) - 8).float()
+    d, ints = _half(w, 0), _ints(w, fmt)
+    if fmt in (Q4_1, Q5_1):
+        values = d * ints.float() + _half(w, 2)
     else:
-        values = d * _nibbles(w[..., 4:]).float() + _half(w, 2)
+        values = d * (ints - _ZERO.get(fmt, 0)).float()
     return values.reshape(n, nb * BLOCK)
 
 
@@ -88,17 +104,14 @@ def qlinear_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
     fmt = format_of(w)
     q, dx, sx = quantize_activations(x)
     dw = _half(w, 0)[..., 0].double()  # [N, nb]
-    if fmt is Q8_0:
-        ints = w[..., 2:].view(torch.int8).to(torch.int32)
-    else:
-        ints = _nibbles(w[..., 4:] if fmt is Q4_1 else w[..., 2:])
+    ints = _ints(w, fmt)
     # exact integer block dots [T, N, nb]
     dots = torch.einsum("tbi,nbi->tnb", q.to(torch.float64), ints.to(torch.float64))
     scale = dx.double()[:, None, :] * dw[None]  # [T, N, nb]
     out = (dots * scale).sum(-1)
-    if fmt is Q4_0:
-        out -= 8 * (scale * sx.double()[:, None, :]).sum(-1)
-    elif fmt is Q4_1:
+    if fmt in _ZERO:
+        out -= _ZERO[fmt] * (scale * sx.double()[:, None, :]).sum(-1)
+    elif fmt in (Q4_1, Q5_1):
         mw = _half(w, 2)[..., 0].double()
         out += (dx.double()[:, None, :] * mw[None] * sx.double()[:, None, :]).sum(-1)
     if bias is not None:

@@ -34,7 +34,7 @@ class Config:
     model_name: str | None = None  # the `model` id the API reports; default: the directory name
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     load_format: str = "auto"  # auto: the checkpoint's safetensors | dummy: random weights of its shape
-    # auto: a converted GGUF's Q4_0 / Q4_1 / Q8_0 weights served as their blocks (CPU kernels) |
+    # auto: a converted GGUF's quantized weights served as their blocks (CPU kernels; gguf_blocks) |
     # none: every weight dequantized (the reference). NOTE: none by default until the quantized
     # prefill is near the float GEMM: blocks decode 2x faster at one stream, but serve 32 streams
     # at about half the float path's tokens/s on a 2-core box (docs/BENCHMARKS.md#quantized-weights-issue-35)

@@ -1,7 +1,8 @@
 // Linear layers with GGUF-quantized weights, read as they are stored (no dequantized copy).
 //
 // A weight is its GGUF blocks, uint8 [N, K / 32, block_bytes]: the last size names the format
-// (Q4_0: 18 bytes, Q4_1: 20, Q8_0: 34; every block holds 32 weights of one output row). As in
+// (Q4_0: 18 bytes, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34; every block holds 32 weights of one
+// output row). As in
 // llama.cpp, the activations are quantized too, per 32 elements to int8 with a float scale (its
 // Q8_0/Q8_1), so each block's dot is an integer one (AVX-512 VNNI / AVX-VNNI `dpbusd`, else AVX2
 // `maddubs`; the integer sums are exact either way), scaled and summed in float:
@@ -9,6 +10,8 @@
 //   Q8_0  w = d q             dot = d dx sum(q qx)
 //   Q4_0  w = d (n - 8)       dot = d dx (sum(n qx) - 8 sum(qx))
 //   Q4_1  w = d n + m         dot = d dx sum(n qx) + m dx sum(qx)
+//   Q5_0  w = d (n - 16)      dot = d dx (sum(n qx) - 16 sum(qx))     (n: 4 low bits + 1 high bit)
+//   Q5_1  w = d n + m         as Q4_1
 //
 // Each output element depends on its own row of x and of the weight only, in a fixed order, so a
 // row's result is the same whatever else is in the step (batch invariance, as the float path
@@ -38,11 +41,19 @@ namespace ringserve_cpu {
 namespace {
 
 constexpr int kBlock = 32;
-constexpr int64_t kQ4_0 = 18, kQ4_1 = 20, kQ8_0 = 34;
+constexpr int64_t kQ4_0 = 18, kQ4_1 = 20, kQ5_0 = 22, kQ5_1 = 24, kQ8_0 = 34;
+// Where a block as stored keeps its parts: the offset m (Q4_1, Q5_1), the 32 high bits (Q5), the
+// nibbles (Q4, Q5); and the zero point of the formats without m.
+template <int64_t kB> constexpr bool kHasMin = kB == kQ4_1 || kB == kQ5_1;
+template <int64_t kB> constexpr bool kFive = kB == kQ5_0 || kB == kQ5_1;
+template <int64_t kB> constexpr int64_t kHighAt = kB == kQ5_0 ? 2 : 4;
+template <int64_t kB> constexpr int64_t kNibblesAt = kB == kQ4_0 ? 2 : kB == kQ4_1 ? 4 : kB == kQ5_0 ? 6 : 8;
+template <int64_t kB> constexpr float kZero = kB == kQ4_0 ? 8.f : kB == kQ5_0 ? 16.f : 0.f;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define RS_QUANT_512 1  // the panel layout and its kernel; elsewhere the blocks as stored
 #endif
-template <int64_t kBytes> constexpr int64_t kValueBytes = kBytes == kQ8_0 ? 512 : 256;  // a panel block's values
+// A panel block's values: Q8_0 8 x 64 bytes; Q4 4 x 64 bytes of nibbles; Q5 those and 8 x 64 high bits
+template <int64_t kBytes> constexpr int64_t kValueBytes = kBytes == kQ8_0 ? 512 : kFive<kBytes> ? 320 : 256;
 constexpr int kRows = 4;    // rows of x per pass over a weight row's blocks (rows as stored)
 constexpr int kPanel = 16;  // weight rows per panel of the AVX-512 layout
 
@@ -136,7 +147,38 @@ RS_INLINE __m256i unpack_nibbles(const uint8_t* p) {  // weights 0-15 low nibble
   const __m128i m = _mm_set1_epi8(0x0F);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
 }
+
+// A stored block's 32 unsigned values (Q4: its nibbles; Q5: with bit i of its 32 high bits as
+// bit 4 of value i: byte i of the 32 bits broadcast, each byte picking its bit).
+template <int64_t kBytes>
+RS_INLINE __m256i block_values(const uint8_t* blk) {
+  __m256i u = unpack_nibbles(blk + kNibblesAt<kBytes>);
+  if constexpr (kFive<kBytes>) {
+    uint32_t high;
+    std::memcpy(&high, blk + kHighAt<kBytes>, 4);
+    const __m256i byte_of = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                             3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(high)), byte_of);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+    u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+  }
+  return u;
+}
 #endif
+
+// Value i (0-31) of a stored Q4/Q5 block, unsigned.
+template <int64_t kBytes>
+RS_INLINE int32_t stored_int(const uint8_t* blk, int i) {
+  const uint8_t* nib = blk + kNibblesAt<kBytes>;
+  int32_t n = i < 16 ? (nib[i] & 0x0F) : (nib[i - 16] >> 4);
+  if constexpr (kFive<kBytes>) {
+    uint32_t high;
+    std::memcpy(&high, blk + kHighAt<kBytes>, 4);
+    n |= static_cast<int32_t>((high >> i) & 1u) << 4;
+  }
+  return n;
+}
 
 #if defined(RS_QUANT_512)
 // The panel layout (`qrepack`, at load): each run of 16 weight rows (a panel) is stored block by
@@ -144,8 +186,10 @@ RS_INLINE __m256i unpack_nibbles(const uint8_t* p) {  // weights 0-15 low nibble
 // per row, against 4 values of x broadcast: the lanes are 16 outputs, and nothing is summed across
 // lanes. Block b of a panel, same bytes as its 16 blocks: values (Q8_0: 8 x 64 bytes, byte 4l+e of
 // chunk c holding element 4c+e of row l, as q + 128; Q4: 4 x 64 bytes, byte 4l+e of chunk c
-// holding element 4c+e of row l low and 16+4c+e high), then the 16 rows' scales d (fp16), then for
-// Q4_1 their offsets m (fp16). A weight's last N % 16 rows stay as stored (`dot_rows`).
+// holding element 4c+e of row l low and 16+4c+e high; Q5: those, then 8 masks of 64 bits, mask
+// 2c+h bit 4l+e the high bit of element 16h+4c+e of row l), then the 16 rows' scales d (fp16),
+// then for Q4_1 / Q5_1 their offsets m (fp16). A weight's last N % 16 rows stay as stored
+// (`dot_rows`).
 //
 // Rows r0..r0+rows (rows <= kPanelRows) of x against one panel (nb blocks), into out. Every output
 // gets the same sequence of float operations whatever `rows` and r0 are (batch invariance).
@@ -172,7 +216,13 @@ RS_INLINE void dot_panel(const uint8_t* p, int64_t nb, const XQuant& xq, int64_t
     } else {
       for (int c = 0; c < 4; ++c) {
         const __m512i v = _mm512_loadu_si512(blk + 64 * c);
-        const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+        __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+        if constexpr (kFive<kBytes>) {  // bit 4 from the masks
+          uint64_t bits[2];
+          std::memcpy(bits, blk + 256 + 16 * c, 16);
+          lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(bits[0]), lo, _mm512_set1_epi8(16));
+          hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(bits[1]), hi, _mm512_set1_epi8(16));
+        }
         for (int j = 0; j < rows; ++j) {
           const int8_t* q = xq.q.data() + (r0 + j) * k + b * kBlock + 4 * c;
           isum[j] = _mm512_dpbusd_epi32(isum[j], lo, _mm512_set1_epi32(load_u32(q)));
@@ -183,10 +233,10 @@ RS_INLINE void dot_panel(const uint8_t* p, int64_t nb, const XQuant& xq, int64_t
     constexpr int64_t at = kValueBytes<kBytes>;
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + at)));
     __m512 off;
-    if constexpr (kBytes == kQ4_1)
+    if constexpr (kHasMin<kBytes>)
       off = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + at + 32)));
-    else  // Q4_0: w = d (n - 8); Q8_0 stored as q + 128
-      off = _mm512_mul_ps(dw, _mm512_set1_ps(kBytes == kQ8_0 ? -128.f : -8.f));
+    else  // Q4_0: w = d (n - 8), Q5_0: d (n - 16); Q8_0 stored as q + 128
+      off = _mm512_mul_ps(dw, _mm512_set1_ps(kBytes == kQ8_0 ? -128.f : -kZero<kBytes>));
     for (int j = 0; j < rows; ++j) {
       const int64_t x = (r0 + j) * (k / kBlock) + b;
       const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[j]), _mm512_set1_ps(xq.d[x]));
@@ -227,8 +277,8 @@ RS_INLINE void dot_rows(const uint8_t* w, int64_t nb, const XQuant& xq, int64_t 
         acc[j] = _mm256_fmadd_ps(sum, _mm256_set1_ps(dw * xq.d[r * nb + b]), acc[j]);
       }
     } else {
-      const __m256i u = unpack_nibbles(blk + (kBytes == kQ4_1 ? 4 : 2));
-      const float mw = kBytes == kQ4_1 ? half(blk + 2) : 0.f;
+      const __m256i u = block_values<kBytes>(blk);
+      const float mw = kHasMin<kBytes> ? half(blk + 2) : 0.f;
       for (int j = 0; j < rows; ++j) {
         const int64_t r = r0 + j;
         const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + r * k + b * kBlock));
@@ -236,7 +286,7 @@ RS_INLINE void dot_rows(const uint8_t* w, int64_t nb, const XQuant& xq, int64_t 
         const __m256 sum = _mm256_cvtepi32_ps(dot_u8s8(u, s));
         acc[j] = _mm256_fmadd_ps(sum, _mm256_set1_ps(dw * dx), acc[j]);
         const float sx = static_cast<float>(xq.s[r * nb + b]);
-        extra[j] += kBytes == kQ4_1 ? mw * dx * sx : -8.f * dw * dx * sx;
+        extra[j] += kHasMin<kBytes> ? mw * dx * sx : -kZero<kBytes> * dw * dx * sx;
       }
     }
   }
@@ -254,10 +304,9 @@ RS_INLINE void dot_rows(const uint8_t* w, int64_t nb, const XQuant& xq, int64_t 
         for (int i = 0; i < kBlock; ++i) sum += static_cast<int8_t>(blk[2 + i]) * q[i];
         total += dw * dx * sum;
       } else {
-        const uint8_t* n = blk + (kBytes == kQ4_1 ? 4 : 2);
-        for (int i = 0; i < 16; ++i) sum += (n[i] & 0x0F) * q[i] + (n[i] >> 4) * q[i + 16];
+        for (int i = 0; i < kBlock; ++i) sum += stored_int<kBytes>(blk, i) * q[i];
         const float sx = static_cast<float>(xq.s[r * nb + b]);
-        total += dw * dx * sum + (kBytes == kQ4_1 ? half(blk + 2) * dx * sx : -8.f * dw * dx * sx);
+        total += dw * dx * sum + (kHasMin<kBytes> ? half(blk + 2) * dx * sx : -kZero<kBytes> * dw * dx * sx);
       }
     }
     acc_out[j] = total;
@@ -312,25 +361,29 @@ RS_INLINE int64_t panel_byte(int l, int i) {
   return kBytes == kQ8_0 ? (i / 4) * 64 + 4 * l + i % 4 : ((i % 16) / 4) * 64 + 4 * l + i % 4;
 }
 
+// Q5: the byte and bit of a panel's block holding the high bit of element i of row l.
+RS_INLINE int64_t panel_high_byte(int l, int i) { return 256 + 8 * (2 * ((i % 16) / 4) + i / 16) + (4 * l + i % 4) / 8; }
+RS_INLINE int panel_high_bit(int l, int i) { return (4 * l + i % 4) % 8; }
+
 // Element i of row l of a panel's block, as the reference dequantizes it.
 template <int64_t kBytes>
 RS_INLINE float panel_value(const uint8_t* blk, int l, int i) {
   const float d = half(blk + kValueBytes<kBytes> + 2 * l);
   const uint8_t byte = blk[panel_byte<kBytes>(l, i)];
   if constexpr (kBytes == kQ8_0) return value(d, 0.f, static_cast<int32_t>(byte) - 128);
-  const int32_t n = i < 16 ? (byte & 0x0F) : (byte >> 4);
-  if constexpr (kBytes == kQ4_1) return value(d, half(blk + kValueBytes<kBytes> + 32 + 2 * l), n);
-  return value(d, 0.f, n - 8);
+  int32_t n = i < 16 ? (byte & 0x0F) : (byte >> 4);
+  if constexpr (kFive<kBytes>) n |= ((blk[panel_high_byte(l, i)] >> panel_high_bit(l, i)) & 1) << 4;
+  if constexpr (kHasMin<kBytes>) return value(d, half(blk + kValueBytes<kBytes> + 32 + 2 * l), n);
+  return value(d, 0.f, n - static_cast<int32_t>(kZero<kBytes>));
 }
 
 template <int64_t kBytes>
 RS_INLINE float stored_value(const uint8_t* blk, int i) {
   const float d = half(blk);
   if constexpr (kBytes == kQ8_0) return value(d, 0.f, static_cast<int8_t>(blk[2 + i]));
-  const uint8_t* nib = blk + (kBytes == kQ4_1 ? 4 : 2);
-  const int32_t n = i < 16 ? (nib[i] & 0x0F) : (nib[i - 16] >> 4);
-  if constexpr (kBytes == kQ4_1) return value(d, half(blk + 2), n);
-  return value(d, 0.f, n - 8);
+  const int32_t n = stored_int<kBytes>(blk, i);
+  if constexpr (kHasMin<kBytes>) return value(d, half(blk + 2), n);
+  return value(d, 0.f, n - static_cast<int32_t>(kZero<kBytes>));
 }
 
 // 16 weight rows as stored (src, [16, nb, kBytes]) -> one panel (dst, same bytes; zeroed).
@@ -344,13 +397,13 @@ void repack_panel(const uint8_t* src, uint8_t* dst, int64_t nb) {
         if constexpr (kBytes == kQ8_0) {
           out[panel_byte<kBytes>(l, i)] = static_cast<uint8_t>(static_cast<int8_t>(blk[2 + i]) + 128);
         } else {
-          const uint8_t* nib = blk + (kBytes == kQ4_1 ? 4 : 2);
-          const uint8_t n = i < 16 ? (nib[i] & 0x0F) : (nib[i - 16] >> 4);
-          out[panel_byte<kBytes>(l, i)] |= i < 16 ? n : static_cast<uint8_t>(n << 4);
+          const int32_t n = stored_int<kBytes>(blk, i);
+          out[panel_byte<kBytes>(l, i)] |= static_cast<uint8_t>(i < 16 ? (n & 0x0F) : (n & 0x0F) << 4);
+          if constexpr (kFive<kBytes>) out[panel_high_byte(l, i)] |= static_cast<uint8_t>((n >> 4) << panel_high_bit(l, i));
         }
       }
-      std::memcpy(out + kValueBytes<kBytes> + 2 * l, blk, 2);                                      // d
-      if constexpr (kBytes == kQ4_1) std::memcpy(out + kValueBytes<kBytes> + 32 + 2 * l, blk + 2, 2);  // m
+      std::memcpy(out + kValueBytes<kBytes> + 2 * l, blk, 2);                                           // d
+      if constexpr (kHasMin<kBytes>) std::memcpy(out + kValueBytes<kBytes> + 32 + 2 * l, blk + 2, 2);  // m
     }
   }
 }
@@ -370,7 +423,9 @@ void by_format(int64_t bytes, F&& f) {
   if (bytes == kQ8_0) f(std::integral_constant<int64_t, kQ8_0>{});
   else if (bytes == kQ4_1) f(std::integral_constant<int64_t, kQ4_1>{});
   else if (bytes == kQ4_0) f(std::integral_constant<int64_t, kQ4_0>{});
-  else TORCH_CHECK(false, "blocks of ", bytes, " bytes are no format this kernel reads (Q4_0: 18, Q4_1: 20, Q8_0: 34)");
+  else if (bytes == kQ5_0) f(std::integral_constant<int64_t, kQ5_0>{});
+  else if (bytes == kQ5_1) f(std::integral_constant<int64_t, kQ5_1>{});
+  else TORCH_CHECK(false, "blocks of ", bytes, " bytes are no format this kernel reads (Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34)");
 }
 
 }  // namespace
@@ -422,8 +477,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const std::optional
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == w.size(1) * kBlock,
               "qlinear: x must be [T, K] with contiguous rows and K = 32 * the weight's blocks");
   const int64_t t = x.size(0), k = x.size(1), bytes = w.size(2);
-  TORCH_CHECK(bytes == kQ4_0 || bytes == kQ4_1 || bytes == kQ8_0, "qlinear: blocks of ", bytes,
-              " bytes are no format this kernel reads (Q4_0: 18, Q4_1: 20, Q8_0: 34)");
+  by_format(bytes, [](auto) {});  // refuses an unknown block size before anything is allocated
   at::Tensor out = at::empty({t, w.size(0)}, x.options());
   if (t == 0) return out;
   XQuant xq;
@@ -431,9 +485,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, const std::optional
     using T = decltype(tag);
     quantize_rows<T>(x, xq);
     T* o = out.data_ptr<T>();
-    if (bytes == kQ8_0) qlinear_rows<kQ8_0, T>(xq, w, t, k, o);
-    else if (bytes == kQ4_1) qlinear_rows<kQ4_1, T>(xq, w, t, k, o);
-    else qlinear_rows<kQ4_0, T>(xq, w, t, k, o);
+    by_format(bytes, [&](auto fmt) { qlinear_rows<decltype(fmt)::value, T>(xq, w, t, k, o); });
   };
   if (x.scalar_type() == at::kFloat) run(float{});
   else if (x.scalar_type() == at::kBFloat16) run(c10::BFloat16{});

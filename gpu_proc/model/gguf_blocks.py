@@ -9,13 +9,13 @@ tensor's format, and for a transcoded one the format it came from.
 
 Formats the kernels do not read are transcoded to one they do (`TRANSCODED`), kept quantized:
 Q4_K's sub-blocks of 32 are Q4_1 blocks (w = d sc n - dmin m: the same nibbles, the scale d sc and
-offset -dmin m rounded to fp16, a relative 2^-11 of each), and the 5- and 6-bit formats are
-requantized to Q8_0 (per 32 weights, as llama.cpp's quantizer does: an error of at most half a
-step of 1/127 of a block's largest weight and the fp16 rounding of that step, where their own
-steps are 1/31 of a range or coarser). For the kernels' own formats,
-`dequantize` of a block tensor here equals its float tensor there exactly; for a transcoded one
-it is within those bounds. Other formats (Q2_K, Q3_K, the IQ ones) are only in
-`model.safetensors`, served dequantized.
+offset -dmin m rounded to fp16, a relative 2^-11 of each), and Q5_K and Q6_K are requantized to
+Q8_0 (per 32 weights, as llama.cpp's quantizer does: an error of at most half a step of 1/127 of
+a block's largest weight and the fp16 rounding of that step, where their own steps are 1/31 of a
+range or coarser). For the kernels' own formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), `dequantize` of a
+block tensor here equals its float tensor there exactly; for a transcoded one it is within those
+bounds. Other formats (Q2_K, Q3_K, the IQ ones) are only in `model.safetensors`, served
+dequantized.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ..quant import BLOCK, BY_TYPE, Q4_1, Q8_0, QuantFormat
 QUANTIZED_FILE = "quantized.safetensors"
 
 # GGML type -> (its name, the kernel format it is served as)
-TRANSCODED = {6: ("Q5_0", Q8_0), 7: ("Q5_1", Q8_0), 12: ("Q4_K", Q4_1), 13: ("Q5_K", Q8_0), 14: ("Q6_K", Q8_0)}
+TRANSCODED = {12: ("Q4_K", Q4_1), 13: ("Q5_K", Q8_0), 14: ("Q6_K", Q8_0)}
 _Q4_K = 12
 
 _LAYER = {

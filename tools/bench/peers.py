@@ -29,7 +29,7 @@ float32 at least 95 % of requests token-identical; in bfloat16 reported only), e
 printed with its first differing position. The goals of issues 27 and 35 are evaluated on the medians.
 
 A model may be a GGUF file (`--models FILE.gguf`): ringserve serves it as `--model FILE.gguf
---quantization auto` does (its Q4_0 / Q4_1 / Q8_0 weights as their blocks), llama.cpp's `llama-server` (engine `llamacpp`,
+--quantization auto` does (its quantized weights as their blocks), llama.cpp's `llama-server` (engine `llamacpp`,
 `--llama-server`) the file itself, and the prompts come from its converted tokenizer. Greedy
 agreement on a GGUF is reported, never gated: two engines' quantized kernels round differently.
 """
