@@ -88,6 +88,29 @@ def dequantize(w: torch.Tensor) -> torch.Tensor:
     return values.reshape(n, nb * BLOCK)
 
 
+def as_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """Blocks `[N, K/32, bytes]` as Q8_0 blocks: exactly for Q4_0, Q5_0 and Q8_0 (the same scale,
+    the integer shifted: w = d (n - zero) = d q), requantized for Q4_1 and Q5_1 (the offset fits no
+    int8 scale: per block d = max|w| / 127 and q = round(w / d), llama.cpp's Q8_0 quantizer, at
+    most half a step of 1/127 of the block's largest weight away). For a fusion group of mixed
+    formats, which one kernel call must read in one format."""
+    fmt = format_of(w)
+    if fmt is Q8_0:
+        return w
+    n, nb, _ = w.shape
+    out = torch.empty((n, nb, Q8_0.block_bytes), dtype=torch.uint8)
+    if fmt in _ZERO:
+        out[..., 0:2] = w[..., 0:2]
+        out[..., 2:] = (_ints(w, fmt) - _ZERO[fmt]).to(torch.int8).view(torch.uint8)
+        return out
+    values = dequantize(w).reshape(n, nb, BLOCK)
+    d = values.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    out[..., 0:2] = d.to(torch.float16).view(torch.uint8)
+    out[..., 2:] = torch.round(values * inv).clamp(-127, 127).to(torch.int8).view(torch.uint8)
+    return out
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x `[T, K]` -> (int8 values `[T, K/32, 32]`, float32 scales `[T, K/32]`, int32 sums `[T, K/32]`):
     per block d = max|x| / 127 and q = round-half-even(x / d), as the kernel does."""

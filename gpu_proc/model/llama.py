@@ -22,7 +22,7 @@ from .. import cpu_ops
 from ..attention import AttentionBackend, get_backend
 from ..attention.metadata import AttentionMetadata
 from ..kv_pool import KVPool
-from ..quant import QuantLinear, dequantize, embedding, format_of
+from ..quant import Q8_0, QuantLinear, as_q8_0, dequantize, embedding, format_of
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,8 +113,9 @@ Projection = cpu_ops.PackedLinear | QuantLinear
 
 def _projection(projs: tuple[nn.Linear, ...], blocks: dict[nn.Module, torch.Tensor]) -> Projection:
     """The projections as one weight for the CPU matmul: their GGUF blocks concatenated when all
-    of them are held quantized in one format (`quant.QuantLinear`), else the float weights fused
-    and packed (`_fuse`), dequantizing any that were held quantized (a group of mixed formats)."""
+    of them are held quantized in one format (`quant.QuantLinear`; `Llama._one_format_per_group`
+    makes a mixed group one), else the float weights fused and packed (`_fuse`), dequantizing any
+    that were held quantized."""
     held = [blocks.get(p) for p in projs]
     if all(b is not None for b in held) and len({b.shape[2] for b in held if b is not None}) == 1:
         bias = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
@@ -325,6 +326,7 @@ class Llama(nn.Module):
         """The blocks of the fused forward: projections packed (or their GGUF blocks concatenated
         and repacked, `_projection`), the embedding and head read from blocks where they are held
         so (one repacked copy when tied). `quantized` is emptied: the forward holds the blocks."""
+        self._one_format_per_group()
         modules = dict(self.named_modules())
         blocks = {modules[n.removesuffix(".weight")]: b for n, b in self.quantized.items()}
         self.block_weights = [
@@ -347,6 +349,22 @@ class Llama(nn.Module):
             name = format_of(b).name
             self.quantized_formats[name] = self.quantized_formats.get(name, 0) + 1
         self.quantized = {}  # the originals: the repacked copies above replace them
+
+    def _one_format_per_group(self) -> None:
+        """A fusion group (q/k/v, gate/up) held in blocks of mixed formats, such as a Q4_K_M file's
+        Q5_0 q and k beside a Q8_0 v, held as Q8_0 (`quant.as_q8_0`, exact but for Q4_1 / Q5_1):
+        one kernel call reads one format, and Q8_0 blocks are a quarter of the float weights."""
+        groups = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+        for i in range(self.args.num_layers):
+            for group in groups:
+                names = [f"model.layers.{i}.{g}.weight" for g in group]
+                held = [self.quantized.get(n) for n in names]
+                if any(b is None for b in held) or len({b.shape[2] for b in held if b is not None}) == 1:
+                    continue
+                for name, b in zip(names, held):
+                    if b is not None and format_of(b) is not Q8_0:
+                        self.transcoded.setdefault(name, format_of(b).name)
+                        self.quantized[name] = as_q8_0(b)
 
     def _dequantize_served(self) -> None:
         """The blocks a fused setup serves, back as float parameters (a later setup on a backend

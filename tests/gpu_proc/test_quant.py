@@ -94,6 +94,21 @@ def test_an_embedding_row_from_the_repacked_blocks_is_the_dequantized_row(fmt):
         quant.embedding(packed, torch.tensor([30]))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_blocks_as_q8_0_are_exact_where_q8_0_holds_them(fmt):
+    """A fusion group of mixed formats is read as Q8_0 (`quant.as_q8_0`): Q4_0 and Q5_0 become it
+    exactly (the same scale, the integer shifted), Q4_1 and Q5_1 within half a Q8_0 step."""
+    blocks, _ = _blocks(fmt, 20, 256, seed=4)
+    lifted = quant.as_q8_0(blocks)
+    assert quant.format_of(lifted).name == "Q8_0" and lifted.shape[:2] == blocks.shape[:2]
+    want, got = quant.dequantize(blocks), quant.dequantize(lifted)
+    if fmt in ("Q8_0", "Q4_0", "Q5_0"):
+        assert torch.equal(got, want)
+    else:
+        step = want.reshape(20, 8, 32).abs().amax(-1, keepdim=True) / 127
+        assert ((got - want).reshape(20, 8, 32).abs() <= step * (0.5 + 128 * 2.0**-11)).all()
+
+
 def test_the_kernel_refuses_what_it_cannot_read():
     blocks, _ = _blocks("Q8_0", 8, 64)
     with pytest.raises(RuntimeError, match="K = 32"):
@@ -115,7 +130,7 @@ def converted(tiny_model_dir, tmp_path_factory):
     return {
         "Q8_0": _convert(tiny_model_dir, tmp, "q8", quant="Q8_0"),
         "Q4_1": _convert(tiny_model_dir, tmp, "q41", quant="Q4_1"),
-        # a group of mixed formats (q Q8_0, k/v Q4_0) is dequantized; the rest stays blocks
+        # a group of mixed formats (q Q8_0, k/v Q4_0) is held as Q8_0; the rest stays as it is
         "mixed": _convert(tiny_model_dir, tmp, "mixed", quant="Q4_0", overrides={"q_proj.weight": "Q8_0"}),
     }
 
@@ -148,13 +163,14 @@ def test_the_model_is_served_from_its_blocks(converted, fmt):
     q, ref = _runner(d), _runner(d, "none")
     file_bytes = (d / QUANTIZED_FILE).stat().st_size
     assert ref.model.quantized_bytes == 0
-    if fmt == "mixed":  # the q/k/v groups are served dequantized, the rest as blocks
-        assert 0.5 * file_bytes < q.model.quantized_bytes < 0.95 * file_bytes
+    if fmt == "mixed":  # k and v lifted from Q4_0 (18 bytes a block) to Q8_0 (34), exactly
+        layers = q.model.args.num_layers
+        assert q.model.weights_served()["transcoded_from"] == {"Q4_0": 2 * layers}
+        assert file_bytes < q.model.quantized_bytes < 1.25 * file_bytes
     else:  # every block, once (the file adds its header)
         assert 0.99 * file_bytes < q.model.quantized_bytes <= file_bytes
     meta = [n for n, p in q.model.named_parameters() if p.is_meta]
-    assert any("q_proj" in n for n in meta) == (fmt != "mixed")  # a mixed q/k/v group is dequantized
-    assert any("gate_proj" in n for n in meta)
+    assert any("q_proj" in n for n in meta) and any("gate_proj" in n for n in meta)
     ids = list(range(3, 200, 3))
     lq, lr = loglikelihood(q, ids), loglikelihood(ref, ids)
     assert abs(lq - lr) <= 0.01 * abs(lr), (lq, lr)
