@@ -34,11 +34,12 @@ class Config:
     model_name: str | None = None  # the `model` id the API reports; default: the directory name
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     load_format: str = "auto"  # auto: the checkpoint's safetensors | dummy: random weights of its shape
-    # auto: a converted GGUF's quantized weights served as their blocks (CPU kernels; gguf_blocks) |
-    # none: every weight dequantized (the reference). NOTE: none by default until the quantized
-    # prefill is near the float GEMM: blocks decode 2x faster at one stream, but serve 32 streams
-    # at about half the float path's tokens/s on a 2-core box (docs/BENCHMARKS.md#quantized-weights-issue-35)
-    quantization: str = "none"
+    # auto: a converted GGUF's quantized weights served as their blocks (CPU kernels; gguf_blocks;
+    # the default model's are) | none: every weight dequantized (the reference, what transformers
+    # computes). auto by default: on the CPU the model's forward over the blocks is 1.5-5x the float
+    # path's speed at 1-32 decode rows (docs/BENCHMARKS.md#quantized-weights-issue-35); where no kernel reads them
+    # (CUDA for now) they are dequantized at load either way.
+    quantization: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     # torch threads of the GPU process when it computes on the CPU: the API workers share the
     # cores, and oversubscribed torch threads slow each step many times over.

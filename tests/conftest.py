@@ -100,9 +100,10 @@ def smollm2_gguf(smollm2_dir):
 @pytest.fixture(scope="session")
 def smollm2_server(smollm2_dir, tmp_path_factory):
     """`ringserve serve --model smollm2-135m-instruct` (the name, resolved as `make serve` does),
-    one for every module that talks to the real model. `--quantization none` (the default, said
-    here because these modules compare with transformers): the weights dequantized; the GGUF
-    blocks served as they are differ by their int8 activations (tests/test_quant_e2e.py)."""
+    one for every module that talks to the real model, with `--quantization none` because these
+    modules compare with transformers: the weights dequantized. The default (`auto`) serves the
+    GGUF blocks as they are, which differ by their int8 activations (tests/test_quant_e2e.py;
+    the marker, fairness and admission tests serve them)."""
     from ringserve import models
     from tests.helpers.server import ServerProcess
 

@@ -144,8 +144,9 @@ def compare(
     from ringserve.tools.bench.batchers import ContinuousPolicy
 
     torch.set_num_threads(threads)  # HF's generate below runs with the same thread count
-    engine = build_executor(
-        Config(device="cpu", dtype="float32", num_blocks=num_blocks, cpu_threads=threads), model_dir
+    engine = build_executor(  # the float weights HF's generate runs, not a converted GGUF's blocks
+        Config(device="cpu", dtype="float32", num_blocks=num_blocks, cpu_threads=threads, quantization="none"),
+        model_dir,
     )
     vocab = (3, min(engine.vocab_size, 1000))
     ours = replay(

@@ -550,7 +550,8 @@ def run_model(args, name: str, model_dir: str, skips: dict[str, str | None], log
         for engine in args.engines:
             ngram = spec if engine.endswith("+ngram") else None
             if engine.startswith("ringserve"):
-                extra = (["--quantization", "auto"] if gguf else []) + args.ringserve_arg  # a GGUF: its blocks
+                # a GGUF: its blocks, as llama.cpp serves them; a checkpoint: the float weights vLLM reads
+                extra = ["--quantization", "auto" if gguf else "none"] + args.ringserve_arg
                 specs[engine] = ringserve_spec(model_dir, args.dtype, extra, ngram, server)
             elif engine == "llamacpp":
                 why = skips["llamacpp"] or (None if gguf else "llama.cpp serves GGUF files: pass --models FILE.gguf")
