@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 from ringserve.config import DEFAULTS, Config
 from ringserve.rules import sampling_violation, submit_violation
@@ -22,6 +23,9 @@ from .executor import Executor
 from .model_runner import ModelRunner
 from .request import Request
 from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from .model.llama import Llama
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -140,3 +144,25 @@ def generate(
             elif isinstance(ev, Finish):
                 res.finish_reason = str(ev.reason)
     return results
+
+
+def prefill_logits(runner: ModelRunner, ids: list[int]):
+    """The logits `[len(ids), vocab]` of one prefill of `ids` into a fresh sequence (blocks
+    0, 1, ... of the runner's pool), every position scored."""
+    import torch
+
+    from .step import RowSampling, SeqStep, StepBatch
+
+    batch = StepBatch([SeqStep(0, ids, 0, list(range((len(ids) + 15) // 16)), RowSampling(temperature=0.0))])
+    inputs = runner.prepare(batch)
+    m = cast("Llama", runner.model)
+    hidden = m.final_hidden(inputs.input_ids, inputs.meta, runner.kv_pool, torch.arange(len(ids)))
+    return m.head(hidden)
+
+
+def loglikelihood(runner: ModelRunner, ids: list[int]) -> float:
+    """Sum of log p(ids[i+1] | ids[:i+1]) over the sequence, in float64 (one prefill)."""
+    import torch
+
+    logp = torch.log_softmax(prefill_logits(runner, ids).double(), -1)
+    return logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum().item()

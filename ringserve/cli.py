@@ -65,6 +65,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "ringserve.tools.bench.cost_model",
         "the step cost model's estimates against measured decode, prefill and mixed steps",
     ),
+    "quant": (
+        "ringserve.tools.bench.quant",
+        "GGUF files from their blocks vs dequantized: memory, loglikelihood, logits, greedy agreement",
+    ),
     "overload": (
         "ringserve.tools.bench.overload",
         "closed-loop clients far past capacity: 429s, admitted TTFT, goodput at 32 and 512 streams",

@@ -20,8 +20,7 @@ from ringserve.gpu_proc.executor import weights_bytes
 from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.model.loader import load_model
 from ringserve.gpu_proc.model_runner import ModelRunner
-from ringserve.gpu_proc.offline import GREEDY, OfflineRequest, generate
-from tests.helpers.loglikelihood import loglikelihood
+from ringserve.gpu_proc.offline import GREEDY, OfflineRequest, generate, loglikelihood
 from tests.helpers.server import ServerProcess
 
 TEXT = Path(__file__).resolve().parents[1] / "tools" / "data" / "english.txt"

@@ -22,9 +22,8 @@ from ringserve.gpu_proc.model.gguf_blocks import QUANTIZED_FILE, read_formats
 from ringserve.gpu_proc.model.gguf_convert import convert_gguf
 from ringserve.gpu_proc.model.loader import load_model
 from ringserve.gpu_proc.model_runner import ModelRunner
-from ringserve.gpu_proc.offline import GREEDY, OfflineRequest, generate
+from ringserve.gpu_proc.offline import GREEDY, OfflineRequest, generate, loglikelihood
 from tests.helpers.gguf_files import write_llama_gguf
-from tests.helpers.loglikelihood import loglikelihood
 
 gguf = pytest.importorskip("gguf")
 FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
