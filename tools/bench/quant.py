@@ -22,8 +22,7 @@ from pathlib import Path
 TEXT = Path(__file__).resolve().parents[1] / "data" / "english.txt"
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time,", "List three colors:")
 MEMORY_BOUND = 1.25
-LOGLIK_BOUND = {"Q8_0": 0.01}  # every served tensor in this format; else LOGLIK_DEFAULT
-LOGLIK_DEFAULT = 0.03
+LOGLIK_BOUND_Q8_0, LOGLIK_BOUND = 0.01, 0.03  # every served tensor Q8_0; otherwise
 
 
 def measure(path: str, tokens: int, greedy_tokens: int) -> dict:
@@ -50,8 +49,7 @@ def measure(path: str, tokens: int, greedy_tokens: int) -> dict:
     tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
     held = weights_bytes(loaded["auto"])
     lq, lr = (loglikelihood(runners[m], ids) for m in ("auto", "none"))
-    formats = set(served.get("formats", {}))
-    bound = LOGLIK_BOUND.get(next(iter(formats)), LOGLIK_DEFAULT) if len(formats) == 1 else LOGLIK_DEFAULT
+    bound = LOGLIK_BOUND_Q8_0 if set(served.get("formats", {})) == {"Q8_0"} else LOGLIK_BOUND
     head = ids[:256]
     with torch.inference_mode():
         lq_logits, lr_logits = (prefill_logits(runners[m], head).float() for m in ("auto", "none"))
