@@ -253,7 +253,12 @@ def choose_attention(config: Config, model, device: torch.device, kernels=None, 
             f"{worst.worst_error:.3g} on {worst.shape}{'; ' + worst.error if worst.error else ''})"
         )
     model.setup(device, served)
-    return {"backend": served.name, "checked": True, **report.facts()}
+    facts = {"backend": served.name, "checked": True, **report.facts()}
+    if model.device_blocks:  # GGUF blocks read by the CUDA kernels: checked the same way
+        from ringserve.gpu_proc.quant_cuda import verify_model
+
+        facts["quantized"] = verify_model(model, device, config.require_kernels, progress)
+    return facts
 
 
 def build_executor(

@@ -42,8 +42,13 @@ from .cupy_executor import NVRTC_OPTIONS, CupyExecutor, KernelExecutor  # noqa: 
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 PRELUDE_FILE = "common.cu"  # prepended to every kernel file: NVRTC gets one self-contained source
-KERNEL_FILES = ("kv_append.cu", "paged_decode.cu", "paged_prefill.cu", "paged_prefill_tc.cu")
+# quant_linear.cu is not attention: the quantized projections (launchers in gpu_proc/quant_cuda.py)
+# share the NVRTC unit, its prelude and every check of it (compile, resources, harness).
+KERNEL_FILES = ("kv_append.cu", "paged_decode.cu", "paged_prefill.cu", "paged_prefill_tc.cu", "quant_linear.cu")
 TRAITS = {torch.float16: "RsF16", torch.bfloat16: "RsBF16", torch.float32: "RsF32"}
+QUANT_TRAITS = {"Q4_0": "RsQ4_0", "Q4_1": "RsQ4_1", "Q5_0": "RsQ5_0", "Q5_1": "RsQ5_1", "Q8_0": "RsQ8_0"}
+QGEMV_THREADS = 128  # 4 warps, one output row each (quant_linear.cu)
+QDEQUANT_THREADS = 256
 
 # Query heads per decode CTA. A group of 8 needs more registers than fit without spilling (see
 # paged_decode.cu), so a GQA-8 model runs two CTAs of 4 heads per KV head; 3 serves GQA 3 and 6
@@ -87,6 +92,14 @@ def prefill_kernel(dtype: torch.dtype, head_dim: int) -> str:
 
 def prefill_tc_kernel(dtype: torch.dtype, head_dim: int) -> str:
     return f"rs_paged_prefill_tc<{TRAITS[dtype]}, {head_dim}>"
+
+
+def qgemv_kernel(fmt: str, dtype: torch.dtype) -> str:
+    return f"rs_qgemv<{QUANT_TRAITS[fmt]}, {TRAITS[dtype]}>"
+
+
+def qdequant_kernel(fmt: str, dtype: torch.dtype) -> str:
+    return f"rs_qdequant<{QUANT_TRAITS[fmt]}, {TRAITS[dtype]}>"
 
 
 def uses_tensor_cores(dtype: torch.dtype, num_heads: int, num_kv_heads: int, capability: tuple[int, int]) -> bool:
@@ -134,6 +147,9 @@ def entry_points() -> list[str]:
             names += [merge_kernel(dtype, d), prefill_kernel(dtype, d)]
             if dtype in TC_DTYPES:
                 names.append(prefill_tc_kernel(dtype, d))
+    for dtype in TRAITS:
+        for fmt in QUANT_TRAITS:
+            names += [qgemv_kernel(fmt, dtype), qdequant_kernel(fmt, dtype)]
     return names
 
 

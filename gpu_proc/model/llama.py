@@ -287,6 +287,8 @@ class Llama(nn.Module):
         self.quantized_formats: dict[str, int] = {}  # served blocks: tensors per format (set by setup)
         self.transcoded: dict[str, str] = {}  # {name: the GGUF format its blocks were transcoded from}
         self.served_blocks: list[torch.Tensor] = []  # the repacked blocks the forward reads
+        self.device_blocks: list[torch.Tensor] = []  # blocks as stored, read by quant_kernels' modules
+        self.quant_kernels = None  # quant_cuda.QuantKernels of the device blocks
         self.block_weights: list[tuple] = []  # per block, cpu_ops.BlockWeights.args()
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
@@ -295,9 +297,17 @@ class Llama(nn.Module):
         self.lm_head.weight = self.model.embed_tokens.weight
 
     def setup(
-        self, device: torch.device | str, backend: AttentionBackend | None = None, cpu_kernels: bool = True
+        self,
+        device: torch.device | str,
+        backend: AttentionBackend | None = None,
+        cpu_kernels: bool = True,
+        quant_kernels=None,
     ) -> None:
         """Rotary tables for every position up to max_position_embeddings, and the attention backend.
+
+        GGUF blocks are served where kernels read them: repacked for the fused CPU forward, as
+        stored on the device by `quant_kernels` (`quant_cuda.QuantKernels`; on CUDA with the CuPy
+        attention kernels, CuPy's by default) for the module forward; else dequantized.
 
         With the compiled CPU backend (`attention/cpu_backend.py`) the forward also runs fused, one
         compiled call per block (`cpu_ops.block`): one matmul for q/k/v and one for gate/up (the
@@ -313,8 +323,18 @@ class Llama(nn.Module):
         self.backend = backend or get_backend(device, self.dtype, cpu_kernels=cpu_kernels)
         # The fused forward runs oneDNN-packed matmuls: only where oneDNN packs this dtype here.
         fused = self.backend.name == "cpu" and cpu_ops.packs(self.dtype)
-        if not fused:  # only the fused CPU forward reads GGUF blocks
+        if quant_kernels is None and device.type == "cuda" and self.backend.name.startswith("cupy"):
+            from ..quant_cuda import default_kernels
+
+            quant_kernels = default_kernels()
+        if not fused:  # the fused CPU forward reads repacked blocks; the CUDA kernels the blocks as stored
             self._dequantize_served()
+            if quant_kernels is not None and self.quantized:
+                from ..quant_cuda import serve_on_device
+
+                self.quant_kernels, self.device_blocks = quant_kernels, serve_on_device(self, quant_kernels)
+            elif quant_kernels is None and self.device_blocks:
+                self.dequantize_device_blocks()
             if self.quantized:
                 self._dequantize_all()
             self.fused, self.packed_head = False, None
@@ -392,13 +412,20 @@ class Llama(nn.Module):
             self.tie_weights()
         self.served_blocks, self.quantized_formats = [], {}
 
+    def dequantize_device_blocks(self) -> None:
+        """The device blocks' layers back as float layers (a failed quantized-kernel check)."""
+        from ..quant_cuda import dequantize_on_device
+
+        dequantize_on_device(self)
+        self.device_blocks, self.quant_kernels = [], None
+
     def _rows(self, packed: torch.Tensor) -> torch.Tensor:
         return embedding(packed, torch.arange(packed.shape[0])).to(self.dtype)
 
     def _dequantize_all(self) -> None:
         for name, b in self.quantized.items():
             module = self.get_submodule(name.removesuffix(".weight"))
-            module.weight = nn.Parameter(dequantize(b).to(self.dtype), requires_grad=False)
+            module.weight = nn.Parameter(dequantize(b).to(self.dtype).to(self.device), requires_grad=False)
         if self.args.tie_word_embeddings:
             self.tie_weights()
         self.quantized = {}
@@ -416,7 +443,8 @@ class Llama(nn.Module):
     @property
     def quantized_bytes(self) -> int:
         """Bytes of the weights held as GGUF blocks (a tied embedding and head counted once)."""
-        storages = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in self.served_blocks}
+        held = self.served_blocks + self.device_blocks
+        storages = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in held}
         return sum(storages.values()) + sum(b.numel() for b in self.quantized.values())
 
     def _block_weights(self, layer: TransformerBlock, blocks: dict[nn.Module, torch.Tensor]) -> cpu_ops.BlockWeights:

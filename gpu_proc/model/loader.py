@@ -183,13 +183,14 @@ def load_model(
     progress: Callable[[], None] | None = None,
     cpu_kernels: bool = True,
     quantization: str = "none",
+    quant_kernels=None,
 ) -> Llama:
     """Load a checkpoint directory onto `device` in `dtype`, ready for `forward` (setup done; on the
     CPU with the compiled kernels unless `cpu_kernels` is False, see `Llama.setup`).
     `load_format="dummy"` reads only config.json and makes random weights (dummy_weights.py).
     `quantization="auto"` serves the GGUF blocks of a converted GGUF (`gguf_blocks.py`) as they
-    are where the fused CPU forward runs; "none" (and every other device, for now) serves the
-    dequantized weights. `progress()`, if given, is called after each tensor is read."""
+    are where the fused CPU forward or the CUDA kernels run (`quant_kernels`: launchers on another
+    executor, the CPU harness in tests); "none" serves the dequantized weights. `progress()`, if given, is called after each tensor is read."""
     from safetensors import SafetensorError, safe_open
 
     model_dir = Path(model_dir)
@@ -210,7 +211,10 @@ def load_model(
         raise CheckpointError(f"load format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     if quantization not in QUANTIZATIONS:
         raise CheckpointError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
-    quantized = _read_quantized(model_dir) if quantization == "auto" and device.type == "cpu" and cpu_kernels else {}
+    # Blocks are kept where kernels read them: the fused CPU forward's, the CUDA kernels' (or the
+    # harness's, `quant_kernels`); Llama.setup dequantizes them where it finds none.
+    keep = device.type == "cuda" or quant_kernels is not None or (device.type == "cpu" and cpu_kernels)
+    quantized = _read_quantized(model_dir) if quantization == "auto" and keep else {}
 
     with torch.device("meta"), _no_initial_values():
         model = Llama(args)
@@ -262,7 +266,7 @@ def load_model(
     if quantized:  # {name: the GGUF format it was transcoded from} (gguf_blocks.TRANSCODED)
         model.transcoded = read_formats(model_dir / QUANTIZED_FILE, "ringserve_sources")
     model.eval().requires_grad_(False)
-    model.setup(device, cpu_kernels=cpu_kernels)
+    model.setup(device, cpu_kernels=cpu_kernels, quant_kernels=quant_kernels)
     if progress is not None:
         progress()
     return model

@@ -43,6 +43,9 @@ inline float __int_as_float(int x) { float f; memcpy(&f, &x, 4); return f; }
 inline float __uint_as_float(unsigned int x) { float f; memcpy(&f, &x, 4); return f; }
 inline int __float_as_int(float f) { int x; memcpy(&x, &f, 4); return x; }
 inline unsigned int __float_as_uint(float f) { unsigned int x; memcpy(&x, &f, 4); return x; }
+// Round-to-nearest products and sums never contracted into an fma (-O1 without -mfma: none is).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
 
 // CUDA's min/max take mixed integer types and return the wider one.
 template <class A, class B>

@@ -197,6 +197,49 @@ PLANTED = [
         "i < row_vecs; i += blockDim.x",
         "i <= row_vecs; i += blockDim.x",
     ),
+    # ---- quant_linear.cu
+    Planted(
+        "qgemv: the high nibble read as the low one",
+        "quant_linear.cu",
+        "q[j + 16] = (float)((byte >> 4) |",
+        "q[j + 16] = (float)((byte & 0xfu) |",
+    ),
+    Planted(
+        "qgemv: Q5's fifth bit of weight j + 16 taken from bit j",
+        "quant_linear.cu",
+        "(((high >> (j + 16)) & 1u) << 4));",
+        "(((high >> j) & 1u) << 4));",
+    ),
+    Planted(
+        "qgemv: a row's last block skipped",
+        "quant_linear.cu",
+        "b < n_blocks; b += RS_WARP",
+        "b < n_blocks - 1; b += RS_WARP",
+    ),
+    Planted(
+        "qgemv: the shuffle tree one level short",
+        "quant_linear.cu",
+        "int offset = RS_WARP / 2;",
+        "int offset = RS_WARP / 4;",
+    ),
+    Planted(
+        "qgemv: rows of x past the last written",
+        "quant_linear.cu",
+        "for (int t = 0; t < tokens; ++t) {\n            out[",
+        "for (int t = 0; t < RS_QGEMV_TOKENS; ++t) {\n            out[",
+    ),
+    Planted(
+        "qdequant: Q4_1's offset not added",
+        "quant_linear.cu",
+        "return __fadd_rn(__fmul_rn(d, q), m);",
+        "return __fmul_rn(d, q);",
+    ),
+    Planted(
+        "qdequant: a gathered row read from the wrong stride",
+        "quant_linear.cu",
+        "w + (src * n_blocks + b) * F::kWords",
+        "w + (src * (n_blocks - 1) + b) * F::kWords",
+    ),
     # ---- launchers (snippets follow the formatted source: one argument per line, 16 spaces)
     Planted(
         "launcher: 8 bytes for the 4-byte num_heads",

@@ -53,6 +53,24 @@ def _detectors():
         k.write_kv(kk, vv, kc, vc, slots)
         assert torch.equal(kc, wk) and torch.equal(vc, wv), "write_kv differs from the reference"
 
+    def quant(fmt, dtype, n, k, t):
+        from ringserve.gpu_proc.quant import dequantize
+        from ringserve.gpu_proc.quant_cuda import QuantKernels, random_blocks
+
+        gen = torch.Generator().manual_seed(n * t)
+        blocks = random_blocks(fmt, n, k, gen)
+        x = torch.randn(t, k, generator=gen).to(dtype)
+        want = (x.double() @ dequantize(blocks).double().T)[:, :, None]
+        rows = torch.tensor([n - 1, 0, 1])
+
+        def run(kern):
+            qk = QuantKernels(kern.executor)
+            assert_close(qk.gemv(x, blocks)[:, :, None], want, dtype, f"{fmt} GEMV")
+            got = qk.dequantize(blocks, dtype, rows=rows)
+            assert torch.equal(got, dequantize(blocks).to(dtype)[rows]), f"{fmt} dequantization differs"
+
+        return run
+
     return [
         ("decode GQA 4, split 3", decode(3, 300, 8, 2, 64, torch.float16, 3)),
         ("decode GQA 8, planned splits", decode(2, 600, 8, 1, 32, torch.float32, None)),
@@ -61,6 +79,8 @@ def _detectors():
         ("prefill tile edges", attention([(0, 31), (15, 17), (16, 32)], 4, 2, 32, torch.float32)),
         ("prefill GQA 3, three KV tiles", attention([(100, 40), (0, 70)], 6, 2, 64, torch.bfloat16)),
         ("write_kv", write_kv),
+        ("Q4_1 GEMV, 3 rows, 34 blocks", quant("Q4_1", torch.float32, 6, 1088, 3)),
+        ("Q5_0 GEMV, 9 rows", quant("Q5_0", torch.float32, 5, 96, 9)),
     ]
 
 

@@ -216,6 +216,52 @@ def _prefill_case(tokens: int, heads: int, kv_heads: int, head_dim: int, peaks: 
     )
 
 
+# (N, K) of Llama-3-8B's projections: q/o, gate (or up), down; rows of x across the GEMV (<= 32)
+# and the dequantize + GEMM path.
+QUANT_SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))
+QUANT_ROWS = (1, 8, 32, 128)
+
+
+def _quant_cases(fmts: tuple[str, ...], peaks: Peaks, iters: int) -> list[dict]:
+    """The quantized projection (`quant_cuda.QuantKernels.linear`) beside fp16 `F.linear` on the
+    dequantized weight: ms, and the GB/s of the block bytes read (the GEMV's bound)."""
+    import torch
+
+    from ringserve.gpu_proc import quant_cuda
+    from ringserve.gpu_proc.quant import dequantize
+
+    kernels = quant_cuda.default_kernels()
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for fmt in fmts:
+        kernels.compile([fmt], torch.float16, torch.device("cuda"))
+        for n, k in QUANT_SHAPES:
+            blocks = quant_cuda.random_blocks(fmt, n, k, gen).cuda()
+            dense = dequantize(blocks).half()
+            scratch = torch.empty(n * k, dtype=torch.float16, device="cuda")
+            for rows in QUANT_ROWS:
+                x = torch.randn(rows, k, device="cuda", dtype=torch.float16)
+                ms = _time_ms(lambda x=x, b=blocks, s=scratch: kernels.linear(x, b, None, s), iters)
+                fp16_ms = _time_ms(lambda x=x, w=dense: torch.nn.functional.linear(x, w), iters)
+                gbps = blocks.numel() / ms / 1e6
+                cases.append(
+                    dict(
+                        format=fmt,
+                        n=n,
+                        k=k,
+                        rows=rows,
+                        path="gemv" if rows <= quant_cuda.GEMV_MAX_ROWS else "dequantize+gemm",
+                        ms=ms,
+                        fp16_ms=fp16_ms,
+                        speedup=fp16_ms / ms,
+                        block_gbps=gbps,
+                        pct_peak=100 * gbps / peaks.gbps if peaks.gbps else None,
+                    )
+                )
+            torch.cuda.empty_cache()
+    return cases
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
@@ -310,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", type=_ints, help="decode contexts (comma list)")
     ap.add_argument("--kv-heads", type=int, default=None, help="KV heads of the attention cases (default: 32, MHA)")
     ap.add_argument("--prefill-tokens", type=_ints, default=(), help="prefill-kernel prompt lengths (comma list)")
+    ap.add_argument(
+        "--quant-formats",
+        default="",
+        help="GGUF formats of the quantized-projection cases (comma list, e.g. Q4_1,Q8_0)",
+    )
     args = ap.parse_args(argv)
     import torch
 
@@ -337,11 +388,13 @@ def main(argv: list[str] | None = None) -> int:
         _prefill_case(n, SEVEN_B["num_heads"], kv_heads, SEVEN_B["head_dim"], peaks, args.iters)
         for n in args.prefill_tokens
     ]
+    quant = _quant_cases(tuple(f for f in args.quant_formats.split(",") if f), peaks, args.iters)
     steps, prefill = ([], None) if args.skip_model else _model_benches(args, peaks)
     out = dict(
         peaks=asdict(peaks),
         decode_attention=decode,
         prefill_attention=prefill_attention,
+        quant_projection=quant,
         decode_step=steps,
         prefill=prefill,
         conditions=dict(
@@ -373,6 +426,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"prefill attention {r['tokens']} tokens (32 heads / {r['kv_heads']} KV heads x 128, fp16): "
             f"{r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s ({_fmt(r['pct_peak'])} % of peak)"
+        )
+    for r in quant:
+        print(
+            f"{r['format']} projection {r['n']} x {r['k']}, {r['rows']} rows ({r['path']}): {r['ms']:.3f} ms, "
+            f"fp16 {r['fp16_ms']:.3f} ms ({r['speedup']:.2f}x), blocks {r['block_gbps']:.0f} GB/s ({_fmt(r['pct_peak'])} %)"
         )
     for r in steps:
         print(

@@ -11,7 +11,8 @@ budget (`--budget-s`, 450 s), so the whole run, install included, fits eight min
 2. `bench step` on the Llama-3-8B shape with random weights (`--load-format dummy`), decode steps
    eager and replayed from CUDA graphs (the start-up kernel check runs in its load);
 3. kernels: decode attention bandwidth as % of the device's peak at batch 1/8/32/128 x context
-   512/2k/8k, and prefill-kernel TFLOP/s at 512/2k/8k tokens (Llama-3-8B heads: 32 / 8 KV, 128);
+   512/2k/8k, prefill-kernel TFLOP/s at 512/2k/8k tokens (Llama-3-8B heads: 32 / 8 KV, 128), and
+   the Q4_1 / Q8_0 projections at Llama-3-8B's shapes beside fp16 at 1/8/32/128 rows;
 4. a load test through the real server (supervisor, workers, rings) on that model;
 5. transformers' own continuous batching (`generate_batch`, or `generate` where it is missing) on
    the same weights and the same request lengths, for the throughput ratio;
@@ -114,7 +115,7 @@ def gpu_tests(timeout_s: float = 200) -> dict:
     return {**tests_status(rc, out), "seconds": round(s, 1), "tail": out[-3000:]}
 
 
-def kernels(timeout_s: float = 100) -> dict:
+def kernels(timeout_s: float = 120) -> dict:
     cmd = [
         sys.executable,
         "-m",
@@ -131,6 +132,8 @@ def kernels(timeout_s: float = 100) -> dict:
         "8",
         "--prefill-tokens",
         "512,2048,8192",
+        "--quant-formats",
+        "Q4_1,Q8_0",
     ]
     rc, out, s = _run(cmd, timeout_s)
     if rc != 0:
@@ -358,6 +361,11 @@ def _table(report: dict) -> str:
         lines.append(
             f"    prefill {r['tokens']:<5} tokens {r['tflops']:>6.0f} TFLOP/s {r.get('pct_peak') or 0:>5.1f} % peak"
         )
+    for r in k.get("quant_projection", []):
+        lines.append(
+            f"    {r['format']} {r['n']}x{r['k']} {r['rows']:>3} rows {r['ms']:.3f} ms, fp16 {r['fp16_ms']:.3f} ms "
+            f"({r['speedup']:.2f}x), {r['block_gbps']:.0f} GB/s of blocks"
+        )
     st = report["sections"].get("step", {})
     for rows in ("1", "8", "32"):
         off, on = st.get("graphs_off", {}).get(rows), st.get("graphs_on", {}).get(rows)
@@ -392,6 +400,7 @@ GPU_RUN_MODULES = (
     "ringserve.gpu_proc.cuda_graphs",
     "ringserve.gpu_proc.attention.cupy_backend",
     "ringserve.gpu_proc.attention.self_check",
+    "ringserve.gpu_proc.quant_cuda",
     "ringserve.tools.bench.kernels",
     "ringserve.tools.bench.step",
     "ringserve.tools.harness.loadtest",
@@ -400,7 +409,7 @@ GPU_RUN_MODULES = (
 )
 # Sections in order of importance (correctness first), each with the seconds it may take; the
 # report is rewritten after each, so a run cut off still returns the ones before.
-SECTION_LIMITS = {"gpu_tests": 200, "step": 150, "kernels": 100, "load": 200, "hf": 150}
+SECTION_LIMITS = {"gpu_tests": 200, "step": 150, "kernels": 120, "load": 200, "hf": 150}
 BUDGET_S = 450  # of the 8 minutes a lent H200 gives, the rest for the install and the start-up
 
 

@@ -68,6 +68,10 @@ def _threads(name: str) -> int:
         return int(head_dim.group(1))  # one thread per channel
     if name.startswith("rs_kv_append"):
         return 256
+    if name.startswith("rs_qgemv"):
+        return cupy_backend.QGEMV_THREADS
+    if name.startswith("rs_qdequant"):
+        return cupy_backend.QDEQUANT_THREADS
     return cupy_backend.DECODE_THREADS if name.startswith("rs_paged_decode") else cupy_backend.PREFILL_THREADS
 
 
