@@ -154,7 +154,20 @@ def _weights_kind(model, dtype_name: str) -> str:
     return dtype_name + "".join(f" + {n} {f}" for f, n in sorted(formats.items()))
 
 
-def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype) -> int:
+def kv_cache_dtype(config: Config, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV pool's dtype: the model's, or bfloat16 (`--kv-cache-dtype`) under a float32 model on
+    the CPU, where the kernels and the reference read it (the CUDA kernels take the model's only)."""
+    if config.kv_cache_dtype == "auto" or model_dtype == torch.bfloat16:
+        return model_dtype
+    if device.type != "cpu" or model_dtype != torch.float32:
+        raise RuntimeError(
+            f"--kv-cache-dtype {config.kv_cache_dtype} needs a float32 model on the CPU "
+            f"(this one is {str(model_dtype).removeprefix('torch.')} on {device.type}); use --dtype bfloat16 instead"
+        )
+    return torch.bfloat16
+
+
+def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
     """The KV pool's size: --num-blocks, the CPU default, or what the GPU's memory leaves (the plan
     goes to the log)."""
     dtype_name = str(dtype).removeprefix("torch.")
@@ -166,15 +179,16 @@ def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype)
             num_kv_heads=args.num_kv_heads,
             head_dim=args.head_dim,
             block_size=config.block_size,
-            dtype_bytes=dtype.itemsize,
+            dtype_bytes=kv_dtype.itemsize,
         )
         log.info(
-            "memory plan: weights %.2f GiB (%s); KV cache %d blocks x %.2f MiB = %.2f GiB, %d tokens",
+            "memory plan: weights %.2f GiB (%s); KV cache %d blocks x %.2f MiB = %.2f GiB (%s), %d tokens",
             weights_bytes(model) / GIB,
             _weights_kind(model, dtype_name),
             num_blocks,
             block / 2**20,
             num_blocks * block / GIB,
+            str(kv_dtype).removeprefix("torch."),
             num_blocks * config.block_size,
         )
         return num_blocks
@@ -291,9 +305,10 @@ def build_executor(
     attention = choose_attention(config, model, device, kernels, progress)
     special = read_special_tokens(model_dir)
     args = model.args
-    num_blocks = _num_blocks(config, model, device, dtype)
+    kv_dtype = kv_cache_dtype(config, dtype, device)
+    num_blocks = _num_blocks(config, model, device, dtype, kv_dtype)
     progress()
-    pool = KVPool(args.num_layers, num_blocks, args.num_kv_heads, args.head_dim, config.block_size, dtype, device)
+    pool = KVPool(args.num_layers, num_blocks, args.num_kv_heads, args.head_dim, config.block_size, kv_dtype, device)
     progress()
     runner = ModelRunner(model, pool)
     report = warm_up(runner, progress)

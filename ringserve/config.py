@@ -40,6 +40,10 @@ class Config:
     # path's speed at 1-32 decode rows (docs/BENCHMARKS.md#quantized-weights-issue-35); where no kernel reads them
     # (CUDA for now) they are dequantized at load either way.
     quantization: str = "auto"
+    # The KV cache's dtype: auto = the model's; bfloat16 under a float32 model on the CPU halves the
+    # cache's bytes and what a decode step's attention reads (keys, values and the query rounded to
+    # bfloat16, softmax and P.V in float32; docs/BENCHMARKS.md#kv-cache-dtype).
+    kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     # torch threads of the GPU process when it computes on the CPU: the API workers share the
     # cores, and oversubscribed torch threads slow each step many times over.
@@ -230,6 +234,8 @@ class Config:
             raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.quantization not in ("auto", "none"):
             raise ConfigError(f"quantization must be auto or none, got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "bfloat16"):
+            raise ConfigError(f"kv_cache_dtype must be auto or bfloat16, got {self.kv_cache_dtype!r}")
         if self.probe_interval_s < 0 and self.probe_interval_s != -1:
             raise ConfigError(f"probe_interval_s must be >= 0 (0: off) or -1 (auto), got {self.probe_interval_s}")
         if self.attention_backend not in ("auto", "cupy", "reference"):

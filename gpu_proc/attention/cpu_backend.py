@@ -5,7 +5,8 @@ the step's new keys and values at their slots (slot -1: padding, skipped) with o
 and head instead of an indexed assignment; `paged_attention` walks each sequence's block table,
 attending every new token to the keys at positions `0..its own`, with no per-step gather of the
 context and no plan to build. Softmax statistics and the P.V accumulation are float32 whatever the
-cache dtype (float32 or bfloat16); slots a token may not see are never read.
+cache dtype (float32 or bfloat16, also under float32 activations); slots a token may not see are
+never read.
 
 The launchers check what the kernels assume — shapes, dtypes, devices and strides — and raise
 ValueError before the kernel runs; the kernels themselves check slot and block ids against the
@@ -19,13 +20,16 @@ import torch
 from .metadata import AttentionMetadata
 
 DTYPES = (torch.float32, torch.bfloat16)
+# float32 activations over a bfloat16 cache (`--kv-cache-dtype bfloat16`): stored rounded to
+# nearest, the query rounded to bfloat16 for the scores, as the reference casts to the cache dtype.
+MIXED = (torch.float32, torch.bfloat16)
 
 
 def _check_rows(name: str, x: torch.Tensor, dtype: torch.dtype) -> None:
     if x.device.type != "cpu":
         raise ValueError(f"{name}: the CPU kernels need CPU tensors, got {x.device}")
-    if x.dtype != dtype:
-        raise ValueError(f"{name}: dtype {x.dtype} differs from the cache's {dtype}")
+    if x.dtype != dtype and (x.dtype, dtype) != MIXED:
+        raise ValueError(f"{name}: dtype {x.dtype} differs from the cache's {dtype} (float32 over bfloat16 is allowed)")
     if x.dim() != 3 or x.stride(2) != 1 or (x.shape[1] > 1 and x.stride(1) < x.shape[2]):
         raise ValueError(
             f"{name}: expected [tokens, heads, head_dim] with head_dim contiguous, got shape "

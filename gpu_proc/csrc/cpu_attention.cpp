@@ -141,9 +141,9 @@ inline void row_keys_bf16(const c10::BFloat16* qr, float scale, const c10::BFloa
   for (int64_t i = 0; i < 2 * kQ; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
 }
 
-// acc (dimensions in unpack order) * inv -> dst, bfloat16 in dimension order.
-template <int64_t kDim>
-inline void store_row_bf16(const float* acc, float inv, c10::BFloat16* dst) {
+// acc (dimensions in unpack order) * inv -> dst (bfloat16 or float32) in dimension order.
+template <int64_t kDim, typename T>
+inline void store_row_bf16(const float* acc, float inv, T* dst) {
   // unpacklo holds dims 0-3, 8-11, 16-19, 24-27 of each 32; unpackhi dims 4-7, 12-15, 20-23, 28-31.
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
@@ -170,7 +170,9 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
 }
 
-template <typename T, int64_t kDim>
+// T: q and out (the model's dtype); KV: the caches' (T, or bfloat16 under float32 activations:
+// the query is then rounded to bfloat16 first, as the reference casts it to the cache dtype).
+template <typename T, typename KV, int64_t kDim>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_tables,
             double scale_d, at::Tensor& out) {
@@ -180,15 +182,15 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t q_tok_stride = q.stride(0), q_head_stride = q.stride(1);
   const int64_t num_seqs = seq_lens.size(0), table_stride = block_tables.stride(0);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const KV* kp = k_cache.data_ptr<KV>();
+  const KV* vp = v_cache.data_ptr<KV>();
   T* op = out.data_ptr<T>();
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const float scale = static_cast<float>(scale_d);
 #ifdef RS_BF16_DOT
-  constexpr bool kNativeBf16 = std::is_same_v<T, c10::BFloat16> && kDim > 0 && kDim % 32 == 0;
+  constexpr bool kNativeBf16 = std::is_same_v<KV, c10::BFloat16> && kDim > 0 && kDim % 32 == 0;
 #else
   constexpr bool kNativeBf16 = false;
 #endif
@@ -211,7 +213,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     std::vector<float> qf(max_rows * head_dim), acc(max_rows * head_dim), m(max_rows), l(max_rows);
     std::vector<float> kbuf(block_elems), vbuf(block_elems);
     std::vector<int64_t> visible(max_rows);
-    std::vector<const T*> qrow(max_rows);
+    std::vector<const KV*> qrow(max_rows);
+    std::vector<KV> qcast(std::is_same_v<T, KV> ? 0 : max_rows * head_dim);  // q rounded to the cache dtype
     for (int64_t it = begin; it < end; ++it) {
       const Item& item = items[it];
       const int64_t first_pos = lens[item.seq] - (qsl[item.seq + 1] - qsl[item.seq]);  // the chunk's first token
@@ -221,9 +224,14 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = (t - item.tok_lo) * group + g;
           const T* src = qp + t * q_tok_stride + (item.kv_head * group + g) * q_head_stride;
-          qrow[r] = src;
+          if constexpr (std::is_same_v<T, KV>) {
+            qrow[r] = src;
+          } else {
+            for (int64_t d = 0; d < head_dim; ++d) qcast[r * head_dim + d] = from_f<KV>(to_f(src[d]));
+            qrow[r] = qcast.data() + r * head_dim;
+          }
           if (!kNativeBf16)
-            for (int64_t d = 0; d < head_dim; ++d) qf[r * head_dim + d] = to_f(src[d]) * scale;
+            for (int64_t d = 0; d < head_dim; ++d) qf[r * head_dim + d] = to_f(qrow[r][d]) * scale;
           visible[r] = first_pos + (t - qsl[item.seq]) + 1;  // keys 0 .. own position
           m[r] = -std::numeric_limits<float>::infinity();
           l[r] = 0.0f;
@@ -239,8 +247,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         if (b + 1 < nblocks && table[b + 1] >= 0 && table[b + 1] < num_blocks) {
           // The blocks are scattered: start loading the next one while this one is computed.
           const int64_t next = (static_cast<int64_t>(table[b + 1]) * num_kv_heads + item.kv_head) * block_elems;
-          prefetch(kp + next, block_elems * sizeof(T));
-          prefetch(vp + next, block_elems * sizeof(T));
+          prefetch(kp + next, block_elems * sizeof(KV));
+          prefetch(vp + next, block_elems * sizeof(KV));
         }
         const int64_t in_block = std::min(block_size, max_visible - b * block_size);
 #ifdef RS_BF16_DOT
@@ -290,20 +298,26 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      const at::Tensor& block_tables, double scale, at::Tensor out) {
-  RS_DISPATCH(q.scalar_type(), "paged_attention", [&] {
+  const auto run = [&](auto q_type, auto kv_type) {
+    using T = decltype(q_type);
+    using KV = decltype(kv_type);
     // Common head sizes get a compile-time loop bound (fully unrolled); others the general loop.
     switch (q.size(2)) {
-      case 64: return attend<scalar_t, 64>(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out);
-      case 128: return attend<scalar_t, 128>(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out);
-      case 32: return attend<scalar_t, 32>(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out);
-      default: return attend<scalar_t, 0>(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out);
+      case 64: return attend<T, KV, 64>(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out);
+      case 128: return attend<T, KV, 128>(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out);
+      case 32: return attend<T, KV, 32>(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out);
+      default: return attend<T, KV, 0>(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out);
     }
-  });
+  };
+  if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16) return run(float{}, c10::BFloat16{});
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "paged_attention: q ", q.scalar_type(), " over a ",
+              k_cache.scalar_type(), " cache (float32 over bfloat16 is the one mixed pair)");
+  RS_DISPATCH(q.scalar_type(), "paged_attention", [&] { return run(scalar_t{}, scalar_t{}); });
 }
 
 namespace {
 
-template <typename T>
+template <typename T, typename KV>
 void write(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
            const at::Tensor& slot_mapping) {
   const int64_t tokens = k.size(0), kv_heads = k.size(1), head_dim = k.size(2);
@@ -311,8 +325,8 @@ void write(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Te
   const int64_t* sm = slot_mapping.data_ptr<int64_t>();
   const T* ks = k.data_ptr<T>();
   const T* vs = v.data_ptr<T>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  KV* kc = k_cache.data_ptr<KV>();
+  KV* vc = v_cache.data_ptr<KV>();
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t slot = sm[t];
     if (slot < 0) continue;  // padding: nothing to store
@@ -320,8 +334,17 @@ void write(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Te
     const int64_t block = slot / block_size, offset = slot % block_size;
     for (int64_t h = 0; h < kv_heads; ++h) {
       const int64_t dst = ((block * kv_heads + h) * block_size + offset) * head_dim;
-      std::memcpy(kc + dst, ks + t * k.stride(0) + h * k.stride(1), head_dim * sizeof(T));
-      std::memcpy(vc + dst, vs + t * v.stride(0) + h * v.stride(1), head_dim * sizeof(T));
+      const T* kr = ks + t * k.stride(0) + h * k.stride(1);
+      const T* vr = vs + t * v.stride(0) + h * v.stride(1);
+      if constexpr (std::is_same_v<T, KV>) {
+        std::memcpy(kc + dst, kr, head_dim * sizeof(T));
+        std::memcpy(vc + dst, vr, head_dim * sizeof(T));
+      } else {  // rounded to the cache dtype as the reference's .to(cache dtype) does (nearest even)
+        for (int64_t d = 0; d < head_dim; ++d) {
+          kc[dst + d] = from_f<KV>(to_f(kr[d]));
+          vc[dst + d] = from_f<KV>(to_f(vr[d]));
+        }
+      }
     }
   }
 }
@@ -331,7 +354,11 @@ void write(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Te
 // k, v [T, KVH, D] (head_dim contiguous); caches [NB, KVH, BS, D] contiguous; slot -1 is skipped.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping) {
-  RS_DISPATCH(k.scalar_type(), "write_kv", [&] { write<scalar_t>(k, v, k_cache, v_cache, slot_mapping); });
+  if (k.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)
+    return write<float, c10::BFloat16>(k, v, k_cache, v_cache, slot_mapping);
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type(), "write_kv: keys ", k.scalar_type(), " into a ",
+              k_cache.scalar_type(), " cache (float32 into bfloat16 is the one mixed pair)");
+  RS_DISPATCH(k.scalar_type(), "write_kv", [&] { write<scalar_t, scalar_t>(k, v, k_cache, v_cache, slot_mapping); });
 }
 
 TORCH_LIBRARY_FRAGMENT(ringserve_cpu, m) {

@@ -49,6 +49,20 @@ def test_bfloat16_matches_dense_and_the_reference(head_dim):
     assert (paged - dense).abs().max() <= (ref - dense).abs().max() + 1e-2
 
 
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_float32_queries_over_a_bfloat16_cache(head_dim):
+    """`--kv-cache-dtype bfloat16` under a float32 model: the dense answer to bfloat16 precision,
+    as close as the reference over the same cache, and the same bits alone and in a batch."""
+    spec = _spec(random.Random(head_dim + 1))
+    kw = dict(dtype=torch.bfloat16, q_dtype=torch.float32)
+    paged, dense = run_case(spec, 9, 3, head_dim, 128, random.Random(2), attention=_cpu_attention, **kw)
+    ref, _ = run_case(spec, 9, 3, head_dim, 128, random.Random(2), **kw)
+    torch.testing.assert_close(paged, dense, atol=3e-2, rtol=3e-2)
+    assert (paged - dense).abs().max() <= (ref - dense).abs().max() + 1e-2
+    alone, _ = run_case(spec[:1], 9, 3, head_dim, 128, random.Random(2), attention=_cpu_attention, **kw)
+    assert torch.equal(alone, paged[: alone.shape[0]])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nan_in_unwritten_slots_never_reaches_the_output(dtype):
     """Unwritten slots full of NaN (block tails the kernel reads in whole 16-key chunks) are masked."""
@@ -109,6 +123,20 @@ def test_write_kv_equals_the_reference_and_skips_padding(dtype):
     before = ours.k_all.clone()
     cpu_backend.write_kv(k[:2] + 1, v[:2] + 1, ours.k[0], ours.v[0], torch.tensor([-1, -1]))
     assert torch.equal(ours.k_all, before)
+
+
+def test_write_kv_rounds_float32_keys_into_a_bfloat16_cache_as_the_reference():
+    from ringserve.gpu_proc.attention import cpu_backend
+
+    gen = torch.Generator().manual_seed(2)
+    k, v = torch.randn(20, 3, 64, generator=gen), torch.randn(20, 3, 64, generator=gen)
+    slots = torch.randperm(8 * BS, generator=gen)[:20]
+    ours, ref = KVPool(1, 8, 3, 64, dtype=torch.bfloat16), KVPool(1, 8, 3, 64, dtype=torch.bfloat16)
+    cpu_backend.write_kv(k, v, ours.k[0], ours.v[0], slots)
+    reference.write_kv(k, v, ref.k[0], ref.v[0], slots)
+    assert torch.equal(ours.k_all, ref.k_all) and torch.equal(ours.v_all, ref.v_all)
+    with pytest.raises(ValueError, match="differs from the cache"):
+        cpu_backend.write_kv(k.bfloat16(), v.bfloat16(), KVPool(1, 8, 3, 64).k[0], KVPool(1, 8, 3, 64).v[0], slots)
 
 
 def test_write_kv_takes_views_into_a_fused_projection():

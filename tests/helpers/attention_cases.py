@@ -37,11 +37,13 @@ def run_case(
     dtype=torch.float32,
     fill=0.0,
     attention=paged_attention,
+    q_dtype=None,
 ):
     """Build sequences (cached, new) with random block tables, write their K/V through write_kv, and
     return (paged output, dense output). With shared_prefix > 0, every sequence reuses the first
     sequence's first `shared_prefix` blocks (and their contents), as n samples of one prompt do.
-    Slots never written hold `fill`; `attention` is the function under test."""
+    Slots never written hold `fill`; `attention` is the function under test; `q_dtype` (default
+    `dtype`): the query's and the new keys' dtype, over a cache of `dtype`."""
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     pool = KVPool(1, num_blocks, num_kv_heads, head_dim, dtype=dtype)
     pool.k_all.fill_(fill)
@@ -79,6 +81,6 @@ def run_case(
     new_v = torch.cat([v[s.start_pos :] for v, s in zip(full_v, steps)])
     write_kv(new_k, new_v, pool.k[0], pool.v[0], inputs.meta.slot_mapping)
     scale = head_dim**-0.5
-    paged = attention(torch.cat(qs).to(dtype), pool.k[0], pool.v[0], inputs.meta, scale).float()
+    paged = attention(torch.cat(qs).to(q_dtype or dtype), pool.k[0], pool.v[0], inputs.meta, scale).float()
     dense = torch.cat([dense_attention(q, k, v, scale, s.start_pos) for q, k, v, s in zip(qs, full_k, full_v, steps)])
     return paged, dense
