@@ -45,6 +45,12 @@ def kernel_names(formats: Iterable[str], dtype: torch.dtype) -> list[str]:
     return names
 
 
+def _rows_readable(x: torch.Tensor) -> bool:
+    """x's rows as the GEMV reads them: contiguous, 16-byte aligned, a multiple of 8 elements apart
+    (one row: its stride is never read)."""
+    return x.stride(1) == 1 and x.data_ptr() % 16 == 0 and (x.shape[0] < 2 or x.stride(0) % 8 == 0)
+
+
 def _check_blocks(blocks: torch.Tensor) -> str:
     fmt = format_of(blocks)  # raises on anything but uint8 [N, K/32, block bytes]
     if not blocks.is_contiguous():
@@ -82,7 +88,7 @@ class QuantKernels:
             raise ValueError(f"x: expected [T, {nb * BLOCK}] for blocks {tuple(blocks.shape)}, got {tuple(x.shape)}")
         if x.device != device:
             raise ValueError(f"x: on {x.device}, the blocks on {device}")
-        if x.shape[0] and (x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16):
+        if x.shape[0] and not _rows_readable(x):
             raise ValueError("x: rows must be contiguous, 16-byte aligned, a multiple of 8 elements apart")
         if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
             raise ValueError(f"bias: expected contiguous {x.dtype} [{n}], got {bias.dtype} {tuple(bias.shape)}")
@@ -158,8 +164,8 @@ class QuantKernels:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] <= GEMV_MAX_ROWS:
-            if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
-                x2 = x2.contiguous()
+            if x2.shape[0] and not _rows_readable(x2):
+                x2 = x2.clone(memory_format=torch.contiguous_format)  # a fresh, aligned copy
             y = self.gemv(x2, blocks, bias)
         else:
             y = F.linear(x2, self.dequantize(blocks, x.dtype, out=scratch), bias)
@@ -230,9 +236,12 @@ def serve_on_device(model, kernels: QuantKernels) -> list[torch.Tensor]:
     every layer's prefill dequantization. Empties `model.quantized`; returns the device blocks."""
     device, dtype = model.device, model.dtype
     blocks = {name: b.to(device) for name, b in model.quantized.items()}
-    largest = max((b.shape[0] * b.shape[1] * BLOCK for b in blocks.values()), default=0)
-    scratch = torch.empty(largest, dtype=dtype, device=device)
     embed = blocks.pop("model.embed_tokens.weight", None)
+    tied_head = embed is not None and model.args.tie_word_embeddings and "lm_head.weight" not in blocks
+    linears = list(blocks.values()) + ([embed] if tied_head else [])  # the embedding gathers its own rows
+    scratch = torch.empty(
+        max((b.shape[0] * b.shape[1] * BLOCK for b in linears), default=0), dtype=dtype, device=device
+    )
     for name, b in blocks.items():
         path = name.removesuffix(".weight")
         parent, _, leaf = path.rpartition(".")
@@ -241,7 +250,7 @@ def serve_on_device(model, kernels: QuantKernels) -> list[torch.Tensor]:
         setattr(model.get_submodule(parent) if parent else model, leaf, CudaQuantLinear(kernels, b, bias, scratch))
     if embed is not None:
         model.model.embed_tokens = CudaQuantEmbedding(kernels, embed, dtype)
-        if model.args.tie_word_embeddings and "lm_head.weight" not in blocks:
+        if tied_head:
             model.lm_head = CudaQuantLinear(kernels, embed, None, scratch)
         blocks["model.embed_tokens.weight"] = embed
     for b in blocks.values():
@@ -253,11 +262,18 @@ def serve_on_device(model, kernels: QuantKernels) -> list[torch.Tensor]:
 
 def dequantize_on_device(model) -> None:
     """The reverse of `serve_on_device` (a failed kernel check, a reference setup): every
-    quantized module back to its float layer, dequantized by the torch spec on the device."""
+    quantized module back to its float layer, dequantized by the torch spec on the CPU (its int32
+    intermediates would take several times the weight's size in device memory) and copied over;
+    a tied head gets the embedding's weight from `tie_weights`."""
+    tied = model.args.tie_word_embeddings
     for path, module in list(model.named_modules()):
         if not isinstance(module, (CudaQuantLinear, CudaQuantEmbedding)):
             continue
-        weight = nn.Parameter(dequantize(module.blocks).to(model.dtype), requires_grad=False)
+        if tied and path == "lm_head":
+            model.lm_head = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
+            continue
+        values = dequantize(module.blocks.cpu()).to(model.dtype).to(model.device)
+        weight = nn.Parameter(values, requires_grad=False)
         if isinstance(module, CudaQuantEmbedding):
             replacement: nn.Module = nn.Embedding(weight.shape[0], weight.shape[1], device="meta")
         else:
@@ -269,7 +285,7 @@ def dequantize_on_device(model) -> None:
         replacement.weight = weight
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, replacement)
-    if model.args.tie_word_embeddings:
+    if tied:
         model.tie_weights()
     model.quantized_formats = {}
 

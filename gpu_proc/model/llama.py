@@ -323,10 +323,13 @@ class Llama(nn.Module):
         self.backend = backend or get_backend(device, self.dtype, cpu_kernels=cpu_kernels)
         # The fused forward runs oneDNN-packed matmuls: only where oneDNN packs this dtype here.
         fused = self.backend.name == "cpu" and cpu_ops.packs(self.dtype)
-        if quant_kernels is None and device.type == "cuda" and self.backend.name.startswith("cupy"):
-            from ..quant_cuda import default_kernels
+        if quant_kernels is None and self.backend.name != "reference":
+            if self.quant_kernels is not None:  # a second setup (the checked backend) keeps them
+                quant_kernels = self.quant_kernels
+            elif device.type == "cuda" and self.backend.name.startswith("cupy"):
+                from ..quant_cuda import default_kernels
 
-            quant_kernels = default_kernels()
+                quant_kernels = default_kernels()
         if not fused:  # the fused CPU forward reads repacked blocks; the CUDA kernels the blocks as stored
             self._dequantize_served()
             if quant_kernels is not None and self.quantized:

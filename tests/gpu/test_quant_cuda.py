@@ -81,7 +81,9 @@ def test_a_quantized_model_is_served_from_its_blocks_on_cuda(q41_dir):
     lq, lr = loglikelihood(q, ids), loglikelihood(ref, ids)
     assert abs(lq - lr) <= 0.01 * abs(lr), (lq, lr)
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
-    reqs = [OfflineRequest(prompt_ids=list(range(5, 5 + n)), max_tokens=16, sampling=greedy) for n in (1, 17, 60)]
+    # 24 prompt tokens in all: every step stays on the GEMV (above 32 rows cuBLAS picks its kernel
+    # by shape, as for float weights, and a row's bits may differ between step sizes)
+    reqs = [OfflineRequest(prompt_ids=list(range(5, 5 + n)), max_tokens=16, sampling=greedy) for n in (1, 9, 14)]
     together = [r.token_ids for r in generate(q, reqs, eos_token_ids=frozenset())]
     for r, want in zip(reqs, together):
         assert generate(q, [r], eos_token_ids=frozenset())[0].token_ids == want

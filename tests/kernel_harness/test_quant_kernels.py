@@ -121,3 +121,18 @@ def test_launcher_rejects_bad_arguments():
         k.gemv(torch.randn(2, 64), blocks[..., :30])
     with pytest.raises(TypeError, match="dtype"):
         k.gemv(torch.randn(2, 64, dtype=torch.float64), blocks)
+
+
+def test_linear_copies_rows_the_gemv_cannot_read():
+    """A contiguous view 4 bytes off alignment is copied (not refused mid-step); one row of any
+    stride is read as it is."""
+    gen = torch.Generator().manual_seed(9)
+    blocks = random_blocks("Q4_0", 8, 64, gen)
+    x = torch.randn(3 * 64 + 1, generator=gen)[1:].view(3, 64)
+    assert x.is_contiguous() and x.data_ptr() % 16
+    k = QuantKernels(HarnessExecutor())
+    assert_gemv_close(k.linear(x, blocks), gemv_oracle(x, blocks, None), torch.float32, "unaligned rows")
+    one = torch.randn(1, 72, generator=gen)[:, :64]
+    assert_gemv_close(
+        k.gemv(one.as_strided((1, 64), (3, 1)), blocks), gemv_oracle(one, blocks, None), torch.float32, "one row"
+    )

@@ -68,3 +68,31 @@ def test_the_check_passes_the_kernels_and_a_reference_setup_dequantizes(q41_dir)
     assert not any(isinstance(m, (CudaQuantLinear, CudaQuantEmbedding)) for m in q.model.modules())
     assert q.model.weights_served()["quantization"] == "none"
     assert abs(loglikelihood(q, ids) - before) <= 1e-3 * abs(before)
+
+
+class _OffByOne(QuantKernels):
+    """A GEMV one unit off: what the start-up check must catch."""
+
+    def gemv(self, x, blocks, bias=None):
+        return super().gemv(x, blocks, bias) + 1
+
+
+def test_a_failed_start_up_check_serves_the_weights_dequantized(q41_dir):
+    from ringserve.gpu_proc.attention.self_check import KernelCheckFatal
+    from ringserve.gpu_proc.quant_cuda import verify_model
+
+    ok = _runner(q41_dir, QuantKernels(HarnessExecutor()))
+    assert verify_model(ok.model, torch.device("cpu"), require=False) == {
+        "served": "kernels",
+        "formats": ["Q4_1"],
+        "failures": [],
+    }
+    bad = _runner(q41_dir, _OffByOne(HarnessExecutor()))
+    with pytest.raises(KernelCheckFatal, match="quant Q4_1"):
+        verify_model(bad.model, torch.device("cpu"), require=True)
+    facts = verify_model(bad.model, torch.device("cpu"), require=False)
+    assert facts["served"] == "dequantized" and facts["failures"][0]["op"] == "quant Q4_1"
+    assert not any(isinstance(m, (CudaQuantLinear, CudaQuantEmbedding)) for m in bad.model.modules())
+    assert bad.model.weights_served()["quantization"] == "none" and not bad.model.device_blocks
+    ids = list(range(3, 60, 2))
+    assert abs(loglikelihood(bad, ids) - loglikelihood(ok, ids)) <= 1e-3 * abs(loglikelihood(ok, ids))
