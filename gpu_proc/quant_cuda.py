@@ -270,7 +270,7 @@ def dequantize_on_device(model) -> None:
         if not isinstance(module, (CudaQuantLinear, CudaQuantEmbedding)):
             continue
         if tied and path == "lm_head":
-            model.lm_head = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
+            model.lm_head = nn.Linear(model.args.hidden_size, model.args.vocab_size, bias=False, device="meta")
             continue
         values = dequantize(module.blocks.cpu()).to(model.dtype).to(model.device)
         weight = nn.Parameter(values, requires_grad=False)
