@@ -42,7 +42,8 @@ class Config:
     quantization: str = "auto"
     # The KV cache's dtype: auto = the model's; bfloat16 under a float32 model on the CPU halves the
     # cache's bytes and what a decode step's attention reads (keys, values and the query rounded to
-    # bfloat16, softmax and P.V in float32; docs/BENCHMARKS.md#kv-cache-dtype).
+    # bfloat16, softmax and P.V in float32). Opt-in: no served gain measured on the 2-core box
+    # (docs/BENCHMARKS.md, "A bfloat16 KV cache under float32 weights").
     kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     # torch threads of the GPU process when it computes on the CPU: the API workers share the
