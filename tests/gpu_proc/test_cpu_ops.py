@@ -171,17 +171,18 @@ def test_argmax_rows_is_torch_argmax_with_ties_and_nan(vocab):
 
 
 def test_block_checks_its_inputs_before_the_kernels_run(tiny_model_dir):
-    """A block call with a cache of another dtype, or too few positions, is a ValueError."""
+    """A block call with a cache the kernels cannot read (float16: only float32 or bfloat16, and
+    float32 activations over a bfloat16 cache), or too few positions, is a ValueError."""
     from ringserve.gpu_proc.step_inputs import build_step_inputs
 
     model = load_model(tiny_model_dir)
     a = model.args
     inputs = build_step_inputs(_steps()[0], 16, torch.device("cpu"))
-    pool = KVPool(a.num_layers, 8, a.num_kv_heads, a.head_dim, dtype=torch.bfloat16)
+    pool = KVPool(a.num_layers, 8, a.num_kv_heads, a.head_dim, dtype=torch.float16)
     x = model.model.embed_tokens(inputs.input_ids)
     meta = inputs.meta
     step = (meta.positions, model.rope_cos, model.rope_sin, meta.slot_mapping, pool.k[0], pool.v[0], meta)
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU caches, got torch.float16"):
         cpu_ops.block(x, None, model.block_weights[0], step)
     pool = KVPool(a.num_layers, 8, a.num_kv_heads, a.head_dim)
     step = (meta.positions[:3], model.rope_cos, model.rope_sin, meta.slot_mapping, pool.k[0], pool.v[0], meta)

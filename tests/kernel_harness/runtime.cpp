@@ -101,6 +101,7 @@ uint64_t g_ready[kMaxThreads / 64];  // bit i: thread i is Ready (kept in step w
 int g_nkernels = 0;
 Thread g_threads[kMaxThreads];
 char* g_stack_area = nullptr;
+int g_stack_count = 0;
 Launch g_launch;
 sigjmp_buf g_fault_jmp;
 char* g_altstack = nullptr;
@@ -198,23 +199,33 @@ void init_thread(int i) {
     t->done_mask = 0;
 }
 
-bool ensure_stacks(int n) {
-    if (g_stack_area == nullptr) {
-        const size_t per = kStackBytes + kPage;  // a guard page below each stack
-        void* area = mmap(nullptr, per * kMaxThreads, PROT_READ | PROT_WRITE,
-                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (area == MAP_FAILED) {
-            return false;
-        }
-        g_stack_area = static_cast<char*>(area);
-        for (int i = 0; i < kMaxThreads; ++i) {
-            char* lo = g_stack_area + per * i;
-            mprotect(lo, kPage, PROT_NONE);
-            g_threads[i].stack_lo = lo + kPage;
-            g_threads[i].stack_hi = lo + per;
-        }
+// Stacks for one launch's n threads, unmapped again when it ends: each guard page splits the
+// mapping, so a kept area would hold 2 * kMaxThreads of the process's ~65k memory maps per loaded
+// library, and a test session loads hundreds of libraries (every planted bug is one).
+bool map_stacks(int n) {
+    if (n > kMaxThreads) {
+        return false;
     }
-    return n <= kMaxThreads;
+    const size_t per = kStackBytes + kPage;  // a guard page below each stack
+    void* area = mmap(nullptr, per * n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (area == MAP_FAILED) {
+        return false;
+    }
+    g_stack_area = static_cast<char*>(area);
+    g_stack_count = n;
+    for (int i = 0; i < n; ++i) {
+        char* lo = g_stack_area + per * i;
+        mprotect(lo, kPage, PROT_NONE);
+        g_threads[i].stack_lo = lo + kPage;
+        g_threads[i].stack_hi = lo + per;
+    }
+    return true;
+}
+
+void unmap_stacks() {
+    munmap(g_stack_area, (kStackBytes + kPage) * g_stack_count);
+    g_stack_area = nullptr;
+    g_stack_count = 0;
 }
 
 int append_range(char* out, size_t cap, int lo, int hi) {
@@ -352,7 +363,7 @@ const char* describe_address(const void* addr, char* out, size_t cap) {
     if (describe_buffer_address(a, out, cap)) {
         return out;
     }
-    for (int i = 0; i < kMaxThreads && g_stack_area; ++i) {
+    for (int i = 0; i < g_stack_count; ++i) {
         if (a >= g_threads[i].stack_lo - kPage && a < g_threads[i].stack_lo) {
             snprintf(out, cap, "the guard page of thread %d's stack (stack overflow)", i);
             return out;
@@ -537,8 +548,8 @@ extern "C" size_t rs_shared_window_bytes() { return static_cast<size_t>(__rs_sha
 extern "C" int rs_launch(int k, const unsigned* grid, const unsigned* block, void* const* params, int order,
                          uint64_t seed, char* err, size_t errlen) {
     const int nthreads = static_cast<int>(block[0] * block[1] * block[2]);
-    if (k < 0 || k >= g_nkernels || nthreads <= 0 || !ensure_stacks(nthreads)) {
-        snprintf(err, errlen, "bad launch: kernel %d, %d threads per block (at most %d)", k, nthreads, kMaxThreads);
+    if (k < 0 || k >= g_nkernels || nthreads <= 0 || !map_stacks(nthreads)) {
+        snprintf(err, errlen, "bad launch: kernel %d, %d threads per block (at most %d, each with a mapped stack)", k, nthreads, kMaxThreads);
         return -1;
     }
     g_launch = Launch{};
@@ -593,6 +604,7 @@ extern "C" int rs_launch(int k, const unsigned* grid, const unsigned* block, voi
         ok = false;
     }
     g_cur = nullptr;
+    unmap_stacks();
     sigaction(SIGSEGV, &old_segv, nullptr);
     sigaction(SIGBUS, &old_bus, nullptr);
     if (!ok) {

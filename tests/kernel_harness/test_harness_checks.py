@@ -245,3 +245,19 @@ def test_two_builds_keep_their_own_shared_memory():
         assert out.isnan().all()  # each window is NaN-filled before its block: no stale sums
         _run(module, "ok_reduce", (1,), (128,), (x, out))
         assert out.item() == x.sum().item()
+
+
+def _memory_maps() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(1 for _ in maps)
+
+
+def test_a_launch_leaves_no_memory_maps_behind():
+    """Each thread stack's guard page splits a mapping; kept per library, a session's hundreds of
+    builds ran out of the kernel's ~65k maps (vm.max_map_count) and every later mmap failed."""
+    module = load(SOURCE + "\n// a build of its own, launched for the first time here\n", NAMES)
+    before = _memory_maps()
+    for _ in range(3):
+        x, out = torch.arange(128, dtype=torch.float32), torch.zeros(1)
+        _run(module, "ok_reduce", (1,), (128,), (x, out))
+    assert _memory_maps() - before < 64
