@@ -297,14 +297,22 @@ def _model_card(st: ApiState) -> dict:
     }
 
 
+def _adapter_card(st: ApiState, name: str) -> dict:
+    """A LoRA adapter as vLLM lists one: its own id, the base model as `parent` (not its path)."""
+    return {**_model_card(st), "id": name, "root": name, "parent": st.model_name}
+
+
 async def _handle_models(request: web.Request) -> web.Response:
-    return _json({"object": "list", "data": [_model_card(request.app[STATE])]})
+    st = request.app[STATE]
+    return _json({"object": "list", "data": [_model_card(st), *(_adapter_card(st, n) for n in st.config.loras)]})
 
 
 async def _handle_model(request: web.Request) -> web.Response:
-    """`GET /v1/models/{id}`: the model by its id or by the path it was served from."""
+    """`GET /v1/models/{id}`: the model by its id or by the path it was served from, or an adapter."""
     st = request.app[STATE]
     model_id = request.match_info["model_id"]
+    if model_id in st.config.loras:
+        return _json(_adapter_card(st, model_id))
     # NOTE: an absolute path as the id arrives as /v1/models//abs/path, or with one slash.
     if model_id != st.model_name and model_id not in st.model_aliases and "/" + model_id not in st.model_aliases:
         raise ApiError(
@@ -340,7 +348,7 @@ async def _handle_ready(request: web.Request) -> web.Response:
 async def _handle_metrics(request: web.Request) -> web.Response:
     st = request.app[STATE]
     st.status.publish(st.stats)  # this worker's own numbers as of now; the others' lag <= one period
-    body = render(st.snapshot(), st.model_name)
+    body = render(st.snapshot(), st.model_name, tuple(st.config.loras), st.config.max_loras)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -13,6 +13,7 @@ bucket) are rendered as `ringserve_<base>_by_prompt_len_seconds{prompt_len="<lab
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -58,15 +59,21 @@ _HIST_HELP = {
 }
 
 
+_LORA_STATS = ("lora_running_", "lora_waiting_")
+
+
 class _SnapshotCollector:
-    def __init__(self, snap: StatsSnapshot, model_name: str) -> None:
+    def __init__(self, snap: StatsSnapshot, model_name: str, loras: Sequence[str] = (), max_lora: int = 0) -> None:
         self.snap = snap
         self.model_name = model_name
+        self.loras, self.max_lora = loras, max_lora
 
     def collect(self) -> Iterator[Metric]:
         gpu = self.snap.gpu
         labelled: dict[str, list[S.GpuStat]] = {}
         for stat in S.GPU_STATS:
+            if stat.name.startswith(_LORA_STATS):
+                continue  # by adapter name, below (`_loras`)
             if stat.label is not None:
                 labelled.setdefault(stat.metric, []).append(stat)
                 continue
@@ -91,7 +98,19 @@ class _SnapshotCollector:
         yield finished
         yield from _histograms(workers)
         yield from self._attention()
+        yield from self._loras(gpu)
         yield from self._gateway(gpu)
+
+    def _loras(self, gpu: Mapping[str, float]) -> Iterator[Metric]:
+        """Rows running and requests waiting per LoRA adapter, by name (id - 1 is its index)."""
+        for prefix, metric, doc in (
+            ("lora_running", "ringserve_lora_running_rows", "Rows running the LoRA adapter."),
+            ("lora_waiting", "ringserve_lora_waiting_requests", "Requests for the LoRA adapter waiting for a row."),
+        ):
+            family = GaugeMetricFamily(metric, doc, labels=["lora_name"])
+            for i, name in enumerate(self.loras):
+                family.add_metric([name], float(gpu.get(f"{prefix}_{i}", 0.0)))
+            yield family
 
     def _attention(self) -> Iterator[Metric]:
         """Which backend serves each attention op (the start-up kernel check's outcome)."""
@@ -157,15 +176,20 @@ class _SnapshotCollector:
         )
         info.add_metric([model, str(int(self.snap.block_size)), str(int(gpu.get("kv_blocks_total", 0.0)))], 1.0)
         yield info
-        # NOTE: the endpoint picker's scrape fails without the LoRA family. No adapter is ever
-        # loaded, so its one series says so (`max_lora="0"`, none running or waiting), valued, as
-        # the protocol asks, at the Unix time that state was last updated: the server's start.
+        # NOTE: the endpoint picker's scrape fails without the LoRA family. Its one series names
+        # the adapters with rows running and those with requests waiting (comma-separated, as
+        # vLLM writes them; the gateway's LoRA-affinity scorer reads both and max_lora), valued,
+        # as the protocol asks, at the Unix time of that state: this scrape's (the server's start
+        # when no adapter is served, max_lora "0").
         lora = GaugeMetricFamily(
             "vllm:lora_requests_info",
-            "LoRA adapters: none are served (max_lora 0).",
+            "LoRA adapters running and waiting, and how many can be resident at once (max_lora).",
             labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
-        lora.add_metric([model, "0", "", ""], self.snap.started_at)
+        running = [n for i, n in enumerate(self.loras) if gpu.get(f"lora_running_{i}", 0.0) > 0]
+        waiting = [n for i, n in enumerate(self.loras) if gpu.get(f"lora_waiting_{i}", 0.0) > 0]
+        when = time.time() if self.loras else self.snap.started_at
+        lora.add_metric([model, str(self.max_lora if self.loras else 0), ",".join(running), ",".join(waiting)], when)
         yield lora
 
 
@@ -225,10 +249,11 @@ def _buckets(stats: Mapping[str, float], hist: S.Histogram) -> tuple[list[tuple[
     return list(zip(bounds, hist.cumulative(stats))), stats.get(f"{hist.name}_sum", 0.0) / 1000.0
 
 
-def render(snap: StatsSnapshot, model_name: str = "") -> bytes:
-    """The Prometheus text exposition of `snap`; `model_name` labels the `vllm:` series."""
+def render(snap: StatsSnapshot, model_name: str = "", loras: Sequence[str] = (), max_lora: int = 0) -> bytes:
+    """The Prometheus text exposition of `snap`; `model_name` labels the `vllm:` series; `loras`
+    names the served adapters in `--lora-modules` order, `max_lora` of them resident at once."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SnapshotCollector(snap, model_name))
+    registry.register(_SnapshotCollector(snap, model_name, loras, max_lora))
     return generate_latest(registry)
 
 

@@ -204,16 +204,23 @@ def check_neutral(neutral: dict[str, tuple[bool, str]]) -> None:
             )
 
 
-def check_model(requested: str | None, served: str, aliases: frozenset[str] = frozenset()) -> None:
-    """A request naming another model is refused, as OpenAI does (404 model_not_found). The model
-    may be named by its id or by the path it was served from (vLLM's default id)."""
-    if requested is not None and requested != served and requested not in aliases:
-        raise ApiError(
-            404,
-            f"The model {quoted(requested)} does not exist; this server serves {served!r}.",
-            param="model",
-            code="model_not_found",
-        )
+def check_model(
+    requested: str | None, served: str, aliases: frozenset[str] = frozenset(), adapters: Iterable[str] = ()
+) -> str | None:
+    """The LoRA adapter a request's `model` names (one of `adapters`, `--lora-modules`), or None
+    for the base model. A request naming another model is refused, as OpenAI does (404
+    model_not_found). The base model may be named by its id or by the path it was served from
+    (vLLM's default id)."""
+    if requested is None or requested == served or requested in aliases:
+        return None
+    if requested in adapters:
+        return requested
+    raise ApiError(
+        404,
+        f"The model {quoted(requested)} does not exist; this server serves {served!r}.",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def token_ids(ids: list[int], param: str) -> tuple[int, ...]:

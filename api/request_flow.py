@@ -29,7 +29,16 @@ from ringserve.api.protocol import OutputOptions, SamplingFields, check_model, c
 from ringserve.api.registry import OpenRequest
 from ringserve.api.request_stream import Inbox, RequestStream
 from ringserve.api.sse import Encoder
-from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState, ignored_header, note_ignored
+from ringserve.api.state import (
+    LORA,
+    REQUEST_ID,
+    STATE,
+    TENANT,
+    ApiState,
+    ignored_header,
+    note_ignored,
+    served_model,
+)
 from ringserve.shm.messages import CancelReason, SamplingParams, Submit
 
 # Kernel send buffer of a streaming connection. Bounded (the kernel would autotune it to MBs) so a
@@ -127,7 +136,9 @@ async def read_request(request: web.Request, parse: Callable[..., Body]) -> tupl
         max_tokens_limit=st.config.max_tokens_limit,
         on_ignored=lambda names: note_ignored(request, names),
     )
-    check_model(req.model, st.model_name, st.model_aliases)
+    lora = check_model(req.model, st.model_name, st.model_aliases, st.config.loras)
+    if lora is not None:
+        request[LORA] = lora
     return st, req
 
 
@@ -179,6 +190,7 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
                     cache_salt=job.cache_salt,
                     prompt_logprobs=job.prompt_logprobs,
                     pooling=job.pooling,
+                    lora=request.get(LORA),
                 )
                 for stream, prompt, max_tokens in zip(streams, job.prompts, job.max_tokens)
             ],
@@ -202,7 +214,7 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
             pooled=job.pooling is not None,
         )
         if job.stream:
-            gen.encoder = output.encoder(request_id, st.model_name, int(arrival), job.include_usage)
+            gen.encoder = output.encoder(request_id, served_model(request, st), int(arrival), job.include_usage)
             return await _stream(request, st, entry, gen, output)
         return await _complete(request, st, entry, gen, output)
     except asyncio.CancelledError:
@@ -341,7 +353,7 @@ async def _complete(
     await _settle(st, entry, gen)
     if output.finished is not None:
         await output.finished(entry.request_id, gen)
-    body = output.body(entry.request_id, st.model_name, gen)
+    body = output.body(entry.request_id, served_model(request, st), gen)
     return web.Response(body=await _encode(body), content_type="application/json", headers=_headers(request, entry))
 
 

@@ -80,6 +80,14 @@ STATE: web.AppKey[ApiState] = web.AppKey("ringserve_api_state", ApiState)
 TENANT: web.RequestKey[str] = web.RequestKey("ringserve_tenant", str)
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("ringserve_request_id", str)
 IGNORED: web.RequestKey[tuple] = web.RequestKey("ringserve_ignored_fields", tuple)
+LORA: web.RequestKey[str] = web.RequestKey("ringserve_lora", str)  # the adapter a request's `model` names
+
+
+def served_model(request: web.Request, st: ApiState) -> str:
+    """The `model` a response names: the LoRA adapter the request runs, else the base model."""
+    return request.get(LORA) or st.model_name
+
+
 IGNORED_HEADER = "x-ringserve-ignored-fields"
 
 log = logging.getLogger("ringserve.api")

@@ -241,15 +241,23 @@ class BlockWeights:
 
 
 def block(
-    x: torch.Tensor, residual: torch.Tensor | None, weights: tuple, step: tuple, check: bool = True
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weights: tuple,
+    step: tuple,
+    check: bool = True,
+    lora: tuple[list[torch.Tensor], tuple[torch.Tensor, ...], tuple[int, ...]] = ([], (), ()),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One transformer block: returns (the block's output, the residual stream). `weights` is
-    `BlockWeights.args()`; `step` is (positions, cos, sin, slot_mapping, k_cache, v_cache, meta).
+    `BlockWeights.args()`; `step` is (positions, cos, sin, slot_mapping, k_cache, v_cache, meta);
+    `lora` the step's adapter rows in this block (`lora.LoraStep.args(layer)`, rows, slots).
     x (and residual) are overwritten. With `check`, every shape the kernels rely on is checked
     first, as the one-op launchers check theirs."""
     positions, cos, sin, slot_mapping, k_cache, v_cache, meta = step
     if check:
         _check_block(x, residual, weights, step)
+        if lora[0]:
+            _check_lora(x, weights, lora)
     return torch.ops.ringserve_cpu.block.default(
         x,
         residual,
@@ -263,7 +271,38 @@ def block(
         meta.query_start_loc,
         meta.seq_lens,
         meta.block_tables,
+        *lora,
     )
+
+
+def _check_lora(x: torch.Tensor, weights: tuple, lora: tuple) -> None:
+    """The adapters' stacked A / B fit the block's projections and x's dtype, and every row index
+    is in the step (`index_select` would raise mid-block otherwise)."""
+    tensors, rows, slots = lora
+    if len(tensors) != 8 or len(rows) != len(slots):
+        raise ValueError(
+            f"lora: expected A and B of 4 groups and one row list per slot, got {len(tensors)} / {len(rows)}"
+        )
+    hidden, num_heads, num_kv_heads, head_dim = x.shape[1], weights[11], weights[12], weights[13]
+    inter = tensors[6].shape[2] if tensors[6].dim() == 3 else -1  # down's A: [slots, R, intermediate]
+    ins = [hidden, num_heads * head_dim, hidden, inter]
+    outs = [(num_heads + 2 * num_kv_heads) * head_dim, hidden, 2 * inter, hidden]
+    for g in range(4):
+        a, b = tensors[2 * g], tensors[2 * g + 1]
+        if a.dtype != x.dtype or b.dtype != x.dtype or a.dim() != 3 or b.dim() != 3:
+            raise ValueError(
+                f"lora group {g}: A {a.dtype} {tuple(a.shape)} / B {b.dtype} {tuple(b.shape)} for x {x.dtype}"
+            )
+        if a.shape[2] != ins[g] or b.shape[1] != outs[g] or b.shape[2] != a.shape[1] or b.shape[0] != a.shape[0]:
+            raise ValueError(
+                f"lora group {g}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit {ins[g]} -> {outs[g]}"
+            )
+        if any(not 0 <= s < a.shape[0] for s in slots):
+            raise ValueError(f"lora: slots {slots} outside the {a.shape[0]} resident")
+    t = x.shape[0]
+    for r in rows:
+        if r.dtype != torch.int64 or r.dim() != 1 or (r.numel() and not 0 <= int(r.min()) <= int(r.max()) < t):
+            raise ValueError(f"lora rows: expected int64 token indices below {t}, got {r.dtype} {tuple(r.shape)}")
 
 
 def _check_block(x, residual, weights: tuple, step: tuple) -> None:

@@ -18,6 +18,7 @@ from ringserve.gpu_proc.grammar_compile import GPU_TIMEOUT_FACTOR
 from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.kv_sizing import GIB, device_memory, kv_block_bytes, memory_plan_lines, plan_for_model
 from ringserve.gpu_proc.logits_processors import ControlsState, row_settings
+from ringserve.gpu_proc.lora import AdapterError, LoraRegistry
 from ringserve.gpu_proc.model.loader import load_model, read_special_tokens
 from ringserve.gpu_proc.model_runner import ModelRunner
 from ringserve.gpu_proc.pooling import sums as pooled_sums
@@ -275,6 +276,28 @@ def choose_attention(config: Config, model, device: torch.device, kernels=None, 
     return facts
 
 
+def load_loras(config: Config, model, progress: Callable[[], None]) -> LoraRegistry | None:
+    """The `--lora-modules` adapters, loaded and checked against the model (None: none asked for).
+    A bad adapter fails the start, naming it: a missing adapter must not turn into 404s later."""
+    if not config.loras:
+        return None
+    registry = LoraRegistry(model.args, config.max_loras, config.max_lora_rank, model.device, model.dtype)
+    for name, path in config.loras.items():
+        try:
+            registry.load(name, path)
+        except AdapterError as exc:
+            raise AdapterError(f"--lora-modules {name}={path}: {exc}") from None
+        progress()
+    log.info(
+        "LoRA adapters: %s (%d resident slots of rank %d, %.1f MB)",
+        ", ".join(registry.ids),
+        config.max_loras,
+        config.max_lora_rank,
+        registry.slots.nbytes / 1e6,
+    )
+    return registry
+
+
 def build_executor(
     config: Config, model_dir: str | Path, progress: Callable[[], None] | None = None, kernels=None
 ) -> Executor:
@@ -310,7 +333,7 @@ def build_executor(
     progress()
     pool = KVPool(args.num_layers, num_blocks, args.num_kv_heads, args.head_dim, config.block_size, kv_dtype, device)
     progress()
-    runner = ModelRunner(model, pool)
+    runner = ModelRunner(model, pool, load_loras(config, model, progress))
     report = warm_up(runner, progress)
     served_by = model.backend.name if model.backend is not None else "none"
     # NOTE: the reference attention reads the step's lengths back to the host: not capturable.

@@ -130,9 +130,25 @@ class EngineLoop:
 
     def _submit(self, slot: int, msg: M.Submit) -> None:
         broken = submit_violation(msg, self.executor.vocab_size, self.executor.eos_token_ids)
+        lora = 0
+        if msg.lora is not None:
+            loras = getattr(self.executor.runner, "loras", None)
+            lora = loras.ids.get(msg.lora, 0) if loras is not None else 0
+            if not lora:  # the worker checked the name: an adapter unloaded meanwhile
+                self.outboxes[slot].send(
+                    M.Rejected(
+                        rid=msg.rid,
+                        status=404,
+                        code="model_not_found",
+                        message=f"The model {msg.lora!r} does not exist (no such LoRA adapter is loaded).",
+                    )
+                )
+                return
         if broken is None:
             try:
-                req = Request.from_submit(slot, msg, cache_per_tenant=not self.config.prefix_cache_across_tenants)
+                req = Request.from_submit(
+                    slot, msg, cache_per_tenant=not self.config.prefix_cache_across_tenants, lora=lora
+                )
             except ValueError as exc:
                 broken = Violation("prompt", str(exc))
         if broken is not None:

@@ -17,6 +17,7 @@ import torch
 
 from .host_tensor import host_tensor
 from .kv_pool import KVPool
+from .lora import LoraRegistry
 from .pooling import pooled_rows
 from .prompt_logprobs import logits_rows
 from .step import StepBatch
@@ -30,9 +31,10 @@ if TYPE_CHECKING:
 class ModelRunner:
     """Runs flat steps of `model` against `kv_pool` on the model's device."""
 
-    def __init__(self, model: torch.nn.Module, kv_pool: KVPool) -> None:
+    def __init__(self, model: torch.nn.Module, kv_pool: KVPool, loras: LoraRegistry | None = None) -> None:
         self.model = model
         self.kv_pool = kv_pool
+        self.loras = loras  # the LoRA adapters a row may run (`lora.py`); None: none served
         self.device = kv_pool.device
         self.block_size = kv_pool.block_size
         self.graphs: DecodeGraphs | None = None  # once captured (CUDA)
@@ -55,6 +57,10 @@ class ModelRunner:
     def prepare(self, batch: StepBatch) -> StepInputs:
         """Host work of a step: the flat index tensors, on the device."""
         inputs = build_step_inputs(batch, self.block_size, self.device)
+        if batch.loras:
+            if self.loras is None:
+                raise ValueError("a row runs a LoRA adapter, but this runner serves none")
+            inputs.lora = self.loras.step([s.lora for s in batch.seqs for _ in s.token_ids], self.device)
         if batch.scores_prompts:
             scored = host_tensor("q", logits_rows(batch)).to(self.device)
             inputs.logits_indices = torch.cat((inputs.logits_indices, scored))
@@ -71,7 +77,9 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Device work of a step: float32 logits `[R, vocab]` for the sampling rows."""
         self._check_positions(inputs)
-        return self.model(inputs.input_ids, inputs.meta, self.kv_pool, inputs.logits_indices)
+        if inputs.lora is None:
+            return self.model(inputs.input_ids, inputs.meta, self.kv_pool, inputs.logits_indices)
+        return self.model(inputs.input_ids, inputs.meta, self.kv_pool, inputs.logits_indices, inputs.lora)
 
     @torch.inference_mode()
     def execute_pooling(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,14 +92,14 @@ class ModelRunner:
         n = inputs.logits_indices.shape[0]
         indices = torch.cat((inputs.logits_indices, pooled))
         model = cast("Llama", self.model)
-        h = model.final_hidden(inputs.input_ids, inputs.meta, self.kv_pool, indices)
+        h = model.final_hidden(inputs.input_ids, inputs.meta, self.kv_pool, indices, inputs.lora)
         logits = model.head(h[:n]) if n else h.new_zeros((0, model.args.vocab_size), dtype=torch.float32)
         return logits, h[n:]
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run one step; logits `[R (+ P), vocab]` float32, rows in the order of
         `batch.sampling_seqs` (then the P scored prompt positions, when the step scores prompts)."""
-        if self.graphs is not None and not batch.scores_prompts:
+        if self.graphs is not None and not batch.scores_prompts and not batch.loras:
             size = self.graphs.size_for(batch)
             if size is not None:
                 return self.graphs.run(batch, size)

@@ -39,6 +39,7 @@ class OfflineRequest:
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
     logprobs: int | None = None
+    lora: str | None = None  # the adapter it runs (loaded in the runner's `loras`); None: the base model
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -99,6 +100,7 @@ def generate(
         queue_limit_s=1e9,  # offline: every request waits its turn, none is refused for load
         prefix_caching=False,
         speculative=speculative,
+        max_loras=runner.loras.max_loras if runner.loras is not None else DEFAULTS.max_loras,
     )
     vocab_size = int(getattr(runner.model, "args").vocab_size)  # noqa: B009 (a Module attribute)
     engine = Executor(runner, frozenset(eos_token_ids), vocab_size, num_blocks, runner.device, runner.kv_pool.dtype)
@@ -117,11 +119,17 @@ def generate(
             arrival_ts=0.0,
             deadline_ts=1e18,
             logprobs=r.logprobs,
+            lora=r.lora,
         )
         found = submit_violation(submit, vocab_size, eos_token_ids)
         if found is not None:
             raise ValueError(f"offline request {i}: {found.message}")
-        req = Request.from_submit(0, submit)
+        lora = 0
+        if r.lora is not None:
+            if runner.loras is None or r.lora not in runner.loras.ids:
+                raise ValueError(f"offline request {i}: no LoRA adapter {r.lora!r} is loaded")
+            lora = runner.loras.ids[r.lora]
+        req = Request.from_submit(0, submit, lora=lora)
         decision = sched.admit(req)
         if not decision.accepted:
             raise RuntimeError(f"offline request {i} refused: {decision.message}")

@@ -58,6 +58,7 @@ class Request:
     prompt_logprobs: int | None = None  # top-N alternatives per prompt token; None: not scored
     fingerprint: int = 0  # the Submit's (`shm.messages.fingerprint`): names it in the step-in-flight record
     pooling: str | None = None  # an embedding: how its prompt's hidden states pool (`prompt_chunks.py`)
+    lora: int = 0  # the LoRA adapter it runs (`lora.LoraRegistry` id); 0: the base model
     # -- set by the scheduler ------------------------------------------------------------------
     seq_id: int = 0
     row_sampling: RowSampling | None = None  # the sampler's settings, with this sample's seed and index
@@ -94,9 +95,13 @@ class Request:
             raise ValueError(f"sample index {self.index} is outside 0..{self.n - 1}")
 
     @classmethod
-    def from_submit(cls, worker: int, msg, *, cache_per_tenant: bool = True) -> Request:
-        """Build from a worker's `shm.messages.Submit`. `cache_per_tenant` (the config's default): the tenant salts the prefix cache too, so one
-        tenant never reuses, and so can never time or count, another's cached prompt blocks."""
+    def from_submit(cls, worker: int, msg, *, cache_per_tenant: bool = True, lora: int = 0) -> Request:
+        """Build from a worker's `shm.messages.Submit`, running adapter `lora` (its id). `cache_per_tenant` (the config's default): the tenant salts the prefix cache too, so one
+        tenant never reuses, and so can never time or count, another's cached prompt blocks. An
+        adapter salts it always: blocks computed under one adapter (or none) never serve another."""
+        salt = tenant_cache_salt(msg.tenant, msg.cache_salt) if cache_per_tenant else msg.cache_salt
+        if lora:
+            salt = f"lora\x00{lora}\x00{salt or ''}"
         return cls(
             key=(worker, msg.rid),
             request_id=msg.request_id,
@@ -108,10 +113,11 @@ class Request:
             deadline_ts=msg.deadline_ts,
             n=msg.n,
             logprobs=msg.logprobs,
-            cache_salt=tenant_cache_salt(msg.tenant, msg.cache_salt) if cache_per_tenant else msg.cache_salt,
+            cache_salt=salt,
             prompt_logprobs=msg.prompt_logprobs,
             fingerprint=msg.fingerprint,
             pooling=msg.pooling,
+            lora=lora,
         )
 
     def sibling(self, index: int) -> Request:
@@ -131,6 +137,7 @@ class Request:
             logprobs=self.logprobs,
             cache_salt=self.cache_salt,
             fingerprint=self.fingerprint,
+            lora=self.lora,
         )
 
     # -- derived -------------------------------------------------------------------------------

@@ -116,6 +116,8 @@ class Scheduler:
             block_manager, caching=config.prefix_caching, namespace=config.model_name or config.model or ""
         )
         self.max_rows = config.max_rows
+        self.max_loras = config.max_loras  # distinct LoRA adapters among the running rows
+        self.num_loras = len(config.loras)  # adapters served (ids 1..num_loras), counted in stats()
         self.prefill_budget = config.prefill_budget
         self.context_limit = config.context_limit
         self.fair_preempt_steps = config.fair_preempt_steps
@@ -370,10 +372,17 @@ class Scheduler:
         """Start the fair choice while it fits, preempting for it when fairness says so."""
         queue = self.queue
         while (req := queue.peek()) is not None:
+            if req.lora and self._adapter_waits(req.lora):
+                break  # it joins once a running adapter's rows have all left (preempting frees none)
             if not self._start(req, now) and not self._fair_preempt(req, now):
                 break
         if self.ledger.reserved_rows:
             self._settle_starting()
+
+    def _adapter_waits(self, lora: int) -> bool:
+        """Adapter `lora` is not among the running rows' and `max_loras` others are."""
+        running = {r.lora for r in self._running if r.lora}
+        return lora not in running and len(running) >= self.max_loras
 
     def _start(self, req: Request, now: float) -> bool:
         """Move `req` (the queue's fair choice) into the running set if a row and its blocks are free
@@ -459,6 +468,7 @@ class Scheduler:
                     draft=len(draft),
                     # a one-token prompt, or one whose cached prefix leaves one, joins as a decode row
                     pooling=self._pooler.cut(req, p, p + 1) if req.pooling is not None else None,
+                    lora=req.lora,
                 )
             )
         shape = StepShape(decode=decode, reads=reads)
@@ -475,6 +485,7 @@ class Scheduler:
             finished=ended,
             has_drafts=bool(self._drafts),
             pools=bool(self._pooler),
+            loras=any(s.lora for s in seqs),
         )
 
     def _step_yield(self, rows: int) -> StepYield:
@@ -562,6 +573,7 @@ class Scheduler:
                     req.row_sampling if samples else None,
                     scoring,
                     self._pooler.cut(req, start, end) if req.pooling is not None else None,
+                    lora=req.lora,
                 )
             )
             if samples:
@@ -757,7 +769,21 @@ class Scheduler:
             spec_decode_num_draft_tokens=spec.draft_tokens if spec else 0,
             spec_decode_num_accepted_tokens=spec.accepted_tokens if spec else 0,
             spec_decode_accepted_per_position=tuple(spec.accepted_per_position) if spec else (),
+            **self._lora_counts(),
         )
+
+    def _lora_counts(self) -> dict[str, tuple[int, ...]]:
+        """Rows running and requests waiting per adapter (stats' lora_running / lora_waiting)."""
+        if not self.num_loras:
+            return {}
+        running, waiting = [0] * self.num_loras, [0] * self.num_loras
+        for r in self._running:
+            if 0 < r.lora <= self.num_loras:
+                running[r.lora - 1] += 1
+        for r in self.queue.waiting():
+            if 0 < r.lora <= self.num_loras:
+                waiting[r.lora - 1] += 1
+        return {"lora_running": tuple(running), "lora_waiting": tuple(waiting)}
 
     def snapshot(self) -> SchedulerSnapshot:
         """Every book the scheduler keeps, as read-only views (for `check_integrity` and tests)."""
@@ -771,6 +797,7 @@ class Scheduler:
             kv=self.kv,
             queue=self.queue,
             admission=self.admission,
+            max_loras=self.max_loras,
         )
 
     def check_integrity(self) -> None:

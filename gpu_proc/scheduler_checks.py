@@ -35,6 +35,7 @@ class SchedulerSnapshot:
     kv: KVCacheManager
     queue: FairQueue
     admission: AdmissionController
+    max_loras: int = 0  # distinct LoRA adapters the running rows may hold (0: no cap checked)
 
 
 def check_scheduler(snap: SchedulerSnapshot) -> None:
@@ -63,6 +64,11 @@ def check_scheduler(snap: SchedulerSnapshot) -> None:
         for b in req.block_ids[req.num_computed // bs :]:
             _require(bm.ref_count(b) == 1, f"{req.key}#{req.index} would write shared block {b}")
     _require(len(snap.running) <= snap.max_rows, f"{len(snap.running)} rows running over the cap of {snap.max_rows}")
+    adapters = {r.lora for r in snap.running if r.lora}
+    _require(
+        not snap.max_loras or len(adapters) <= snap.max_loras,
+        f"{len(adapters)} LoRA adapters running over the {snap.max_loras} resident slots",
+    )
     try:
         snap.queue.check_integrity(rows_by_tenant)
     except ValueError as exc:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ringserve.shm.messages import MAX_SPECULATIVE_TOKENS
+from ringserve.shm.messages import MAX_LORA_ADAPTERS, MAX_SPECULATIVE_TOKENS
 
 __all__ = ["SCHEDULER_STAT_NAMES", "SchedulerStats"]
 
@@ -47,14 +47,24 @@ class SchedulerStats:
     spec_decode_num_draft_tokens: int
     spec_decode_num_accepted_tokens: int
     spec_decode_accepted_per_position: tuple[int, ...] = ()  # published as spec_accepted_pos_<j>
+    # per LoRA adapter (id - 1): rows running it, requests waiting for it; lora_running_<i>, lora_waiting_<i>
+    lora_running: tuple[int, ...] = ()
+    lora_waiting: tuple[int, ...] = ()
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {name: getattr(self, name) for name in _STAT_FIELDS}
-        per = self.spec_decode_accepted_per_position
-        for j in range(MAX_SPECULATIVE_TOKENS):
-            out[f"spec_accepted_pos_{j}"] = per[j] if j < len(per) else 0
+        for prefix, per, n in _PER_INDEX:
+            values = getattr(self, per)
+            for j in range(n):
+                out[f"{prefix}_{j}"] = values[j] if j < len(values) else 0
         return out
 
 
-_STAT_FIELDS = tuple(f.name for f in fields(SchedulerStats) if f.name != "spec_decode_accepted_per_position")
-SCHEDULER_STAT_NAMES = _STAT_FIELDS + tuple(f"spec_accepted_pos_{j}" for j in range(MAX_SPECULATIVE_TOKENS))
+# tuple fields published as one stat per index: (stat prefix, field, stats)
+_PER_INDEX = (
+    ("spec_accepted_pos", "spec_decode_accepted_per_position", MAX_SPECULATIVE_TOKENS),
+    ("lora_running", "lora_running", MAX_LORA_ADAPTERS),
+    ("lora_waiting", "lora_waiting", MAX_LORA_ADAPTERS),
+)
+_STAT_FIELDS = tuple(f.name for f in fields(SchedulerStats) if f.name not in {p[1] for p in _PER_INDEX})
+SCHEDULER_STAT_NAMES = _STAT_FIELDS + tuple(f"{prefix}_{j}" for prefix, _, n in _PER_INDEX for j in range(n))

@@ -65,6 +65,7 @@ class SeqStep:
     # Speculative decoding: the last `draft` new tokens are guesses (`speculation.py`), and the row
     # samples after each of its last draft + 1 tokens, so that the scheduler can verify them.
     draft: int = 0
+    lora: int = 0  # the LoRA adapter the row runs (`lora.LoraRegistry` id); 0: the base model
 
     @property
     def context_len(self) -> int:
@@ -81,7 +82,9 @@ class SeqStep:
         then after each draft token (`context_len` is the position each one draws for)."""
         ids, first = self.token_ids, len(self.token_ids) - self.draft
         return [
-            SeqStep(self.seq_id, ids[: first + j], self.start_pos, self.block_table, self.sampling, draft=j)
+            SeqStep(
+                self.seq_id, ids[: first + j], self.start_pos, self.block_table, self.sampling, draft=j, lora=self.lora
+            )
             for j in range(self.draft + 1)
         ]
 
@@ -93,6 +96,7 @@ class StepBatch:
     finished: list[int] = field(default_factory=list)  # seq ids that ended since the last batch: free their state
     has_drafts: bool = False  # some row has a `draft` (checked once per step, not per row)
     pools: bool = False  # some row has `pooling` (checked once per step, not per row)
+    loras: bool = False  # some row runs a LoRA adapter (checked once per step, not per row)
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ import torch
 
 from .attention.metadata import AttentionMetadata
 from .host_tensor import host_tensor
+from .lora import LoraStep
 from .step import StepBatch
 
 
@@ -26,6 +27,7 @@ class StepInputs:
     # int64[R]: the last new token of each sampling row (each verified one of a draft row), in batch order
     logits_indices: torch.Tensor
     meta: AttentionMetadata
+    lora: LoraStep | None = None  # the step's adapter rows (set by the runner, `lora.py`)
 
 
 class StepBatchError(ValueError):

@@ -69,6 +69,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "ringserve.tools.bench.quant",
         "GGUF files from their blocks vs dequantized: memory, loglikelihood, logits, greedy agreement",
     ),
+    "lora": (
+        "ringserve.tools.bench.lora",
+        "decode tok/s with LoRA adapters mixed in the rows vs the base model alone; the swap cost",
+    ),
     "overload": (
         "ringserve.tools.bench.overload",
         "closed-loop clients far past capacity: 429s, admitted TTFT, goodput at 32 and 512 streams",

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ringserve.shm.messages import MAX_SPECULATIVE_TOKENS, POOLING_TYPES
+from ringserve.shm.messages import MAX_LORA_ADAPTERS, MAX_LORA_NAME_CHARS, MAX_SPECULATIVE_TOKENS, POOLING_TYPES
 
 # How far a step's measured time may run past its estimate (the cost model holds the median within
 # [0.75, 1.33], docs/BENCHMARKS.md#cost-model): the derived step target leaves room for it.
@@ -79,6 +79,11 @@ class Config:
     # How /v1/embeddings pools a prompt's final hidden states (api/embeddings/, gpu_proc/pooling.py):
     # last (the last prompt token's, vLLM's default for a decoder model) or mean
     embedding_pooling: str = "last"
+    # LoRA adapters (gpu_proc/lora.py), vLLM's `--lora-modules name=path ...`: PEFT checkpoint
+    # directories, each served as the model `name` beside the base model (space-separated pairs)
+    lora_modules: str = ""
+    max_loras: int = 4  # adapters resident at once, so at most this many in one step; others wait
+    max_lora_rank: int = 16  # the largest adapter rank served (the resident slots are this wide)
     api_keys_file: str | None = None
     metrics_keys_file: str | None = None  # keys for /metrics (one per line); None: /metrics is open
     # KV pool
@@ -204,6 +209,8 @@ class Config:
             "grammar_max_patterns",
             "grammar_timeout_s",
             "grammar_procs",
+            "max_loras",
+            "max_lora_rank",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -259,6 +266,24 @@ class Config:
             raise ConfigError(f"ngram_max ({self.ngram_max}) must be >= ngram_min ({self.ngram_min})")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        self.loras  # noqa: B018  (parses lora_modules: a bad pair fails here, in the supervisor)
+
+    @property
+    def loras(self) -> dict[str, str]:
+        """`lora_modules` as {name: path}, in the order given."""
+        out: dict[str, str] = {}
+        for pair in self.lora_modules.split():
+            name, sep, path = pair.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"lora_modules: {pair!r} is not name=path")
+            if len(name) > MAX_LORA_NAME_CHARS:
+                raise ConfigError(f"lora_modules: a name is at most {MAX_LORA_NAME_CHARS} characters")
+            if name in out or name == self.model_name:
+                raise ConfigError(f"lora_modules: the name {name!r} is taken (an adapter or the base model)")
+            out[name] = path
+        if len(out) > MAX_LORA_ADAPTERS:
+            raise ConfigError(f"lora_modules: at most {MAX_LORA_ADAPTERS} adapters, got {len(out)}")
+        return out
 
     @property
     def step_target(self) -> float:

@@ -42,7 +42,9 @@ def parser() -> argparse.ArgumentParser:
         )
         # A bool flag alone means on (`--require-kernels`); `--cuda-graphs off` gives the value.
         doc = f"(default {f.default}; env RINGSERVE_{f.name.upper()})"
-        if kind == "bool":
+        if f.name == "lora_modules":  # vLLM's shape: --lora-modules a=/path/a b=/path/b
+            p.add_argument(flag, nargs="+", default=None, metavar="NAME=PATH", help=doc)
+        elif kind == "bool":
             p.add_argument(flag, type=typ, default=None, nargs="?", const=True, help=doc)
         else:
             p.add_argument(flag, type=typ, default=None, help=doc)
@@ -52,6 +54,8 @@ def parser() -> argparse.ArgumentParser:
 def config_from_args(argv: list[str] | None) -> Config:
     """The Config `ringserve serve ARGV` runs with (flags over RINGSERVE_* over defaults)."""
     args = parser().parse_args(argv)
+    if args.lora_modules is not None:
+        args.lora_modules = " ".join(args.lora_modules)
     return Config.from_env(**{k: v for k, v in vars(args).items() if k != "shm_dir"})
 
 

@@ -85,6 +85,8 @@ MAX_REQUEST_ID_CHARS = 128
 # an acceptance counter per draft position (`shm.stats_schema`), and the config checks against it.
 MAX_SPECULATIVE_TOKENS = 16
 MAX_CACHE_SALT_CHARS = 1024  # vLLM's limit
+MAX_LORA_NAME_CHARS = 128  # an adapter's name (`Submit.lora`)
+MAX_LORA_ADAPTERS = 32  # adapters one server serves (the GPU stats count rows for each)
 # The logits controls (docs/design.md#sampling) that grow a Submit: entries of `logit_bias`
 # (OpenAI documents 300 as its own limit; we take more), ids of `allowed_token_ids`, and
 # `bad_words` after tokenizing (vLLM's VLLM_MAX_NUM_BAD_WORDS default), each a short token sequence.
@@ -160,6 +162,8 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     # Embeddings (`/v1/embeddings`): pool the prompt's final hidden states (one of POOLING_TYPES)
     # into `Pooled` records instead of showing generated text; None: a generation.
     pooling: str | None = None
+    # The LoRA adapter (`--lora-modules` name) the request runs; None: the base model.
+    lora: str | None = None
 
 
 POOLING_TYPES = ("last", "mean")  # the last prompt token's hidden state, or the mean of them all
@@ -272,7 +276,7 @@ def max_submit_bytes(context_limit: int) -> int:
     ids = 5 * (context_limit + MAX_STOP_TOKEN_IDS + MAX_ALLOWED_TOKEN_IDS)  # msgpack uint32 or less
     bias = (5 + 9 + 1) * MAX_LOGIT_BIAS  # (id, float64) pairs
     bad = (5 * MAX_BAD_WORD_TOKENS + 3) * MAX_BAD_WORDS
-    strings = 4 * (MAX_REQUEST_ID_CHARS + MAX_CACHE_SALT_CHARS + MAX_GRAMMAR_CHARS) + 64  # UTF-8; the tenant is a hash
+    strings = 4 * (MAX_REQUEST_ID_CHARS + MAX_CACHE_SALT_CHARS + MAX_GRAMMAR_CHARS + MAX_LORA_NAME_CHARS) + 64  # UTF-8
     return ids + bias + bad + strings + 1024  # field names, scalars and headers
 
 

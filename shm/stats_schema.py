@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ringserve.shm.messages import FINISH_REASONS, MAX_SPECULATIVE_TOKENS
+from ringserve.shm.messages import FINISH_REASONS, MAX_LORA_ADAPTERS, MAX_SPECULATIVE_TOKENS
 
 STEP_KINDS = ("decode", "prefill", "mixed")  # the cost model's audit (gpu_proc/cost_model.StepAudit)
 
@@ -134,6 +134,27 @@ GPU_STATS: tuple[GpuStat, ...] = (
             label=("position", str(j)),
         )
         for j in range(MAX_SPECULATIVE_TOKENS)
+    ),
+    # LoRA adapters by their position in --lora-modules (adapter id - 1); /metrics names them
+    *(
+        GpuStat(
+            f"lora_running_{i}",
+            "gauge",
+            "ringserve_lora_running_rows",
+            "Rows running this LoRA adapter.",
+            label=("lora", str(i)),
+        )
+        for i in range(MAX_LORA_ADAPTERS)
+    ),
+    *(
+        GpuStat(
+            f"lora_waiting_{i}",
+            "gauge",
+            "ringserve_lora_waiting_requests",
+            "Requests for this LoRA adapter waiting for a row.",
+            label=("lora", str(i)),
+        )
+        for i in range(MAX_LORA_ADAPTERS)
     ),
     # the GPU loop's own counters (LOOP_STATS)
     GpuStat("step_ms", "gauge", "ringserve_step_ms", "Duration of the last GPU step, ms.", loop=True),

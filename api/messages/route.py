@@ -14,7 +14,7 @@ from ringserve.api.chat.route import answer_parser, chat_job, chat_template, pro
 from ringserve.api.messages.output import MessageShell, MessagesOutput
 from ringserve.api.messages.protocol import MessagesRequest, parse_messages_body
 from ringserve.api.request_flow import read_request, run, tokenizing
-from ringserve.api.state import note_ignored
+from ringserve.api.state import note_ignored, served_model
 
 MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 
@@ -23,7 +23,7 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
     st, req = await read_request(request, parse_messages_body)
     job = await chat_job(st, req.chat, param="messages")
     _note_unapplied_thinking(request, req, st)
-    shell = MessageShell(st.model_name, len(job.prompts[0]))
+    shell = MessageShell(served_model(request, st), len(job.prompts[0]))
     return await run(request, st, job, MessagesOutput(shell, answer_parser(st, req.chat)).output())
 
 

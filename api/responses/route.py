@@ -25,7 +25,7 @@ from ringserve.api.responses.items import InputItem, decode_items, encode_items
 from ringserve.api.responses.output import ResponseOutput, ResponseShell, new_response_id
 from ringserve.api.responses.protocol import parse_responses_body
 from ringserve.api.responses.store import ResponseStore, StoreUnavailable
-from ringserve.api.state import STATE, TENANT, ApiState, note_ignored
+from ringserve.api.state import STATE, TENANT, ApiState, note_ignored, served_model
 
 T = TypeVar("T")
 
@@ -46,7 +46,7 @@ async def handle_responses(request: web.Request) -> web.StreamResponse:
     if req.settings["reasoning"]["summary"] is not None:
         note_ignored(request, ("reasoning.summary",))  # no reasoning summary is produced
     keeps = req.store and store.enabled
-    shell = ResponseShell(new_response_id(), st.model_name, {**req.settings, "store": keeps})
+    shell = ResponseShell(new_response_id(), served_model(request, st), {**req.settings, "store": keeps})
     conversation = (*history, *req.input)
 
     async def keep(response: dict, output: list[dict]) -> None:

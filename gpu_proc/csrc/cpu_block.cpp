@@ -14,6 +14,9 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/index_add.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/matmul.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -88,6 +91,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
 }
 
+// LoRA adapters' deltas on a projection's output: y[rows] += (x[rows] @ A[slot]^T) @ B[slot]^T for
+// each slot's rows, A [slots, R, in] and B [slots, out, R] (scaled, block-diagonal over a fused
+// group). Spec: LoraStep.delta in gpu_proc/lora.py; `lora` holds A and B of qkv, o, gate_up, down.
+void lora_add(const at::Tensor& x, at::Tensor& y, const at::TensorList lora, int64_t group,
+              const at::IntArrayRef slots, const at::TensorList rows) {
+  if (lora.empty()) return;
+  const at::Tensor& a = lora[2 * group];
+  const at::Tensor& b = lora[2 * group + 1];
+  for (size_t k = 0; k < slots.size(); ++k) {
+    const at::Tensor xs = x.index_select(0, rows[k]);
+    y.index_add_(0, rows[k], at::matmul(at::matmul(xs, a[slots[k]].t()), b[slots[k]].t()));
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> block(
     at::Tensor x, const std::optional<at::Tensor>& residual, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const at::Tensor& qkv_w, const std::optional<at::Tensor>& qkv_b,
@@ -96,7 +113,8 @@ std::tuple<at::Tensor, at::Tensor> block(
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, const at::Tensor& positions,
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping, at::Tensor k_cache,
     at::Tensor v_cache, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-    const at::Tensor& block_tables) {
+    const at::Tensor& block_tables, const at::TensorList lora, const at::TensorList lora_rows,
+    const at::IntArrayRef lora_slots) {
   const int64_t t = x.size(0), nq = num_heads * head_dim, nkv = num_kv_heads * head_dim;
   at::Tensor res, h;
   if (residual.has_value()) {  // residual += x; h = norm(residual), written over x
@@ -108,7 +126,8 @@ std::tuple<at::Tensor, at::Tensor> block(
     h = at::empty_like(x);
     rms_norm(x, input_norm, eps, h);
   }
-  const at::Tensor qkv = linear(h, qkv_w, qkv_b);  // [T, (heads + 2 kv_heads) * head_dim]
+  at::Tensor qkv = linear(h, qkv_w, qkv_b);  // [T, (heads + 2 kv_heads) * head_dim]
+  lora_add(h, qkv, lora, 0, lora_slots, lora_rows);
   const at::Tensor q = qkv.narrow(1, 0, nq).view({t, num_heads, head_dim});
   const at::Tensor k = qkv.narrow(1, nq, nkv).view({t, num_kv_heads, head_dim});
   const at::Tensor v = qkv.narrow(1, nq + nkv, nkv).view({t, num_kv_heads, head_dim});
@@ -117,11 +136,15 @@ std::tuple<at::Tensor, at::Tensor> block(
   at::Tensor o = at::empty({t, num_heads, head_dim}, x.options());
   paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, o);
   at::Tensor y = linear(o.view({t, nq}), o_w, o_b);  // [T, hidden]
+  lora_add(o.view({t, nq}), y, lora, 1, lora_slots, lora_rows);
   add_rms_norm(y, res, post_norm, eps);                // residual += y; y = norm(residual)
-  const at::Tensor gate_up = linear(y, gate_up_w, gate_up_b);  // [T, 2 * intermediate]
+  at::Tensor gate_up = linear(y, gate_up_w, gate_up_b);  // [T, 2 * intermediate]
+  lora_add(y, gate_up, lora, 2, lora_slots, lora_rows);
   at::Tensor act = at::empty({t, gate_up.size(1) / 2}, x.options());
   silu_mul(gate_up, act);
-  return {linear(act, down_w, down_b), res};
+  at::Tensor out = linear(act, down_w, down_b);
+  lora_add(act, out, lora, 3, lora_slots, lora_rows);
+  return {out, res};
 }
 
 }  // namespace
@@ -131,7 +154,8 @@ TORCH_LIBRARY_FRAGMENT(ringserve_cpu, m) {
         "Tensor qkv_w, Tensor? qkv_b, Tensor o_w, Tensor? o_b, Tensor gate_up_w, Tensor? gate_up_b, "
         "Tensor down_w, Tensor? down_b, int num_heads, int num_kv_heads, int head_dim, float scale, "
         "Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor(c!) k_cache, Tensor(d!) v_cache, "
-        "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables) -> (Tensor, Tensor)",
+        "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, Tensor[] lora, Tensor[] lora_rows, "
+        "int[] lora_slots) -> (Tensor, Tensor)",
         &block);
   m.def("linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &linear);
   m.def("matmul_pieces(int t) -> int[]", &matmul_pieces);

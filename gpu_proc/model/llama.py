@@ -22,6 +22,7 @@ from .. import cpu_ops
 from ..attention import AttentionBackend, get_backend
 from ..attention.metadata import AttentionMetadata
 from ..kv_pool import KVPool
+from ..lora import LoraStep
 from ..quant import Q8_0, QuantLinear, as_q8_0, dequantize, embedding, format_of
 
 
@@ -211,15 +212,26 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         backend: AttentionBackend,
+        lora: LoraStep | None = None,
+        layer: int = 0,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, heads, head_dim]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if lora is not None:  # the adapters' deltas on the fused q|k|v output, as the fused block adds them
+            qkv = torch.cat((q, k, v), dim=1)
+            lora.delta(layer, "qkv", x, qkv)
+            q, k, v = qkv.split((q.shape[1], k.shape[1], v.shape[1]), dim=1)
+        q = q.reshape(t, self.num_heads, self.head_dim)  # [T, heads, head_dim]
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = backend.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, heads, head_dim]
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        o = o.reshape(t, self.num_heads * self.head_dim)
+        y = self.o_proj(o)
+        if lora is not None:
+            lora.delta(layer, "o", o, y)
+        return y
 
 
 class FeedForward(nn.Module):
@@ -239,8 +251,16 @@ class FeedForward(nn.Module):
         self.down = down = _projection((self.down_proj,), blocks)
         return gate_up, down
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, lora: LoraStep | None = None, layer: int = 0) -> torch.Tensor:
+        if lora is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=1)
+        lora.delta(layer, "gate_up", x, gate_up)
+        gate, up = gate_up.chunk(2, dim=1)
+        act = F.silu(gate) * up
+        y = self.down_proj(act)
+        lora.delta(layer, "down", act, y)
+        return y
 
 
 class TransformerBlock(nn.Module):
@@ -251,9 +271,9 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = FeedForward(args)
 
-    def forward(self, x, cos, sin, meta, k_cache, v_cache, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, meta, k_cache, v_cache, backend, lora=None, layer=0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache, backend, lora, layer)
+        return x + self.mlp(self.post_attention_layernorm(x), lora, layer)
 
 
 class Transformer(nn.Module):
@@ -478,10 +498,16 @@ class Llama(nn.Module):
         return self.model.norm.weight.dtype
 
     def forward(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVPool, logits_indices: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_pool: KVPool,
+        logits_indices: torch.Tensor,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
-        """Run T new tokens; return float32 logits `[R, vocab]` for the tokens at `logits_indices`."""
-        return self.head(self.final_hidden(input_ids, meta, kv_pool, logits_indices))
+        """Run T new tokens; return float32 logits `[R, vocab]` for the tokens at `logits_indices`
+        (`lora`: the step's adapter rows, `lora.py`)."""
+        return self.head(self.final_hidden(input_ids, meta, kv_pool, logits_indices, lora))
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits `[R, vocab]` of final hidden states `h` `[R, hidden]`."""
@@ -490,18 +516,23 @@ class Llama(nn.Module):
         return self.lm_head(h).float()
 
     def final_hidden(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVPool, indices: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_pool: KVPool,
+        indices: torch.Tensor,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """Run T new tokens; return the final norm's output `[R, hidden]` for the tokens at
         `indices` (what the head reads, and what an embedding pools)."""
         if self.backend is None or self.rope_cos is None or self.rope_sin is None:
             raise RuntimeError("Llama.setup(device) must run before the first forward")
         if self.packed_head is not None:  # the fused CPU forward (setup packed it)
-            return self._hidden_fused(input_ids, meta, kv_pool, indices, self.rope_cos, self.rope_sin)
+            return self._hidden_fused(input_ids, meta, kv_pool, indices, self.rope_cos, self.rope_sin, lora)
         cos, sin = self.rope_cos[meta.positions], self.rope_sin[meta.positions]  # [T, head_dim]
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, meta, kv_pool.k[i], kv_pool.v[i], self.backend)
+            x = layer(x, cos, sin, meta, kv_pool.k[i], kv_pool.v[i], self.backend, lora, i)
         # The final norm (and the head) only for tokens that sample: a prefill chunk needs one row.
         return self.model.norm(x[indices])  # [R, hidden]
 
@@ -513,6 +544,7 @@ class Llama(nn.Module):
         indices: torch.Tensor,
         rope_cos: torch.Tensor,
         rope_sin: torch.Tensor,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """`final_hidden` with the CPU kernels: the same math, each block in one compiled call
         (`cpu_ops.block`). The residual stream is carried beside the block output so each add is
@@ -522,7 +554,8 @@ class Llama(nn.Module):
         residual: torch.Tensor | None = None
         for i, weights in enumerate(self.block_weights):
             step = (meta.positions, rope_cos, rope_sin, meta.slot_mapping, kv_pool.k[i], kv_pool.v[i], meta)
-            x, residual = cpu_ops.block(x, residual, weights, step, check=i == 0)
+            rows = (lora.args(i), lora.rows, lora.slots) if lora is not None else ([], (), ())
+            x, residual = cpu_ops.block(x, residual, weights, step, check=i == 0, lora=rows)
         if residual is None:
             raise RuntimeError("a model without layers has no residual stream")
         # NOTE: always gathered, even when there are as many indices as tokens: scored prompt

@@ -140,6 +140,7 @@ def test_every_declared_gpu_stat_is_published_rendered_and_faked(control):
     under its declared name and kind, and the fake GPU reports each."""
     from ringserve.api.fake_gpu import FakeGpu
     from ringserve.gpu_proc.scheduler_stats import SCHEDULER_STAT_NAMES
+    from ringserve.shm.messages import MAX_LORA_ADAPTERS
     from ringserve.shm.stats_schema import GPU_STAT_NAMES, GPU_STATS, LOOP_STATS
 
     scheduler_stats = set(SCHEDULER_STAT_NAMES)
@@ -147,10 +148,12 @@ def test_every_declared_gpu_stat_is_published_rendered_and_faked(control):
     assert len(set(GPU_STAT_NAMES)) == len(GPU_STAT_NAMES)
     control.gpu_stats.update({name: float(i + 1) for i, name in enumerate(GPU_STAT_NAMES)})
     control.gpu_stats.publish()
-    s = _samples(metrics.render(metrics.from_control(control), "tiny"))
+    loras = [f"adapter-{i}" for i in range(MAX_LORA_ADAPTERS)]  # the LoRA stats render by adapter name
+    s = _samples(metrics.render(metrics.from_control(control), "tiny", loras, 4))
     for i, stat in enumerate(GPU_STATS):
         name = stat.metric + ("_total" if stat.kind == "counter" else "")
-        assert s[(name, (stat.label,) if stat.label else ())] == i + 1, stat
+        label = ("lora_name", loras[int(stat.label[1])]) if stat.name.startswith("lora_") and stat.label else stat.label
+        assert s[(name, (label,) if label else ())] == i + 1, stat
     assert set(FakeGpu().stats()) == set(GPU_STAT_NAMES)
 
 
