@@ -12,6 +12,9 @@ runs. `tests/gpu_proc/test_cpu_ops.py` sweeps shapes and dtypes against the refe
   q and k may be views into one fused projection output.
 - `silu_mul(gate_up)` -> `silu(gate) * up` from the fused gate/up projection `[T, 2I]`.
 - `argmax_rows(logits)` -> `torch.argmax(logits, -1)` (greedy sampling), about 10x faster on CPU.
+- `lora_add_(x, y, a, bt, rows, slots, segs)`: `y[rows] += (x[rows] @ A[slot]^T) @ Bt[slot]` per
+  slot's rows, the LoRA adapters' gathered low-rank product (`lora.py`; the block runs it after
+  each projection).
 - `block(x, residual, weights, step, check)`: one whole transformer block (`csrc/cpu_block.cpp`),
   the kernels above and the packed matmuls in one call; `BlockWeights` and `BlockStep` hold what
   stays fixed for a model and for a step.
@@ -275,6 +278,51 @@ def block(
     )
 
 
+def lora_add_reference(x, y, a, bt, rows, slots, segs) -> None:
+    """The spec of `lora_add_` (`lora.LoraStep.delta`): `segs` only says which output columns each
+    target writes, which the reference reads from Bt's zeros."""
+    for slot, r in zip(slots, rows):
+        y.index_add_(0, r, (x.index_select(0, r) @ a[slot].t()) @ bt[slot])
+
+
+def lora_add_(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    bt: torch.Tensor,
+    rows: tuple[torch.Tensor, ...],
+    slots: tuple[int, ...],
+    segs: tuple[int, ...],
+) -> None:
+    """`lora_add_reference` by the CPU kernel, in place on `y`. Rows must be distinct across slots
+    (each token runs one adapter): the kernel writes them in parallel."""
+    _check("x", x, 2)
+    _check("y", y, 2, x.dtype)
+    for name, t in (("a", a), ("bt", bt)):
+        _check(name, t, 3, x.dtype)
+        if not t.is_contiguous():
+            raise ValueError(f"lora_add: {name} must be contiguous")
+    if not (x.is_contiguous() and y.is_contiguous()) or x.shape[0] != y.shape[0]:
+        raise ValueError(f"lora_add: x {tuple(x.shape)} and y {tuple(y.shape)} must be contiguous, of the same rows")
+    if a.shape[2] != x.shape[1] or bt.shape[:2] != a.shape[:2] or bt.shape[2] != y.shape[1]:
+        raise ValueError(f"lora_add: A {tuple(a.shape)} / Bt {tuple(bt.shape)} do not fit {x.shape[1]} -> {y.shape[1]}")
+    if not segs or sum(segs) != y.shape[1] or a.shape[1] % len(segs):
+        raise ValueError(f"lora_add: segments {segs} do not split {y.shape[1]} columns and {a.shape[1]} ranks")
+    if len(rows) != len(slots) or any(not 0 <= s < a.shape[0] for s in slots):
+        raise ValueError(f"lora_add: slots {slots} for {len(rows)} row lists and {a.shape[0]} slots")
+    _check_rows(rows, x.shape[0])
+    torch.ops.ringserve_cpu.lora_add.default(x, y, a, bt, list(rows), list(slots), list(segs))
+
+
+def _check_rows(rows: tuple[torch.Tensor, ...], t: int) -> None:
+    seen = torch.cat(list(rows)) if rows else torch.empty(0, dtype=torch.int64)
+    for r in rows:
+        if r.dtype != torch.int64 or r.dim() != 1 or (r.numel() and not 0 <= int(r.min()) <= int(r.max()) < t):
+            raise ValueError(f"lora rows: expected int64 token indices below {t}, got {r.dtype} {tuple(r.shape)}")
+    if seen.unique().numel() != seen.numel():
+        raise ValueError("lora rows: a token in two slots' rows")
+
+
 def _check_lora(x: torch.Tensor, weights: tuple, lora: tuple) -> None:
     """The adapters' stacked A / B fit the block's projections and x's dtype, and every row index
     is in the step (`index_select` would raise mid-block otherwise)."""
@@ -293,16 +341,19 @@ def _check_lora(x: torch.Tensor, weights: tuple, lora: tuple) -> None:
             raise ValueError(
                 f"lora group {g}: A {a.dtype} {tuple(a.shape)} / B {b.dtype} {tuple(b.shape)} for x {x.dtype}"
             )
-        if a.shape[2] != ins[g] or b.shape[1] != outs[g] or b.shape[2] != a.shape[1] or b.shape[0] != a.shape[0]:
+        if (
+            a.shape[1] % (3, 1, 2, 1)[g]
+            or a.shape[2] != ins[g]
+            or b.shape[2] != outs[g]
+            or b.shape[1] != a.shape[1]
+            or b.shape[0] != a.shape[0]
+        ):
             raise ValueError(
                 f"lora group {g}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit {ins[g]} -> {outs[g]}"
             )
         if any(not 0 <= s < a.shape[0] for s in slots):
             raise ValueError(f"lora: slots {slots} outside the {a.shape[0]} resident")
-    t = x.shape[0]
-    for r in rows:
-        if r.dtype != torch.int64 or r.dim() != 1 or (r.numel() and not 0 <= int(r.min()) <= int(r.max()) < t):
-            raise ValueError(f"lora rows: expected int64 token indices below {t}, got {r.dtype} {tuple(r.shape)}")
+    _check_rows(rows, x.shape[0])
 
 
 def _check_block(x, residual, weights: tuple, step: tuple) -> None:

@@ -26,11 +26,20 @@ are forgotten, so memory follows the active ones.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ringserve.gpu_proc.request import Request
+
+# How deep `peek(skip=...)` looks into a tenant's queue: skipping costs a scan per admission, and a
+# tenant whose first 64 requests all wait simply waits.
+SKIP_DEPTH = 64
+
+
+def _first(waiting: deque[Request], skip: Callable[[Request], bool]) -> Request | None:
+    return next((r for r in itertools.islice(waiting, SKIP_DEPTH) if not skip(r)), None)
 
 
 @dataclass(slots=True)
@@ -113,27 +122,36 @@ class FairQueue:
         self._after_dequeue(u)
         return True
 
-    def peek(self) -> Request | None:
-        """The request that should join next (see the module docstring), or None."""
+    def peek(self, skip: Callable[[Request], bool] | None = None) -> Request | None:
+        """The request that should join next (see the module docstring), or None. With `skip`, each
+        tenant offers its first request that `skip` passes over not (among its first `SKIP_DEPTH`):
+        the scheduler's way past requests that cannot join yet (a LoRA adapter without a slot)."""
         waiting = self._waiting_tenants
-        if len(waiting) == 1:
+        if skip is None and len(waiting) == 1:
             return next(iter(waiting.values())).waiting[0]
         cap, share = self.tenant_row_cap, self.share
-        best: TenantUsage | None = None
+        best: Request | None = None
         best_rank: tuple | None = None
         for u in waiting.values():
+            first = u.waiting[0] if skip is None else _first(u.waiting, skip)
+            if first is None:
+                continue
             rows = u.running_rows
             rank = (rows >= cap, rows >= share, u.weighted_tokens_served, rows)
             if best_rank is None or rank < best_rank:
-                best, best_rank = u, rank
-        return None if best is None else best.waiting[0]
+                best, best_rank = first, rank
+        return best
 
     def pop(self, req: Request) -> None:
-        """Remove `req`, which `peek()` just returned, from the head of its tenant's queue."""
+        """Remove `req`, which `peek()` just returned, from its tenant's queue (the head, unless
+        `peek` skipped some)."""
         u = self._tenants[req.tenant]
-        if not u.waiting or u.waiting[0] is not req:
-            raise ValueError(f"request {req.request_id} is not at the head of its tenant's queue")
-        u.waiting.popleft()
+        if u.waiting and u.waiting[0] is req:
+            u.waiting.popleft()
+        elif req in itertools.islice(u.waiting, SKIP_DEPTH):
+            u.waiting.remove(req)
+        else:
+            raise ValueError(f"request {req.request_id} is not among the first of its tenant's queue")
         self._num_waiting -= 1
         self._after_dequeue(u)
 

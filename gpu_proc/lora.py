@@ -7,10 +7,11 @@ low-rank product (Punica's SGMV in kind): the step's tokens are grouped by adapt
 group and projection `y[rows] += (x[rows] @ A_s^T) @ B_s^T`, two small matmuls.
 
 Resident adapters live in `max_loras` slots of stacked tensors per layer and fusion group (the
-fused CPU forward's q/k/v and gate/up: `LoraSlots`): A `[slots, R, in]`, B `[slots, out, R]`
-with R the group's ranks side by side (zero-padded to `--max-lora-rank` each) and B block-diagonal
-over the group's projections, the scaling folded into B; a projection the adapter does not train
-is zeros. So one product serves the whole fused projection, and slot contents change by a copy.
+fused CPU forward's q/k/v and gate/up: `LoraSlots`): A `[slots, R, in]`, B transposed
+`[slots, R, out]` with R the group's ranks side by side (zero-padded to `--max-lora-rank` each)
+and B block-diagonal over the group's projections, the scaling folded into B; a projection the
+adapter does not train is zeros. So one product serves the whole fused projection (the CPU
+kernel skips the zero blocks), and slot contents change by a copy.
 `LoraRegistry` holds every loaded adapter's weights on the host and maps adapter ids to slots,
 least recently used out (`slots_for`); the scheduler keeps a step's adapters within `max_loras`.
 
@@ -152,7 +153,8 @@ def load_adapter(name: str, path: str | Path, args, max_rank: int) -> Adapter:
 
 class LoraSlots:
     """The resident adapters' weights per layer and group (module docstring), on the model's device:
-    `a[layer][group]` `[slots, R, in]`, `b[layer][group]` `[slots, out, R]`."""
+    `a[layer][group]` `[slots, R, in]`, `b[layer][group]` `[slots, R, out]` (B transposed, so the
+    CPU kernel's expand reads output columns in a row)."""
 
     def __init__(self, args, slots: int, max_rank: int, device: torch.device, dtype: torch.dtype) -> None:
         self.slots, self.max_rank = slots, max_rank
@@ -165,7 +167,7 @@ class LoraSlots:
                 fan_in = shapes[modules[0]][0]
                 out = sum(shapes[m][1] for m in modules)
                 a[group] = torch.zeros(slots, max_rank * len(modules), fan_in, device=device, dtype=dtype)
-                b[group] = torch.zeros(slots, out, max_rank * len(modules), device=device, dtype=dtype)
+                b[group] = torch.zeros(slots, max_rank * len(modules), out, device=device, dtype=dtype)
             self.a.append(a)
             self.b.append(b)
         self.shapes = shapes
@@ -185,7 +187,7 @@ class LoraSlots:
                     if held is not None:
                         wa, wb = held
                         a[j * r : j * r + wa.shape[0]].copy_(wa)
-                        b[row : row + out, j * r : j * r + wb.shape[1]].copy_(wb)
+                        b[j * r : j * r + wb.shape[1], row : row + out].copy_(wb.t())
                     row += out
 
     @property
@@ -204,11 +206,11 @@ class LoraStep:
 
     def delta(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """`y[rows] += (x[rows] @ A^T) @ B^T` for each slot's rows: the reference the fused
-        CPU block computes (cpu_block.cpp, lora_add)."""
+        CPU block computes (cpu_block.cpp, lora_add). The slots hold B transposed."""
         a, b = self.weights.a[layer][group], self.weights.b[layer][group]
         for slot, rows in zip(self.slots, self.rows):
             xs = x.index_select(0, rows)
-            y.index_add_(0, rows, (xs @ a[slot].t()) @ b[slot].t())
+            y.index_add_(0, rows, (xs @ a[slot].t()) @ b[slot])
 
     def args(self, layer: int) -> list[torch.Tensor]:
         """What the fused block takes: A and B of each group, in GROUPS order."""

@@ -118,6 +118,7 @@ class Scheduler:
         self.max_rows = config.max_rows
         self.max_loras = config.max_loras  # distinct LoRA adapters among the running rows
         self.num_loras = len(config.loras)  # adapters served (ids 1..num_loras), counted in stats()
+        self._draining: int | None = None  # the adapter taking no new rows, for one that waits (_join)
         self.prefill_budget = config.prefill_budget
         self.context_limit = config.context_limit
         self.fair_preempt_steps = config.fair_preempt_steps
@@ -369,20 +370,47 @@ class Scheduler:
     # -- join ------------------------------------------------------------------------------------
 
     def _join(self, now: float) -> None:
-        """Start the fair choice while it fits, preempting for it when fairness says so."""
+        """Start the fair choice while it fits, preempting for it when fairness says so. A choice
+        whose LoRA adapter has no slot (`max_loras` others run) waits for the adapter being drained
+        and the requests behind it join past it (see `_lora_skip`)."""
         queue = self.queue
         while (req := queue.peek()) is not None:
             if req.lora and self._adapter_waits(req.lora):
-                break  # it joins once a running adapter's rows have all left (preempting frees none)
+                if self._draining is None or self._draining not in self._running_loras():
+                    self._draining = self._drain_choice()
+                req = queue.peek(self._lora_skip)
+                if req is None:
+                    break
+            else:
+                self._draining = None
             if not self._start(req, now) and not self._fair_preempt(req, now):
                 break
         if self.ledger.reserved_rows:
             self._settle_starting()
 
+    def _running_loras(self) -> set[int]:
+        return {r.lora for r in self._running if r.lora}
+
     def _adapter_waits(self, lora: int) -> bool:
         """Adapter `lora` is not among the running rows' and `max_loras` others are."""
-        running = {r.lora for r in self._running if r.lora}
+        running = self._running_loras()
         return lora not in running and len(running) >= self.max_loras
+
+    def _drain_choice(self) -> int:
+        """The running adapter that takes no new rows until its rows have left, freeing a slot for
+        the fair choice that waits: the one with the fewest rows (it frees soonest). Without a
+        drained adapter, requests of the running adapters would join past the waiting one forever."""
+        counts: dict[int, int] = {}
+        for r in self._running:
+            if r.lora:
+                counts[r.lora] = counts.get(r.lora, 0) + 1
+        return min(counts, key=lambda lid: (counts[lid], lid))
+
+    def _lora_skip(self, req: Request) -> bool:
+        """While an adapter waits for a slot: what may not join past it (the drained adapter's
+        requests, and other adapters without a slot). The base model's and the other running
+        adapters' requests may."""
+        return bool(req.lora) and (req.lora == self._draining or self._adapter_waits(req.lora))
 
     def _start(self, req: Request, now: float) -> bool:
         """Move `req` (the queue's fair choice) into the running set if a row and its blocks are free

@@ -113,6 +113,51 @@ def test_matmul_shapes_are_few_whatever_the_token_count():
     assert cpu_ops.matmul_pieces(1032) == [1024, 8]
 
 
+# (fan_in, the targets' output columns, rank per target): vector and tail loops in both products,
+# ranks not a multiple of the 4-rank tile, one target and three side by side.
+LORA_SHAPES = [(40, (24, 8, 8), 3), (576, (576,), 16), (64, (100, 100), 5), (8, (17,), 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fan_in,segs,r", LORA_SHAPES)
+def test_lora_add_is_its_reference(fan_in, segs, r, dtype):
+    """The gathered low-rank product adds each slot's delta to its rows only (tiles of 1 to 4 rows,
+    rows in any order, tokens of the base model untouched), block-diagonal over the targets."""
+    slots_n, t, rank = 3, 23, r * len(segs)
+    x, y = _rand(t, fan_in, dtype=dtype), _rand(t, sum(segs), dtype=dtype, seed=1)
+    a = (_rand(slots_n, rank, fan_in, dtype=torch.float32, seed=2) / fan_in**0.5).to(dtype)  # deltas of O(1)
+    bt = torch.zeros(slots_n, rank, sum(segs), dtype=dtype)
+    col = 0
+    for g, n in enumerate(segs):  # block-diagonal, as LoraSlots stacks a fused group
+        bt[:, g * r : (g + 1) * r, col : col + n] = _rand(slots_n, r, n, dtype=torch.float32, seed=3 + g) / r**0.5
+        col += n
+    perm = torch.randperm(t, generator=torch.Generator().manual_seed(4))
+    rows = (perm[:9], perm[9:10], perm[10:14])  # 9 rows (4 + 4 + 1), 1, 4; perm[14:] run the base
+    slots = (2, 0, 1)
+    # The kernel rounds once, at the end: the reference in float32 on the same inputs, rounded.
+    want, got = y.float(), y.clone()
+    cpu_ops.lora_add_reference(x.float(), want, a.float(), bt.float(), rows, slots, segs)
+    cpu_ops.lora_add_(x, got, a, bt, rows, slots, segs)
+    torch.testing.assert_close(got, want.to(dtype), **TOL[dtype])
+    assert torch.equal(got[perm[14:]], y[perm[14:]])
+
+
+def test_lora_add_refuses_what_it_cannot_run():
+    x, y = torch.zeros(4, 16), torch.zeros(4, 24)
+    a, bt = torch.zeros(2, 6, 16), torch.zeros(2, 6, 24)
+    rows = (torch.tensor([0, 1]),)
+    with pytest.raises(ValueError, match="two slots"):
+        cpu_ops.lora_add_(x, y, a, bt, (torch.tensor([0, 1]), torch.tensor([1])), (0, 1), (24,))
+    with pytest.raises(ValueError, match="below 4"):
+        cpu_ops.lora_add_(x, y, a, bt, (torch.tensor([4]),), (0,), (24,))
+    with pytest.raises(ValueError, match="segments"):
+        cpu_ops.lora_add_(x, y, a, bt, rows, (0,), (12, 8))
+    with pytest.raises(ValueError, match="slots"):
+        cpu_ops.lora_add_(x, y, a, bt, rows, (2,), (24,))
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_ops.lora_add_(x, y, a, torch.zeros(2, 6, 20), rows, (0,), (24,))
+
+
 def test_launchers_refuse_mismatched_inputs():
     """Wrong dtype, a non-contiguous last dimension or a weight of the wrong size is a ValueError."""
     x = torch.zeros(2, 16)

@@ -29,3 +29,35 @@ def test_at_most_max_loras_adapters_run_and_every_request_finishes_exactly():
     assert peak == 2 and waited and h.sched.preemptions == 0
     for req in reqs:
         assert h.tokens[(req.key, 0)] == expected_stream(h, req)[0]
+
+
+def test_requests_of_running_adapters_join_past_one_that_waits_and_it_still_joins():
+    """With both slots taken (adapters 1 and 2) a request of adapter 3 waits; the rows behind it of
+    the base model and of adapter 2 join past it, adapter 1 (the fewer rows: drained) takes none,
+    and adapter 3 joins as soon as adapter 1's rows have left."""
+    h = make_harness(num_blocks=512, max_rows=16, max_loras=2, lora_modules="a=/x b=/y c=/z")
+
+    def submit(i: int, lora: int, max_tokens: int):
+        req = dataclasses.replace(make_request(i, 8, max_tokens=max_tokens, ignore_eos=True), lora=lora)
+        assert h.sched.admit(req).accepted
+        return req
+
+    first = [submit(0, 1, 4), submit(1, 2, 40), submit(2, 2, 40)]
+    h.step()
+    assert all(r.is_running for r in first)
+    waiter = submit(3, 3, 4)
+    behind = [submit(4, 0, 4), submit(5, 2, 4), submit(6, 1, 4)]
+    h.step()
+    assert waiter.is_waiting and behind[0].is_running and behind[1].is_running
+    assert behind[2].is_waiting  # adapter 1 is drained for adapter 3
+    joined_at = None
+    for step in range(20):
+        h.step()
+        if joined_at is None and waiter.is_running:
+            joined_at = step
+            assert not first[0].is_running and behind[2].is_waiting
+    assert joined_at is not None and joined_at <= 6  # adapter 1's 4 tokens, not adapter 2's 40
+    while h.sched.has_work:
+        h.step()
+    for req in first + [waiter] + behind:
+        assert h.tokens[(req.key, 0)] == expected_stream(h, req)[0]
