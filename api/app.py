@@ -4,7 +4,7 @@ Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and
 /v1/responses/{response_id}), POST /v1/messages and /v1/messages/count_tokens (Anthropic's, with
 errors in its shape), DELETE /v1/requests/{request_id},
 GET /v1/models, /v1/models/{id}, /version, /health, /ready, /metrics; vLLM's POST /tokenize and
-/detokenize. Four middlewares, in order: errors in the OpenAI shape (with x-request-id when one
+/detokenize, and /v1/load_lora_adapter and /v1/unload_lora_adapter (admin keys only). Four middlewares, in order: errors in the OpenAI shape (with x-request-id when one
 was assigned); the connection guard (the connection is busy); authentication (deny by default;
 /health and /ready are open, /metrics too unless metrics keys are set); then the body, read within
 body_timeout_s, so no body is read or inflated before its key is checked. Generation responses
@@ -24,7 +24,7 @@ import msgspec
 from aiohttp import web
 
 from ringserve import __version__
-from ringserve.api.auth import METRICS_PATH, PUBLIC_PATHS, Authenticator
+from ringserve.api.auth import ADMIN_PATHS, METRICS_PATH, PUBLIC_PATHS, Authenticator
 from ringserve.api.availability import gpu_not_ready
 from ringserve.api.chat.route import handle_chat_completions
 from ringserve.api.chat.template import ChatTemplate
@@ -34,6 +34,7 @@ from ringserve.api.embeddings.route import handle_embeddings
 from ringserve.api.errors import ApiError, from_http_exception, quoted
 from ringserve.api.gpu_client import GpuClient
 from ringserve.api.gpu_status import GpuStatus
+from ringserve.api.lora_admin.route import handle_load_lora_adapter, handle_unload_lora_adapter
 from ringserve.api.messages.output import error_body as anthropic_error_body
 from ringserve.api.messages.route import MESSAGES_PATHS, handle_count_tokens, handle_messages
 from ringserve.api.metrics import CONTENT_TYPE, render
@@ -120,6 +121,8 @@ def init_app(
         ("DELETE", "/v1/requests/{request_id}", _handle_delete),
         ("GET", "/v1/models", _handle_models),
         ("GET", "/v1/models/{model_id:.+}", _handle_model),
+        ("POST", "/v1/load_lora_adapter", handle_load_lora_adapter),
+        ("POST", "/v1/unload_lora_adapter", handle_unload_lora_adapter),
         ("POST", "/tokenize", handle_tokenize),
         ("POST", "/detokenize", handle_detokenize),
         ("GET", "/version", _handle_version),
@@ -168,6 +171,12 @@ async def _auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     auth = request.app[STATE].auth
     if request.path == METRICS_PATH:
         auth.check_metrics(request)  # raises 401 when metrics keys are set
+    elif request.path in ADMIN_PATHS:
+        try:
+            auth.check_admin(request)
+        except ApiError as err:
+            err.close_connection = request.body_exists
+            raise
     elif request.path not in PUBLIC_PATHS:
         try:
             request[TENANT] = tenant = auth.tenant(request)
@@ -226,6 +235,8 @@ async def _expect_handler(request: web.Request) -> web.StreamResponse | None:
             _check_declared_size(request, st.config.max_body_bytes)
             if request.path == METRICS_PATH:
                 st.auth.check_metrics(request)
+            elif request.path in ADMIN_PATHS:
+                st.auth.check_admin(request)
             elif request.path not in PUBLIC_PATHS:
                 st.auth.tenant(request)
         except ApiError as err:
@@ -304,14 +315,15 @@ def _adapter_card(st: ApiState, name: str) -> dict:
 
 async def _handle_models(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    return _json({"object": "list", "data": [_model_card(st), *(_adapter_card(st, n) for n in st.config.loras)]})
+    adapters = st.adapters(request[TENANT])
+    return _json({"object": "list", "data": [_model_card(st), *(_adapter_card(st, n) for n in adapters)]})
 
 
 async def _handle_model(request: web.Request) -> web.Response:
     """`GET /v1/models/{id}`: the model by its id or by the path it was served from, or an adapter."""
     st = request.app[STATE]
     model_id = request.match_info["model_id"]
-    if model_id in st.config.loras:
+    if model_id in st.adapters(request[TENANT]):
         return _json(_adapter_card(st, model_id))
     # NOTE: an absolute path as the id arrives as /v1/models//abs/path, or with one slash.
     if model_id != st.model_name and model_id not in st.model_aliases and "/" + model_id not in st.model_aliases:
@@ -348,7 +360,8 @@ async def _handle_ready(request: web.Request) -> web.Response:
 async def _handle_metrics(request: web.Request) -> web.Response:
     st = request.app[STATE]
     st.status.publish(st.stats)  # this worker's own numbers as of now; the others' lag <= one period
-    body = render(st.snapshot(), st.model_name, tuple(st.config.loras), st.config.max_loras)
+    loras = {e.stat: e.name for e in st.status.loras()}
+    body = render(st.snapshot(), st.model_name, loras, st.config.max_loras)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

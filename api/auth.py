@@ -9,6 +9,11 @@ tenant. Tenants travel as a short hash, so no key is ever written to shared memo
 
 /metrics is open (a scraper needs no tenant key) unless `--metrics-keys-file FILE` names keys of its
 own: then it needs `Authorization: Bearer <metrics key>`, and no tenant key opens it.
+
+A key's line may restrict it to some LoRA adapters: `KEY adapters=support,legal` runs the base
+model and those adapters only; any other adapter is, to that key, a model that does not exist
+(404, the answer for a name nobody serves, so a key cannot learn which adapters others have).
+The adapter admin routes (`ADMIN_PATHS`) need a key of `--admin-keys-file`, never a tenant's.
 """
 
 from __future__ import annotations
@@ -23,19 +28,35 @@ from ringserve.api.errors import ApiError
 
 METRICS_PATH = "/metrics"
 PUBLIC_PATHS = frozenset({"/health", "/ready", METRICS_PATH})
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 SHARED_TENANT = "shared"
 
 
 def load_keys(path: str | Path) -> frozenset[str]:
     """Read a keys file; an empty file is an error (it would lock every client out)."""
-    keys = []
-    for line in Path(path).read_text().splitlines():
+    return frozenset(load_key_scopes(path))
+
+
+def load_key_scopes(path: str | Path) -> dict[str, frozenset[str] | None]:
+    """A keys file as {key: the adapters it may run, None for all}, from `adapters=a,b` after a key."""
+    keys: dict[str, frozenset[str] | None] = {}
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.strip()
-        if line and not line.startswith("#"):
-            keys.append(line.split()[0])
+        if not line or line.startswith("#"):
+            continue
+        key, *fields = line.split()
+        scope: frozenset[str] | None = None
+        for f in fields:  # a word without "=" is a note
+            name, eq, value = f.partition("=")
+            if not eq:
+                continue
+            if name != "adapters":
+                raise ValueError(f"API keys file {path}, line {number}: unknown field {name!r} (adapters=a,b is known)")
+            scope = frozenset(a for a in value.split(",") if a)
+        keys[key] = scope
     if not keys:
         raise ValueError(f"API keys file {path} holds no keys (one key per line)")
-    return frozenset(keys)
+    return keys
 
 
 def _token_bytes(token: str) -> bytes:
@@ -52,11 +73,33 @@ class Authenticator:
     """Maps a request to its tenant, raising 401 when keys are configured and it has none valid;
     guards /metrics with the metrics keys, when there are any."""
 
-    def __init__(self, keys: frozenset[str] | None = None, metrics_keys: frozenset[str] | None = None) -> None:
+    def __init__(
+        self,
+        keys: frozenset[str] | dict[str, frozenset[str] | None] | None = None,
+        metrics_keys: frozenset[str] | None = None,
+        admin_keys: frozenset[str] | None = None,
+    ) -> None:
         # Compare fixed-length digests so neither a key's length nor its position leaks through time.
         self._digests = _digests(keys)
         self._metrics_digests = _digests(metrics_keys)
+        self._admin_digests = _digests(admin_keys)
         self.enabled = bool(keys)
+        scopes = keys.items() if isinstance(keys, dict) else ()
+        self._scopes = {tenant_of(k): s for k, s in scopes if s is not None}  # by tenant: no key kept
+
+    def adapters_of(self, tenant: str) -> frozenset[str] | None:
+        """The LoRA adapters `tenant` may run; None: every one served."""
+        return self._scopes.get(tenant)
+
+    def check_admin(self, request: web.Request) -> None:
+        """401 unless the request carries an admin key (there are none: the routes are closed)."""
+        token = _bearer(request)
+        if not self._admin_digests or token is None or not _matches(self._admin_digests, token):
+            raise ApiError(
+                401,
+                "This route needs an admin key: send 'Authorization: Bearer <admin key>' (--admin-keys-file).",
+                code="invalid_admin_key",
+            )
 
     def tenant(self, request: web.Request) -> str:
         token = _bearer(request) or request.headers.get("x-api-key", "").strip() or None
@@ -85,7 +128,7 @@ class Authenticator:
             )
 
 
-def _digests(keys: frozenset[str] | None) -> tuple[bytes, ...]:
+def _digests(keys) -> tuple[bytes, ...]:
     return tuple(hashlib.sha256(k.encode()).digest() for k in keys or ())
 
 

@@ -44,13 +44,16 @@ from ringserve.shm.messages import (
     Error,
     Finish,
     FinishReason,
+    LoadLora,
     Message,
     Pooled,
     PromptLogprobs,
     Rejected,
     StepOutput,
     Submit,
+    ToGpu,
     Token,
+    UnloadLora,
     decode,
     encode,
 )
@@ -227,7 +230,12 @@ class FakeGpu(FakeEngine):
         self._deliver = deliver
         self._loop = asyncio.get_running_loop()
 
-    def send(self, msg: Submit | Cancel) -> bool:
+    def send(self, msg: ToGpu) -> bool:
+        if isinstance(msg, (LoadLora, UnloadLora)):  # the fake runs no adapters
+            self._post(
+                Rejected(rid=msg.rid, status=400, code="invalid_request", message="The fake GPU runs no adapters.")
+            )
+            return True
         if self.wire:
             msg = _round_trip(msg)
         if not self.ready:
@@ -346,6 +354,9 @@ class FakeStatus:
 
     def fingerprint_key(self) -> bytes:
         return b""
+
+    def loras(self) -> tuple:
+        return ()  # the fake runs no adapters
 
     def publish(self, own: WorkerStats) -> None:
         """Nowhere to publish: this worker's counters are the only ones."""

@@ -32,10 +32,13 @@ from ringserve.shm.messages import (
     Cancel,
     CancelReason,
     Error,
+    LoadLora,
     Message,
     Rejected,
     StepOutput,
     Submit,
+    ToGpu,
+    UnloadLora,
 )
 from ringserve.shm.ring import RecordTooLarge
 
@@ -51,7 +54,7 @@ class Transport(Protocol):
     def open(self, deliver: Callable[[Message], None]) -> None:
         """Start delivering incoming messages, on the event loop's thread, to `deliver`."""
 
-    def send(self, msg: Submit | Cancel) -> bool:
+    def send(self, msg: ToGpu) -> bool:
         """Push one message; False when the channel is full right now (nothing was sent)."""
 
     def close(self) -> None:
@@ -96,9 +99,10 @@ class GpuClient:
         self._streams: dict[int, RequestStream] = {}
         self.resubmitted = 0  # requests resubmitted after a restart (for tests and stats)
         self._next_rid = first_rid
-        self._pending: deque[Submit | Cancel] = deque()
+        self._pending: deque[ToGpu] = deque()
         self._retry: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._changes: set[int] = set()  # rids of adapter changes waiting for their answer
 
     # lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -166,6 +170,24 @@ class GpuClient:
             extra={"tokens_streamed": 0},
         )
 
+    async def change_loras(self, make: Callable[[int], LoadLora | UnloadLora]) -> None:
+        """Send the adapter change `make(rid)` builds and wait for the GPU process's answer; a
+        refusal raises the ApiError to answer with. Never held over a restart: the caller retries."""
+        if self.restart_hold.restarting:
+            raise ApiError(503, "The GPU process is restarting; retry.", code="gpu_restarting", retry_after_s=1.0)
+        stream = self.open_stream()
+        self._changes.add(stream.rid)
+        self._send(make(stream.rid))
+        try:
+            answer = await stream.admission
+        finally:
+            self._changes.discard(stream.rid)
+            self.release(stream)
+        if isinstance(answer, Rejected):
+            raise ApiError(answer.status, answer.message, code=answer.code)
+        if not isinstance(answer, Accepted):
+            raise ApiError(503, answer.message, code=answer.code, type_=error_type(answer.code), retry_after_s=1.0)
+
     def cancel(self, rid: int, reason: CancelReason = CancelReason.CANCELLED, index: int | None = None) -> None:
         """End the request on the GPU, or only its sample `index` (the others keep running)."""
         stream = self._streams.get(rid)
@@ -229,7 +251,11 @@ class GpuClient:
                 s.set_admission(msg)
         elif type(msg) is Error:
             if msg.rid is None and msg.code == RESTART_CODE:
-                self.restart_hold.on_restart(list(self._streams.values()))
+                for rid in self._changes:  # adapter changes are not resent: their callers retry
+                    streams[rid].set_admission(
+                        Error(code=RESTART_ERROR, rid=rid, message="The GPU process restarted before answering; retry.")
+                    )
+                self.restart_hold.on_restart([s for s in streams.values() if s.rid not in self._changes])
                 # Messages parked for the old rings are void: their Submits are all held (none
                 # streamed), and their Cancels name rows the new process never had.
                 self._pending.clear()
@@ -262,13 +288,13 @@ class GpuClient:
         log.info("worker %d: resubmitted %d requests to the restarted GPU process", self.worker, self.resubmitted)
 
     # outgoing --------------------------------------------------------------------------------
-    def _send(self, msg: Submit | Cancel) -> None:
+    def _send(self, msg: ToGpu) -> None:
         if not self._pending and self._try_send(msg):
             return
         self._pending.append(msg)
         self._schedule_retry()
 
-    def _try_send(self, msg: Submit | Cancel) -> bool:
+    def _try_send(self, msg: ToGpu) -> bool:
         """Push `msg`; False when the channel is full. A message the channel can never take is
         refused to its request (413) rather than parked and retried forever."""
         try:

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from ringserve.api.metrics import StatsSnapshot, from_control
 from ringserve.api.refusals import Refusals
+from ringserve.shm.seqlock import TornReadError
 
 if TYPE_CHECKING:
     from ringserve.api.worker_stats import WorkerStats
-    from ringserve.shm.control import Control
+    from ringserve.shm.control import Control, LoraEntry
 
 log = logging.getLogger("ringserve.api")
 
@@ -69,6 +70,10 @@ class GpuStatus(Protocol):
 
     def fingerprint_key(self) -> bytes:
         """The key request fingerprints are hashed with (`shm.messages.fingerprint`)."""
+        ...
+
+    def loras(self) -> tuple[LoraEntry, ...]:
+        """The LoRA adapters the GPU process serves now."""
         ...
 
 
@@ -132,3 +137,11 @@ class ControlStatus:
 
     def fingerprint_key(self) -> bytes:
         return self.control.fingerprint_key
+
+    def loras(self) -> tuple[LoraEntry, ...]:
+        # NOTE: read per request naming another model than the base, decoded only when it changed
+        try:
+            return self.control.loras()
+        except (TornReadError, OSError) as exc:  # a writer stuck mid-write: no adapter for now
+            log.warning("could not read the LoRA adapter table: %s", exc)
+            return ()

@@ -63,10 +63,14 @@ _LORA_STATS = ("lora_running_", "lora_waiting_")
 
 
 class _SnapshotCollector:
-    def __init__(self, snap: StatsSnapshot, model_name: str, loras: Sequence[str] = (), max_lora: int = 0) -> None:
+    def __init__(
+        self, snap: StatsSnapshot, model_name: str, loras: Mapping[int, str] | Sequence[str] = (), max_lora: int = 0
+    ) -> None:
         self.snap = snap
         self.model_name = model_name
-        self.loras, self.max_lora = loras, max_lora
+        # stats index -> adapter name (a plain list: its positions)
+        self.loras = dict(loras) if isinstance(loras, Mapping) else dict(enumerate(loras))
+        self.max_lora = max_lora
 
     def collect(self) -> Iterator[Metric]:
         gpu = self.snap.gpu
@@ -102,13 +106,14 @@ class _SnapshotCollector:
         yield from self._gateway(gpu)
 
     def _loras(self, gpu: Mapping[str, float]) -> Iterator[Metric]:
-        """Rows running and requests waiting per LoRA adapter, by name (id - 1 is its index)."""
+        """Rows running and requests waiting per LoRA adapter, by name (`Control.loras` gives each
+        one's stats index)."""
         for prefix, metric, doc in (
             ("lora_running", "ringserve_lora_running_rows", "Rows running the LoRA adapter."),
             ("lora_waiting", "ringserve_lora_waiting_requests", "Requests for the LoRA adapter waiting for a row."),
         ):
             family = GaugeMetricFamily(metric, doc, labels=["lora_name"])
-            for i, name in enumerate(self.loras):
+            for i, name in self.loras.items():
                 family.add_metric([name], float(gpu.get(f"{prefix}_{i}", 0.0)))
             yield family
 
@@ -186,8 +191,8 @@ class _SnapshotCollector:
             "LoRA adapters running and waiting, and how many can be resident at once (max_lora).",
             labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
-        running = [n for i, n in enumerate(self.loras) if gpu.get(f"lora_running_{i}", 0.0) > 0]
-        waiting = [n for i, n in enumerate(self.loras) if gpu.get(f"lora_waiting_{i}", 0.0) > 0]
+        running = [n for i, n in self.loras.items() if gpu.get(f"lora_running_{i}", 0.0) > 0]
+        waiting = [n for i, n in self.loras.items() if gpu.get(f"lora_waiting_{i}", 0.0) > 0]
         when = time.time() if self.loras else self.snap.started_at
         lora.add_metric([model, str(self.max_lora if self.loras else 0), ",".join(running), ",".join(waiting)], when)
         yield lora
@@ -249,9 +254,11 @@ def _buckets(stats: Mapping[str, float], hist: S.Histogram) -> tuple[list[tuple[
     return list(zip(bounds, hist.cumulative(stats))), stats.get(f"{hist.name}_sum", 0.0) / 1000.0
 
 
-def render(snap: StatsSnapshot, model_name: str = "", loras: Sequence[str] = (), max_lora: int = 0) -> bytes:
+def render(
+    snap: StatsSnapshot, model_name: str = "", loras: Mapping[int, str] | Sequence[str] = (), max_lora: int = 0
+) -> bytes:
     """The Prometheus text exposition of `snap`; `model_name` labels the `vllm:` series; `loras`
-    names the served adapters in `--lora-modules` order, `max_lora` of them resident at once."""
+    names the served adapters by stats index, `max_lora` of them resident at once."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SnapshotCollector(snap, model_name, loras, max_lora))
     return generate_latest(registry)

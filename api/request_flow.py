@@ -136,7 +136,8 @@ async def read_request(request: web.Request, parse: Callable[..., Body]) -> tupl
         max_tokens_limit=st.config.max_tokens_limit,
         on_ignored=lambda names: note_ignored(request, names),
     )
-    lora = check_model(req.model, st.model_name, st.model_aliases, st.config.loras)
+    base = req.model is None or req.model == st.model_name or req.model in st.model_aliases
+    lora = check_model(req.model, st.model_name, st.model_aliases, () if base else st.adapters(request[TENANT]))
     if lora is not None:
         request[LORA] = lora
     return st, req

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from ringserve.api.gpu_client import RESTART_CODE
 from ringserve.shm.doorbell import Doorbell
-from ringserve.shm.messages import Cancel, Error, Message, Submit, decode, encode
+from ringserve.shm.messages import Error, Message, ToGpu, decode, encode
 from ringserve.shm.ring import Ring
 
 GENERATION_CHECK_S = 0.25
@@ -53,7 +53,7 @@ class RingTransport:
         self._on_bell()  # records pushed before we listened
         self._watch()
 
-    def send(self, msg: Submit | Cancel) -> bool:
+    def send(self, msg: ToGpu) -> bool:
         if not self.requests.try_push(encode(msg)):
             return False
         self.input_bell.ring()

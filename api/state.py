@@ -75,6 +75,13 @@ class ApiState:
         """The server-wide stats /metrics renders."""
         return self.status.snapshot(self.stats)
 
+    def adapters(self, tenant: str) -> tuple[str, ...]:
+        """The LoRA adapters `tenant` may name as its `model`: those the GPU process serves now
+        (`--lora-modules` and runtime-loaded), within the tenant's key's scope."""
+        served = tuple(e.name for e in self.status.loras())
+        scope = self.auth.adapters_of(tenant)
+        return served if scope is None else tuple(n for n in served if n in scope)
+
 
 STATE: web.AppKey[ApiState] = web.AppKey("ringserve_api_state", ApiState)
 TENANT: web.RequestKey[str] = web.RequestKey("ringserve_tenant", str)

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from ringserve.api import last_words, log_filter
 from ringserve.api.app import init_app
-from ringserve.api.auth import Authenticator, load_keys
+from ringserve.api.auth import Authenticator, load_key_scopes, load_keys
 from ringserve.api.chat.template import ChatTemplate, ChatTemplateError
 from ringserve.api.connections import raise_open_file_limit
 from ringserve.api.gpu_client import GpuClient, Transport
@@ -146,8 +146,9 @@ def run_worker(
     codec = TextCodec.from_dir(tokenizer_dir)
     chat_template = _load_chat_template(tokenizer_dir, codec, config.chat_template)
     auth = Authenticator(
-        load_keys(config.api_keys_file) if config.api_keys_file else None,
+        load_key_scopes(config.api_keys_file) if config.api_keys_file else None,
         metrics_keys=load_keys(config.metrics_keys_file) if config.metrics_keys_file else None,
+        admin_keys=load_keys(config.admin_keys_file) if config.admin_keys_file else None,
     )
     sock = sock or listen_socket(config.host, config.port, config.listen_backlog)
 

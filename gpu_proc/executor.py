@@ -277,9 +277,10 @@ def choose_attention(config: Config, model, device: torch.device, kernels=None, 
 
 
 def load_loras(config: Config, model, progress: Callable[[], None]) -> LoraRegistry | None:
-    """The `--lora-modules` adapters, loaded and checked against the model (None: none asked for).
+    """The `--lora-modules` adapters, loaded and checked against the model (None: none asked for,
+    nor any at runtime: `--lora-dir`).
     A bad adapter fails the start, naming it: a missing adapter must not turn into 404s later."""
-    if not config.loras:
+    if not config.loras and not config.lora_dir:
         return None
     registry = LoraRegistry(model.args, config.max_loras, config.max_lora_rank, model.device, model.dtype)
     for name, path in config.loras.items():

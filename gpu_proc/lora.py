@@ -31,6 +31,9 @@ from pathlib import Path
 
 import torch
 
+from ringserve.shm.control import LoraEntry
+from ringserve.shm.messages import MAX_LORA_ADAPTERS
+
 # Fusion groups in the order of their projections' outputs (cpu_ops.BlockWeights): q|k|v, o,
 # gate|up, down. Attribute paths under `model.layers.N.`.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -220,31 +223,71 @@ class LoraStep:
 
 class LoraRegistry:
     """Every loaded adapter (host memory) by id (1, 2, ...; 0 is the base model) and name, and
-    which of them the `LoraSlots` hold, least recently used first."""
+    which of them the `LoraSlots` hold, least recently used first.
+
+    Ids are never reused within a process (the prefix cache salts blocks with them). Each served
+    adapter also holds a stats index below MAX_LORA_ADAPTERS (`table`, the GPU stats'
+    lora_running_<i>): kept across a GPU-process restart for the adapters loaded again. An adapter
+    unloaded while requests of it are queued or running is retired — no longer named, so new
+    requests are 404s — and its weights and index are freed once none is left (`collect`)."""
 
     def __init__(self, args, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype) -> None:
         self.args, self.max_loras, self.max_rank = args, max_loras, max_rank
         self.slots = LoraSlots(args, max_loras, max_rank, device, dtype)
-        self.adapters: dict[int, Adapter] = {}
-        self.ids: dict[str, int] = {}
+        self.adapters: dict[int, Adapter] = {}  # served and retired
+        self.ids: dict[str, int] = {}  # served only
+        self.index: dict[int, int] = {}  # adapter id -> stats index (served and retired)
+        self.runtime: set[int] = set()  # ids loaded by /v1/load_lora_adapter
+        self.retired: set[int] = set()
         self._resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self._next_id = 1
         self.swaps = 0  # slot fills since start (an adapter copied in from the host)
 
     def load(self, name: str, path: str | Path) -> int:
         """Load the adapter at `path` as `name`; its id."""
+        self.check_name(name)
+        return self.add(load_adapter(name, path, self.args, self.max_rank))
+
+    def check_name(self, name: str, pending: int = 0) -> None:
+        """AdapterError unless an adapter `name` may be added (with `pending` loads in progress)."""
         if name in self.ids:
-            raise AdapterError(f"an adapter named {name!r} is already loaded")
-        adapter = load_adapter(name, path, self.args, self.max_rank)
+            raise AdapterError(f"The LoRA adapter {name!r} has already been loaded.")
+        if len(self.index) + pending >= MAX_LORA_ADAPTERS:
+            raise AdapterError(f"At most {MAX_LORA_ADAPTERS} LoRA adapters are served at once; unload one first.")
+
+    def add(self, adapter: Adapter, runtime: bool = False, index: int | None = None) -> int:
+        """Serve a loaded adapter (at stats index `index` if given and free); its id."""
+        self.check_name(adapter.name)
+        used = set(self.index.values())
+        if index is None or index in used or not 0 <= index < MAX_LORA_ADAPTERS:
+            index = min(set(range(MAX_LORA_ADAPTERS)) - used)
         lid, self._next_id = self._next_id, self._next_id + 1
-        self.adapters[lid], self.ids[name] = adapter, lid
+        self.adapters[lid], self.ids[adapter.name], self.index[lid] = adapter, lid, index
+        if runtime:
+            self.runtime.add(lid)
         return lid
 
     def unload(self, name: str) -> int:
+        """Stop serving `name` (KeyError if not served); its id, retired until `collect` frees it."""
         lid = self.ids.pop(name)
-        del self.adapters[lid]
-        self._resident.pop(lid, None)
+        self.retired.add(lid)
         return lid
+
+    def collect(self, live: set[int]) -> None:
+        """Free the retired adapters no request in `live` (ids of queued and running requests) runs."""
+        for lid in self.retired - live:
+            self.retired.discard(lid)
+            self.runtime.discard(lid)
+            del self.adapters[lid], self.index[lid]
+            self._resident.pop(lid, None)
+
+    def table(self) -> list[LoraEntry]:
+        """The served adapters as `Control.set_loras` publishes them, in stats-index order."""
+        entries = [
+            LoraEntry(self.index[lid], name, self.adapters[lid].path, lid in self.runtime)
+            for name, lid in self.ids.items()
+        ]
+        return sorted(entries)
 
     def slots_for(self, ids: set[int]) -> dict[int, int]:
         """A slot for each adapter id in `ids` (at most `max_loras`), filling the least recently

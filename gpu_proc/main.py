@@ -27,6 +27,7 @@ from ringserve.config import Config
 from ringserve.gpu_proc.block_manager import BlockManager
 from ringserve.gpu_proc.grammar_gate import GrammarGate
 from ringserve.gpu_proc.heartbeat import LoopHeartbeat
+from ringserve.gpu_proc.lora_admin import LoraAdmin
 from ringserve.gpu_proc.request import Request
 from ringserve.gpu_proc.scheduler import Scheduler
 from ringserve.rules import GrammarLimits, Violation, submit_violation
@@ -98,6 +99,8 @@ class EngineLoop:
         # constrained Submits wait here until their grammar is compiled (`grammar_gate.py`); the
         # compile threads ring the loop's doorbell as each ends
         self.grammars = GrammarGate(executor.grammar.compiler, GrammarLimits.of(config))
+        # adapters loaded and unloaded at runtime (`lora_admin.py`); a load's read rings the doorbell
+        self.loras = LoraAdmin(getattr(executor.runner, "loras", None), self.control, scheduler, self.input_bell.ring)
         executor.grammar.compiler.on_done = self.input_bell.ring
         self._constrained: dict[tuple[int, int], M.Submit] = {}  # admitted Submits pinning a grammar
         self.release_memory = None  # called when the loop goes idle (the CPU engine's heap)
@@ -109,7 +112,8 @@ class EngineLoop:
     # -- inputs ----------------------------------------------------------------------------------
 
     def drain(self) -> int:
-        """Take every waiting Submit and Cancel; answer admissions at once. Returns records read."""
+        """Take every waiting Submit, Cancel and adapter change; answer admissions at once. Returns
+        records read."""
         n = 0
         for slot, ring in enumerate(self.requests):
             records = ring.pop_many()
@@ -123,6 +127,8 @@ class EngineLoop:
                 elif isinstance(msg, M.Cancel):
                     if not self.scheduler.cancel((slot, msg.rid), msg.reason, msg.index) and msg.index is None:
                         self.grammars.drop(slot, msg.rid)  # it was waiting for its grammar
+                elif isinstance(msg, (M.LoadLora, M.UnloadLora)):
+                    self.loras.handle(msg, self.outboxes[slot].send)
                 else:
                     raise TypeError(f"worker {slot} sent {type(msg).__name__}, which only flows GPU -> worker")
             self.outboxes[slot].flush()
@@ -132,17 +138,10 @@ class EngineLoop:
         broken = submit_violation(msg, self.executor.vocab_size, self.executor.eos_token_ids)
         lora = 0
         if msg.lora is not None:
-            loras = getattr(self.executor.runner, "loras", None)
+            loras = self.loras.registry
             lora = loras.ids.get(msg.lora, 0) if loras is not None else 0
             if not lora:  # the worker checked the name: an adapter unloaded meanwhile
-                self.outboxes[slot].send(
-                    M.Rejected(
-                        rid=msg.rid,
-                        status=404,
-                        code="model_not_found",
-                        message=f"The model {msg.lora!r} does not exist (no such LoRA adapter is loaded).",
-                    )
-                )
+                self.outboxes[slot].send(_no_adapter(msg))
                 return
         if broken is None:
             try:
@@ -165,6 +164,12 @@ class EngineLoop:
         self._admit(slot, msg, req)
 
     def _admit(self, slot: int, msg: M.Submit, req: Request) -> None:
+        loras = self.loras.registry
+        if req.lora and (loras is None or req.lora not in loras.adapters):
+            # unloaded and freed while its grammar compiled: no queued request held it
+            self.grammars.release(msg)
+            self.outboxes[slot].send(_no_adapter(msg))
+            return
         decision = self.scheduler.admit(req)
         reply: M.Accepted | M.Rejected
         if decision.accepted:
@@ -318,6 +323,7 @@ class EngineLoop:
             bell.drain()  # NOTE: before reading the rings, so a push after the read re-arms the bell
             self.drain()
             self.admit_compiled()
+            self.loras.poll()
             now = time.monotonic()
             if now - last_slot_check > 0.05:
                 self.check_worker_slots()
@@ -334,6 +340,15 @@ class EngineLoop:
             elif not ran and any(b.backlog for b in self.outboxes):
                 time.sleep(0.0005)  # only output is pending: give the workers a moment to read
             was_idle = idle
+
+
+def _no_adapter(msg: M.Submit) -> M.Rejected:
+    return M.Rejected(
+        rid=msg.rid,
+        status=404,
+        code="model_not_found",
+        message=f"The model {msg.lora!r} does not exist (no such LoRA adapter is loaded).",
+    )
 
 
 @contextmanager
@@ -386,6 +401,8 @@ def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
     )
     log.info("cost model: %s", describe(sched.costs, config.max_rows, config.prefill_budget, sched.step_target_ms))
     loop = EngineLoop(config, shm, executor, sched)
+    with _beating(control.gpu_heartbeat):
+        loop.loras.restore(control.loras())  # the runtime-loaded adapters of the process before this one
     control.set_model_facts(
         {
             "model": config.model_name or os.path.basename(os.path.normpath(model_dir)),
@@ -413,7 +430,10 @@ def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
     # SIGTERM (the supervisor's stop, sent once the workers have drained) ends the loop between
     # passes, so the process exits 0 rather than dying mid-step.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: setattr(loop, "stopping", True))
-    loop.run()
+    try:
+        loop.run()
+    finally:
+        loop.loras.close()
 
 
 def main(argv: list[str] | None = None) -> int:

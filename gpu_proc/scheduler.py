@@ -117,7 +117,9 @@ class Scheduler:
         )
         self.max_rows = config.max_rows
         self.max_loras = config.max_loras  # distinct LoRA adapters among the running rows
-        self.num_loras = len(config.loras)  # adapters served (ids 1..num_loras), counted in stats()
+        # adapter id -> its stats index (lora_running_<i>), set by the GPU loop from the LoRA registry
+        # (`lora.LoraRegistry.index`); at start the --lora-modules ids 1..N in order
+        self.lora_index: dict[int, int] = {i + 1: i for i in range(len(config.loras))}
         self._draining: int | None = None  # the adapter taking no new rows, for one that waits (_join)
         self.prefill_budget = config.prefill_budget
         self.context_limit = config.context_limit
@@ -801,17 +803,24 @@ class Scheduler:
         )
 
     def _lora_counts(self) -> dict[str, tuple[int, ...]]:
-        """Rows running and requests waiting per adapter (stats' lora_running / lora_waiting)."""
-        if not self.num_loras:
+        """Rows running and requests waiting per adapter, by stats index (stats' lora_running /
+        lora_waiting)."""
+        index = self.lora_index
+        if not index:
             return {}
-        running, waiting = [0] * self.num_loras, [0] * self.num_loras
+        n = max(index.values()) + 1
+        running, waiting = [0] * n, [0] * n
         for r in self._running:
-            if 0 < r.lora <= self.num_loras:
-                running[r.lora - 1] += 1
+            if r.lora in index:
+                running[index[r.lora]] += 1
         for r in self.queue.waiting():
-            if 0 < r.lora <= self.num_loras:
-                waiting[r.lora - 1] += 1
+            if r.lora in index:
+                waiting[index[r.lora]] += 1
         return {"lora_running": tuple(running), "lora_waiting": tuple(waiting)}
+
+    def lora_ids(self) -> set[int]:
+        """The adapters (ids) of the requests queued or running: those whose weights must stay."""
+        return {r.lora for r in self._running if r.lora} | {r.lora for r in self.queue.waiting() if r.lora}
 
     def snapshot(self) -> SchedulerSnapshot:
         """Every book the scheduler keeps, as read-only views (for `check_integrity` and tests)."""

@@ -84,8 +84,12 @@ class Config:
     lora_modules: str = ""
     max_loras: int = 4  # adapters resident at once, so at most this many in one step; others wait
     max_lora_rank: int = 16  # the largest adapter rank served (the resident slots are this wide)
+    # Runtime adapters (`/v1/load_lora_adapter`): checkpoints under this directory only; None: off
+    lora_dir: str | None = None
     api_keys_file: str | None = None
     metrics_keys_file: str | None = None  # keys for /metrics (one per line); None: /metrics is open
+    # keys for the admin routes (/v1/load_lora_adapter, /v1/unload_lora_adapter), never a tenant's
+    admin_keys_file: str | None = None
     # KV pool
     block_size: int = 16
     num_blocks: int = 0  # 0: sized from memory (GPU) or cpu_kv_blocks (CPU)
@@ -267,6 +271,10 @@ class Config:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
         self.loras  # noqa: B018  (parses lora_modules: a bad pair fails here, in the supervisor)
+        if self.lora_dir and not self.admin_keys_file:
+            raise ConfigError("lora_dir: loading adapters at runtime needs admin_keys_file (the routes' keys)")
+        if self.lora_dir and not os.path.isdir(self.lora_dir):
+            raise ConfigError(f"lora_dir: {self.lora_dir} is not a directory")
 
     @property
     def loras(self) -> dict[str, str]:

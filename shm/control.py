@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 import msgspec
 
@@ -22,9 +23,19 @@ from ringserve.shm import stats_schema as S
 from ringserve.shm.in_flight import StepRecord
 from ringserve.shm.seqlock import BlobRegion, StatsRegion, TornReadError
 
-__all__ = ["Control", "ControlError", "TornReadError"]
+__all__ = ["Control", "ControlError", "LoraEntry", "TornReadError"]
 
 _U64 = L.U64
+
+
+class LoraEntry(NamedTuple):
+    """One served LoRA adapter: its stats index (lora_running_<i>), name, checkpoint path, and
+    whether it was loaded at runtime (`/v1/load_lora_adapter`) rather than by `--lora-modules`."""
+
+    stat: int
+    name: str
+    path: str
+    runtime: bool
 
 
 class ControlError(Exception):
@@ -60,6 +71,8 @@ class Control:
         self._gpu_exit = BlobRegion(buf, L.CTRL_GPU_EXIT_OFF, L.CTRL_NOTE_BYTES, "GPU exit note")
         self._restart = BlobRegion(buf, L.CTRL_RESTART_OFF, L.CTRL_NOTE_BYTES, "restart status")
         self._refusals = BlobRegion(buf, L.CTRL_REFUSALS_OFF, L.CTRL_REFUSALS_BYTES, "refused tenants")
+        self._loras = BlobRegion(buf, L.CTRL_LORAS_OFF, L.CTRL_LORAS_BYTES, "LoRA adapters")
+        self._loras_read: tuple[int, tuple[LoraEntry, ...]] = (-1, ())
         self.step_record = StepRecord(buf)
         self._quarantine = BlobRegion(buf, L.CTRL_QUARANTINE_OFF, L.CTRL_QUARANTINE_BYTES, "quarantined requests")
         self._worker_stats: dict[int, StatsRegion] = {}
@@ -174,6 +187,19 @@ class Control:
     @property
     def refusals_sequence(self) -> int:
         return self._refusals.sequence
+
+    def set_loras(self, entries: Iterable[LoraEntry]) -> None:
+        """GPU process: the adapters it serves now (`gpu_proc/lora.py`, `LoraRegistry.table`)."""
+        self._loras.write([list(e) for e in entries])
+
+    def loras(self) -> tuple[LoraEntry, ...]:
+        """The adapters served, as the GPU process last published them (those of an earlier GPU
+        process until the next one publishes). Decoded again only when the blob changed."""
+        seq = self._loras.sequence
+        if seq != self._loras_read[0]:
+            raw = self._loras.read() or []
+            self._loras_read = (seq, tuple(LoraEntry(int(i), str(n), str(p), bool(r)) for i, n, p, r in raw))
+        return self._loras_read[1]
 
     # -- crash attribution (shm/in_flight.py) ---------------------------------------------------
     @property

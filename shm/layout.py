@@ -34,7 +34,7 @@ from enum import IntEnum
 from ringserve.shm import messages
 from ringserve.shm import stats_schema as S
 
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 CACHE_LINE = 64
 PAGE = 4096
 SEGMENT_PREFIX = "ringserve."
@@ -192,7 +192,12 @@ CTRL_QUARANTINE_OFF = _align(CTRL_STEP_OFF + 8 + CTRL_STEP_BYTES)
 CTRL_REFUSALS_OFF = _align(CTRL_QUARANTINE_OFF + 16 + CTRL_QUARANTINE_BYTES)
 CTRL_REFUSALS_BYTES = 4096 - 16
 MAX_REFUSED_TENANTS = 64  # the most queued first; a tenant past them is refused by the GPU process
-CTRL_GPU_STATS_OFF = _align(CTRL_REFUSALS_OFF + 16 + CTRL_REFUSALS_BYTES)
+# The LoRA adapters served (GPU process -> workers, and to the next GPU process): a blob of
+# [[index, name, path, runtime], ...], `index` the adapter's position in the GPU stats'
+# lora_running_<i> / lora_waiting_<i>; written when an adapter is loaded or unloaded.
+CTRL_LORAS_OFF = _align(CTRL_REFUSALS_OFF + 16 + CTRL_REFUSALS_BYTES)
+CTRL_LORAS_BYTES = 48 * 1024 - 16  # MAX_LORA_ADAPTERS of the longest name and path
+CTRL_GPU_STATS_OFF = _align(CTRL_LORAS_OFF + 16 + CTRL_LORAS_BYTES)
 CTRL_WORKERS_OFF = CTRL_GPU_STATS_OFF + stats_region_size(len(S.GPU_STAT_NAMES))
 
 # Per worker slot: one line of slot words, then its stats region.

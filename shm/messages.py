@@ -87,6 +87,7 @@ MAX_SPECULATIVE_TOKENS = 16
 MAX_CACHE_SALT_CHARS = 1024  # vLLM's limit
 MAX_LORA_NAME_CHARS = 128  # an adapter's name (`Submit.lora`)
 MAX_LORA_ADAPTERS = 32  # adapters one server serves (the GPU stats count rows for each)
+MAX_LORA_PATH_CHARS = 1024  # an adapter's checkpoint path (`LoadLora.path`)
 # The logits controls (docs/design.md#sampling) that grow a Submit: entries of `logit_bias`
 # (OpenAI documents 300 as its own limit; we take more), ids of `allowed_token_ids`, and
 # `bad_words` after tokenizing (vLLM's VLLM_MAX_NUM_BAD_WORDS default), each a short token sequence.
@@ -175,6 +176,23 @@ class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel"):
     index: int | None = None  # one sample of an n > 1 request (a stop string ended it); None: all
 
 
+class LoadLora(msgspec.Struct, frozen=True, kw_only=True, tag="load_lora"):
+    """Load the PEFT checkpoint at `path` as adapter `name` (`/v1/load_lora_adapter`); answered
+    with Accepted or Rejected under `rid`, a rid of the sending worker's."""
+
+    rid: int
+    name: str
+    path: str
+
+
+class UnloadLora(msgspec.Struct, frozen=True, kw_only=True, tag="unload_lora"):
+    """Stop serving adapter `name` (`/v1/unload_lora_adapter`): new requests naming it are 404s,
+    those already queued or running finish. Answered like LoadLora."""
+
+    rid: int
+    name: str
+
+
 class Accepted(msgspec.Struct, frozen=True, kw_only=True, tag="accepted"):
     rid: int
     est_gpu_ms: float
@@ -250,11 +268,14 @@ class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
     rid: int | None = None
 
 
-Message = Submit | Cancel | Accepted | Rejected | StepOutput | Error
+Message = Submit | Cancel | LoadLora | UnloadLora | Accepted | Rejected | StepOutput | Error
+ToGpu = Submit | Cancel | LoadLora | UnloadLora  # what a worker sends
 MESSAGE_TYPES = (
     SamplingParams,
     Submit,
     Cancel,
+    LoadLora,
+    UnloadLora,
     Accepted,
     Rejected,
     Token,

@@ -14,7 +14,7 @@ import concurrent.futures
 import openai
 import pytest
 
-from tests.helpers.lora_adapters import make_adapters, peft_greedy
+from tests.helpers.lora_adapters import make_adapters, peft_greedy, served_greedy
 from tests.helpers.server import ServerProcess
 
 NAMES = ("attn-r4", "all-r8", "mlp-r16")
@@ -37,16 +37,7 @@ def _client(srv) -> openai.OpenAI:
 
 
 def _complete(client, model, prompt) -> list[int]:
-    out = client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=NEW_TOKENS,
-        temperature=0.0,
-        logprobs=0,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-    )
-    assert out.model == model
-    return [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
+    return served_greedy(client, model, prompt, NEW_TOKENS)
 
 
 def test_models_lists_the_adapters_with_their_parent(served, tiny_model_dir):

@@ -135,3 +135,48 @@ def test_seeded_samples_of_an_adapter_do_not_depend_on_the_step_s_adapter_mix(ti
     alone = run(["all-r8"])[0]
     mixed = run(["all-r8", "attn-r4", None, "mlp-r16", "o-r2", "all-r8"])
     assert mixed[0] == alone and mixed[5] != alone  # the last one has another prompt
+
+
+def test_an_adapter_unloaded_while_its_requests_run_stays_until_they_end(tiny_model_dir, adapters):
+    """Unloading takes the name away at once (the table the workers read drops it) but keeps the
+    weights, slot and stats index while a queued or running request runs the adapter; a load
+    reads its checkpoint off the loop and is answered once served."""
+    import time
+
+    from ringserve.gpu_proc.lora_admin import LoraAdmin
+    from ringserve.shm import messages as M
+
+    runner = _runner(tiny_model_dir, {"attn-r4": adapters["attn-r4"]})
+    registry = runner.loras
+    published, replies, live = [], [], {1}
+
+    class Control:
+        def set_loras(self, entries):
+            published.append([e.name for e in entries])
+
+    class Scheduler:
+        lora_index: dict = {}
+
+        def lora_ids(self):
+            return set(live)
+
+    admin = LoraAdmin(registry, Control(), Scheduler(), wake=lambda: None)
+    admin.handle(M.UnloadLora(rid=1, name="attn-r4"), replies.append)
+    assert published[-1] == [] and "attn-r4" not in registry.ids and type(replies[-1]) is M.Accepted
+    registry.slots_for({1})  # a running row still runs it
+    admin.poll()
+    assert 1 in registry.adapters and 1 in registry.index
+    live.clear()
+    admin.poll()
+    assert 1 not in registry.adapters and not registry.index
+    admin.handle(M.LoadLora(rid=2, name="all-r8", path=str(adapters["all-r8"])), replies.append)
+    admin.handle(M.LoadLora(rid=3, name="all-r8", path=str(adapters["all-r8"])), replies.append)
+    assert type(replies[-1]) is M.Rejected and "being loaded" in replies[-1].message
+    for _ in range(200):
+        admin.poll()
+        if len(replies) == 3:
+            break
+        time.sleep(0.01)
+    assert type(replies[-1]) is M.Accepted and replies[-1].rid == 2
+    assert published[-1] == ["all-r8"] and registry.ids["all-r8"] == 2  # ids are never reused
+    admin.close()

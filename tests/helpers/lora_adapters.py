@@ -56,3 +56,17 @@ def peft_greedy(
             )
             outs.append(gen[0, len(ids) :].tolist())
     return outs
+
+
+def served_greedy(client, model: str, prompt, new_tokens: int) -> list[int]:
+    """The token ids a server (an openai client) answers `prompt` with under `model`, greedily."""
+    out = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=new_tokens,
+        temperature=0.0,
+        logprobs=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
+    assert out.model == model
+    return [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
