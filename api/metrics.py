@@ -59,7 +59,7 @@ _HIST_HELP = {
 }
 
 
-_LORA_STATS = ("lora_running_", "lora_waiting_")
+_LORA_STATS = ("lora_running_", "lora_waiting_", "lora_finished_", "lora_tokens_")
 
 
 class _SnapshotCollector:
@@ -116,6 +116,14 @@ class _SnapshotCollector:
             for i, name in self.loras.items():
                 family.add_metric([name], float(gpu.get(f"{prefix}_{i}", 0.0)))
             yield family
+        for prefix, metric, doc in (
+            ("lora_finished", "ringserve_lora_finished_sequences", "Sequences of the LoRA adapter that have ended."),
+            ("lora_tokens", "ringserve_lora_generation_tokens", "Tokens generated under the LoRA adapter."),
+        ):
+            counter = CounterMetricFamily(metric, doc, labels=["lora_name"])
+            for i, name in self.loras.items():
+                counter.add_metric([name], float(gpu.get(f"{prefix}_{i}", 0.0)))
+            yield counter
 
     def _attention(self) -> Iterator[Metric]:
         """Which backend serves each attention op (the start-up kernel check's outcome)."""

@@ -121,6 +121,7 @@ class Scheduler:
         # (`lora.LoraRegistry.index`); at start the --lora-modules ids 1..N in order
         self.lora_index: dict[int, int] = {i + 1: i for i in range(len(config.loras))}
         self._draining: int | None = None  # the adapter taking no new rows, for one that waits (_join)
+        self._lora_done: dict[int, list[int]] = {}  # adapter id -> [sequences ended, tokens generated]
         self.prefill_budget = config.prefill_budget
         self.context_limit = config.context_limit
         self.fair_preempt_steps = config.fair_preempt_steps
@@ -730,6 +731,10 @@ class Scheduler:
         )
         self._events.append((slot, finish))
         self._ended_seqs.append(req.seq_id)
+        if req.lora:
+            done = self._lora_done.setdefault(req.lora, [0, 0])
+            done[0] += 1
+            done[1] += len(req.generated)
         if self.spec is not None:
             self.spec.forget(req)
         self.ledger.release(req)
@@ -809,14 +814,24 @@ class Scheduler:
         if not index:
             return {}
         n = max(index.values()) + 1
-        running, waiting = [0] * n, [0] * n
+        running, waiting, finished, tokens = [0] * n, [0] * n, [0] * n, [0] * n
         for r in self._running:
             if r.lora in index:
                 running[index[r.lora]] += 1
         for r in self.queue.waiting():
             if r.lora in index:
                 waiting[index[r.lora]] += 1
-        return {"lora_running": tuple(running), "lora_waiting": tuple(waiting)}
+        for lid in list(self._lora_done):
+            if lid not in index:  # freed: its index may serve another adapter from 0
+                del self._lora_done[lid]
+                continue
+            finished[index[lid]], tokens[index[lid]] = self._lora_done[lid]
+        return {
+            "lora_running": tuple(running),
+            "lora_waiting": tuple(waiting),
+            "lora_finished": tuple(finished),
+            "lora_tokens": tuple(tokens),
+        }
 
     def lora_ids(self) -> set[int]:
         """The adapters (ids) of the requests queued or running: those whose weights must stay."""

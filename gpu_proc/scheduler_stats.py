@@ -47,9 +47,12 @@ class SchedulerStats:
     spec_decode_num_draft_tokens: int
     spec_decode_num_accepted_tokens: int
     spec_decode_accepted_per_position: tuple[int, ...] = ()  # published as spec_accepted_pos_<j>
-    # per LoRA adapter (id - 1): rows running it, requests waiting for it; lora_running_<i>, lora_waiting_<i>
+    # per LoRA adapter, by stats index: rows running it, requests waiting for it, sequences ended
+    # and tokens generated under it since it was loaded; lora_running_<i>, lora_waiting_<i>, ...
     lora_running: tuple[int, ...] = ()
     lora_waiting: tuple[int, ...] = ()
+    lora_finished: tuple[int, ...] = ()
+    lora_tokens: tuple[int, ...] = ()
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {name: getattr(self, name) for name in _STAT_FIELDS}
@@ -65,6 +68,8 @@ _PER_INDEX = (
     ("spec_accepted_pos", "spec_decode_accepted_per_position", MAX_SPECULATIVE_TOKENS),
     ("lora_running", "lora_running", MAX_LORA_ADAPTERS),
     ("lora_waiting", "lora_waiting", MAX_LORA_ADAPTERS),
+    ("lora_finished", "lora_finished", MAX_LORA_ADAPTERS),
+    ("lora_tokens", "lora_tokens", MAX_LORA_ADAPTERS),
 )
 _STAT_FIELDS = tuple(f.name for f in fields(SchedulerStats) if f.name not in {p[1] for p in _PER_INDEX})
 SCHEDULER_STAT_NAMES = _STAT_FIELDS + tuple(f"{prefix}_{j}" for prefix, _, n in _PER_INDEX for j in range(n))

@@ -273,8 +273,6 @@ class Config:
         self.loras  # noqa: B018  (parses lora_modules: a bad pair fails here, in the supervisor)
         if self.lora_dir and not self.admin_keys_file:
             raise ConfigError("lora_dir: loading adapters at runtime needs admin_keys_file (the routes' keys)")
-        if self.lora_dir and not os.path.isdir(self.lora_dir):
-            raise ConfigError(f"lora_dir: {self.lora_dir} is not a directory")
 
     @property
     def loras(self) -> dict[str, str]:

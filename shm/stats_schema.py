@@ -135,7 +135,7 @@ GPU_STATS: tuple[GpuStat, ...] = (
         )
         for j in range(MAX_SPECULATIVE_TOKENS)
     ),
-    # LoRA adapters by their position in --lora-modules (adapter id - 1); /metrics names them
+    # LoRA adapters by their stats index (`Control.loras`), by which /metrics names them
     *(
         GpuStat(
             f"lora_running_{i}",
@@ -152,6 +152,26 @@ GPU_STATS: tuple[GpuStat, ...] = (
             "gauge",
             "ringserve_lora_waiting_requests",
             "Requests for this LoRA adapter waiting for a row.",
+            label=("lora", str(i)),
+        )
+        for i in range(MAX_LORA_ADAPTERS)
+    ),
+    *(
+        GpuStat(
+            f"lora_finished_{i}",
+            "counter",
+            "ringserve_lora_finished_sequences",
+            "Sequences (samples) of this LoRA adapter that have ended, since it was loaded.",
+            label=("lora", str(i)),
+        )
+        for i in range(MAX_LORA_ADAPTERS)
+    ),
+    *(
+        GpuStat(
+            f"lora_tokens_{i}",
+            "counter",
+            "ringserve_lora_generation_tokens",
+            "Tokens generated under this LoRA adapter, since it was loaded.",
             label=("lora", str(i)),
         )
         for i in range(MAX_LORA_ADAPTERS)

@@ -103,3 +103,33 @@ def test_metrics_name_the_running_adapter_for_the_gateway(served):
     assert info.labels["max_lora"] == "2" and "all-r8" in info.labels["running_lora_adapters"].split(",")
     rows = {s.labels["lora_name"]: s.value for s in families["ringserve_lora_running_rows"].samples}
     assert rows["all-r8"] == 1 and set(rows) == set(NAMES)
+
+
+def test_metrics_count_each_adapter_s_sequences_and_tokens(served):
+    """`ringserve_lora_finished_sequences_total` and `..._generation_tokens_total` by adapter name
+    count what ended under each adapter, and nothing of the base model's."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    srv, _ = served
+    client = _client(srv)
+
+    def counts() -> dict[tuple[str, str], float]:
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        out = {}
+        for f in text_string_to_metric_families(text):
+            if f.name in ("ringserve_lora_finished_sequences", "ringserve_lora_generation_tokens"):
+                out |= {(f.name, s.labels["lora_name"]): s.value for s in f.samples if s.name.endswith("_total")}
+        return out
+
+    before = counts()
+    base = client.models.list().data[0].id
+    for model in ("mlp-r16", "mlp-r16", base):
+        _complete(client, model, [5, 6, 7])
+    after = counts()
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta[("ringserve_lora_finished_sequences", "mlp-r16")] == 2
+    assert delta[("ringserve_lora_generation_tokens", "mlp-r16")] == 2 * NEW_TOKENS
+    assert all(v == 0 for (_, name), v in delta.items() if name != "mlp-r16")

@@ -51,7 +51,7 @@ def _schema(name: str) -> dict:
 def m() -> dict:
     """Every manifest by kind, plus the llm-d values under "values"."""
     docs = {}
-    for name in ("deployment.yaml", "service.yaml", "inferencepool.yaml", "httproute.yaml"):
+    for name in ("deployment.yaml", "service.yaml", "inferencepool.yaml", "httproute.yaml", "epp-config.yaml"):
         doc = _load(name)
         docs[doc["kind"]] = doc
     docs["values"] = _load("llm-d-router-values.yaml")
@@ -68,16 +68,18 @@ def _serve_config(m: dict) -> Config:
     container = _container(m)
     assert container["command"] == ["ringserve", "serve"]
     args = vars(_parser().parse_args(container["args"]))
+    if args["lora_modules"] is not None:  # as serve_cli.config_from_args joins vLLM's shape
+        args["lora_modules"] = " ".join(args["lora_modules"])
     return Config.from_env({}, **{k: v for k, v in args.items() if k not in ("shm_dir", "model")})
 
 
 def test_kustomization_lists_every_manifest():
     assert sorted(_load("kustomization.yaml")["resources"]) == sorted(
-        ["deployment.yaml", "service.yaml", "inferencepool.yaml", "httproute.yaml"]
+        ["deployment.yaml", "service.yaml", "inferencepool.yaml", "httproute.yaml", "epp-config.yaml"]
     )
 
 
-@pytest.mark.parametrize("kind", ["Deployment", "Service"])
+@pytest.mark.parametrize("kind", ["Deployment", "Service", "ConfigMap"])
 def test_core_kinds_validate_against_kubernetes_schemas(m, kind):
     kubernetes_validate.validate(m[kind], K8S_VERSION, strict=True)
 
@@ -230,3 +232,23 @@ async def test_the_scraped_path_serves_the_protocol_metrics(m, app_client):
     families = {f.name: f.type for f in text_string_to_metric_families(await resp.text())}
     assert {name: families.get(name) for name in PROTOCOL_METRICS} == PROTOCOL_METRICS
     assert m["values"]["router"]["modelServers"]["type"] == "vllm"  # the picker reads vLLM's names
+
+
+def test_adapters_are_mounted_where_the_flags_read_them_and_the_picker_scores_affinity(m):
+    """The LoRA flags parse (the real parser and Config), every adapter path and the admin keys
+    lie on read-only mounts, and the endpoint picker's profile uses the LoRA-affinity scorer
+    with every plugin it names defined."""
+    config = _serve_config(m)
+    mounts = {v["mountPath"]: v for v in _container(m)["volumeMounts"]}
+
+    def mounted(path: str) -> bool:
+        return any(path.startswith(p.rstrip("/") + "/") and v.get("readOnly") for p, v in mounts.items())
+
+    assert config.loras and all(mounted(p) for p in config.loras.values())
+    assert config.lora_dir in mounts and mounts[config.lora_dir]["readOnly"]
+    assert config.admin_keys_file and mounted(config.admin_keys_file)
+    picker = yaml.safe_load(m["ConfigMap"]["data"]["epp-config.yaml"])
+    defined = {p.get("name", p["type"]) for p in picker["plugins"]}
+    (profile,) = picker["schedulingProfiles"]
+    used = {p["pluginRef"] for p in profile["plugins"]}
+    assert "lora-affinity-scorer" in used and used <= defined
