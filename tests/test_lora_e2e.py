@@ -133,3 +133,22 @@ def test_metrics_count_each_adapter_s_sequences_and_tokens(served):
     assert delta[("ringserve_lora_finished_sequences", "mlp-r16")] == 2
     assert delta[("ringserve_lora_generation_tokens", "mlp-r16")] == 2 * NEW_TOKENS
     assert all(v == 0 for (_, name), v in delta.items() if name != "mlp-r16")
+
+
+def test_responses_messages_and_embeddings_run_the_adapter(served):
+    """The Responses API, Anthropic's Messages API (its own client) and embeddings name and run
+    the adapter too: an adapter's embedding of a text is not the base model's."""
+    import anthropic
+
+    srv, _ = served
+    client = _client(srv)
+    base = client.models.list().data[0].id
+    response = client.responses.create(model="all-r8", input="hi", max_output_tokens=4, temperature=0.0)
+    assert response.model == "all-r8" and response.output_text is not None
+    messages = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    message = messages.messages.create(model="mlp-r16", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert message.model == "mlp-r16" and message.content
+    with pytest.raises(anthropic.NotFoundError):
+        messages.messages.create(model="no-such-adapter", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    vectors = {m: client.embeddings.create(model=m, input="A crow sat").data[0].embedding for m in (base, "all-r8")}
+    assert len(vectors[base]) == len(vectors["all-r8"]) and vectors[base] != vectors["all-r8"]

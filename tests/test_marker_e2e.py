@@ -71,16 +71,18 @@ def _codes() -> list[str]:
     return list(dict.fromkeys("".join(rng.sample(CODE_ALPHABET, 8)) for _ in range(200)))
 
 
-def _ask_all(url: str, codes: list[str]) -> list[str]:
-    async def ask(session, code):
+def _ask_all(url: str, codes: list[str], models: list[str | None] | None = None) -> list[str]:
+    async def ask(session, code, model):
         body = {"prompt": MARKER_PROMPT.format(code=code), "max_tokens": 10, "temperature": 0}
+        if model is not None:
+            body["model"] = model
         async with session.post(url + "/v1/completions", json=body) as resp:
             assert resp.status == 200, await resp.text()
             return (await resp.json())["choices"][0]["text"]
 
     async def main():
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-            return await asyncio.gather(*[ask(s, c) for c in codes])
+            return await asyncio.gather(*[ask(s, c, m) for c, m in zip(codes, models or [None] * len(codes))])
 
     return asyncio.run(main())
 
@@ -120,3 +122,26 @@ def test_planted_swapped_block_tables_are_caught(smollm2_dir, tmp_path):
     problems = marker_violations(codes, answers)
     print(f"planted swapped tables: {len(problems)} violations in {len(codes)} answers")
     assert len(problems) >= len(codes) // 4, problems[:5]
+
+
+def test_marker_with_four_adapters_and_the_base_model_mixed_in_its_steps(smollm2_dir, tmp_path):
+    """The marker test with LoRA adapters: 100 requests spread over the base model and 4 random
+    adapters (small enough that SmolLM2 still copies) with 2 resident slots, through the small
+    pool: steps mix adapters, adapters drain and swap, rows are preempted, blocks are reused under
+    adapter-salted hashes, and still every answer holds its own code and no other's."""
+    import json
+
+    from ringserve.gpu_proc.model.loader import model_args_from_config
+    from ringserve.tools.bench.lora import write_adapter
+
+    args = model_args_from_config(json.loads((smollm2_dir / "config.json").read_text()), smollm2_dir)
+    names = [f"m{i}" for i in range(4)]
+    modules = " ".join(f"{n}={write_adapter(tmp_path / n, args, 8, i, alpha=0.8)}" for i, n in enumerate(names))
+    codes = _codes()[:100]
+    models = [None, *names]
+    with _serve(smollm2_dir, tmp_path / "shm", lora_modules=modules, max_loras=2, dtype="float32") as srv:
+        answers = _ask_all(srv.url, codes, [models[i % len(models)] for i in range(len(codes))])
+        m = srv.metrics()
+        assert srv.stop() == 0, srv.log()
+    assert marker_violations(codes, answers) == []
+    assert m["ringserve_preemptions_total"] > 0, m

@@ -26,8 +26,9 @@ GOAL = 0.8
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_adapter(directory: Path, args, rank: int, seed: int) -> Path:
-    """A random LoRA adapter on every projection of a model of `args`, as PEFT saves one."""
+def write_adapter(directory: Path, args, rank: int, seed: int, alpha: float | None = None) -> Path:
+    """A random LoRA adapter on every projection of a model of `args`, as PEFT saves one: each
+    delta about as large as its projection's input times `alpha / rank` (default 1)."""
     import torch
     from safetensors.torch import save_file
 
@@ -43,7 +44,13 @@ def write_adapter(directory: Path, args, rank: int, seed: int) -> Path:
             tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) / rank
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(TARGETS), "bias": "none"}
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": rank if alpha is None else alpha,
+        "target_modules": list(TARGETS),
+        "bias": "none",
+    }
     (directory / "adapter_config.json").write_text(json.dumps(config))
     return directory
 
