@@ -105,6 +105,7 @@ class AdmissionController:
         pool_fits: bool = True,
         row_wait_ms: Callable[[], float] | None = None,
         floor_tokens: int = 0,
+        extra_ms: float = 0.0,
     ) -> Decision:
         """400 when the request can never run, 429 when the waiting work is over its limit, else 200.
 
@@ -117,6 +118,8 @@ class AdmissionController:
         (`row_wait_ms()`, asked only on refusal), then the waiting work, priced at a full batch,
         drains at about one GPU millisecond per millisecond. Whole seconds, in [1, 60].
         A waiting-work figure that is not a finite number counts as a full queue (fail closed).
+        `extra_ms` is work the request brings beyond its tokens (copying its LoRA adapter into a
+        slot), priced with it.
         """
         total = prompt_tokens + max_tokens
         too_long = context_error(prompt_tokens, max_tokens, self.context_limit)
@@ -139,7 +142,7 @@ class AdmissionController:
                 message=f"{n} sample(s) of {total} tokens do not fit this server's KV cache; "
                 f"lower n, max_tokens or the prompt length",
             )
-        est = self.estimate_ms(prompt_tokens, max_tokens, n, floor_tokens=floor_tokens)
+        est = self.estimate_ms(prompt_tokens, max_tokens, n, floor_tokens=floor_tokens) + extra_ms
         if not math.isfinite(queued_ms):
             queued_ms = self.queue_limit_ms
         if queued_ms > 0 and queued_ms + est > self.queue_limit_ms:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,6 +243,10 @@ class LoraRegistry:
         self._resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self._next_id = 1
         self.swaps = 0  # slot fills since start (an adapter copied in from the host)
+        # Time in slot fills: since `take_fill_ms` last took it, and a running mean per fill (0
+        # before the first): the GPU loop keeps it out of the cost model's step fit and the
+        # scheduler prices a request whose adapter is not resident with it.
+        self._fill_ms, self.fill_ms = 0.0, 0.0
 
     def load(self, name: str, path: str | Path) -> int:
         """Load the adapter at `path` as `name`; its id."""
@@ -307,10 +312,23 @@ class LoraRegistry:
             else:
                 old = next(k for k in self._resident if k not in ids)
                 slot = self._resident.pop(old)
+            t0 = time.perf_counter()
             self.slots.fill(slot, self.adapters[lid])
+            ms = (time.perf_counter() - t0) * 1e3
+            self._fill_ms += ms
+            self.fill_ms = ms if not self.swaps else 0.8 * self.fill_ms + 0.2 * ms
             self._resident[lid] = slot
             self.swaps += 1
         return {lid: self._resident[lid] for lid in ids}
+
+    def take_fill_ms(self) -> float:
+        """Milliseconds spent filling slots since the last call."""
+        ms, self._fill_ms = self._fill_ms, 0.0
+        return ms
+
+    @property
+    def resident(self) -> frozenset[int]:
+        return frozenset(self._resident)
 
     def step(self, token_lora: list[int], device: torch.device) -> LoraStep | None:
         """The `LoraStep` of a step whose tokens run adapters `token_lora` (0: the base model);

@@ -73,6 +73,16 @@ class LoraAdmin:
             if len(self.registry.adapters) != before:
                 self._changed()
 
+    def after_step(self) -> float:
+        """The ms of the step just run that went into slot fills (kept out of the cost model's
+        step fit: a swap is priced per request instead), and the scheduler's view of which
+        adapters are resident and what a fill costs, brought up to date."""
+        registry = self.registry
+        if registry is None or not registry.swaps:
+            return 0.0
+        self.scheduler.lora_resident, self.scheduler.lora_swap_ms = registry.resident, registry.fill_ms
+        return registry.take_fill_ms()
+
     def restore(self, entries: tuple[LoraEntry, ...]) -> None:
         """Load again the runtime-loaded adapters of a previous GPU process's table; one that no
         longer loads is dropped, with a warning (the --lora-modules ones are loaded already)."""

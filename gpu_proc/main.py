@@ -253,7 +253,8 @@ class EngineLoop:
             t0 = time.perf_counter()
             samples = self.executor.step(batch)
             self.forward_ms = (time.perf_counter() - t0) * 1e3
-            self.forward_est_ms = sched.observe_step_time(self.forward_ms)
+            fill_ms = self.loras.after_step()  # LoRA slot fills: priced per request, not per step
+            self.forward_est_ms = sched.observe_step_time(self.forward_ms - fill_ms)
             events = sched.update(samples)
             self.in_flight.end()
             self.step_no += 1

@@ -122,6 +122,10 @@ class Scheduler:
         self.lora_index: dict[int, int] = {i + 1: i for i in range(len(config.loras))}
         self._draining: int | None = None  # the adapter taking no new rows, for one that waits (_join)
         self._lora_done: dict[int, list[int]] = {}  # adapter id -> [sequences ended, tokens generated]
+        # the adapters in the LoRA slots and what copying one in costs (ms), set by the GPU loop
+        # (`lora_admin.LoraAdmin.after_step`): a request of another adapter is priced with a fill
+        self.lora_resident: frozenset[int] = frozenset()
+        self.lora_swap_ms = 0.0
         self.prefill_budget = config.prefill_budget
         self.context_limit = config.context_limit
         self.fair_preempt_steps = config.fair_preempt_steps
@@ -182,6 +186,7 @@ class Scheduler:
             pool_fits=self.kv.fits_pool(req.prompt_len, req.max_tokens, req.n),
             row_wait_ms=self._row_wait_ms,
             floor_tokens=req.sure_tokens,
+            extra_ms=self.lora_swap_ms if req.lora and req.lora not in self.lora_resident else 0.0,
         )
         if decision.accepted:
             seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(63)

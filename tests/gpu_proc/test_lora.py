@@ -180,3 +180,14 @@ def test_an_adapter_unloaded_while_its_requests_run_stays_until_they_end(tiny_mo
     assert type(replies[-1]) is M.Accepted and replies[-1].rid == 2
     assert published[-1] == ["all-r8"] and registry.ids["all-r8"] == 2  # ids are never reused
     admin.close()
+
+
+def test_slot_fills_are_timed_for_the_loop_and_the_scheduler(tiny_model_dir, adapters):
+    runner = _runner(tiny_model_dir, adapters, max_loras=2)
+    registry = runner.loras
+    assert registry.take_fill_ms() == 0.0 and registry.fill_ms == 0.0
+    registry.slots_for({1, 2})
+    assert registry.resident == {1, 2} and registry.fill_ms > 0
+    assert registry.take_fill_ms() > 0 and registry.take_fill_ms() == 0.0
+    registry.slots_for({1, 2})  # resident: nothing copied
+    assert registry.take_fill_ms() == 0.0

@@ -61,3 +61,17 @@ def test_requests_of_running_adapters_join_past_one_that_waits_and_it_still_join
         h.step()
     for req in first + [waiter] + behind:
         assert h.tokens[(req.key, 0)] == expected_stream(h, req)[0]
+
+
+def test_a_request_whose_adapter_is_not_resident_is_priced_with_the_slot_fill():
+    """What copying an adapter into a slot costs (measured by the registry, kept out of the step
+    fit by the GPU loop) is added to the admission price of a request of a non-resident adapter."""
+    h = make_harness(num_blocks=256, max_loras=2, lora_modules="a=/x b=/y")
+    h.sched.lora_resident, h.sched.lora_swap_ms = frozenset({1}), 40.0
+    prices = []
+    for i, lora in enumerate((1, 2, 0)):
+        req = dataclasses.replace(make_request(i, 20, max_tokens=6), lora=lora)
+        decision = h.sched.admit(req)
+        assert decision.accepted
+        prices.append(decision.est_gpu_ms)
+    assert prices[1] == prices[0] + 40.0 and prices[2] == prices[0]
