@@ -276,6 +276,23 @@ def choose_attention(config: Config, model, device: torch.device, kernels=None, 
     return facts
 
 
+def _lora_kernels(dtype, device):
+    """The CUDA LoRA kernels once they pass the start-up check (`lora_cuda.check_lora_kernels`),
+    else None: the deltas then run as the reference's torch ops, and the log says why."""
+    try:
+        from ringserve.gpu_proc.lora_cuda import check_lora_kernels, default_kernels
+
+        kernels = default_kernels()
+        kernels.compile(dtype, device)
+        problem = check_lora_kernels(kernels, dtype, device)
+    except Exception as exc:  # noqa: BLE001 - no CuPy, a compile failure: the reference serves
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem is not None:
+        log.warning("LoRA kernels failed their start-up check (%s); the reference serves the deltas", problem)
+        return None
+    return kernels
+
+
 def load_loras(config: Config, model, progress: Callable[[], None]) -> LoraRegistry | None:
     """The `--lora-modules` adapters, loaded and checked against the model (None: none asked for,
     nor any at runtime: `--lora-dir`).
@@ -289,6 +306,8 @@ def load_loras(config: Config, model, progress: Callable[[], None]) -> LoraRegis
         except AdapterError as exc:
             raise AdapterError(f"--lora-modules {name}={path}: {exc}") from None
         progress()
+    if model.device.type == "cuda":
+        registry.kernels = _lora_kernels(model.dtype, model.device)
     log.info(
         "LoRA adapters: %s (%d resident slots of rank %d, %.1f MB)",
         ", ".join(registry.ids),

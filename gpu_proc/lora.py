@@ -175,6 +175,8 @@ class LoraSlots:
             self.a.append(a)
             self.b.append(b)
         self.shapes = shapes
+        # each group's targets' output widths: the columns each target's ranks write
+        self.segs = {g: tuple(shapes[m][1] for m in ms) for g, ms in GROUPS.items()}
 
     def fill(self, slot: int, adapter: Adapter) -> None:
         """Slot `slot` holds `adapter` (zeros where it trains nothing)."""
@@ -207,11 +209,17 @@ class LoraStep:
     slots: tuple[int, ...]
     rows: tuple[torch.Tensor, ...]
     weights: LoraSlots
+    slot_of: torch.Tensor | None = None  # int32 [T], each token's slot (-1: the base model)
+    kernels: object | None = None  # `lora_cuda.LoraKernels` on CUDA when its start-up check passed
 
     def delta(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """`y[rows] += (x[rows] @ A^T) @ B^T` for each slot's rows: the reference the fused
-        CPU block computes (cpu_block.cpp, lora_add). The slots hold B transposed."""
+        CPU block computes (cpu_block.cpp, lora_add), and the CUDA kernels (lora_cuda.py) when
+        the step has them. The slots hold B transposed."""
         a, b = self.weights.a[layer][group], self.weights.b[layer][group]
+        if self.kernels is not None and self.slot_of is not None:
+            self.kernels.add_(x, y, a, b, self.slot_of, self.weights.segs[group])  # type: ignore[attr-defined]
+            return
         for slot, rows in zip(self.slots, self.rows):
             xs = x.index_select(0, rows)
             y.index_add_(0, rows, (xs @ a[slot].t()) @ b[slot])
@@ -247,6 +255,7 @@ class LoraRegistry:
         # before the first): the GPU loop keeps it out of the cost model's step fit and the
         # scheduler prices a request whose adapter is not resident with it.
         self._fill_ms, self.fill_ms = 0.0, 0.0
+        self.kernels: object | None = None  # the CUDA kernels (lora_cuda.py), set once checked
 
     def load(self, name: str, path: str | Path) -> int:
         """Load the adapter at `path` as `name`; its id."""
@@ -343,4 +352,7 @@ class LoraRegistry:
                 by_slot.setdefault(slots[lid], []).append(i)
         order = sorted(by_slot)
         rows = tuple(torch.tensor(by_slot[s], dtype=torch.int64).to(device) for s in order)
-        return LoraStep(tuple(order), rows, self.slots)
+        if self.kernels is None:
+            return LoraStep(tuple(order), rows, self.slots)
+        slot_of = torch.tensor([slots[lid] if lid else -1 for lid in token_lora], dtype=torch.int32).to(device)
+        return LoraStep(tuple(order), rows, self.slots, slot_of, self.kernels)

@@ -42,13 +42,23 @@ from .cupy_executor import NVRTC_OPTIONS, CupyExecutor, KernelExecutor  # noqa: 
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 PRELUDE_FILE = "common.cu"  # prepended to every kernel file: NVRTC gets one self-contained source
-# quant_linear.cu is not attention: the quantized projections (launchers in gpu_proc/quant_cuda.py)
-# share the NVRTC unit, its prelude and every check of it (compile, resources, harness).
-KERNEL_FILES = ("kv_append.cu", "paged_decode.cu", "paged_prefill.cu", "paged_prefill_tc.cu", "quant_linear.cu")
+# quant_linear.cu and lora_sgmv.cu are not attention: the quantized projections and the LoRA deltas
+# (launchers in gpu_proc/quant_cuda.py, gpu_proc/lora_cuda.py) share the NVRTC unit, its prelude and
+# every check of it (compile, resources, harness).
+KERNEL_FILES = (
+    "kv_append.cu",
+    "paged_decode.cu",
+    "paged_prefill.cu",
+    "paged_prefill_tc.cu",
+    "quant_linear.cu",
+    "lora_sgmv.cu",
+)
 TRAITS = {torch.float16: "RsF16", torch.bfloat16: "RsBF16", torch.float32: "RsF32"}
 QUANT_TRAITS = {"Q4_0": "RsQ4_0", "Q4_1": "RsQ4_1", "Q5_0": "RsQ5_0", "Q5_1": "RsQ5_1", "Q8_0": "RsQ8_0"}
 QGEMV_THREADS = 128  # 4 warps, one output row each (quant_linear.cu)
 QDEQUANT_THREADS = 256
+LORA_SHRINK_WARPS = 4  # ranks per shrink CTA, a warp each (lora_sgmv.cu RS_LORA_WARPS)
+LORA_EXPAND_COLS = 128  # output columns per expand CTA, a thread each (RS_LORA_COLS)
 
 # Query heads per decode CTA. A group of 8 needs more registers than fit without spilling (see
 # paged_decode.cu), so a GQA-8 model runs two CTAs of 4 heads per KV head; 3 serves GQA 3 and 6
@@ -102,6 +112,14 @@ def qdequant_kernel(fmt: str, dtype: torch.dtype) -> str:
     return f"rs_qdequant<{QUANT_TRAITS[fmt]}, {TRAITS[dtype]}>"
 
 
+def lora_shrink_kernel(dtype: torch.dtype) -> str:
+    return f"rs_lora_shrink<{TRAITS[dtype]}>"
+
+
+def lora_expand_kernel(dtype: torch.dtype) -> str:
+    return f"rs_lora_expand<{TRAITS[dtype]}>"
+
+
 def uses_tensor_cores(dtype: torch.dtype, num_heads: int, num_kv_heads: int, capability: tuple[int, int]) -> bool:
     """Prefill runs on tensor cores for fp16/bf16 on sm_80+ when a GQA group fits a tile; fp32 (the
     exact comparison path) and older GPUs use the CUDA-core kernel."""
@@ -150,6 +168,7 @@ def entry_points() -> list[str]:
     for dtype in TRAITS:
         for fmt in QUANT_TRAITS:
             names += [qgemv_kernel(fmt, dtype), qdequant_kernel(fmt, dtype)]
+        names += [lora_shrink_kernel(dtype), lora_expand_kernel(dtype)]
     return names
 
 

@@ -240,6 +240,43 @@ PLANTED = [
         "w + (src * n_blocks + b) * F::kWords",
         "w + (src * (n_blocks - 1) + b) * F::kWords",
     ),
+    # ---- lora_sgmv.cu
+    Planted(
+        "lora shrink: a fan-in tail past the last warp stride dropped",
+        "lora_sgmv.cu",
+        "for (int k = lane; k < in; k += RS_WARP) {",
+        "for (int k = lane; k + RS_WARP <= in; k += RS_WARP) {",
+    ),
+    Planted(
+        "lora shrink: the shuffle tree one level short",
+        "lora_sgmv.cu",
+        "acc = rs_sum_xor<1, RS_WARP>(acc);",
+        "acc = rs_sum_xor<1, RS_WARP / 2>(acc);",
+    ),
+    Planted(
+        "lora expand: a base-model token (slot -1) gets a delta",
+        "lora_sgmv.cu",
+        "    if (s < 0 || o >= out) {",
+        "    if (o >= out) {",
+    ),
+    Planted(
+        "lora expand: target columns read every target's ranks (B's zero blocks not skipped, wrong g)",
+        "lora_sgmv.cu",
+        "const int g = (o >= seg1) + (o >= seg2);",
+        "const int g = (o >= seg1);",
+    ),
+    Planted(
+        "lora expand: the delta written over y instead of added",
+        "lora_sgmv.cu",
+        "*yo = T::from_float(T::to_float(*yo) + acc);",
+        "*yo = T::from_float(acc);",
+    ),
+    Planted(
+        "lora expand: the slot's Bt at the wrong stride",
+        "lora_sgmv.cu",
+        "bt + ((long long)s * rank + g * r) * out + o;",
+        "bt + ((long long)s * rank + g * r) * (out - 1) + o;",
+    ),
     # ---- launchers (snippets follow the formatted source: one argument per line, 16 spaces)
     Planted(
         "launcher: 8 bytes for the 4-byte num_heads",

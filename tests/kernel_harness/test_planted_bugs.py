@@ -71,7 +71,24 @@ def _detectors():
 
         return run
 
+    def lora(segs, r, fan_in, t, dtype):
+        from ringserve.gpu_proc.lora_cuda import LoraKernels, reference_add_
+
+        from .test_lora_kernels import assert_lora_close, make
+
+        x, y, a, bt, slot_of = make(segs, r, fan_in, t, 3, dtype, seed=t)
+        want = y.clone()
+        reference_add_(x, want, a, bt, slot_of)
+
+        def run(kern):
+            got = y.clone()
+            LoraKernels(kern.executor).add_(x, got, a, bt, slot_of, segs)
+            assert_lora_close(got, want, y, slot_of, dtype, "LoRA delta")
+
+        return run
+
     return [
+        ("LoRA q|k|v, 9 tokens, fan-in 40", lora((72, 24, 24), 3, 40, 9, torch.float32)),
         ("decode GQA 4, split 3", decode(3, 300, 8, 2, 64, torch.float16, 3)),
         ("decode GQA 8, planned splits", decode(2, 600, 8, 1, 32, torch.float32, None)),
         ("decode strided q", decode(3, 70, 4, 2, 32, torch.float32, 1, strided=True)),

@@ -401,6 +401,7 @@ GPU_RUN_MODULES = (
     "ringserve.gpu_proc.attention.cupy_backend",
     "ringserve.gpu_proc.attention.self_check",
     "ringserve.gpu_proc.quant_cuda",
+    "ringserve.gpu_proc.lora_cuda",
     "ringserve.tools.bench.kernels",
     "ringserve.tools.bench.step",
     "ringserve.tools.harness.loadtest",

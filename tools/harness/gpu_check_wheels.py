@@ -32,8 +32,9 @@ IMAGE = (
     "psutil",
     "prometheus-client",
 )
-# What `gpu-check` runs beyond the package: pytest for tests/gpu (tests/conftest.py imports hypothesis).
-RUN_TOOLS = ("pytest", "pytest-timeout", "hypothesis")
+# What `gpu-check` runs beyond the package: pytest for tests/gpu (tests/conftest.py imports hypothesis;
+# the LoRA tests make their adapters with PEFT).
+RUN_TOOLS = ("pytest", "pytest-timeout", "hypothesis", "peft")
 # What `pip install --no-build-isolation -e .` builds the checkout with (a Python 3.12 venv has
 # neither), carried whatever the image has.
 BUILD_TOOLS = ("setuptools", "wheel")
