@@ -60,10 +60,11 @@ def _run(cmd: list[str], timeout_s: float, env: dict | None = None) -> tuple[int
 
 
 def _last_json(text: str):
-    """The last JSON object printed on its own (bench tools print one)."""
+    """The last JSON object printed at the start of a line (bench tools print one; whatever they
+    print after it, a table or a note, is not part of it)."""
     start = text.rfind("\n{")
     start = 0 if start < 0 else start + 1
-    return json.loads(text[start:])
+    return json.JSONDecoder().raw_decode(text[start:])[0]
 
 
 def environment() -> dict:
@@ -111,8 +112,10 @@ def tests_status(rc: int, output: str) -> dict:
 def gpu_tests(timeout_s: float = 200) -> dict:
     if not (REPO / "tests" / "gpu").is_dir():
         return {"status": "failed", "why": "tests/gpu not found: run gpu-check from a repository checkout"}
-    rc, out, s = _run([sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider"], timeout_s)
-    return {**tests_status(rc, out), "seconds": round(s, 1), "tail": out[-3000:]}
+    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rfEs", "--tb=line", "-p", "no:cacheprovider"]
+    rc, out, s = _run(cmd, timeout_s)
+    failures = [line[:400] for line in out.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    return {**tests_status(rc, out), "seconds": round(s, 1), "failures": failures[:30], "tail": out[-3000:]}
 
 
 def kernels(timeout_s: float = 120) -> dict:
