@@ -59,7 +59,7 @@ _HIST_HELP = {
 }
 
 
-_LORA_STATS = ("lora_running_", "lora_waiting_", "lora_finished_", "lora_tokens_")
+_LORA_STATS = tuple(f"{prefix}_" for prefix, *_ in S.LORA_STATS)
 
 
 class _SnapshotCollector:
@@ -108,22 +108,11 @@ class _SnapshotCollector:
     def _loras(self, gpu: Mapping[str, float]) -> Iterator[Metric]:
         """Rows running and requests waiting per LoRA adapter, by name (`Control.loras` gives each
         one's stats index)."""
-        for prefix, metric, doc in (
-            ("lora_running", "ringserve_lora_running_rows", "Rows running the LoRA adapter."),
-            ("lora_waiting", "ringserve_lora_waiting_requests", "Requests for the LoRA adapter waiting for a row."),
-        ):
-            family = GaugeMetricFamily(metric, doc, labels=["lora_name"])
+        for prefix, kind, metric, doc in S.LORA_STATS:  # by adapter name, not by the schema's index label
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(metric, doc, labels=["lora_name"])
             for i, name in self.loras.items():
                 family.add_metric([name], float(gpu.get(f"{prefix}_{i}", 0.0)))
             yield family
-        for prefix, metric, doc in (
-            ("lora_finished", "ringserve_lora_finished_sequences", "Sequences of the LoRA adapter that have ended."),
-            ("lora_tokens", "ringserve_lora_generation_tokens", "Tokens generated under the LoRA adapter."),
-        ):
-            counter = CounterMetricFamily(metric, doc, labels=["lora_name"])
-            for i, name in self.loras.items():
-                counter.add_metric([name], float(gpu.get(f"{prefix}_{i}", 0.0)))
-            yield counter
 
     def _attention(self) -> Iterator[Metric]:
         """Which backend serves each attention op (the start-up kernel check's outcome)."""

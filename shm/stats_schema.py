@@ -34,6 +34,24 @@ class GpuStat:
             raise ValueError(f"stat {self.name}: kind must be gauge or counter, got {self.kind!r}")
 
 
+# Per LoRA adapter: (stat prefix, kind, metric, help), one stat per stats index.
+LORA_STATS = (
+    ("lora_running", "gauge", "ringserve_lora_running_rows", "Rows running this LoRA adapter."),
+    ("lora_waiting", "gauge", "ringserve_lora_waiting_requests", "Requests for this LoRA adapter waiting for a row."),
+    (
+        "lora_finished",
+        "counter",
+        "ringserve_lora_finished_sequences",
+        "Sequences (samples) of this LoRA adapter that have ended, since it was loaded.",
+    ),
+    (
+        "lora_tokens",
+        "counter",
+        "ringserve_lora_generation_tokens",
+        "Tokens generated under this LoRA adapter, since it was loaded.",
+    ),
+)
+
 GPU_STATS: tuple[GpuStat, ...] = (
     GpuStat("queue_depth", "gauge", "ringserve_queue_depth", "Requests waiting for a row."),
     GpuStat(
@@ -137,43 +155,8 @@ GPU_STATS: tuple[GpuStat, ...] = (
     ),
     # LoRA adapters by their stats index (`Control.loras`), by which /metrics names them
     *(
-        GpuStat(
-            f"lora_running_{i}",
-            "gauge",
-            "ringserve_lora_running_rows",
-            "Rows running this LoRA adapter.",
-            label=("lora", str(i)),
-        )
-        for i in range(MAX_LORA_ADAPTERS)
-    ),
-    *(
-        GpuStat(
-            f"lora_waiting_{i}",
-            "gauge",
-            "ringserve_lora_waiting_requests",
-            "Requests for this LoRA adapter waiting for a row.",
-            label=("lora", str(i)),
-        )
-        for i in range(MAX_LORA_ADAPTERS)
-    ),
-    *(
-        GpuStat(
-            f"lora_finished_{i}",
-            "counter",
-            "ringserve_lora_finished_sequences",
-            "Sequences (samples) of this LoRA adapter that have ended, since it was loaded.",
-            label=("lora", str(i)),
-        )
-        for i in range(MAX_LORA_ADAPTERS)
-    ),
-    *(
-        GpuStat(
-            f"lora_tokens_{i}",
-            "counter",
-            "ringserve_lora_generation_tokens",
-            "Tokens generated under this LoRA adapter, since it was loaded.",
-            label=("lora", str(i)),
-        )
+        GpuStat(f"{prefix}_{i}", kind, metric, doc, label=("lora", str(i)))
+        for prefix, kind, metric, doc in LORA_STATS
         for i in range(MAX_LORA_ADAPTERS)
     ),
     # the GPU loop's own counters (LOOP_STATS)
