@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 LB_POLICIES = ("least_request", "orca")
 CLUSTER = "ringserve"
+LORA_CLUSTER = "ringserve_lora_fanout"
+LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 ORCA_HEADER = "endpoint-load-metrics"
 REPLICA_HEADER = "x-ringserve-replica"  # host:port of the replica that answered
 
@@ -63,6 +65,9 @@ class FleetSpec:
     upstream_idle_timeout_s: float = 10.0
     max_body_bytes: int = 4 * 1024 * 1024  # a replica's body limit: every body fits the retry buffer
     retry_after_s: int = 1  # on Envoy's own 503s: one health-check interval
+    # The fleet process's server that sends adapter loads and unloads to every replica
+    # (tools/fleet/lora_fanout.py); None (a config for replicas elsewhere): one replica gets them.
+    lora_fanout: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -137,6 +142,40 @@ def _cancel_route(spec: FleetSpec) -> dict:
             },
         },
     }
+
+
+def _lora_routes(spec: FleetSpec) -> list[dict]:
+    """The adapter routes go to the fleet's fan-out server, which waits for every replica: no
+    retries (a load is not idempotent), the time of a checkpoint read per replica."""
+    if spec.lora_fanout is None:
+        return []
+    return [
+        {"match": {"path": path}, "route": {"cluster": LORA_CLUSTER, "timeout": _s(150 * len(spec.endpoints))}}
+        for path in LORA_PATHS
+    ]
+
+
+def _lora_cluster(spec: FleetSpec) -> list[dict]:
+    if spec.lora_fanout is None:
+        return []
+    host, port = spec.lora_fanout
+    return [
+        {
+            "name": LORA_CLUSTER,
+            "type": "STATIC",
+            "connect_timeout": _s(1),
+            "load_assignment": {
+                "cluster_name": LORA_CLUSTER,
+                "endpoints": [
+                    {
+                        "lb_endpoints": [
+                            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+                        ]
+                    }
+                ],
+            },
+        }
+    ]
 
 
 def _status_filter(low: int, high: int) -> dict:
@@ -244,6 +283,7 @@ def _listener(spec: FleetSpec) -> dict:
                     "domains": ["*"],
                     "routes": [
                         _cancel_route(spec),
+                        *_lora_routes(spec),
                         {
                             "match": {"prefix": "/"},
                             "route": {
@@ -354,7 +394,7 @@ def envoy_config(spec: FleetSpec) -> dict:
     """The Envoy bootstrap for `spec`."""
     return {
         "admin": {"address": {"socket_address": {"address": spec.admin_host, "port_value": spec.admin_port}}},
-        "static_resources": {"listeners": [_listener(spec)], "clusters": [_cluster(spec)]},
+        "static_resources": {"listeners": [_listener(spec)], "clusters": [_cluster(spec), *_lora_cluster(spec)]},
     }
 
 

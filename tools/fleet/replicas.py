@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ringserve.tools.fleet.envoy_config import LB_POLICIES, FleetSpec, envoy_config, to_yaml
+from ringserve.tools.fleet.lora_fanout import AdapterSet, FanoutServer
 
 POLL_S = 0.2
 RESTART_BACKOFF_S = (1.0, 30.0)  # first wait, cap; doubles per exit within STABLE_S
@@ -90,6 +91,8 @@ class Fleet:
         self.procs: dict[int, subprocess.Popen] = {}
         self.envoy: subprocess.Popen | None = None
         self.stopping = False
+        self.adapters = AdapterSet(args.serve_args)
+        self.fanout = FanoutServer(self.adapters, self._running)
 
     # -- children -----------------------------------------------------------------------------
     def _serve_args(self, replica: Replica) -> list[str]:
@@ -102,7 +105,10 @@ class Fleet:
             args += ["--shm-dir", self.args.shm_dir]
         if not any(a.startswith("--unready-lead-s") for a in self.args.serve_args):
             args += ["--unready-lead-s", f"{unready_lead_s(spec_from_args(self.args, self.endpoints())):g}"]
-        return args + self.args.serve_args
+        return args + self.args.serve_args + self.adapters.serve_args()
+
+    def _running(self) -> list[tuple[int, str]]:
+        return [(r.index, f"http://127.0.0.1:{r.port}") for r in self.replicas if r.index in self.procs]
 
     def start_replica(self, replica: Replica) -> None:
         env = dict(os.environ)
@@ -122,7 +128,8 @@ class Fleet:
 
     def start_envoy(self) -> None:
         config = self.run_dir / "envoy.yaml"
-        config.write_text(to_yaml(envoy_config(spec_from_args(self.args, self.endpoints()))))
+        spec = spec_from_args(self.args, self.endpoints(), lora_fanout=("127.0.0.1", self.fanout.port))
+        config.write_text(to_yaml(envoy_config(spec)))
         args = [envoy_binary(), "-c", str(config), "--disable-hot-restart", "--log-level", self.args.envoy_log_level]
         if self.args.envoy_concurrency:
             args += ["--concurrency", str(self.args.envoy_concurrency)]
@@ -148,6 +155,7 @@ class Fleet:
 
     # -- running --------------------------------------------------------------------------------
     def start(self) -> None:
+        self.fanout.start()
         for replica in self.replicas:
             self.start_replica(replica)
         self.start_envoy()
@@ -183,7 +191,13 @@ class Fleet:
                     flush=True,
                 )
             elif proc is None and replica.restart_at is not None and now >= replica.restart_at and not self.stopping:
-                self.start_replica(replica)
+                # Not while an adapter change is on its way round the others: started after it,
+                # with the set it leaves (or at the next poll).
+                if self.adapters.lock.acquire(blocking=False):
+                    try:
+                        self.start_replica(replica)
+                    finally:
+                        self.adapters.lock.release()
 
     def run(self) -> int:
         def on_signal(signum, _frame) -> None:
@@ -211,6 +225,8 @@ class Fleet:
 
     def stop(self) -> None:
         """Drain every replica at once while Envoy carries their open streams; then stop Envoy."""
+        if self.fanout.thread.is_alive():
+            self.fanout.stop()
         live = [p for p in self.procs.values() if p.poll() is None]
         for proc in live:
             proc.send_signal(signal.SIGTERM)
@@ -265,8 +281,11 @@ def unready_lead_s(spec: FleetSpec) -> float:
     return spec.health_interval_s * (spec.unhealthy_threshold + 1)
 
 
-def spec_from_args(args: argparse.Namespace, endpoints: tuple[tuple[str, int], ...]) -> FleetSpec:
+def spec_from_args(
+    args: argparse.Namespace, endpoints: tuple[tuple[str, int], ...], lora_fanout: tuple[str, int] | None = None
+) -> FleetSpec:
     return FleetSpec(
+        lora_fanout=lora_fanout,
         endpoints=endpoints,
         listen_host=args.host,
         listen_port=args.port,
