@@ -508,9 +508,15 @@ class Scheduler:
                 )
             )
         shape = StepShape(decode=decode, reads=reads)
+        filling = self._fills({r.lora for r in decoding}, set())
         budget = StepBudget.for_step(
-            self.prefill_budget, self.max_rows, len(seqs), self.step_target_ms - self.costs.step_ms(shape), self.costs
+            self.prefill_budget,
+            self.max_rows,
+            len(seqs),
+            self.step_target_ms - self.costs.step_ms(shape) - self.lora_swap_ms * len(filling),
+            self.costs,
         )
+        budget.filling = filling
         self.last_shape = shape + self._prefill_chunks(prefilling, budget, seqs, sampling)
         ended, self._ended_seqs = self._ended_seqs, []
         # NOTE: `sampling` was appended in lockstep with `seqs`, so it is in batch.sampling_seqs
@@ -589,6 +595,9 @@ class Scheduler:
         added = StepShape()
         for req in prefilling:
             start, total = req.num_computed, req.num_tokens
+            if fills := self._fills({req.lora}, budget.filling):
+                budget.ms_left -= self.lora_swap_ms  # its adapter is copied into a slot before the step
+                budget.filling |= fills
             end = start + budget.chunk_tokens(start, total - start)
             if end == start:
                 break
@@ -622,6 +631,10 @@ class Scheduler:
             added = added + chunk
             charge(req.tenant, end - start, 0)
         return added
+
+    def _fills(self, adapters: set[int], counted: set[int]) -> set[int]:
+        """Of `adapters`, those this step must copy into a slot first, not yet counted in it."""
+        return {a for a in adapters if a and a not in self.lora_resident and a not in counted}
 
     def prefill_budget_for(self, decode_rows: int) -> int:
         """Prompt tokens allowed in a step with `decode_rows` decoding rows (`step_budget.py`)."""

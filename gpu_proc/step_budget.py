@@ -21,7 +21,7 @@ logits and travels in the step's output record).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ringserve.gpu_proc.cost_model import CostModel
 from ringserve.gpu_proc.step_shape import StepShape
@@ -47,6 +47,7 @@ class StepBudget:
     ms_left: float = float("inf")
     costs: CostModel | None = None
     chunks: int = 0
+    filling: set[int] = field(default_factory=set)  # adapters copied into a slot for this step, priced in ms_left
 
     @classmethod
     def for_step(

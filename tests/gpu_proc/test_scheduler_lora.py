@@ -75,3 +75,24 @@ def test_a_request_whose_adapter_is_not_resident_is_priced_with_the_slot_fill():
         assert decision.accepted
         prices.append(decision.est_gpu_ms)
     assert prices[1] == prices[0] + 40.0 and prices[2] == prices[0]
+
+
+def test_a_step_that_fills_a_slot_holds_the_fill_within_its_time_target():
+    """A step whose prompt chunk needs its adapter copied into a slot first has the fill's ms taken
+    from its time target: the chunk is cut shorter, and the estimate plus the fill stays within
+    the target. Once resident, the adapter's chunks are the base model's size again."""
+    from tests.gpu_proc.test_cost_model import calibration
+
+    def chunk(resident: frozenset[int]) -> tuple[int, float]:
+        h = make_harness(
+            num_blocks=512, calibration=calibration(), prefill_budget=256, max_loras=2, lora_modules="a=/x"
+        )
+        h.sched.lora_resident, h.sched.lora_swap_ms = resident, 60.0
+        h.sched.admit(dataclasses.replace(make_request(1, 400, max_tokens=2, ignore_eos=True), lora=1))
+        h.step()
+        return h.sched.last_shape.prefill, h.sched.costs.step_ms(h.sched.last_shape)
+
+    (cold, cold_ms), (warm, warm_ms) = chunk(frozenset()), chunk(frozenset({1}))
+    target = 125.0
+    assert cold < warm and warm_ms <= target, (cold, warm)
+    assert cold_ms + 60.0 <= target, cold_ms
