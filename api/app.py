@@ -42,6 +42,7 @@ from ringserve.api.orca_report import HEADER as LOAD_REPORT_HEADER
 from ringserve.api.orca_report import LoadReport
 from ringserve.api.peer_cancel import PeerCancel
 from ringserve.api.registry import Registry
+from ringserve.api.request_trace import Tracing
 from ringserve.api.responses.route import handle_delete_response, handle_get_response, handle_responses
 from ringserve.api.responses.store import ResponseStore
 from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState, ignored_header
@@ -81,9 +82,10 @@ def init_app(
     `response_store` keeps /v1/responses' stored responses (None: one in memory, this worker's
     alone); `embedding_dims` is the width of the model's hidden states (/v1/embeddings)."""
     guard = ConnectionGuard(config)
+    tracing = Tracing(config, model_name, worker)
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[_error_middleware, guard.middleware, _auth_middleware, guard.read_body],
+        middlewares=[tracing.middleware, _error_middleware, guard.middleware, _auth_middleware, guard.read_body],
     )
     state = ApiState(
         config=config,
@@ -138,6 +140,7 @@ def init_app(
     app.cleanup_ctx.append(_connection_sweep_ctx)
     app.cleanup_ctx.append(_publisher(status.publish, publish_every_s))
     app.cleanup_ctx.append(_response_store_ctx)
+    app.on_cleanup.append(lambda _app: tracing.close())
     if peers is not None:
         app.cleanup_ctx.append(_peers_ctx(peers))
     return app

@@ -28,6 +28,7 @@ from ringserve.api.logprobs import COMPLETION_LOGPROBS, LogprobFormat
 from ringserve.api.prompt_scores import PromptSheet
 from ringserve.api.protocol import OutputOptions
 from ringserve.api.request_stream import PooledChunk, PromptScores
+from ringserve.api.request_trace import timeline_ms
 from ringserve.api.sse import Encoder
 from ringserve.api.stop_strings import StopMatcher
 from ringserve.api.tokenizer import TextCodec
@@ -72,6 +73,7 @@ class Sample:
     logprobs: list | None = None  # per-token logprob entries (non-streaming, when asked for)
     offset: int = 0  # the text offset of the next logprobs entry
     echoed: bool = False
+    finish: Finish | None = None  # the GPU process's record of its end (timing)
 
 
 class Generation:
@@ -96,6 +98,7 @@ class Generation:
         continuous_usage: bool = False,
         show_prompt_logprobs: int | None = None,
         pooled: bool = False,
+        detail: bool = False,
     ) -> None:
         """`encoder` writes the route's SSE events (None: not streaming); `logprobs` is the
         request's setting (None: no logprobs objects), shown as `logprob_format` says; `stop_ids`
@@ -106,6 +109,7 @@ class Generation:
         (an embedding request), added up in `pools`."""
         self.codec = codec
         self.n = n
+        self.detail = detail  # the timing carries each sample's GPU timeline
         self.prompts = prompts
         self.options = options
         skip = options.skip_special_tokens
@@ -207,6 +211,7 @@ class Generation:
 
     def _gpu_finish(self, s: Sample, item: Finish, out: list[bytes]) -> None:
         s.gpu_done = True
+        s.finish = item
         if self.queue_ms is None:
             self.queue_ms = item.queue_ms
         self.gpu_ttft_ms = item.ttft_ms if self.gpu_ttft_ms is None else min(self.gpu_ttft_ms, item.ttft_ms)
@@ -320,9 +325,22 @@ class Generation:
         return self.sample_usage(s) if self.continuous_usage else None
 
     def timing(self) -> dict:
-        """The GPU process's queue and TTFT times; the worker's TTFT if those never came."""
+        """Where the request's time went on the server, ms: its queue wait and TTFT (the worker's
+        TTFT if the GPU's never came), and over the samples finished so far the longest prefill
+        (first join to first token) and decode (first token to last), and their preemptions; with
+        `detail` (the client sent `x-ringserve-timing: 1`) each sample's GPU timeline too."""
         ttft = self.gpu_ttft_ms if self.gpu_ttft_ms is not None else self.worker_ttft_ms
-        return {"queue_ms": self.queue_ms, "ttft_ms": ttft}
+        ends = [s.finish for s in self.samples if s.finish is not None]
+        out: dict[str, Any] = {
+            "queue_ms": self.queue_ms,
+            "ttft_ms": ttft,
+            "prefill_ms": max((f.prefill_ms for f in ends), default=None),
+            "decode_ms": max((f.decode_ms for f in ends), default=None),
+            "preemptions": sum(f.preemptions for f in ends),
+        }
+        if self.detail:
+            out["timeline"] = [timeline_ms(self.arrival, f) for f in ends]
+        return out
 
     def tpot_ms(self) -> float | None:
         """Mean time per output token after the first, as the client saw the tokens arrive."""

@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 from aiohttp import web
 
+from ringserve.api import request_trace
 from ringserve.api.availability import gpu_not_ready
 from ringserve.api.errors import ApiError, error_object, error_status, error_type
 from ringserve.api.generation import Generation
@@ -165,7 +166,9 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
     )
     request_id = st.registry.new_id(request.headers.get("x-request-id") or job.request_id, request[TENANT])
     request[REQUEST_ID] = request_id  # the error middleware puts it on error responses too
-    arrival = time.time()
+    marks = request_trace.current()
+    arrival = marks.arrival if marks is not None else time.time()
+    traced = marks is not None and marks.traced
     client = st.client
     inbox = Inbox()
     streams = [client.open_stream(inbox, p, p * job.n) for p in range(len(job.prompts))]
@@ -173,6 +176,8 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
     st.registry.add(entry)
     st.stats.add("open_streams")
     try:
+        if marks is not None:
+            marks.submitted = time.time()
         await _submit(
             client,
             streams,
@@ -192,6 +197,7 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
                     prompt_logprobs=job.prompt_logprobs,
                     pooling=job.pooling,
                     lora=request.get(LORA),
+                    trace=traced,
                 )
                 for stream, prompt, max_tokens in zip(streams, job.prompts, job.max_tokens)
             ],
@@ -213,7 +219,10 @@ async def run(request: web.Request, st: ApiState, job: Job, output: Output) -> w
             continuous_usage=job.continuous_usage,
             show_prompt_logprobs=job.show_prompt_logprobs,
             pooled=job.pooling is not None,
+            detail=marks is not None and marks.detail,
         )
+        if marks is not None:
+            marks.gen = gen
         if job.stream:
             gen.encoder = output.encoder(request_id, served_model(request, st), int(arrival), job.include_usage)
             return await _stream(request, st, entry, gen, output)
@@ -355,7 +364,10 @@ async def _complete(
     if output.finished is not None:
         await output.finished(entry.request_id, gen)
     body = output.body(entry.request_id, served_model(request, st), gen)
-    return web.Response(body=await _encode(body), content_type="application/json", headers=_headers(request, entry))
+    headers = _headers(request, entry)
+    if gen.detail:
+        headers["Server-Timing"] = request_trace.server_timing(gen.timing())
+    return web.Response(body=await _encode(body), content_type="application/json", headers=headers)
 
 
 ENCODE_SLICE = 2048  # list items encoded between two turns of the event loop

@@ -40,6 +40,7 @@ import msgspec
 from ringserve.api.errors import ApiError, bad_request
 from ringserve.api.grammar_child import frame
 from ringserve.api.grammar_pool import GrammarPool, Outcome
+from ringserve.api.request_trace import note_grammar
 from ringserve.api.tokenizer import TextCodec
 from ringserve.rules import (
     GRAMMAR_TOO_COMPLEX,
@@ -225,13 +226,15 @@ class GrammarChecker:
         """The checked grammar for `spec`, or the ApiError to answer with."""
         job = _job(spec, self.limits)
         key = msgspec.msgpack.encode(job)
-        now = time.monotonic()
+        now, started = time.monotonic(), time.time()
         known = self._known.get(key)
         if known is not None and known[0] > now:
             self._known.move_to_end(key)
             outcome = known[1]
+            note_grammar(started, remembered=True)
         else:
             outcome = await self.pool.run(job)
+            note_grammar(started, remembered=False)
             if outcome.kind == "busy":
                 raise ApiError(
                     503,

@@ -12,7 +12,8 @@ not admission's work yet: it is not charged, and a Cancel or a worker restart dr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from ringserve.gpu_proc.grammar_compile import GPU_TIMEOUT_FACTOR, GrammarCompiler
 from ringserve.rules import GRAMMAR_TOO_COMPLEX, GrammarLimits, compiled_grammar_error, grammar_timeout_error
@@ -24,6 +25,7 @@ class Held:
     slot: int
     msg: M.Submit
     request: object  # the Request built from it, admitted once its grammar is compiled
+    since: float = field(default_factory=time.time)  # held from (its timeline's "grammar" event)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,7 @@ class GrammarGate:
             if job is not None and not job.done:
                 continue
             del self._held[key]
+            held.request.mark("grammar", held.since, time.time())  # type: ignore[attr-defined]
             error = "its compile was forgotten" if job is None else job.error  # NOTE: not reached: held pins it
             refusal = None if error is None else self._refusal(error)
             if refusal is not None:

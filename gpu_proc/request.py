@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from ringserve.gpu_proc.step import RowSampling
-from ringserve.shm.messages import CancelReason, SamplingParams
+from ringserve.shm.messages import MAX_TIMELINE_EVENTS, CancelReason, SamplingParams
 
 WorkerRid = tuple[int, int]  # (worker slot, rid): how a worker names its Submit on its ring
 
@@ -59,6 +59,8 @@ class Request:
     fingerprint: int = 0  # the Submit's (`shm.messages.fingerprint`): names it in the step-in-flight record
     pooling: str | None = None  # an embedding: how its prompt's hidden states pool (`prompt_chunks.py`)
     lora: int = 0  # the LoRA adapter it runs (`lora.LoraRegistry` id); 0: the base model
+    # where its time went (`shm.messages.Finish.timeline`), kept only for a traced Submit
+    timeline: list[tuple[str, float, float, int]] | None = None
     # -- set by the scheduler ------------------------------------------------------------------
     seq_id: int = 0
     row_sampling: RowSampling | None = None  # the sampler's settings, with this sample's seed and index
@@ -80,6 +82,7 @@ class Request:
     prompt_pooled: int = 0  # the next prompt position whose hidden state is pooled
     first_join_ts: float | None = None
     first_token_ts: float | None = None
+    preemptions: int = 0
     # NOTE: derived once: every sampled token of every row is looked up in it (O(1), not O(ids))
     stop_ids: frozenset[int] = field(init=False, default=frozenset())
 
@@ -118,7 +121,21 @@ class Request:
             fingerprint=msg.fingerprint,
             pooling=msg.pooling,
             lora=lora,
+            timeline=[] if msg.trace else None,
         )
+
+    def mark(self, kind: str, start: float, end: float, count: int = 0) -> None:
+        """Add an event to a traced request's timeline (`shm.messages.TIMELINE_KINDS`). The last
+        place is kept for prompt chunks; once full, a chunk extends the last one."""
+        timeline = self.timeline
+        if timeline is None:
+            return
+        if len(timeline) < MAX_TIMELINE_EVENTS - 1:
+            timeline.append((kind, start, end, count))
+        elif kind == "chunk" and timeline[-1][0] == "chunk":
+            timeline[-1] = ("chunk", timeline[-1][1], end, timeline[-1][3] + count)
+        elif kind == "chunk" and len(timeline) < MAX_TIMELINE_EVENTS:
+            timeline.append((kind, start, end, count))
 
     def sibling(self, index: int) -> Request:
         """Sample `index` of the same Submit: the same prompt and settings, none of the state. Only
@@ -138,6 +155,7 @@ class Request:
             cache_salt=self.cache_salt,
             fingerprint=self.fingerprint,
             lora=self.lora,
+            timeline=[] if self.timeline is not None else None,
         )
 
     # -- derived -------------------------------------------------------------------------------

@@ -143,6 +143,8 @@ class Scheduler:
         self._rng = rng or random.Random()
         self._live: dict[WorkerRid, list[Request]] = {}  # every sample of a Submit until all have ended
         self._running: list[Request] = []  # ascending admit_seq: the newest is last
+        self._step_ts = 0.0  # when the last step was built (its traced chunks start then)
+        self._traced_chunks: list[tuple[Request, int]] = []  # of the last step: (request, tokens)
         self.siblings = Siblings(self.kv, config.prefix_caching)
         self.spec = (
             Speculator(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
@@ -313,6 +315,7 @@ class Scheduler:
         """Leave, join and build one step. The batch's block tables are the live lists: valid until
         the next call, and the runner must not change them."""
         now = self.clock() if now is None else now
+        self._step_ts = now
         self._pass += 1
         self._leave(now)
         self._join(now)
@@ -331,6 +334,11 @@ class Scheduler:
         phase made for cancelled and expired requests. Call it after every `schedule()`, even an
         empty one."""
         rows, self._sampling = self._sampling, []
+        if self._traced_chunks:
+            now, built = self.clock(), self._step_ts
+            for req, tokens in self._traced_chunks:
+                req.mark("chunk", built, now, tokens)
+            self._traced_chunks = []
         if self._scorer:
             self._events += self._scorer.results(getattr(samples, "prompt_logprobs", None))
         if self._pooler:
@@ -441,8 +449,10 @@ class Scheduler:
             if req.index == 0:
                 self.prompt_tokens_total += req.prompt_len
             self._running.append(req)
+            req.mark("join", now, now, req.num_tokens - req.num_computed)
         else:
             self._insert_running(req)
+            req.mark("resume", now, now, req.num_tokens - req.num_computed)
         req.state = RequestState.PREFILL
         return True
 
@@ -623,6 +633,8 @@ class Scheduler:
             )
             if samples:
                 sampling.append(req)
+            if req.timeline is not None:
+                self._traced_chunks.append((req, end - start))
             req.num_computed = end
             chunk = StepShape.chunk(start, end - start, samples) + StepShape(
                 logits=len(scoring.targets) if scoring is not None else 0
@@ -652,6 +664,8 @@ class Scheduler:
         req.num_computed = 0
         req.state = RequestState.PREEMPTED
         req.queued_pass, req.queued_ts = self._pass, self.clock()
+        req.preemptions += 1
+        req.mark("preempt", req.queued_ts, req.queued_ts, len(req.generated))
         self.ledger.charge(
             req, self.admission.estimate_ms(req.prompt_len, req.max_tokens, 1, len(req.generated), req.sure_tokens)
         )
@@ -738,6 +752,7 @@ class Scheduler:
         joined = req.first_join_ts if req.first_join_ts is not None else now
         ttft = (req.first_token_ts - req.arrival_ts) * 1000.0 if req.first_token_ts is not None else 0.0
         slot, rid = req.key
+        first = req.first_token_ts
         finish = Finish(
             rid,
             req.index,
@@ -746,6 +761,10 @@ class Scheduler:
             len(req.generated),
             max(0.0, (joined - req.arrival_ts) * 1000.0),
             max(0.0, ttft),
+            max(0.0, (first - joined) * 1000.0) if first is not None else 0.0,
+            max(0.0, (now - first) * 1000.0) if first is not None else 0.0,
+            req.preemptions,
+            req.timeline,
         )
         self._events.append((slot, finish))
         self._ended_seqs.append(req.seq_id)

@@ -179,6 +179,16 @@ class Config:
     # its client resends it (same tenant, prompt and parameters), admitted for this long (422)
     quarantine_s: float = 600.0
     log_level: str = "info"
+    # Request traces (api/request_trace.py, docs/operations.md#traces): an OTLP collector's URL
+    # (http://host:4318 for OTLP/HTTP, its /v1/traces path added; host:4317 with the grpc
+    # protocol); None: off. A client's W3C traceparent is honoured; sample_rate is the share of
+    # requests without a sampled parent that are traced.
+    otlp_traces_endpoint: str | None = None
+    otlp_traces_protocol: str = "http/protobuf"
+    otlp_traces_sample_rate: float = 1.0
+    # Requests of at most this many API keys get their own `tenant` label on /metrics' per-tenant
+    # series (the first keys seen, as hashes); the rest count as "other"
+    metrics_tenants: int = 10
 
     def __post_init__(self) -> None:
         positive = (
@@ -232,6 +242,17 @@ class Config:
         ):  # 0 has a meaning: see the fields
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.otlp_traces_sample_rate <= 1.0:
+            raise ConfigError(f"otlp_traces_sample_rate must be in [0, 1], got {self.otlp_traces_sample_rate}")
+        if self.otlp_traces_protocol not in ("http/protobuf", "grpc"):
+            raise ConfigError(f"otlp_traces_protocol must be http/protobuf or grpc, got {self.otlp_traces_protocol!r}")
+        if self.otlp_traces_endpoint and self.otlp_traces_protocol == "grpc":
+            import importlib.util
+
+            if importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is None:
+                raise ConfigError("otlp_traces_protocol grpc needs the otlp-grpc extra (pip install -e '.[otlp-grpc]')")
+        if self.metrics_tenants < 0:
+            raise ConfigError(f"metrics_tenants must be >= 0, got {self.metrics_tenants}")
         if not 0.0 <= self.admission_margin < 1.0:
             raise ConfigError(f"admission_margin must be in [0, 1), got {self.admission_margin}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

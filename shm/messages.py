@@ -165,6 +165,9 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     pooling: str | None = None
     # The LoRA adapter (`--lora-modules` name) the request runs; None: the base model.
     lora: str | None = None
+    # Record where its time goes on the GPU (`Finish.timeline`): the worker traces it or its
+    # client asked for its timing.
+    trace: bool = False
 
 
 POOLING_TYPES = ("last", "mean")  # the last prompt token's hidden state, or the mean of them all
@@ -217,14 +220,27 @@ class Token(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+MAX_TIMELINE_EVENTS = 64  # per sample; prompt chunks past it merge into the last one
+# What a traced sample's timeline records, each (kind, start, end, count), Unix seconds of the GPU
+# process: "join" / "resume" (it entered the running rows; count: tokens to compute), "chunk" (a
+# step that computed `count` of its prompt or recompute tokens, from the step's build to its
+# samples), "preempt" (its blocks freed; count: tokens generated so far), "grammar" (its matcher
+# compiled before it could queue).
+TIMELINE_KINDS = ("join", "resume", "chunk", "preempt", "grammar")
+
+
 class Finish(msgspec.Struct, frozen=True, array_like=True):
     rid: int
     index: int
     reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
-    queue_ms: float
-    ttft_ms: float
+    queue_ms: float  # arrival at the worker to the first join
+    ttft_ms: float  # arrival at the worker to the first token sampled
+    prefill_ms: float = 0.0  # first join to first token (vLLM's request prefill time)
+    decode_ms: float = 0.0  # first token to the last
+    preemptions: int = 0
+    timeline: list[tuple[str, float, float, int]] | None = None  # a traced sample's (Submit.trace)
 
 
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):

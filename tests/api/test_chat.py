@@ -75,7 +75,7 @@ async def test_stream_chunks_role_content_finish_done(serve, codec, chat_templat
         assert e["choices"][0]["delta"] == {"content": e["text"]} and e["request_id"] == rid
     assert "".join(e["text"] for e in tokens) == "Hi there"
     assert finish["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]
-    assert set(finish["timing"]) == {"queue_ms", "ttft_ms"}
+    assert set(finish["timing"]) == {"queue_ms", "ttft_ms", "prefill_ms", "decode_ms", "preemptions"}
     assert done == "[DONE]"
 
 

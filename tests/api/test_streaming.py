@@ -48,7 +48,10 @@ async def test_stream_event_sequence_and_fields(serve, codec):
     assert "".join(ev["text"] for ev in tokens) == "Hello world"
     assert finish["choices"][0]["finish_reason"] == "length" and finish["request_id"] == request_id
     assert finish["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ids), "total_tokens": 2 * len(ids)}
-    assert set(finish["timing"]) == {"queue_ms", "ttft_ms"} and finish["timing"]["ttft_ms"] >= 0
+    assert (
+        set(finish["timing"]) == {"queue_ms", "ttft_ms", "prefill_ms", "decode_ms", "preemptions"}
+        and finish["timing"]["ttft_ms"] >= 0
+    )
     assert done == "[DONE]"
 
 
@@ -60,7 +63,7 @@ async def test_usage_event_only_with_include_usage(serve, codec):
     usage = events[-2]
     assert usage["choices"] == []
     assert usage["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ids), "total_tokens": 2 * len(ids)}
-    assert set(usage["timing"]) == {"queue_ms", "ttft_ms"}
+    assert set(usage["timing"]) == {"queue_ms", "ttft_ms", "prefill_ms", "decode_ms", "preemptions"}
     assert all(e["choices"] for e in events[:-2])
 
 
