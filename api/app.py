@@ -364,7 +364,7 @@ async def _handle_metrics(request: web.Request) -> web.Response:
     st = request.app[STATE]
     st.status.publish(st.stats)  # this worker's own numbers as of now; the others' lag <= one period
     loras = {e.stat: e.name for e in st.status.loras()}
-    body = render(st.snapshot(), st.model_name, loras, st.config.max_loras)
+    body = render(st.snapshot(), st.model_name, loras, st.config.max_loras, st.status.tenants())
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

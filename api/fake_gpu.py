@@ -358,6 +358,9 @@ class FakeStatus:
     def loras(self) -> tuple:
         return ()  # the fake runs no adapters
 
+    def tenants(self) -> tuple:
+        return ()  # nor keeps per-tenant counts
+
     def publish(self, own: WorkerStats) -> None:
         """Nowhere to publish: this worker's counters are the only ones."""
 

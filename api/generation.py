@@ -149,6 +149,7 @@ class Generation:
         self.first_token_t = 0.0
         self.last_token_t = 0.0
         self.max_gap_s = 0.0
+        self.gaps: list[float] = []  # between two arrivals of tokens, s (vLLM's inter-token latency)
         self.tokens = 0
         self.unfinished = len(self.samples)  # samples without a client-visible finish
         self.stopped: list[int] = []  # samples a stop string ended, whose GPU rows may still run
@@ -273,8 +274,11 @@ class Generation:
         if self.worker_ttft_ms is None:
             self.worker_ttft_ms = (time.time() - self.arrival) * 1000.0
             self.first_token_t = now
-        elif now - self.last_token_t > self.max_gap_s:
-            self.max_gap_s = now - self.last_token_t
+        else:
+            gap = now - self.last_token_t
+            self.gaps.append(gap)
+            if gap > self.max_gap_s:
+                self.max_gap_s = gap
         self.last_token_t = now
 
     def _fail(self, err: Error, out: list[bytes]) -> None:

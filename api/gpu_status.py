@@ -76,6 +76,10 @@ class GpuStatus(Protocol):
         """The LoRA adapters the GPU process serves now."""
         ...
 
+    def tenants(self) -> tuple[str, ...]:
+        """The tenants (hashes) with their own metrics slot, in slot order."""
+        ...
+
 
 class ControlStatus:
     """`GpuStatus` from a supervised server's control block (worker `slot`)."""
@@ -144,4 +148,10 @@ class ControlStatus:
             return self.control.loras()
         except (TornReadError, OSError) as exc:  # a writer stuck mid-write: no adapter for now
             log.warning("could not read the LoRA adapter table: %s", exc)
+            return ()
+
+    def tenants(self) -> tuple[str, ...]:
+        try:
+            return self.control.tenants()
+        except (TornReadError, OSError):  # mid-write: every tenant reads as "other" for this scrape
             return ()

@@ -60,13 +60,43 @@ _HIST_HELP = {
 
 
 _LORA_STATS = tuple(f"{prefix}_" for prefix, *_ in S.LORA_STATS)
+_TENANT_STATS = tuple(f"{prefix}_" for prefix, *_ in S.TENANT_STATS)
+
+# vLLM's request histograms, the series its Grafana dashboards chart: (name, worker histogram,
+# what divides the region's value, help). The worker histograms count ms or tokens.
+_VLLM_HISTOGRAMS = (
+    ("vllm:time_to_first_token_seconds", "ttft_ms", 1000.0, "Time to first token, seconds."),
+    ("vllm:time_per_output_token_seconds", "tpot_ms", 1000.0, "Mean time per output token of a request, seconds."),
+    (
+        "vllm:request_time_per_output_token_seconds",
+        "tpot_ms",
+        1000.0,
+        "Mean time per output token of a request, seconds (vLLM's newer name).",
+    ),
+    ("vllm:inter_token_latency_seconds", "itl_ms", 1000.0, "Time between two arrivals of a request's tokens, seconds."),
+    ("vllm:e2e_request_latency_seconds", "e2e_ms", 1000.0, "Arrival to the last byte of the response, seconds."),
+    ("vllm:request_queue_time_seconds", "queue_ms", 1000.0, "Time waiting for a row on the GPU, seconds."),
+    ("vllm:request_prefill_time_seconds", "prefill_ms", 1000.0, "First join to first token, seconds."),
+    ("vllm:request_decode_time_seconds", "decode_ms", 1000.0, "First token to last token, seconds."),
+    ("vllm:request_inference_time_seconds", "inference_ms", 1000.0, "Prefill and decode time, seconds."),
+    ("vllm:request_prompt_tokens", "prompt_tokens", 1.0, "Prompt tokens of a request."),
+    ("vllm:request_generation_tokens", "generation_tokens", 1.0, "Tokens generated for a request's sample."),
+)
+_REQUEST_HISTOGRAMS = frozenset(h.name for h in S.REQUEST_HISTOGRAMS)
+_HISTS = {h.name: h for h in S.HISTOGRAMS}
 
 
 class _SnapshotCollector:
     def __init__(
-        self, snap: StatsSnapshot, model_name: str, loras: Mapping[int, str] | Sequence[str] = (), max_lora: int = 0
+        self,
+        snap: StatsSnapshot,
+        model_name: str,
+        loras: Mapping[int, str] | Sequence[str] = (),
+        max_lora: int = 0,
+        tenants: Sequence[str] = (),
     ) -> None:
         self.snap = snap
+        self.tenants = tuple(tenants)
         self.model_name = model_name
         # stats index -> adapter name (a plain list: its positions)
         self.loras = dict(loras) if isinstance(loras, Mapping) else dict(enumerate(loras))
@@ -76,8 +106,8 @@ class _SnapshotCollector:
         gpu = self.snap.gpu
         labelled: dict[str, list[S.GpuStat]] = {}
         for stat in S.GPU_STATS:
-            if stat.name.startswith(_LORA_STATS):
-                continue  # by adapter name, below (`_loras`)
+            if stat.name.startswith(_LORA_STATS + _TENANT_STATS):
+                continue  # by adapter name and by tenant, below (`_loras`, `_tenants`)
             if stat.label is not None:
                 labelled.setdefault(stat.metric, []).append(stat)
                 continue
@@ -103,7 +133,31 @@ class _SnapshotCollector:
         yield from _histograms(workers)
         yield from self._attention()
         yield from self._loras(gpu)
+        yield from self._tenant_series(gpu)
         yield from self._gateway(gpu)
+        yield from self._vllm_requests(gpu, workers)
+
+    def _vllm_requests(self, gpu: Mapping[str, float], workers: Mapping[str, float]) -> Iterator[Metric]:
+        """vLLM's request histograms and token counters, labelled `model_name`."""
+        model = self.model_name
+        for name, hist, scale, doc in _VLLM_HISTOGRAMS:
+            family = HistogramMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model], *_buckets(workers, _HISTS[hist], scale))
+            yield family
+        for name, doc, value in (
+            ("vllm:prompt_tokens", "Prompt tokens of admitted requests.", workers.get("prompt_tokens_total", 0.0)),
+            ("vllm:generation_tokens", "Tokens generated and sent.", workers.get("completion_tokens_total", 0.0)),
+            ("vllm:num_preemptions", "Preemptions of running rows.", float(gpu.get("preemptions", 0.0))),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric([model], value)
+            yield counter
+        success = CounterMetricFamily(
+            "vllm:request_success", "Samples finished, by reason.", labels=["model_name", "finished_reason"]
+        )
+        for reason in FINISH_REASONS:
+            success.add_metric([model, _VLLM_REASON.get(reason, reason)], workers.get(f"finished_{reason}", 0.0))
+        yield success
 
     def _loras(self, gpu: Mapping[str, float]) -> Iterator[Metric]:
         """Rows running and requests waiting per LoRA adapter, by name (`Control.loras` gives each
@@ -112,6 +166,21 @@ class _SnapshotCollector:
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(metric, doc, labels=["lora_name"])
             for i, name in self.loras.items():
                 family.add_metric([name], float(gpu.get(f"{prefix}_{i}", 0.0)))
+            yield family
+
+    def _tenant_series(self, gpu: Mapping[str, float]) -> Iterator[Metric]:
+        """Per tenant, by its hash (`tenant_book.py`): the tenants with a slot, then "other" (every
+        tenant without one, and any slot whose name this scrape could not read)."""
+        for prefix, kind, metric, doc in S.TENANT_STATS:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(metric, doc, labels=["tenant"])
+            other = float(gpu.get(f"{prefix}_{S.TENANT_SLOTS - 1}", 0.0))
+            for i in range(S.TENANT_SLOTS - 1):
+                value = float(gpu.get(f"{prefix}_{i}", 0.0))
+                if i < len(self.tenants):
+                    family.add_metric([self.tenants[i]], value)
+                else:
+                    other += value
+            family.add_metric(["other"], other)
             yield family
 
     def _attention(self) -> Iterator[Metric]:
@@ -225,9 +294,14 @@ def _sum_workers(workers: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return total
 
 
+_VLLM_REASON = {"cancelled": "abort", "deadline": "abort_deadline"}  # vLLM's stop, length, abort
+
+
 def _histograms(stats: Mapping[str, float]) -> Iterator[Metric]:
     split: dict[str, HistogramMetricFamily] = {}
     for hist in S.HISTOGRAMS:
+        if hist.name in _REQUEST_HISTOGRAMS:
+            continue  # under vLLM's names (`_vllm_requests`)
         base, _, label = hist.name.partition("_plen_")
         seconds = base.removesuffix("_ms")
         doc = _HIST_HELP.get(base, f"{base}, seconds.")
@@ -245,19 +319,26 @@ def _histograms(stats: Mapping[str, float]) -> Iterator[Metric]:
     yield from split.values()
 
 
-def _buckets(stats: Mapping[str, float], hist: S.Histogram) -> tuple[list[tuple[str, float]], float]:
-    """Cumulative buckets with bounds in seconds (the region counts in ms), and the sum."""
-    bounds = [repr(bound / 1000.0) for bound in hist.bounds] + ["+Inf"]
-    return list(zip(bounds, hist.cumulative(stats))), stats.get(f"{hist.name}_sum", 0.0) / 1000.0
+def _buckets(
+    stats: Mapping[str, float], hist: S.Histogram, scale: float = 1000.0
+) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative buckets and the sum, the region's values divided by `scale` (ms to seconds)."""
+    bounds = [repr(bound / scale) for bound in hist.bounds] + ["+Inf"]
+    return list(zip(bounds, hist.cumulative(stats))), stats.get(f"{hist.name}_sum", 0.0) / scale
 
 
 def render(
-    snap: StatsSnapshot, model_name: str = "", loras: Mapping[int, str] | Sequence[str] = (), max_lora: int = 0
+    snap: StatsSnapshot,
+    model_name: str = "",
+    loras: Mapping[int, str] | Sequence[str] = (),
+    max_lora: int = 0,
+    tenants: Sequence[str] = (),
 ) -> bytes:
     """The Prometheus text exposition of `snap`; `model_name` labels the `vllm:` series; `loras`
-    names the served adapters by stats index, `max_lora` of them resident at once."""
+    names the served adapters by stats index, `max_lora` of them resident at once; `tenants` the
+    tenants with a metrics slot, in slot order."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SnapshotCollector(snap, model_name, loras, max_lora))
+    registry.register(_SnapshotCollector(snap, model_name, loras, max_lora, tenants))
     return generate_latest(registry)
 
 

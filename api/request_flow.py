@@ -332,6 +332,19 @@ def _record(st: ApiState, gen: Generation) -> None:
     tpot = gen.tpot_ms()
     if tpot is not None:
         stats.observe("tpot_ms", tpot, prompt_tokens)
+    stats.observe("e2e_ms", (time.time() - gen.arrival) * 1000.0)
+    stats.observe("prompt_tokens", prompt_tokens)
+    for gap in gen.gaps:
+        stats.observe("itl_ms", gap * 1000.0)
+    for s in gen.samples:
+        f = s.finish
+        if f is None:
+            continue
+        stats.observe("queue_ms", f.queue_ms)
+        stats.observe("prefill_ms", f.prefill_ms)
+        stats.observe("decode_ms", f.decode_ms)
+        stats.observe("inference_ms", f.prefill_ms + f.decode_ms)
+        stats.observe("generation_tokens", s.tokens)
 
 
 def _count_gone(st: ApiState, entry: OpenRequest) -> None:

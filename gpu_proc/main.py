@@ -91,6 +91,7 @@ class EngineLoop:
         self.step_no = 0
         self.forward_ms = self.forward_est_ms = 0.0  # the last step's, measured and as the cost model expected
         self.near_limit: dict[str, tuple[int, int]] = {}  # as last published for the workers' refusals
+        self.published_tenants = -1  # metrics tenants last published (Control.set_tenants): a count, slots only grow
         self.stopping = False
         self.in_flight = self.control.step_record  # which requests the running step holds, for the supervisor
         self.heartbeat = LoopHeartbeat(
@@ -306,6 +307,10 @@ class EngineLoop:
             }
         )
         region.publish()
+        names = self.scheduler.tenants.names
+        if len(names) != self.published_tenants:
+            self.published_tenants = len(names)
+            self.control.set_tenants(names)
         near = self.scheduler.tenants_near_limit(L.MAX_REFUSED_TENANTS)
         if near != self.near_limit:
             self.near_limit = near

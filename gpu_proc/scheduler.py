@@ -81,6 +81,7 @@ from ringserve.gpu_proc.speculation import Speculator, StepYield, accepted_prefi
 from ringserve.gpu_proc.step import SeqStep, StepBatch
 from ringserve.gpu_proc.step_budget import StepBudget, prefill_tokens_for
 from ringserve.gpu_proc.step_shape import StepShape, chunk_reads
+from ringserve.gpu_proc.tenant_book import TenantBook
 from ringserve.rules import finish_reason
 from ringserve.shm.messages import CancelReason, Finish, FinishReason, Pooled, PromptLogprobs, Token
 
@@ -117,6 +118,7 @@ class Scheduler:
         )
         self.max_rows = config.max_rows
         self.max_loras = config.max_loras  # distinct LoRA adapters among the running rows
+        self.tenants = TenantBook(config.metrics_tenants)  # per-tenant counts for /metrics
         # adapter id -> its stats index (lora_running_<i>), set by the GPU loop from the LoRA registry
         # (`lora.LoraRegistry.index`); at start the --lora-modules ids 1..N in order
         self.lora_index: dict[int, int] = {i + 1: i for i in range(len(config.loras))}
@@ -191,6 +193,7 @@ class Scheduler:
             extra_ms=self.lora_swap_ms if req.lora and req.lora not in self.lora_resident else 0.0,
         )
         if decision.accepted:
+            self.tenants.admitted(req.tenant, req.prompt_len)
             seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(63)
             self._queue_samples(self.siblings.fan_out(req, seed, self._seq_ids), decision.est_gpu_ms, starts)
         return decision
@@ -721,6 +724,7 @@ class Scheduler:
             (slot, Token(rid, req.index, tok, float(logprob), top if req.logprobs is not None else None))
         )
         self.queue.charge(req.tenant, 0, 1)
+        self.tenants.generated(req.tenant)
         sp = req.sampling
         reason = finish_reason(
             tok,
@@ -842,6 +846,11 @@ class Scheduler:
             spec_decode_num_accepted_tokens=spec.accepted_tokens if spec else 0,
             spec_decode_accepted_per_position=tuple(spec.accepted_per_position) if spec else (),
             **self._lora_counts(),
+            tenant_requests=tuple(self.tenants.requests),
+            tenant_prompt_tokens=tuple(self.tenants.prompt_tokens),
+            tenant_generation_tokens=tuple(self.tenants.generation_tokens),
+            tenant_running=tuple(self.tenants.gauges(r.tenant for r in self._running)),
+            tenant_waiting=tuple(self.tenants.gauges(r.tenant for r in self.queue.waiting())),
         )
 
     def _lora_counts(self) -> dict[str, tuple[int, ...]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ringserve.shm.messages import MAX_LORA_ADAPTERS, MAX_SPECULATIVE_TOKENS
+from ringserve.shm.messages import MAX_LORA_ADAPTERS, MAX_METRICS_TENANTS, MAX_SPECULATIVE_TOKENS
 
 __all__ = ["SCHEDULER_STAT_NAMES", "SchedulerStats"]
 
@@ -53,6 +53,12 @@ class SchedulerStats:
     lora_waiting: tuple[int, ...] = ()
     lora_finished: tuple[int, ...] = ()
     lora_tokens: tuple[int, ...] = ()
+    # per tenant, by metrics slot (`tenant_book.py`): tenant_requests_<i>, ...
+    tenant_requests: tuple[int, ...] = ()
+    tenant_prompt_tokens: tuple[int, ...] = ()
+    tenant_generation_tokens: tuple[int, ...] = ()
+    tenant_running: tuple[int, ...] = ()
+    tenant_waiting: tuple[int, ...] = ()
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {name: getattr(self, name) for name in _STAT_FIELDS}
@@ -70,6 +76,16 @@ _PER_INDEX = (
     ("lora_waiting", "lora_waiting", MAX_LORA_ADAPTERS),
     ("lora_finished", "lora_finished", MAX_LORA_ADAPTERS),
     ("lora_tokens", "lora_tokens", MAX_LORA_ADAPTERS),
+    *(
+        (name, name, MAX_METRICS_TENANTS + 1)  # the last slot: every tenant without its own ("other")
+        for name in (
+            "tenant_requests",
+            "tenant_prompt_tokens",
+            "tenant_generation_tokens",
+            "tenant_running",
+            "tenant_waiting",
+        )
+    ),
 )
 _STAT_FIELDS = tuple(f.name for f in fields(SchedulerStats) if f.name not in {p[1] for p in _PER_INDEX})
 SCHEDULER_STAT_NAMES = _STAT_FIELDS + tuple(f"{prefix}_{j}" for prefix, _, n in _PER_INDEX for j in range(n))

@@ -11,7 +11,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ringserve.shm.messages import MAX_LORA_ADAPTERS, MAX_LORA_NAME_CHARS, MAX_SPECULATIVE_TOKENS, POOLING_TYPES
+from ringserve.shm.messages import (
+    MAX_LORA_ADAPTERS,
+    MAX_LORA_NAME_CHARS,
+    MAX_METRICS_TENANTS,
+    MAX_SPECULATIVE_TOKENS,
+    POOLING_TYPES,
+)
 
 # How far a step's measured time may run past its estimate (the cost model holds the median within
 # [0.75, 1.33], docs/BENCHMARKS.md#cost-model): the derived step target leaves room for it.
@@ -251,8 +257,8 @@ class Config:
 
             if importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is None:
                 raise ConfigError("otlp_traces_protocol grpc needs the otlp-grpc extra (pip install -e '.[otlp-grpc]')")
-        if self.metrics_tenants < 0:
-            raise ConfigError(f"metrics_tenants must be >= 0, got {self.metrics_tenants}")
+        if not 0 <= self.metrics_tenants <= MAX_METRICS_TENANTS:
+            raise ConfigError(f"metrics_tenants must be in [0, {MAX_METRICS_TENANTS}], got {self.metrics_tenants}")
         if not 0.0 <= self.admission_margin < 1.0:
             raise ConfigError(f"admission_margin must be in [0, 1), got {self.admission_margin}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

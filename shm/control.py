@@ -73,6 +73,7 @@ class Control:
         self._refusals = BlobRegion(buf, L.CTRL_REFUSALS_OFF, L.CTRL_REFUSALS_BYTES, "refused tenants")
         self._loras = BlobRegion(buf, L.CTRL_LORAS_OFF, L.CTRL_LORAS_BYTES, "LoRA adapters")
         self._loras_read: tuple[int, tuple[LoraEntry, ...]] = (-1, ())
+        self._tenants = BlobRegion(buf, L.CTRL_TENANTS_OFF, L.CTRL_TENANTS_BYTES, "metrics tenants")
         self.step_record = StepRecord(buf)
         self._quarantine = BlobRegion(buf, L.CTRL_QUARANTINE_OFF, L.CTRL_QUARANTINE_BYTES, "quarantined requests")
         self._worker_stats: dict[int, StatsRegion] = {}
@@ -200,6 +201,13 @@ class Control:
             raw = self._loras.read() or []
             self._loras_read = (seq, tuple(LoraEntry(int(i), str(n), str(p), bool(r)) for i, n, p, r in raw))
         return self._loras_read[1]
+
+    def set_tenants(self, names: Iterable[str]) -> None:
+        """GPU process: the tenants with their own metrics slot, in slot order."""
+        self._tenants.write(list(names))
+
+    def tenants(self) -> tuple[str, ...]:
+        return tuple(str(n) for n in self._tenants.read() or ())
 
     # -- crash attribution (shm/in_flight.py) ---------------------------------------------------
     @property

@@ -34,7 +34,7 @@ from enum import IntEnum
 from ringserve.shm import messages
 from ringserve.shm import stats_schema as S
 
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 CACHE_LINE = 64
 PAGE = 4096
 SEGMENT_PREFIX = "ringserve."
@@ -197,7 +197,11 @@ MAX_REFUSED_TENANTS = 64  # the most queued first; a tenant past them is refused
 # lora_running_<i> / lora_waiting_<i>; written when an adapter is loaded or unloaded.
 CTRL_LORAS_OFF = _align(CTRL_REFUSALS_OFF + 16 + CTRL_REFUSALS_BYTES)
 CTRL_LORAS_BYTES = 48 * 1024 - 16  # MAX_LORA_ADAPTERS of the longest name and path
-CTRL_GPU_STATS_OFF = _align(CTRL_LORAS_OFF + 16 + CTRL_LORAS_BYTES)
+# The tenants with their own metrics slot (GPU process -> workers): a blob of [hash, ...] in slot
+# order (`gpu_proc/tenant_book.py`), written when a tenant gets a slot.
+CTRL_TENANTS_OFF = _align(CTRL_LORAS_OFF + 16 + CTRL_LORAS_BYTES)
+CTRL_TENANTS_BYTES = 4096 - 16  # MAX_METRICS_TENANTS hashes of 18 characters
+CTRL_GPU_STATS_OFF = _align(CTRL_TENANTS_OFF + 16 + CTRL_TENANTS_BYTES)
 CTRL_WORKERS_OFF = CTRL_GPU_STATS_OFF + stats_region_size(len(S.GPU_STAT_NAMES))
 
 # Per worker slot: one line of slot words, then its stats region.

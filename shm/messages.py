@@ -88,6 +88,7 @@ MAX_CACHE_SALT_CHARS = 1024  # vLLM's limit
 MAX_LORA_NAME_CHARS = 128  # an adapter's name (`Submit.lora`)
 MAX_LORA_ADAPTERS = 32  # adapters one server serves (the GPU stats count rows for each)
 MAX_LORA_PATH_CHARS = 1024  # an adapter's checkpoint path (`LoadLora.path`)
+MAX_METRICS_TENANTS = 32  # tenants with their own label on /metrics (`--metrics-tenants`); the rest: "other"
 # The logits controls (docs/design.md#sampling) that grow a Submit: entries of `logit_bias`
 # (OpenAI documents 300 as its own limit; we take more), ids of `allowed_token_ids`, and
 # `bad_words` after tokenizing (vLLM's VLLM_MAX_NUM_BAD_WORDS default), each a short token sequence.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ringserve.shm.messages import FINISH_REASONS, MAX_LORA_ADAPTERS, MAX_SPECULATIVE_TOKENS
+from ringserve.shm.messages import FINISH_REASONS, MAX_LORA_ADAPTERS, MAX_METRICS_TENANTS, MAX_SPECULATIVE_TOKENS
 
 STEP_KINDS = ("decode", "prefill", "mixed")  # the cost model's audit (gpu_proc/cost_model.StepAudit)
 
@@ -35,6 +35,21 @@ class GpuStat:
 
 
 # Per LoRA adapter: (stat prefix, kind, metric, help), one stat per stats index.
+# Per tenant by its metrics slot (`Control.tenants` names slots 0..; the last slot,
+# MAX_METRICS_TENANTS, counts every tenant without one: "other"): (stat prefix, kind, metric, help)
+TENANT_STATS = (
+    ("tenant_requests", "counter", "ringserve_tenant_requests", "Requests admitted, by tenant (an API key's hash)."),
+    (
+        "tenant_prompt_tokens",
+        "counter",
+        "ringserve_tenant_prompt_tokens",
+        "Prompt tokens of admitted requests, by tenant.",
+    ),
+    ("tenant_generation_tokens", "counter", "ringserve_tenant_generation_tokens", "Tokens generated, by tenant."),
+    ("tenant_running", "gauge", "ringserve_tenant_running_rows", "Rows running on the GPU, by tenant."),
+    ("tenant_waiting", "gauge", "ringserve_tenant_waiting_requests", "Requests waiting for a row, by tenant."),
+)
+TENANT_SLOTS = MAX_METRICS_TENANTS + 1
 LORA_STATS = (
     ("lora_running", "gauge", "ringserve_lora_running_rows", "Rows running this LoRA adapter."),
     ("lora_waiting", "gauge", "ringserve_lora_waiting_requests", "Requests for this LoRA adapter waiting for a row."),
@@ -159,6 +174,11 @@ GPU_STATS: tuple[GpuStat, ...] = (
         for prefix, kind, metric, doc in LORA_STATS
         for i in range(MAX_LORA_ADAPTERS)
     ),
+    *(
+        GpuStat(f"{prefix}_{i}", kind, metric, doc, label=("tenant_slot", str(i)))
+        for prefix, kind, metric, doc in TENANT_STATS
+        for i in range(TENANT_SLOTS)
+    ),
     # the GPU loop's own counters (LOOP_STATS)
     GpuStat("step_ms", "gauge", "ringserve_step_ms", "Duration of the last GPU step, ms.", loop=True),
     GpuStat("steps", "counter", "ringserve_steps", "Steps the GPU loop has run.", loop=True),
@@ -224,10 +244,28 @@ PROMPT_LEN_LABELS = tuple(f"{lo}_{hi}" for lo, hi in zip((0, *PROMPT_LEN_BOUNDS)
     f"{PROMPT_LEN_BOUNDS[-1]}_plus",
 )
 
+E2E_MS_BOUNDS = (50, 100, 250, 500, 1000, 2500, 5000, 10000, 20000, 30000, 60000, 120000, 300000, 600000)
+TOKEN_COUNT_BOUNDS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+# Per request (its samples each, but e2e and prompt tokens), as vLLM's request histograms
+# (`api/metrics.py` renders them under vLLM's names only): from arrival to the last byte; the GPU
+# process's queue wait, prefill (first join to first token), decode (first to last token) and both;
+# the gaps between token arrivals; the prompt and generated token counts.
+REQUEST_HISTOGRAMS: tuple[Histogram, ...] = (
+    Histogram("e2e_ms", E2E_MS_BOUNDS),
+    Histogram("queue_ms", TTFT_MS_BOUNDS),
+    Histogram("prefill_ms", TTFT_MS_BOUNDS),
+    Histogram("decode_ms", E2E_MS_BOUNDS),
+    Histogram("inference_ms", E2E_MS_BOUNDS),
+    Histogram("itl_ms", TPOT_MS_BOUNDS),
+    Histogram("prompt_tokens", TOKEN_COUNT_BOUNDS),
+    Histogram("generation_tokens", TOKEN_COUNT_BOUNDS),
+)
+
 HISTOGRAMS: tuple[Histogram, ...] = (
     Histogram("ttft_ms", TTFT_MS_BOUNDS),
     Histogram("tpot_ms", TPOT_MS_BOUNDS),
     Histogram("max_gap_ms", (25, 50, 100, 250, 500, 1000, 2500, 5000)),
+    *REQUEST_HISTOGRAMS,
 ) + tuple(
     Histogram(f"{base}_plen_{label}", bounds)
     for base, bounds in (("ttft_ms", TTFT_MS_BOUNDS), ("tpot_ms", TPOT_MS_BOUNDS))

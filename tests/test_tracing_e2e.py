@@ -131,6 +131,12 @@ def test_each_streamed_preempted_constrained_request_is_one_trace_that_adds_up(t
             preempted += 1
             assert by_name.get("ringserve.recompute.chunk"), "a preempted request recomputes"
     assert preempted >= 1, "the pool was meant to be too small for every row"
+    # the dashboards' series, from the same requests, measured on the GPU
+    m = srv.metrics()
+    assert m["vllm:request_prefill_time_seconds_count"] >= REQUESTS  # (the reader drops model_name)
+    assert m["vllm:request_prefill_time_seconds_sum"] > 0 and m["vllm:request_decode_time_seconds_sum"] > 0
+    assert m["vllm:num_preemptions_total"] >= preempted
+    assert m[f'ringserve_tenant_requests_total{{tenant="{tenant_of(KEY)}"}}'] >= REQUESTS
     exported = b"".join(receiver.bodies)
     assert PROMPT.encode() not in exported and b"quick brown" not in exported and KEY.encode() not in exported
     for *_, text, _ in results:

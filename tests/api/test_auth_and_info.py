@@ -95,6 +95,33 @@ async def test_metrics_scrape_parses(serve):
     assert samples[("ringserve_ttft_seconds_bucket", (("le", "+Inf"),))] == 1.0
 
 
+async def test_metrics_have_vllms_request_histograms_labelled_with_the_model(serve):
+    """The series vLLM's dashboards chart, each with `model_name`: one request of 3 tokens is one
+    observation in every request histogram, its latencies ordered as they nest (queue and prefill
+    within TTFT within e2e), and counted in the token and finish-reason counters."""
+    served = await serve()
+    await served.client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "stream": True})
+    text = await (await served.client.get("/metrics")).text()
+    samples = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    m = (("model_name", MODEL),)
+    names = ("time_to_first_token", "e2e_request_latency", "request_queue_time", "request_prefill_time")
+    names += ("request_decode_time", "request_inference_time", "time_per_output_token")
+    for name in names:
+        assert samples[(f"vllm:{name}_seconds_count", m)] == 1.0, name
+        assert samples[(f"vllm:{name}_seconds_bucket", (("le", "+Inf"), *m))] == 1.0, name
+    assert samples[("vllm:inter_token_latency_seconds_count", m)] >= 1.0
+    assert samples[("vllm:request_generation_tokens_sum", m)] == 3.0
+    assert samples[("vllm:request_prompt_tokens_count", m)] == 1.0
+    assert samples[("vllm:generation_tokens_total", m)] == 3.0
+    assert samples[("vllm:request_success_total", (("finished_reason", "length"), *m))] == 1.0
+    sums = {n: samples[(f"vllm:{n}_seconds_sum", m)] for n in names}
+    assert sums["request_queue_time"] <= sums["time_to_first_token"] <= sums["e2e_request_latency"]
+    assert sums["request_inference_time"] == pytest.approx(sums["request_prefill_time"] + sums["request_decode_time"])
+
+
 async def test_worker_stats_are_published_periodically(serve):
     """The status's publish hook receives this worker's stats (for its control-block region)."""
     import asyncio

@@ -140,7 +140,7 @@ def test_every_declared_gpu_stat_is_published_rendered_and_faked(control):
     under its declared name and kind, and the fake GPU reports each."""
     from ringserve.api.fake_gpu import FakeGpu
     from ringserve.gpu_proc.scheduler_stats import SCHEDULER_STAT_NAMES
-    from ringserve.shm.messages import MAX_LORA_ADAPTERS
+    from ringserve.shm.messages import MAX_LORA_ADAPTERS, MAX_METRICS_TENANTS
     from ringserve.shm.stats_schema import GPU_STAT_NAMES, GPU_STATS, LOOP_STATS
 
     scheduler_stats = set(SCHEDULER_STAT_NAMES)
@@ -149,12 +149,25 @@ def test_every_declared_gpu_stat_is_published_rendered_and_faked(control):
     control.gpu_stats.update({name: float(i + 1) for i, name in enumerate(GPU_STAT_NAMES)})
     control.gpu_stats.publish()
     loras = [f"adapter-{i}" for i in range(MAX_LORA_ADAPTERS)]  # the LoRA stats render by adapter name
-    s = _samples(metrics.render(metrics.from_control(control), "tiny", loras, 4))
+    tenants = [f"k-{i:016x}" for i in range(MAX_METRICS_TENANTS)] + ["other"]  # the last slot: "other"
+    s = _samples(metrics.render(metrics.from_control(control), "tiny", loras, 4, tenants[:-1]))
     for i, stat in enumerate(GPU_STATS):
         name = stat.metric + ("_total" if stat.kind == "counter" else "")
         label = ("lora_name", loras[int(stat.label[1])]) if stat.name.startswith("lora_") and stat.label else stat.label
+        if stat.name.startswith("tenant_"):
+            label = ("tenant", tenants[int(stat.label[1])])
         assert s[(name, (label,) if label else ())] == i + 1, stat
     assert set(FakeGpu().stats()) == set(GPU_STAT_NAMES)
+
+
+def test_tenants_beyond_their_slots_count_as_other(control):
+    """The first --metrics-tenants tenants get a label each; a slot whose name is not published
+    (yet, or unreadable) and the last slot add up in "other"; no other label value is rendered."""
+    control.gpu_stats.update({"tenant_requests_0": 3.0, "tenant_requests_1": 2.0, "tenant_requests_32": 7.0})
+    control.gpu_stats.publish()
+    s = _samples(metrics.render(metrics.from_control(control), "tiny", tenants=["k-aaaa"]))
+    got = {k[1]: v for k, v in s.items() if k[0] == "ringserve_tenant_requests_total"}
+    assert got == {(("tenant", "k-aaaa"),): 3.0, (("tenant", "other"),): 9.0}
 
 
 def test_attention_backend_and_check_failures_from_the_model_facts(control):
