@@ -16,6 +16,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "shm": ("ringserve.tools.commands.shm_inspect", "list ringserve shared-memory segments and ring state"),
     "fetch-model": ("ringserve.tools.commands.fetch_model", "download and convert a model (or convert a .gguf) once"),
     "make-tiny-model": ("ringserve.tools.commands.make_tiny_model", "build the small test Llama checkpoint"),
+    "grafana-dashboard": (
+        "ringserve.tools.commands.grafana_dashboard",
+        "print the Grafana dashboard JSON (deploy/grafana/)",
+    ),
     "make-dummy-model": (
         "ringserve.tools.commands.make_dummy_model",
         "a weightless Llama-3-8B / Llama-2-7B shape for --load-format dummy",
