@@ -41,7 +41,5 @@ def test_every_series_it_charts_is_served():
     charted = {name for expr in _exprs(json.loads(FILE.read_text())) for name in SERIES.findall(expr)}
     assert charted and charted <= served, sorted(charted - served)
     for expr in _exprs(json.loads(FILE.read_text())):  # every vllm: selector names the model
-        assert all(f'{{model_name="$model_name"}}' in part for part in re.findall(r"vllm:[a-z0-9_]+\{[^}]*\}", expr)), (
-            expr
-        )
+        assert all('{model_name="$model_name"}' in part for part in re.findall(r"vllm:[a-z0-9_]+\{[^}]*\}", expr)), expr
         assert not re.search(r"vllm:[a-z0-9_]+(?!\{|[a-z0-9_])", expr), expr
