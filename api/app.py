@@ -45,7 +45,7 @@ from ringserve.api.registry import Registry
 from ringserve.api.request_trace import Tracing
 from ringserve.api.responses.route import handle_delete_response, handle_get_response, handle_responses
 from ringserve.api.responses.store import ResponseStore
-from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState, ignored_header
+from ringserve.api.state import REQUEST_ID, STATE, TENANT, ApiState, ignored_header, span_labels
 from ringserve.api.structured_output import GrammarChecker
 from ringserve.api.tokenize.route import handle_detokenize, handle_tokenize
 from ringserve.api.tokenizer import TextCodec
@@ -82,7 +82,7 @@ def init_app(
     `response_store` keeps /v1/responses' stored responses (None: one in memory, this worker's
     alone); `embedding_dims` is the width of the model's hidden states (/v1/embeddings)."""
     guard = ConnectionGuard(config)
-    tracing = Tracing(config, model_name, worker)
+    tracing = Tracing(config, model_name, worker, labels=span_labels)
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[tracing.middleware, _error_middleware, guard.middleware, _auth_middleware, guard.read_body],

@@ -116,8 +116,9 @@ class Tracing:
     """A worker's tracer: the aiohttp middleware that opens each generation request's marks (and,
     when tracing is on and the request sampled, its server span) and ends them with the response."""
 
-    def __init__(self, config, model_name: str, worker: int = 0) -> None:
+    def __init__(self, config, model_name: str, worker: int = 0, labels=lambda request: {}) -> None:
         self.model_name = model_name
+        self.labels = labels  # request -> the span's ringserve.* attributes its handler left on it
         self.tracer = None
         self.provider = None
         if config.otlp_traces_endpoint:
@@ -177,17 +178,10 @@ class Tracing:
         from opentelemetry import trace
         from opentelemetry.trace import Status, StatusCode
 
-        from ringserve.api.state import LORA, REQUEST_ID, TENANT
-
         span, end = marks.span, time.time()
         span.set_attribute("http.response.status_code", status)
-        if request.get(TENANT):
-            span.set_attribute("ringserve.tenant", request[TENANT])  # a hash of the key, never the key
-        if request.get(REQUEST_ID):
-            span.set_attribute("gen_ai.response.id", request[REQUEST_ID])
-            span.set_attribute("ringserve.request_id", request[REQUEST_ID])
-        if request.get(LORA):
-            span.set_attribute("ringserve.lora_adapter", request[LORA])
+        labels = self.labels(request)
+        span.set_attributes(labels)
         if status >= 500 or status == 499:
             span.set_status(Status(StatusCode.ERROR))
         ctx = trace.set_span_in_context(span)
@@ -208,7 +202,7 @@ class Tracing:
             span.set_attribute("gen_ai.usage.input_tokens", usage["prompt_tokens"])
             span.set_attribute("gen_ai.usage.output_tokens", usage["completion_tokens"])
             span.set_attribute("gen_ai.response.finish_reasons", [s.reason or "error" for s in gen.samples])
-            span.set_attribute("gen_ai.response.model", request.get(LORA) or self.model_name)
+            span.set_attribute("gen_ai.response.model", labels.get("ringserve.lora_adapter") or self.model_name)
             last = submitted
             for i, s in enumerate(gen.samples):
                 last = max(last, self._sample(ctx, span, i, submitted, gen.arrival, s.finish))

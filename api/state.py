@@ -90,6 +90,19 @@ IGNORED: web.RequestKey[tuple] = web.RequestKey("ringserve_ignored_fields", tupl
 LORA: web.RequestKey[str] = web.RequestKey("ringserve_lora", str)  # the adapter a request's `model` names
 
 
+def span_labels(request: web.Request) -> dict[str, str]:
+    """A request's trace attributes from what its handler left on it: the tenant (a hash of the
+    key, never the key), the response id and the LoRA adapter."""
+    labels = {}
+    if request.get(TENANT):
+        labels["ringserve.tenant"] = request[TENANT]
+    if request.get(REQUEST_ID):
+        labels["gen_ai.response.id"] = labels["ringserve.request_id"] = request[REQUEST_ID]
+    if request.get(LORA):
+        labels["ringserve.lora_adapter"] = request[LORA]
+    return labels
+
+
 def served_model(request: web.Request, st: ApiState) -> str:
     """The `model` a response names: the LoRA adapter the request runs, else the base model."""
     return request.get(LORA) or st.model_name

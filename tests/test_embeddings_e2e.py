@@ -1,7 +1,9 @@
 """/v1/embeddings against the real engine: SmolLM2's last-token embeddings (the session's server)
 equal transformers' final hidden states, pooled and normalized, to 1e-4 (cosine >= 0.9999) through
-the openai SDK, LangChain's `OpenAIEmbeddings` and litellm's `embedding`; identical alone and in a
-batch and again from the prefix cache. Mean pooling on the tiny model (a server of its own, with
+the openai SDK, LangChain's `OpenAIEmbeddings` and litellm's `embedding`; alone and from the prefix
+cache within 1e-5 of the batch (the rows a step holds change a GEMM's blocking, so its rounding, on
+some CPUs: an AMX box's oneDNN differs in the 7th digit), and bit-identical when the same request
+comes again. Mean pooling on the tiny model (a server of its own, with
 prefill chunks of 16 tokens so a prompt pools over several steps) equals transformers' mean, and a
 repeated prompt (whose blocks are cached) pools every position again.
 
@@ -63,9 +65,9 @@ def test_openai_sdk_equals_transformers_alone_in_a_batch_and_cached(smollm2_serv
         _close(d.embedding, _reference(smollm2_hf.model, ids, "last"))
     for text, d in zip(TEXTS, batch.data):  # alone, after the batch: its prompt blocks are cached
         alone = client.embeddings.create(model=MODEL, input=text, encoding_format="float")
-        assert alone.data[0].embedding == d.embedding
+        assert np.abs(np.subtract(alone.data[0].embedding, d.embedding)).max() <= 1e-5
     ids = client.embeddings.create(model=MODEL, input=smollm2_ids[2], encoding_format="float")
-    assert ids.data[0].embedding == batch.data[2].embedding
+    assert ids.data[0].embedding == alone.data[0].embedding  # the same prompt, cached the same way
 
 
 def test_langchain_and_litellm(smollm2_server, smollm2_hf, smollm2_ids):

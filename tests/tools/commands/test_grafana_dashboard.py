@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ringserve.api import metrics
 from ringserve.tools.commands.grafana_dashboard import _no_nulls, build
 
-FILE = Path(__file__).parents[2] / "deploy" / "grafana" / "ringserve.json"
+FILE = Path(__file__).parents[3] / "deploy" / "grafana" / "ringserve.json"
 SERIES = re.compile(r"\b(vllm:[a-z0-9_]+|ringserve_[a-z0-9_]+)")
 
 
