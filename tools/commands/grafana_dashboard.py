@@ -6,7 +6,7 @@ field Grafana's dashboard schema does not have cannot be written.
 
 It charts vLLM's series as vLLM's dashboards do (every `vllm:` query filtered on `model_name`, a
 variable), plus ringserve's own: per-tenant tokens and rows, queued GPU seconds. The test
-(`tests/tools/test_grafana_dashboard.py`) checks the file is this output, that it loads back
+(`tests/tools/commands/test_grafana_dashboard.py`) checks the file is this output, that it loads back
 through the SDK's dashboard model, and that every series it queries is on /metrics.
 """
 
