@@ -293,8 +293,10 @@ async def test_retry_budget_holds_with_two_replicas_down(fleet):
     assert refused > 0  # the survivor did overflow, and said when to come back
     assert overflow > 0  # the budget, not the retry count, is what stopped retries
     # No storm: with the budget off the same drill retried 1.7 times per request (every refusal
-    # twice); with it, well under once.
-    assert retried < downstream
+    # twice); with it, 0.31-0.41. A retry holds its place in the budget through its
+    # back-off: at Envoy's 25 ms default the instant 429s reused each place so fast that this sat
+    # at 0.95 here and failed at 1.17 on the CI machine.
+    assert retried < 0.7 * downstream
 
 
 def _worker_generations(fleet) -> list[int]:

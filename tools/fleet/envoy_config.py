@@ -121,7 +121,9 @@ def retry_policy(spec: FleetSpec) -> dict:
             }
         ],
         "host_selection_retry_max_attempts": 5,
-        "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.25s"},
+        # A retry holds its place in the budget while it backs off: at Envoy's 25 ms default a
+        # full survivor's instant 429s reused each place so fast that the budget hardly bit.
+        "retry_back_off": {"base_interval": "0.1s", "max_interval": "1s"},
     }
 
 

@@ -55,6 +55,7 @@ def test_the_fleet_rules_are_in_the_config():
     retry = route["retry_policy"]
     assert set(retry["retry_on"].split(",")) == {"connect-failure", "reset", "refused-stream", "retriable-status-codes"}
     assert retry["retriable_status_codes"] == [503, 429]
+    assert retry["retry_back_off"]["base_interval"] == "0.1s"  # what makes the budget bite (the drill)
     assert cluster["circuit_breakers"]["thresholds"][0]["retry_budget"]["budget_percent"]["value"] == 10.0
     assert cluster["common_lb_config"]["healthy_panic_threshold"]["value"] == 0
     assert cluster["health_checks"][0]["http_health_check"]["path"] == "/ready"
