@@ -82,7 +82,8 @@ def init_app(
     `response_store` keeps /v1/responses' stored responses (None: one in memory, this worker's
     alone); `embedding_dims` is the width of the model's hidden states (/v1/embeddings)."""
     guard = ConnectionGuard(config)
-    tracing = Tracing(config, model_name, worker, labels=span_labels)
+    stats = WorkerStats()
+    tracing = Tracing(config, model_name, worker, labels=span_labels, stats=stats)
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[tracing.middleware, _error_middleware, guard.middleware, _auth_middleware, guard.read_body],
@@ -95,6 +96,7 @@ def init_app(
         status=status,
         auth=auth or Authenticator(),
         registry=Registry(worker),
+        stats=stats,
         connections=guard,
         remote_cancel=peers.cancel if peers is not None else None,
         chat_template=chat_template,

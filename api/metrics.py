@@ -126,6 +126,14 @@ class _SnapshotCollector:
         for label, key in _REJECTIONS:
             rejected.add_metric([label], workers.get(key, 0.0))
         yield rejected
+        spans = CounterMetricFamily(
+            "ringserve_trace_spans", "Trace spans exported, failed to export or dropped.", labels=["outcome"]
+        )
+        for outcome in ("exported", "failed", "dropped"):
+            spans.add_metric([outcome], workers.get(f"trace_spans_{outcome}", 0.0))
+        yield spans
+        waiting = workers.get("trace_spans_accepted", 0.0) - workers.get("trace_spans_sent", 0.0)
+        yield GaugeMetricFamily("ringserve_trace_spans_waiting", "Trace spans queued for the exporter.", value=waiting)
         finished = CounterMetricFamily("ringserve_requests_finished", "Samples finished, by reason.", labels=["reason"])
         for reason in FINISH_REASONS:
             finished.add_metric([reason], workers.get(f"finished_{reason}", 0.0))

@@ -21,7 +21,9 @@ semantic-convention attributes and these children, which tile it:
 (one queue / prefill / decode set per sample, `ringserve.sample` naming it). Spans are built with
 their recorded times once the request ends and handed to the SDK's batching processor, whose
 thread exports them: the event loop never waits on the collector, and while it is slow or down
-the processor's queue drops spans rather than grows. The tenant appears as its hash
+spans are dropped rather than queued past `QUEUE_SPANS` (`_Bounded`, which counts them: the
+worker's `trace_spans_*` stats, `ringserve_trace_spans_total{outcome}` and
+`ringserve_trace_spans_waiting` on /metrics). The tenant appears as its hash
 (`auth.tenant_of`); no key, prompt or answer text is ever put on a span.
 """
 
@@ -34,6 +36,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from opentelemetry.sdk.trace import SpanProcessor
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from ringserve.api.worker_stats import WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +54,7 @@ OPERATIONS = {
 # The batching processor: spans wait at most this long, at most this many (then new ones are dropped).
 EXPORT_DELAY_MS = 500
 QUEUE_SPANS = 4096
+EXPORT_BATCH = 512
 EXPORT_TIMEOUT_S = 2.0  # one export, its retries included: the processor's thread is never stuck longer
 
 
@@ -116,13 +123,13 @@ class Tracing:
     """A worker's tracer: the aiohttp middleware that opens each generation request's marks (and,
     when tracing is on and the request sampled, its server span) and ends them with the response."""
 
-    def __init__(self, config, model_name: str, worker: int = 0, labels=lambda request: {}) -> None:
+    def __init__(self, config, model_name: str, worker: int = 0, labels=lambda request: {}, stats=None) -> None:
         self.model_name = model_name
         self.labels = labels  # request -> the span's ringserve.* attributes its handler left on it
         self.tracer = None
         self.provider = None
         if config.otlp_traces_endpoint:
-            self.provider, self.tracer = _provider(config, worker)
+            self.provider, self.tracer = _provider(config, worker, stats if stats is not None else WorkerStats())
 
     @web.middleware
     async def middleware(self, request: web.Request, handler) -> web.StreamResponse:
@@ -274,7 +281,58 @@ def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
 
-def _provider(config, worker: int):
+class _Bounded(SpanProcessor):
+    """The span processor in front of the SDK's batching one: it hands a span on only while fewer
+    than `QUEUE_SPANS` wait for the exporter, and counts the rest as dropped. The batching
+    processor's own queue is a batch larger, so it never drops one uncounted. A span's path is
+    counted in the worker's stats: `trace_spans_accepted` here (the event loop), then
+    `trace_spans_sent` to the exporter and `…_exported` or `…_failed` (the exporter's thread,
+    which writes only those)."""
+
+    def __init__(self, inner, stats) -> None:
+        self.inner, self.stats = inner, stats
+
+    def on_start(self, span, parent_context=None) -> None:
+        pass
+
+    def on_end(self, span) -> None:
+        v = self.stats.values
+        # NOTE: a batch the exporter has taken but not yet counted still reads as waiting, so this
+        # drops a little early, never late
+        if v["trace_spans_accepted"] - v["trace_spans_sent"] >= QUEUE_SPANS:
+            v["trace_spans_dropped"] += 1
+            return
+        v["trace_spans_accepted"] += 1
+        self.inner.on_end(span)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+class _Counted(SpanExporter):
+    """An exporter that counts what it was given and how each export ended."""
+
+    def __init__(self, inner, stats) -> None:
+        self.inner, self.stats = inner, stats
+
+    def export(self, spans):
+        v = self.stats.values
+        v["trace_spans_sent"] += len(spans)
+        result = self.inner.export(spans)
+        v["trace_spans_exported" if result == SpanExportResult.SUCCESS else "trace_spans_failed"] += len(spans)
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+def _provider(config, worker: int, stats: WorkerStats):
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -294,13 +352,12 @@ def _provider(config, worker: int):
     provider = TracerProvider(
         resource=resource, sampler=ParentBased(root=TraceIdRatioBased(config.otlp_traces_sample_rate))
     )
-    provider.add_span_processor(
-        BatchSpanProcessor(
-            exporter,
-            max_queue_size=QUEUE_SPANS,
-            schedule_delay_millis=EXPORT_DELAY_MS,
-            max_export_batch_size=512,
-            export_timeout_millis=int(EXPORT_TIMEOUT_S * 1000),
-        )
+    batching = BatchSpanProcessor(
+        _Counted(exporter, stats),
+        max_queue_size=QUEUE_SPANS + EXPORT_BATCH,
+        schedule_delay_millis=EXPORT_DELAY_MS,
+        max_export_batch_size=EXPORT_BATCH,
+        export_timeout_millis=int(EXPORT_TIMEOUT_S * 1000),
     )
+    provider.add_span_processor(_Bounded(batching, stats))
     return provider, provider.get_tracer("ringserve")

@@ -77,6 +77,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "ringserve.tools.bench.lora",
         "decode tok/s with LoRA adapters mixed in the rows vs the base model alone; the swap cost",
     ),
+    "tracing": (
+        "ringserve.tools.bench.tracing",
+        "tracing off, collector up, down and slow: tok/s, TTFT and the worker's memory",
+    ),
     "overload": (
         "ringserve.tools.bench.overload",
         "closed-loop clients far past capacity: 429s, admitted TTFT, goodput at 32 and 512 streams",

@@ -283,6 +283,13 @@ WORKER_COUNTER_NAMES: tuple[str, ...] = (
     "open_streams",
     "slow_reader_cancels",
     "disconnects",
+    # spans, when tracing is on (api/request_trace.py): accepted into the export queue or dropped
+    # at its bound, then sent to the exporter, which exported them or failed to
+    "trace_spans_accepted",
+    "trace_spans_dropped",
+    "trace_spans_sent",
+    "trace_spans_exported",
+    "trace_spans_failed",
 ) + tuple(f"finished_{reason}" for reason in FINISH_REASONS)
 
 WORKER_STAT_NAMES: tuple[str, ...] = WORKER_COUNTER_NAMES + tuple(name for h in HISTOGRAMS for name in h.field_names)

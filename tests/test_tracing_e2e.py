@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from ringserve.api.auth import tenant_of
-from tests.helpers.otlp_receiver import OtlpReceiver, attributes
+from ringserve.tools.harness.otlp_receiver import OtlpReceiver, attributes
 from tests.helpers.server import ServerProcess
 
 KEY = "sk-trace-tenant-1"

@@ -1,7 +1,7 @@
-"""A real OTLP/HTTP trace receiver for tests, built on the OTLP protobuf definitions
-(`opentelemetry-proto`): `POST /v1/traces` with an `ExportTraceServiceRequest`, answered as a
-collector answers. It keeps every raw body (to search for what must never be exported) and the
-decoded spans; `delay_s` makes it a slow collector."""
+"""A real OTLP/HTTP trace receiver, built on the OTLP protobuf definitions (`opentelemetry-proto`),
+for the tests and `ringserve bench tracing`: `POST /v1/traces` with an `ExportTraceServiceRequest`,
+answered as a collector answers. It keeps every raw body (to search for what must never be
+exported) and the decoded spans; `delay_s` makes it a slow collector."""
 
 from __future__ import annotations
 
@@ -43,7 +43,10 @@ class OtlpReceiver:
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", str(len(reply)))
                 self.end_headers()
-                self.wfile.write(reply)
+                try:
+                    self.wfile.write(reply)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the exporter gave up waiting (a slow receiver): as a collector sees it
 
             def log_message(self, *args) -> None:
                 pass
