@@ -29,3 +29,10 @@ def test_each_variant_is_measured_and_the_bound_holds(tiny_model_dir, capsys):
 
     failed = [c for c, ok in tracing.checks(report["runs"], report["medians"], Strict) if not ok]
     assert any("tok/s" in c for c in failed) and any("RSS" in c for c in failed)
+
+
+def test_a_run_past_the_bound_that_dropped_nothing_fails():
+    run = {"spans_exported": 9000, "spans_failed": 0, "spans_dropped": 0, "spans_waiting": 0, "wall_s": 4.0}
+    assert not tracing.bound_check("dead", run)[1]  # 9,000 made in 4 s: the queue and 2 batches hold 5,120
+    assert tracing.bound_check("dead", run | {"spans_dropped": 3000})[1]
+    assert tracing.bound_check("dead", run | {"wall_s": 50.0})[1]  # 25 batches drain it: no drop needed
