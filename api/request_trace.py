@@ -342,7 +342,9 @@ def _provider(config, worker: int, stats: WorkerStats):
     if config.otlp_traces_protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
-        exporter = GrpcExporter(endpoint=endpoint, insecure=endpoint.startswith("http://"), timeout=EXPORT_TIMEOUT_S)
+        # plaintext unless https:// (a bare host:4317 is how collectors listen by default)
+        secure = endpoint.startswith("https://")
+        exporter = GrpcExporter(endpoint=endpoint, insecure=not secure, timeout=EXPORT_TIMEOUT_S)
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 

@@ -156,3 +156,27 @@ def test_a_request_without_a_sampled_parent_is_not_traced_when_its_client_says_s
     )
     time.sleep(1.5)  # two export periods
     assert receiver.trace(trace_id, want_spans=1, timeout_s=0.1) == []
+
+
+def test_traces_go_over_otlp_grpc_to_a_bare_host_port(tiny_model_dir, tmp_path):
+    """`--otlp-traces-protocol grpc` to `host:port` (how collectors listen: plaintext): a chat
+    request's server span arrives under the client's parent, with its phases."""
+    with (
+        OtlpReceiver(protocol="grpc") as receiver,
+        ServerProcess(
+            tiny_model_dir, tmp_path / "shm", workers=1, otlp_traces_endpoint=receiver.url, otlp_traces_protocol="grpc"
+        ) as srv,
+    ):
+        trace_id, parent = os.urandom(16), os.urandom(8)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=4,
+            extra_headers={"traceparent": f"00-{trace_id.hex()}-{parent.hex()}-01"},
+        )
+        spans = receiver.trace(trace_id, want_spans=6)
+    (server,) = [s for s in spans if s.parent_span_id == parent]
+    assert server.name.startswith("chat ") and attributes(server)["gen_ai.response.id"] == reply.id
+    assert {s.name for s in spans} >= set(ORDER)
+    assert PROMPT.encode() not in b"".join(receiver.bodies)
