@@ -339,6 +339,7 @@ def _provider(config, worker: int, stats: WorkerStats):
     from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
     endpoint = config.otlp_traces_endpoint
+    exporter: SpanExporter
     if config.otlp_traces_protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 

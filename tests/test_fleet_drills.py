@@ -22,6 +22,7 @@ from ringserve.shm.segment import instance_id
 from ringserve.tools.fleet.probe import FleetProcess, free_port_run
 from ringserve.tools.fleet.replicas import FleetError, envoy_binary
 from ringserve.tools.harness.drill import attach_control
+from ringserve.tools.harness.otlp_receiver import OtlpReceiver
 from tests.helpers.fleet_load import VIOLATIONS, ClosedLoop, RouteWatch, one_request, wait_ready
 from tests.helpers.net import metrics
 
@@ -53,11 +54,16 @@ def fleet(tmp_path_factory):
         "--drain-timeout-s",
         "10",
     ]
-    with FleetProcess(
-        tmp / "run", replicas=3, model="tiny", ports=(base, base + 2, base + 1), serve_args=serve
-    ) as proc:
-        proc.shm_dir = str(tmp)
-        yield proc
+    # traces of the requests whose client asks (sample rate 0 otherwise): the traceparent drill
+    serve += ["--otlp-traces-endpoint", "", "--otlp-traces-sample-rate", "0"]
+    with OtlpReceiver() as receiver:
+        serve[-3] = receiver.url
+        with FleetProcess(
+            tmp / "run", replicas=3, model="tiny", ports=(base, base + 2, base + 1), serve_args=serve
+        ) as proc:
+            proc.shm_dir = str(tmp)
+            proc.receiver = receiver
+            yield proc
 
 
 def _host(fleet, index: int) -> str:
@@ -163,6 +169,22 @@ async def test_disconnect_passes_through_envoy(fleet):
         while disconnects() <= before:
             assert time.monotonic() < deadline, "no replica saw the client leave"
             await asyncio.sleep(0.1)
+
+
+async def test_a_clients_traceparent_passes_through_envoy(fleet):
+    """W3C trace context from the client reaches the replica unchanged: the replica's server span
+    hangs off the client's parent in the client's trace, with its tracestate, and nothing else of
+    the drills' load (unsampled) is traced."""
+    trace_id, parent = os.urandom(16), os.urandom(8)
+    headers = {"traceparent": f"00-{trace_id.hex()}-{parent.hex()}-01", "tracestate": "fleet=1"}
+    body = {"prompt": "trace me through envoy", "max_tokens": 4}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(fleet.url + "/v1/completions", json=body, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+    spans = fleet.receiver.trace(trace_id, want_spans=6)
+    (server,) = [s for s in spans if s.parent_span_id == parent]
+    assert server.name.startswith("text_completion ") and server.trace_state == "fleet=1"
+    assert {s.trace_id for s in fleet.receiver.spans} == {trace_id}
 
 
 async def test_rolling_restart_fails_nothing(fleet):
