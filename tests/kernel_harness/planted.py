@@ -1,6 +1,7 @@
 """Bugs planted one at a time in the kernels and launchers, each of which the harness must catch.
 
-A planted bug replaces one snippet of a kernel file or of `cupy_backend.py` (the launchers). The
+A planted bug replaces one snippet of a kernel file or of a launcher module (`cupy_backend.py`,
+`lora_cuda.py`, `quant_cuda.py`: LAUNCHER_MODULES). The
 snippet must occur exactly once, so a kernel edit that removes it fails the check loudly instead of
 silently testing nothing; update the snippet then.
 """
@@ -12,15 +13,17 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
+from ringserve.gpu_proc import lora_cuda, quant_cuda
 from ringserve.gpu_proc.attention import cupy_backend
 
 LAUNCHERS = "cupy_backend.py"
+LAUNCHER_MODULES = {LAUNCHERS: cupy_backend, "lora_cuda.py": lora_cuda, "quant_cuda.py": quant_cuda}
 
 
 @dataclass(frozen=True)
 class Planted:
     name: str
-    file: str  # a kernel file, or LAUNCHERS
+    file: str  # a kernel file, or a key of LAUNCHER_MODULES
     old: str
     new: str
 
@@ -312,28 +315,86 @@ PLANTED = [
         "_f32(scale * _LOG2E),\n                out,",
         "_f32(scale),\n                out,",
     ),
+    # ---- lora_cuda.py launchers
+    Planted(
+        "lora launcher: shrink grid rounds the ranks down (a rank not a multiple of 4 warps dropped)",
+        "lora_cuda.py",
+        "(math.ceil(rank / cupy_backend.LORA_SHRINK_WARPS), t),",
+        "(rank // cupy_backend.LORA_SHRINK_WARPS, t),",
+    ),
+    Planted(
+        "lora launcher: x's row stride assumed packed",
+        "lora_cuda.py",
+        "(x, x.stride(0), a, slot_of,",
+        "(x, x.shape[1], a, slot_of,",
+    ),
+    Planted(
+        "lora launcher: y's row stride assumed packed",
+        "lora_cuda.py",
+        "y,\n                y.stride(0),\n",
+        "y,\n                out,\n",
+    ),
+    Planted(
+        "lora launcher: target boundaries one target late",
+        "lora_cuda.py",
+        "starts = [sum(segs[:i]) for i in range(1, len(segs))]",
+        "starts = [sum(segs[: i + 1]) for i in range(1, len(segs))]",
+    ),
+    Planted(
+        "lora launcher: expand told one target",
+        "lora_cuda.py",
+        "numpy.int32(len(segs)),",
+        "numpy.int32(1),",
+    ),
+    Planted(
+        "lora launcher: 8 bytes for the expand's 4-byte rank",
+        "lora_cuda.py",
+        "numpy.int32(out),\n                numpy.int32(rank),",
+        "numpy.int32(out),\n                rank,",
+    ),
+    # ---- quant_cuda.py launchers
+    Planted(
+        "quant launcher: GEMV grid rounds the tokens down (a partial token tile never runs)",
+        "quant_cuda.py",
+        "math.ceil(t / GEMV_TOKENS)),",
+        "t // GEMV_TOKENS),",
+    ),
+    Planted(
+        "quant launcher: dequantize ignores the rows asked for",
+        "quant_cuda.py",
+        "rows if rows is not None else 0, out, r),",
+        "0, out, r),",
+    ),
+    Planted(
+        "quant launcher: 8 bytes for the dequantize's 4-byte block count",
+        "quant_cuda.py",
+        "(blocks, n, numpy.int32(nb), rows",
+        "(blocks, n, nb, rows",
+    ),
 ]
 
 
 def kernel_files(bug: Planted | None) -> list[tuple[str, str]]:
     """The kernel source parts with `bug` applied (when it is a kernel bug)."""
     files = cupy_backend.kernel_files()
-    if bug is None or bug.file == LAUNCHERS:
+    if bug is None or bug.file in LAUNCHER_MODULES:
         return files
     if bug.file not in {name for name, _ in files}:
         raise LookupError(f"planted bug {bug.name!r}: no kernel file {bug.file}")
     return [(name, bug.apply(text) if name == bug.file else text) for name, text in files]
 
 
-def launcher_module(bug: Planted | None) -> types.ModuleType:
-    """`cupy_backend` itself, or a copy of its source with `bug` applied, loaded as a module."""
-    if bug is None or bug.file != LAUNCHERS:
-        return cupy_backend
-    path = Path(cupy_backend.__file__)
+def launcher_module(bug: Planted | None, file: str = LAUNCHERS) -> types.ModuleType:
+    """The launcher module `file` itself, or a copy of its source with `bug` applied, loaded as a
+    module of the same package (its relative imports resolve as the real one's)."""
+    real = LAUNCHER_MODULES[file]
+    if bug is None or bug.file != file:
+        return real
+    path = Path(real.__file__)
     source = bug.apply(path.read_text())
-    spec = importlib.util.spec_from_loader("ringserve.gpu_proc.attention._planted", loader=None)
+    spec = importlib.util.spec_from_loader(f"{real.__name__}_planted", loader=None)
     module = importlib.util.module_from_spec(spec)
-    module.__package__ = "ringserve.gpu_proc.attention"
+    module.__package__ = real.__package__
     module.__file__ = str(path)
     exec(compile(source, str(path), "exec"), module.__dict__)
     return module

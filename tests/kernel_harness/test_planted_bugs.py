@@ -6,15 +6,27 @@ snippets are checked against the current source (cheap), not the bugs themselves
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import pytest
 import torch
 
 from .cases import assert_close, decode_specs, make_case, oracle, strided_q
 from .conftest import FULL
 from .executor import HarnessExecutor, KernelFault, load
-from .planted import PLANTED, kernel_files, launcher_module
+from .planted import LAUNCHER_MODULES, LAUNCHERS, PLANTED, kernel_files, launcher_module
 
 ORDERS = ("forward", "reverse", "random")
+
+
+@dataclass(frozen=True)
+class Launchers:
+    """The three launcher classes on one executor, each from its real module or a planted copy."""
+
+    attention: Any  # cupy_backend.AttentionKernels
+    lora: Any  # lora_cuda.LoraKernels
+    quant: Any  # quant_cuda.QuantKernels
 
 
 def _detectors():
@@ -26,7 +38,7 @@ def _detectors():
 
         def run(k):
             qi = strided_q(q, kvh) if strided else q
-            assert_close(k.paged_decode(qi, kc, vc, meta, d**-0.5, num_splits=splits), want, dtype, "decode")
+            assert_close(k.attention.paged_decode(qi, kc, vc, meta, d**-0.5, num_splits=splits), want, dtype, "decode")
 
         return run
 
@@ -35,8 +47,8 @@ def _detectors():
         want = oracle(q, meta, dense, d**-0.5)
 
         def run(k):
-            assert_close(k.paged_attention(q, kc, vc, meta, d**-0.5), want, dtype, "mixed step")
-            assert_close(k.paged_prefill(q, kc, vc, meta, d**-0.5), want, dtype, "prefill")
+            assert_close(k.attention.paged_attention(q, kc, vc, meta, d**-0.5), want, dtype, "mixed step")
+            assert_close(k.attention.paged_prefill(q, kc, vc, meta, d**-0.5), want, dtype, "prefill")
 
         return run
 
@@ -50,12 +62,12 @@ def _detectors():
         slots = torch.randperm(96, generator=gen)[:20]
         wk, wv = kc.clone(), vc.clone()
         reference.write_kv(kk, vv, wk, wv, slots)
-        k.write_kv(kk, vv, kc, vc, slots)
+        k.attention.write_kv(kk, vv, kc, vc, slots)
         assert torch.equal(kc, wk) and torch.equal(vc, wv), "write_kv differs from the reference"
 
     def quant(fmt, dtype, n, k, t):
         from ringserve.gpu_proc.quant import dequantize
-        from ringserve.gpu_proc.quant_cuda import QuantKernels, random_blocks
+        from ringserve.gpu_proc.quant_cuda import random_blocks
 
         gen = torch.Generator().manual_seed(n * t)
         blocks = random_blocks(fmt, n, k, gen)
@@ -64,7 +76,7 @@ def _detectors():
         rows = torch.tensor([n - 1, 0, 1])
 
         def run(kern):
-            qk = QuantKernels(kern.executor)
+            qk = kern.quant
             assert_close(qk.gemv(x, blocks)[:, :, None], want, dtype, f"{fmt} GEMV")
             got = qk.dequantize(blocks, dtype, rows=rows)
             assert torch.equal(got, dequantize(blocks).to(dtype)[rows]), f"{fmt} dequantization differs"
@@ -72,18 +84,23 @@ def _detectors():
         return run
 
     def lora(segs, r, fan_in, t, dtype):
-        from ringserve.gpu_proc.lora_cuda import LoraKernels, reference_add_
+        from ringserve.gpu_proc.lora_cuda import reference_add_
 
         from .test_lora_kernels import assert_lora_close, make
 
-        x, y, a, bt, slot_of = make(segs, r, fan_in, t, 3, dtype, seed=t)
+        # x and y both rows of wider buffers (a fused projection's slice): the launchers must pass
+        # their strides, and nothing past y's columns may change.
+        x, y, a, bt, slot_of = make(segs, r, fan_in, t, 3, dtype, seed=t, strided=True)
         want = y.clone()
         reference_add_(x, want, a, bt, slot_of)
+        out = y.shape[1]
 
         def run(kern):
-            got = y.clone()
-            LoraKernels(kern.executor).add_(x, got, a, bt, slot_of, segs)
-            assert_lora_close(got, want, y, slot_of, dtype, "LoRA delta")
+            wide = torch.full((t, out + 5), 7.0, dtype=dtype)
+            wide[:, :out] = y
+            kern.lora.add_(x, wide[:, :out], a, bt, slot_of, segs)
+            assert_lora_close(wide[:, :out], want, y, slot_of, dtype, "LoRA delta")
+            assert bool((wide[:, out:] == 7.0).all()), "LoRA delta: a column past y's differs"
 
         return run
 
@@ -121,12 +138,14 @@ def _caught_by(exc: BaseException) -> str:
 def hunt(bug) -> tuple[str, str] | None:
     """Run the detector suite against `bug`; (detector, check) of the first failure, or None."""
     module = load(kernel_files(bug))
-    launchers = launcher_module(bug)
+    attention, lora, quant = (launcher_module(bug, file) for file in LAUNCHER_MODULES)
     # sm_90 runs fp16/bf16 prefill on the tensor-core kernel, sm_75 on the CUDA-core one.
     for capability in ((9, 0), (7, 5)):
         for order in ORDERS:
             executor = HarnessExecutor(module, order=order, seed=3, sm_count=4, ctas_per_sm=2, capability=capability)
-            kernels = launchers.AttentionKernels(executor)
+            kernels = Launchers(
+                attention.AttentionKernels(executor), lora.LoraKernels(executor), quant.QuantKernels(executor)
+            )
             for what, run in _detectors():
                 try:
                     run(kernels)
@@ -140,7 +159,7 @@ def test_every_planted_snippet_is_in_the_current_source():
     """Each planted bug's snippet occurs exactly once where it is planted."""
     for bug in PLANTED:
         kernel_files(bug)
-        launcher_module(bug)
+        launcher_module(bug, bug.file if bug.file in LAUNCHER_MODULES else LAUNCHERS)
 
 
 def test_the_detectors_pass_on_the_real_source():
