@@ -71,7 +71,9 @@ def _ints(w: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     n = _nibbles(w[..., at : at + 16])
     if fmt in (Q5_0, Q5_1):
         high = w[..., at - 4 : at].to(torch.int32)  # little-endian uint32
-        bits = (high[..., :, None] >> torch.arange(8, dtype=torch.int32)) & 1  # [N, nb, 4 bytes, 8]
+        # on the blocks' device: the spec also runs on CUDA blocks (the start-up check, the fallback)
+        shifts = torch.arange(8, dtype=torch.int32, device=w.device)
+        bits = (high[..., :, None] >> shifts) & 1  # [N, nb, 4 bytes, 8]
         n = n | (bits.reshape(*n.shape) << 4)
     return n
 
@@ -98,7 +100,7 @@ def as_q8_0(w: torch.Tensor) -> torch.Tensor:
     if fmt is Q8_0:
         return w
     n, nb, _ = w.shape
-    out = torch.empty((n, nb, Q8_0.block_bytes), dtype=torch.uint8)
+    out = torch.empty((n, nb, Q8_0.block_bytes), dtype=torch.uint8, device=w.device)
     if fmt in _ZERO:
         out[..., 0:2] = w[..., 0:2]
         out[..., 2:] = (_ints(w, fmt) - _ZERO[fmt]).to(torch.int8).view(torch.uint8)

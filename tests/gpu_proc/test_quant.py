@@ -50,6 +50,17 @@ def test_dequantize_is_ggmls(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_the_spec_runs_on_the_blocks_device(fmt):
+    """dequantize and as_q8_0 make no tensor on the CPU of their own: on a GPU they run on CUDA
+    blocks (the kernels' start-up check, the dequantized fallback). The meta device stands in for
+    CUDA here (a stray CPU tensor fails the same way). Q5's high-bit shifts were made on the CPU
+    and failed every Q5 check on the H200."""
+    blocks = _blocks(fmt, 4, 64)[0].to("meta")
+    assert quant.dequantize(blocks).device.type == "meta"
+    assert quant.as_q8_0(blocks).device.type == "meta"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 # 3 blocks a row (an odd last one), 18 (one run of 16 in the AVX-512 kernel's grouped layout and
 # two as stored), 33 (two runs and an odd one)
