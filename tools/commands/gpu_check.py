@@ -193,6 +193,10 @@ def load_test(model_dir: str, tmp: str, timeout_s: float = 200) -> dict:
     import urllib.request
 
     port = free_port()
+    # The server's output goes to a file, not a pipe: nobody reads a pipe while it starts, and a
+    # full one (64 KiB of start-up logs) would block it before it is ready.
+    log_path = Path(tmp) / "load-server.log"
+    log = log_path.open("wb")
     server = subprocess.Popen(
         [
             sys.executable,
@@ -215,10 +219,11 @@ def load_test(model_dir: str, tmp: str, timeout_s: float = 200) -> dict:
             "64",
         ],
         cwd=REPO,
-        stdout=subprocess.PIPE,
+        stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    log.close()
     url = f"http://127.0.0.1:{port}"
     try:
         started = time.monotonic()
@@ -231,10 +236,13 @@ def load_test(model_dir: str, tmp: str, timeout_s: float = 200) -> dict:
             except OSError:
                 pass
             if server.poll() is not None or time.monotonic() > deadline:
+                exited = server.poll() is not None
                 return {
                     "status": "failed",
-                    "why": "server did not become ready",
-                    "tail": _output(server) if server.poll() is not None else "",
+                    "why": f"server exited with {server.returncode} before it was ready"
+                    if exited
+                    else f"server not ready after {time.monotonic() - started:.0f} s",
+                    "tail": log_path.read_bytes().decode(errors="replace")[-3000:],
                 }
             time.sleep(1)
         vocab = "3:1000"

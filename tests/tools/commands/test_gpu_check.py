@@ -88,6 +88,15 @@ def _site_packages(env: Path) -> Path:
 
 
 @pytest.mark.timeout(1800)
+def test_a_server_not_ready_in_time_reports_its_log(tiny_model_dir, tmp_path):
+    """The load test's server writes to a file (a pipe nobody reads could fill and block it) and a
+    start that runs past the limit says so with the log's tail: the H200 run's "server did not
+    become ready" came with no log at all."""
+    report = gpu_check.load_test(str(tiny_model_dir), str(tmp_path), timeout_s=2)
+    assert report["status"] == "failed" and report["why"].startswith("server not ready after")
+    assert "GPU process started" in report["tail"]
+
+
 def test_dry_run_installs_offline_and_imports_everything_from_an_image_like_venv(tmp_path):
     """The device's install path, end to end: image packages only, carried wheels offline, the
     checkout with --no-deps, then `gpu-check --dry-run` imports all the GPU run needs and exits 2
