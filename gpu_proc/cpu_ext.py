@@ -14,11 +14,14 @@ docs/BENCHMARKS.md against 2-5 s for ringserve.
 
 Build: `torch.utils.cpp_extension.load` (ninja, which `pip install ringserve` brings, and the
 system C++ compiler) with `-O3 -march=native`, so the code uses the vector units of the machine
-that runs it. The extension's name holds a hash of the sources (and their directory), the flags,
-torch's version and the CPU's model and feature flags, so a changed source, another checkout or
-another CPU builds its own copy in torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
-`~/.cache/torch_extensions`); torch locks the build directory, so processes starting together build
-it once. First build: 10-50 s; later loads: well under a second. The GPU process builds it while
+that runs it, and `-fopenmp`: ATen's `parallel_for` is a header template whose OpenMP pragma is
+compiled into the extension itself, so without the flag every kernel ran on one thread whatever
+`cpu_threads` said (the process has one OpenMP runtime, torch's `libgomp.so.1`, which the
+extension's own link resolves to). The extension's name holds a hash of the sources (and their
+directory), the flags, torch's version and the CPU's model and feature flags, so a changed source,
+another checkout or another CPU builds its own copy in torch's extension cache
+(`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`); torch locks the build directory, so
+processes starting together build it once. First build: 10-50 s; later loads: well under a second. The GPU process builds it while
 loading the model, before it reports READY, never inside a step.
 """
 
@@ -40,7 +43,7 @@ log = logging.getLogger("ringserve.gpu")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("cpu_attention.cpp", "cpu_fused.cpp", "cpu_sampling.cpp", "cpu_block.cpp", "cpu_quant.cpp")
 HEADERS = ("cpu_common.h", "cpu_kernels.h")
-CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-Wno-psabi")
+CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-Wno-psabi", "-fopenmp")
 _OPS = (
     "paged_attention",
     "write_kv",
@@ -51,6 +54,7 @@ _OPS = (
     "argmax_rows",
     "block",
     "qlinear",
+    "parallel_width",
 )
 _PROGRESS_S = 0.5
 
@@ -116,6 +120,7 @@ def _build() -> None:
         name=extension_name(),
         sources=[str(CSRC / s) for s in SOURCES],
         extra_cflags=list(CFLAGS),
+        extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,
     )

@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
+
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 
@@ -141,7 +143,21 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor out) {
   });
 }
 
+// How many threads one at::parallel_for of `items` items runs on: torch's intra-op count when the
+// extension was compiled with OpenMP (ATen's parallel_for is a header template whose pragma is
+// dropped without -fopenmp, and every kernel then ran on one thread whatever cpu_threads said).
+int64_t parallel_width(int64_t items) {
+  std::atomic<int64_t> widest{0};
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+    const int64_t tid = at::get_thread_num() + 1;
+    for (int64_t w = widest.load(); w < tid && !widest.compare_exchange_weak(w, tid);) {
+    }
+  });
+  return widest.load();
+}
+
 TORCH_LIBRARY_FRAGMENT(ringserve_cpu, m) {
+  m.def("parallel_width(int items) -> int", &parallel_width);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()", &rms_norm);
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm);
   m.def("rope(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()", &rope);

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from ringserve.gpu_proc import cpu_ext
 
@@ -61,3 +62,19 @@ def test_extension_name_follows_the_sources(monkeypatch):
     name = cpu_ext.extension_name()
     monkeypatch.setattr(cpu_ext, "CFLAGS", cpu_ext.CFLAGS + ("-DRINGSERVE_TEST",))
     assert cpu_ext.extension_name() != name and name.startswith("ringserve_cpu_")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_kernels_run_on_torchs_thread_count(threads):
+    """A kernel's parallel_for runs on as many threads as torch.set_num_threads gives (cpu_threads):
+    without -fopenmp in the extension's flags ATen's parallel_for compiles to a serial loop, and it
+    reports 1 at 2 threads."""
+    from ringserve.gpu_proc.cpu_ext import load_cpu_ops
+
+    load_cpu_ops()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        assert torch.ops.ringserve_cpu.parallel_width(64) == threads
+    finally:
+        torch.set_num_threads(before)
