@@ -9,6 +9,7 @@ mid-size random model and the real SmolLM2-135M-Instruct.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import aiohttp
@@ -114,9 +115,15 @@ def test_burst_far_above_capacity_still_gets_429(tiny_server):
     _wait_idle(tiny_server)
     body = {"prompt": "Tell me a long story about a river.", "max_tokens": 1000, "ignore_eos": True}
     seen: dict[str, float] = {}
-    results = asyncio.run(
-        _open_all(tiny_server.url, [body] * 300, read=False, while_open=lambda: seen.update(tiny_server.metrics()))
-    )
+
+    def queue_seen() -> None:
+        # The gauge is the GPU process's, published after its step: the 200s can come first.
+        deadline = time.monotonic() + 10.0
+        while not seen.get("ringserve_queued_gpu_seconds") and time.monotonic() < deadline:
+            seen.update(tiny_server.metrics())
+            time.sleep(0.05)
+
+    results = asyncio.run(_open_all(tiny_server.url, [body] * 300, read=False, while_open=queue_seen))
     counts = _statuses(results)
     assert set(counts) == {200, 429}, counts
     waiting = counts[200] - 32

@@ -70,6 +70,11 @@ def gpu_count() -> int:
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
+def replica_cpu_threads(cpus: int, replicas: int) -> int:
+    """Each replica's share of this machine's CPUs, at least one."""
+    return max(1, cpus // max(1, replicas))
+
+
 @dataclass
 class Replica:
     index: int
@@ -103,6 +108,10 @@ class Fleet:
             args += ["--workers", str(self.args.workers)]
         if self.args.shm_dir:
             args += ["--shm-dir", self.args.shm_dir]
+        if not any(a.startswith("--cpu-threads") for a in self.args.serve_args):
+            # On the CPU every replica's kernels would take every core (cpu_threads 0): replicas on
+            # one machine split its CPUs instead, as oversubscribed OpenMP threads stall each step.
+            args += ["--cpu-threads", str(replica_cpu_threads(len(os.sched_getaffinity(0)), self.args.replicas))]
         if not any(a.startswith("--unready-lead-s") for a in self.args.serve_args):
             args += ["--unready-lead-s", f"{unready_lead_s(spec_from_args(self.args, self.endpoints())):g}"]
         return args + self.args.serve_args + self.adapters.serve_args()
