@@ -188,7 +188,9 @@ def _config_int(directory: str | Path, name: str) -> int | None:
 
 
 def _run_child(args: list[str], what: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "ringserve", *args])
+    # its stdout is the directory it made, the caller's result already: on the caller's stdout it
+    # would corrupt a `--json` report (`bench peers --models FILE.gguf`)
+    proc = subprocess.run([sys.executable, "-m", "ringserve", *args], stdout=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise ModelError(
             f"{what} failed (`ringserve {' '.join(args)}` exited with status {proc.returncode}; its message is above)"

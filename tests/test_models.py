@@ -76,9 +76,11 @@ def test_is_converted_needs_the_current_format(tmp_path):
     assert models.is_converted(tmp_path)
 
 
-def test_ensure_tiny_builds_it_once(cache):
-    """`--model tiny` builds the tiny model on first use and reuses it after."""
+def test_ensure_tiny_builds_it_once(cache, capfd):
+    """`--model tiny` builds the tiny model on first use and reuses it after, printing nothing on
+    stdout (a bench's `--json` report is its caller's stdout)."""
     model = models.ensure("tiny")
+    assert capfd.readouterr().out == ""
     assert models.is_tiny_built(model.directory)
     stamp = (model.directory / "model.safetensors").stat().st_mtime_ns
     assert models.ensure("tiny") == model
