@@ -69,12 +69,27 @@ def test_load_and_unload_under_load_fail_no_other_request(served, tiny_model_dir
     want = peft_greedy(tiny_model_dir, adapters["all-r8"], [prompt], NEW_TOKENS)[0]
     stop, failures, done = threading.Event(), [], [0]
 
+    def stream(client, model: str) -> tuple[str, str | None]:
+        text, finish = "", None
+        for c in client.completions.create(
+            model=model, prompt="Once upon a time", max_tokens=12, temperature=0.0, stream=True,
+            extra_body={"ignore_eos": True},
+        ):  # fmt: skip
+            if c.choices:
+                text, finish = text + c.choices[0].text, c.choices[0].finish_reason or finish
+        return text, finish
+
+    # Greedy, so a stream's answer is known before any load: one served from a slot a load
+    # overwrote, or cut short, reads as a changed answer (random sampling may legitimately be empty).
+    alone = {m: stream(client, m) for m in (base, "attn-r4")}
+    assert all(finish == "length" for _, finish in alone.values()), alone
+
     def load(model: str) -> None:  # streams of the base model and a --lora-modules adapter, back to back
         mine = _client(srv)
         while not stop.is_set():
             try:
-                chunks = mine.completions.create(model=model, prompt="Once upon a time", max_tokens=12, stream=True)
-                assert any(c.choices and c.choices[0].text for c in chunks)
+                got = stream(mine, model)
+                assert got == alone[model], (got, alone[model])
                 done[0] += 1
             except Exception as exc:  # noqa: BLE001 - every failure is counted and shown
                 failures.append(f"{model}: {exc!r}")
