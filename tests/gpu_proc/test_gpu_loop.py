@@ -61,7 +61,15 @@ class _Worker:
 def gpu_process(tiny_model_dir, tmp_path, request):
     """The GPU process on the tiny model (`indirect` parameters: Config overrides)."""
     overrides = getattr(request, "param", {})
-    config = Config(num_blocks=64, max_rows=8, prefill_budget=32, context_limit=512, max_tokens_limit=256, **overrides)
+    config = Config(
+        num_blocks=64,
+        max_rows=8,
+        prefill_budget=32,
+        context_limit=512,
+        max_tokens_limit=256,
+        cpu_threads=2,
+        **overrides,
+    )
     shm = ShmInstance.create(ring_bytes=1 << 20, n_workers=1, directory=str(tmp_path))
     shm.control.bump_gpu_generation()
     shm.control.start_worker_slot(0, os.getpid())
@@ -225,6 +233,9 @@ def test_restarted_worker_keeps_its_own_requests_and_loses_its_predecessors(gpu_
     successor.pump(lambda: shm.control.gpu_stats.read()["kv_blocks_free"] == 64)
 
 
+# A loaded box slows the steps and so raises the cost model's price of the 400-token prompt: past
+# the default 2 s queue limit the short request behind it was refused 429 and never ran.
+@pytest.mark.parametrize("gpu_process", [{"queue_limit_s": 60.0}], indirect=True)
 def test_step_in_flight_names_the_running_step_and_is_cleared_after(gpu_process):
     """While a step runs, the control block names its requests (slot, rid, fingerprint) under this
     process's generation: what the supervisor reads after a death. Between steps and once idle,
@@ -236,6 +247,8 @@ def test_step_in_flight_names_the_running_step_and_is_cleared_after(gpu_process)
     seen: set[tuple[int, int, int]] = set()
     deadline = time.monotonic() + TIMEOUT_S
     while len(seen) < 2 and time.monotonic() < deadline:
+        w.messages += [M.decode(b) for b in w.out.pop_many()]
+        assert not any(isinstance(w.reply(rid), M.Rejected) for rid in (1, 2)), w.messages[:2]
         os.kill(proc.pid, signal.SIGSTOP)  # a step frozen mid-flight, as a death would leave it
         try:
             record = shm.control.step_record.read()
