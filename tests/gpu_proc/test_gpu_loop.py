@@ -61,15 +61,7 @@ class _Worker:
 def gpu_process(tiny_model_dir, tmp_path, request):
     """The GPU process on the tiny model (`indirect` parameters: Config overrides)."""
     overrides = getattr(request, "param", {})
-    config = Config(
-        num_blocks=64,
-        max_rows=8,
-        prefill_budget=32,
-        context_limit=512,
-        max_tokens_limit=256,
-        cpu_threads=2,
-        **overrides,
-    )
+    config = Config(num_blocks=64, max_rows=8, prefill_budget=32, context_limit=512, max_tokens_limit=256, **overrides)
     shm = ShmInstance.create(ring_bytes=1 << 20, n_workers=1, directory=str(tmp_path))
     shm.control.bump_gpu_generation()
     shm.control.start_worker_slot(0, os.getpid())
