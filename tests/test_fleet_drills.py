@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import statistics
 import time
 
 import aiohttp
@@ -23,7 +24,7 @@ from ringserve.tools.fleet.probe import FleetProcess, free_port_run
 from ringserve.tools.fleet.replicas import FleetError, envoy_binary
 from ringserve.tools.harness.drill import attach_control
 from ringserve.tools.harness.otlp_receiver import OtlpReceiver
-from tests.helpers.fleet_load import VIOLATIONS, ClosedLoop, RouteWatch, one_request, wait_ready
+from tests.helpers.fleet_load import VIOLATIONS, ClosedLoop, Outcome, RouteWatch, one_request, wait_ready
 from tests.helpers.net import metrics
 
 try:
@@ -218,11 +219,19 @@ async def test_rolling_restart_fails_nothing(fleet):
     assert counts["completed"] > 0 and set(counts) == {"completed"}, counts
 
 
-async def test_flooded_replica_sheds_new_load(fleet):
-    """A heavy tenant floods replica 0 directly; the others take the fleet's new load. The split
-    is of the answers each replica gave (Envoy's x-ringserve-replica header), before and during
-    the flood."""
+async def test_flooded_replica_serves_the_light_tenant_its_share_promptly(fleet):
+    """A heavy tenant floods replica 0 directly, past its rows, so requests wait there; the fleet's
+    light tenant, routed by Envoy, is still answered there as promptly as on the other replicas
+    (fair admission gives it rows at once), and least-request neither piles its load onto replica 0
+    nor starves it. The split is of the answers each replica gave (Envoy's x-ringserve-replica
+    header), before and during the flood.
+
+    Not a check that the flooded replica takes less: with fair admission it is not slower for the
+    light tenant, so nothing needs to move (docs/design.md#fleet). On this 2-core box it was often
+    the faster one, its GPU loop already awake, and a closed loop then gets more answers from it:
+    25-39 % of them in eight runs (2026-12-07), where an older bound of < 38 % failed CI once."""
     hosts = [_host(fleet, i) for i in range(3)]
+    flooded = fleet.replica_urls()[0]
 
     async def flood(stop: asyncio.Event) -> None:
         body = {"prompt": "heavy", "max_tokens": 400, "stream": True, "ignore_eos": True}
@@ -230,7 +239,7 @@ async def test_flooded_replica_sheds_new_load(fleet):
 
             async def one() -> None:
                 while not stop.is_set():
-                    await one_request(session, fleet.replica_urls()[0], body, 60, {"Authorization": "Bearer heavy"})
+                    await one_request(session, flooded, body, 60, {"Authorization": "Bearer heavy"})
 
             tasks = [asyncio.create_task(one()) for _ in range(24)]
             await stop.wait()
@@ -238,9 +247,15 @@ async def test_flooded_replica_sheds_new_load(fleet):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def answered(since: float, until: float) -> list[Outcome]:
+        return [o for o in load.outcomes if o.kind == "completed" and since <= o.start < until]
+
     def split(since: float, until: float) -> list[float]:
-        done = [o.replica for o in load.outcomes if o.kind == "completed" and since <= o.start < until]
+        done = [o.replica for o in answered(since, until)]
         return [done.count(h) / max(1, len(done)) for h in hosts]
+
+    def p50_ms(outcomes: list[Outcome]) -> float:
+        return 1000 * statistics.median(o.end - o.start for o in outcomes) if outcomes else float("inf")
 
     retried0 = _retries(fleet)
     async with ClosedLoop(fleet.url, clients=CLIENTS, max_tokens=TOKENS) as load:
@@ -248,27 +263,37 @@ async def test_flooded_replica_sheds_new_load(fleet):
         stop = asyncio.Event()
         t_flood = time.monotonic()
         flooding = asyncio.create_task(flood(stop))
-        await asyncio.sleep(5.0)
+        await asyncio.sleep(3.0)
+        sample = await asyncio.to_thread(metrics, flooded)
+        await asyncio.sleep(2.0)
         t_end = time.monotonic()
         stop.set()
         await flooding
+    waiting = sum(v for k, v in sample.items() if k.startswith("vllm:num_requests_waiting"))
     before, during = split(0.0, t_flood), split(t_flood + 1.0, t_end)
+    light = answered(t_flood + 1.0, t_end)
+    on_flooded = [o for o in light if o.replica == hosts[0]]
+    elsewhere = [o for o in light if o.replica != hosts[0]]
     _report(
         "heavy tenant on replica 0",
         load,
         0.0,
         split_before=" / ".join(f"{x:.0%}" for x in before),
         split_during=" / ".join(f"{x:.0%}" for x in during),
+        light_p50_ms_flooded_elsewhere=f"{p50_ms(on_flooded):.0f} / {p50_ms(elsewhere):.0f}",
+        waiting_on_flooded=int(waiting),
         requests_retried=int(_retries(fleet) - retried0),
     )
     _assert_nothing_lost(load, 0.0)
+    assert waiting > 0, sample  # the flood is on: more streams than replica 0 has rows
     assert min(before) > 0.2  # balanced before
-    # While flooded, replica 0 takes no more than its share of the fleet's load (least-request
-    # sees its streams last longer). How much less it takes depends on how much slower the flood
-    # makes it than the others: fair admission keeps serving this tenant there at its fair share of
-    # rows, and on a 2-core box the flood slows every replica, since all of them share the cores
-    # (22-29 % in five runs, 33 % in one, against 31-36 % before).
-    assert during[0] < 0.38, during
+    # An even split is a third; 0.15 and 0.45 are four or more standard deviations of a share of
+    # the window's ~300 answers away from it.
+    assert 0.15 < during[0] < 0.45, during
+    # Replica 0's median against the others' was 0.5-2.0x in four runs here; with the light tenant
+    # queued behind the flood (no fair admission: planted, every request of one tenant) it was 27x
+    # (1,657 against 61 ms), though its share only fell to 18 %.
+    assert p50_ms(on_flooded) < 5 * p50_ms(elsewhere), (p50_ms(on_flooded), p50_ms(elsewhere))
 
 
 async def test_retry_budget_holds_with_two_replicas_down(fleet):
