@@ -2,8 +2,11 @@
 
 Both were measured on a 2-core machine where API workers share the cores with the GPU process:
 
-- torch's default thread count (one per core) made a single 50-token stream take 1.5 s instead of
-  0.2-0.3 s, because the intra-op threads fought the workers for the cores; `cpu_threads` caps them.
+- threads: one per CPU is the default (`cpu_threads` 0). Before the kernels were compiled with
+  OpenMP only torch's own ops ran threaded, and torch's default of one thread per core made a
+  single 50-token stream take 1.5 s instead of 0.2-0.3 s (its threads spun against the workers);
+  with the kernels' own parallel regions two threads beat one at 1, 8 and 32 streams
+  (docs/BENCHMARKS.md, "One model thread or two"). More threads than CPUs slows every step.
 - a step's big temporaries (gathered K/V blocks, scores) are tens of MB. glibc serves blocks above
   its mmap threshold (at most 32 MB by its own adaptation) with fresh `mmap`s and returns them on
   free, so every step page-faults its working set in again: gathering 34 MB took 23 ms instead of
@@ -32,15 +35,28 @@ _M_MMAP_THRESHOLD = -3
 _KEEP_BYTES = 1 << 30
 
 
-def tune_cpu_process(threads: int, pin: bool = False) -> None:
-    """Cap torch's intra-op threads at `threads` and keep freed step memory for reuse (glibc);
-    with `pin`, bind the process to `threads` CPUs (see `pin_to_cpus`)."""
-    if threads < 1:
-        raise ValueError(f"cpu_threads must be >= 1, got {threads}")
+def tune_cpu_process(threads: int, pin: bool = False) -> int:
+    """Set torch's intra-op threads (the CPU kernels' parallel regions) to `threads`, 0 meaning
+    every CPU this process may run on, and keep freed step memory for reuse (glibc); with `pin`,
+    bind the process to that many CPUs (see `pin_to_cpus`). Returns the thread count."""
+    if threads < 0:
+        raise ValueError(f"cpu_threads must be >= 0 (0: every CPU), got {threads}")
+    threads = threads or available_cpus()
     torch.set_num_threads(threads)
     keep_freed_memory()
     if pin:
         pin_to_cpus(threads)
+    return threads
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, which a container's cpuset narrows)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def pin_to_cpus(count: int) -> set[int] | None:

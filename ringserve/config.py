@@ -52,9 +52,11 @@ class Config:
     # (docs/BENCHMARKS.md, "A bfloat16 KV cache under float32 weights").
     kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
-    # torch threads of the GPU process when it computes on the CPU: the API workers share the
-    # cores, and oversubscribed torch threads slow each step many times over.
-    cpu_threads: int = 1
+    # threads of the GPU process's CPU kernels (torch's intra-op count) when it computes on the CPU;
+    # 0: every CPU the process may run on. On the 2-core box both threads beat one by 1.2x at one
+    # stream and 1.6x at 8 and 32 though the API worker shares the cores (docs/BENCHMARKS.md, "One
+    # model thread or two"); a count above the CPUs oversubscribes them, which slows every step.
+    cpu_threads: int = 0
     # Replay decode-only steps from CUDA graphs captured at load (ignored on the CPU).
     cuda_graphs: bool = True
     # Attention on CUDA: auto = the CuPy kernels where CuPy imports, each op checked against the torch
@@ -68,7 +70,8 @@ class Config:
     # CUDA with real weights, off on the CPU and for --load-format dummy.
     probe_interval_s: float = -1.0
     # bind the GPU process to its first cpu_threads CPUs (the API workers then run on the others),
-    # as vLLM CPU does by default; off: servers started side by side would share the first CPU
+    # as vLLM CPU does by default (nothing to bind with cpu_threads 0, every CPU); off: servers
+    # started side by side would share the first CPU
     cpu_pin: bool = False
     # compiled CPU kernels (paged attention in place, fused norms/RoPE/SiLU, packed matmuls), built
     # once per machine at start-up; false: the torch reference path
@@ -207,7 +210,6 @@ class Config:
             "max_body_bytes",
             "max_response_logprobs",
             "cpu_kv_blocks",
-            "cpu_threads",
             "watchdog_timeout_s",
             "watchdog_step_cap_s",
             "drain_timeout_s",
@@ -237,6 +239,7 @@ class Config:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in (
             "fair_preempt_steps",
+            "cpu_threads",
             "restart_limit",
             "max_connections",
             "max_tokens_limit",

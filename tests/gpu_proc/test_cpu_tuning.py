@@ -20,10 +20,21 @@ def test_tune_caps_torch_threads():
         torch.set_num_threads(before)
 
 
-def test_tune_rejects_zero_threads():
-    """Zero threads is a configuration error, not a silent default."""
+def test_tune_rejects_negative_threads():
+    """A negative count is a configuration error, not a silent default."""
     with pytest.raises(ValueError, match="cpu_threads"):
-        tune_cpu_process(0)
+        tune_cpu_process(-1)
+
+
+def test_zero_threads_means_every_cpu_the_process_may_use():
+    """cpu_threads 0 (the default) gives torch one thread per CPU of the process's affinity."""
+    import os
+
+    before = torch.get_num_threads()
+    try:
+        assert tune_cpu_process(0) == len(os.sched_getaffinity(0)) == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
