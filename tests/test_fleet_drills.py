@@ -229,7 +229,7 @@ async def test_flooded_replica_serves_the_light_tenant_its_share_promptly(fleet)
     Not a check that the flooded replica takes less: with fair admission it is not slower for the
     light tenant, so nothing needs to move (docs/design.md#fleet). On this 2-core box it was often
     the faster one, its GPU loop already awake, and a closed loop then gets more answers from it:
-    25-39 % of them in eight runs (2026-12-07), where an older bound of < 38 % failed CI once."""
+    19-39 % of them in seven runs (2026-12-07), where an older bound of < 38 % failed CI once."""
     hosts = [_host(fleet, i) for i in range(3)]
     flooded = fleet.replica_urls()[0]
 
@@ -287,13 +287,13 @@ async def test_flooded_replica_serves_the_light_tenant_its_share_promptly(fleet)
     _assert_nothing_lost(load, 0.0)
     assert waiting > 0, sample  # the flood is on: more streams than replica 0 has rows
     assert min(before) > 0.2  # balanced before
-    # An even split is a third; 0.15 and 0.45 are four or more standard deviations of a share of
-    # the window's ~300 answers away from it.
-    assert 0.15 < during[0] < 0.45, during
-    # Replica 0's median against the others' was 0.5-2.0x in four runs here; with the light tenant
+    # An even split is a third; 0.45 is four standard deviations of a share of the window's ~300
+    # answers above it, and 0.05 is a replica the balancer left all but idle.
+    assert 0.05 < during[0] < 0.45, during
+    # Replica 0's median against the others' was 0.5-2.6x in five runs here; with the light tenant
     # queued behind the flood (no fair admission: planted, every request of one tenant) it was 27x
-    # (1,657 against 61 ms), though its share only fell to 18 %.
-    assert p50_ms(on_flooded) < 5 * p50_ms(elsewhere), (p50_ms(on_flooded), p50_ms(elsewhere))
+    # (1,657 against 61 ms), though its share only fell to 18 %. 8x lies about 3x from both.
+    assert p50_ms(on_flooded) < 8 * p50_ms(elsewhere), (p50_ms(on_flooded), p50_ms(elsewhere))
 
 
 async def test_retry_budget_holds_with_two_replicas_down(fleet):
