@@ -229,7 +229,7 @@ async def test_flooded_replica_serves_the_light_tenant_its_share_promptly(fleet)
     Not a check that the flooded replica takes less: with fair admission it is not slower for the
     light tenant, so nothing needs to move (docs/design.md#fleet). On this 2-core box it was often
     the faster one, its GPU loop already awake, and a closed loop then gets more answers from it:
-    19-39 % of them in seven runs (2026-12-07), where an older bound of < 38 % failed CI once."""
+    19-39 % of them in six runs (2026-12-07), where an older bound of < 38 % failed CI once."""
     hosts = [_host(fleet, i) for i in range(3)]
     flooded = fleet.replica_urls()[0]
 
