@@ -97,10 +97,18 @@ def test_metrics_name_the_running_adapter_for_the_gateway(served):
         model="all-r8", prompt="Hello", max_tokens=1000, temperature=0.0, stream=True, extra_body={"ignore_eos": True}
     )
     next(iter(stream))
-    with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as resp:
-        families = {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
+    # NOTE: the GPU process publishes its stats after it has sent the step's tokens, so the first
+    # token can arrive before the gauge names the adapter (it failed the fresh-clone CI once):
+    # read until it does, bounded; the stream runs 1,000 tokens, far longer.
+    deadline = time.monotonic() + 10
+    while True:
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as resp:
+            families = {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
+        [info] = families["vllm:lora_requests_info"].samples
+        if "all-r8" in info.labels["running_lora_adapters"].split(",") or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     stream.close()
-    [info] = families["vllm:lora_requests_info"].samples
     assert info.labels["max_lora"] == "2" and "all-r8" in info.labels["running_lora_adapters"].split(",")
     rows = {s.labels["lora_name"]: s.value for s in families["ringserve_lora_running_rows"].samples}
     assert rows["all-r8"] == 1 and set(rows) == set(NAMES)
