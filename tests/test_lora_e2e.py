@@ -41,6 +41,14 @@ def _complete(client, model, prompt) -> list[int]:
     return served_greedy(client, model, prompt, NEW_TOKENS)
 
 
+def _read_until(read, done, timeout_s: float = 10.0):
+    """`read()` until `done(value)` or the timeout: the last value (the caller asserts on it)."""
+    deadline = time.monotonic() + timeout_s
+    while not done(value := read()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
 def test_models_lists_the_adapters_with_their_parent(served, tiny_model_dir):
     srv, _ = served
     client = _client(srv)
@@ -97,20 +105,22 @@ def test_metrics_name_the_running_adapter_for_the_gateway(served):
         model="all-r8", prompt="Hello", max_tokens=1000, temperature=0.0, stream=True, extra_body={"ignore_eos": True}
     )
     next(iter(stream))
+
     # NOTE: the GPU process publishes its stats after it has sent the step's tokens, so the first
     # token can arrive before the gauge names the adapter (it failed the fresh-clone CI once):
     # read until it does, bounded; the stream runs 1,000 tokens, far longer.
-    deadline = time.monotonic() + 10
-    while True:
+    def families() -> dict:
         with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as resp:
-            families = {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
-        [info] = families["vllm:lora_requests_info"].samples
-        if "all-r8" in info.labels["running_lora_adapters"].split(",") or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+            return {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
+
+    def running(fams: dict) -> list[str]:
+        return fams["vllm:lora_requests_info"].samples[0].labels["running_lora_adapters"].split(",")
+
+    fams = _read_until(families, lambda f: "all-r8" in running(f))
     stream.close()
+    [info] = fams["vllm:lora_requests_info"].samples
     assert info.labels["max_lora"] == "2" and "all-r8" in info.labels["running_lora_adapters"].split(",")
-    rows = {s.labels["lora_name"]: s.value for s in families["ringserve_lora_running_rows"].samples}
+    rows = {s.labels["lora_name"]: s.value for s in fams["ringserve_lora_running_rows"].samples}
     assert rows["all-r8"] == 1 and set(rows) == set(NAMES)
 
 
@@ -137,25 +147,20 @@ def test_metrics_count_each_adapter_s_sequences_and_tokens(served):
 
     # NOTE: the stream an earlier test closed ends in the GPU process later, under its adapter:
     # counted after `before`, it failed CI once. Read `before` once nothing runs or waits.
-    deadline = time.monotonic() + 10
-    while True:
-        before = counts()
-        busy = before.get(("vllm:num_requests_running", ""), 0) + before.get(("vllm:num_requests_waiting", ""), 0)
-        if not busy or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    before = _read_until(
+        counts, lambda c: not c.get(("vllm:num_requests_running", ""), 0) + c.get(("vllm:num_requests_waiting", ""), 0)
+    )
     base = client.models.list().data[0].id
     for model in ("mlp-r16", "mlp-r16", base):
         _complete(client, model, [5, 6, 7])
+
     # NOTE: the GPU process publishes its stats after it has routed the step's finishes, so a
     # client can hold its answer before the counter moves: read until it does (bounded).
-    deadline = time.monotonic() + 10
-    while True:
+    def moved() -> dict[tuple[str, str], float]:
         after = counts()
-        delta = {k: after[k] - before.get(k, 0.0) for k in after}
-        if delta.get(("ringserve_lora_finished_sequences", "mlp-r16")) == 2 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+        return {k: after[k] - before.get(k, 0.0) for k in after}
+
+    delta = _read_until(moved, lambda d: d.get(("ringserve_lora_finished_sequences", "mlp-r16")) == 2)
     assert delta[("ringserve_lora_finished_sequences", "mlp-r16")] == 2
     assert delta[("ringserve_lora_generation_tokens", "mlp-r16")] == 2 * NEW_TOKENS
     assert all(v == 0 for (_, name), v in delta.items() if name not in ("mlp-r16", ""))
