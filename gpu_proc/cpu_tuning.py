@@ -2,11 +2,16 @@
 
 Both were measured on a 2-core machine where API workers share the cores with the GPU process:
 
-- threads: one per CPU is the default (`cpu_threads` 0). Before the kernels were compiled with
-  OpenMP only torch's own ops ran threaded, and torch's default of one thread per core made a
-  single 50-token stream take 1.5 s instead of 0.2-0.3 s (its threads spun against the workers);
-  with the kernels' own parallel regions two threads beat one at 1, 8 and 32 streams
-  (docs/BENCHMARKS.md, "One model thread or two"). More threads than CPUs slows every step.
+- threads: one per CPU the rest of the machine leaves free is the default (`cpu_threads` 0,
+  `CpuShare`). Before the kernels were compiled with OpenMP only torch's own ops ran threaded, and
+  torch's default of one thread per core made a single 50-token stream take 1.5 s instead of
+  0.2-0.3 s (its threads spun against the workers); with the kernels' own parallel regions two
+  threads beat one at 1, 8 and 32 streams (docs/BENCHMARKS.md, "One model thread or two"), where
+  the API worker and the client took ~0.05 of a core. Beside two busy processes, though, two
+  threads ran 4-10x fewer steps than one and each step up to 20x longer than the cost model said:
+  a parallel region ends at its slowest thread, and a thread that lost its core stalls the other
+  (docs/BENCHMARKS.md, "Model threads on a shared machine"). More threads than CPUs slows every
+  step.
 - a step's big temporaries (gathered K/V blocks, scores) are tens of MB. glibc serves blocks above
   its mmap threshold (at most 32 MB by its own adaptation) with fresh `mmap`s and returns them on
   free, so every step page-faults its working set in again: gathering 34 MB took 23 ms instead of
@@ -24,7 +29,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import platform
+import resource
+import time
 
 import torch
 
@@ -51,8 +59,6 @@ def tune_cpu_process(threads: int, pin: bool = False) -> int:
 
 def available_cpus() -> int:
     """The CPUs this process may run on (its affinity mask, which a container's cpuset narrows)."""
-    import os
-
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -70,8 +76,6 @@ def pin_to_cpus(count: int) -> set[int] | None:
     (API workers, other jobs) to the other cores. Off by default: servers started side by side on
     one machine (a test suite) would all pin to the same first CPU.
     """
-    import os
-
     try:
         allowed = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -115,3 +119,96 @@ def release_free_memory() -> bool:
         return bool(libc.malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+# -- threads that follow the machine's load ----------------------------------------------------
+
+
+def threads_for(free_cpus: float, most: int) -> int:
+    """The model threads for `free_cpus` CPUs' worth of time the other processes leave: one per
+    free CPU, rounded, within [1, most]."""
+    return min(max(int(free_cpus + 0.5), 1), most)
+
+
+def read_cpu_ticks(cpus: set[int] | None = None) -> tuple[int, int] | None:
+    """(busy, all) clock ticks summed over `cpus` (None: every CPU) from /proc/stat, busy counting
+    what the hypervisor stole; None where there is no /proc/stat. Guest time is inside user time
+    already, so it is not added again."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    busy = total = 0
+    for line in lines:
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu" or (cpus is not None and int(name[3:]) not in cpus):
+            continue
+        user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+        busy += user + nice + system + irq + softirq + steal
+        total += user + nice + system + idle + iowait + irq + softirq + steal
+    return (busy, total) if total else None
+
+
+def own_cpu_s() -> float:
+    """CPU seconds this process has used, every thread together."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class CpuShare:
+    """The model's threads follow the CPUs the rest of the machine leaves free (`cpu_threads` 0
+    on the CPU): every `WINDOW_S` of the loop it measures how much of its CPUs' time the other
+    processes (API workers, clients, neighbours, the hypervisor's steal) took, and sets torch's
+    threads to `threads_for` what is left, at most `most`. Fewer threads at once (a thread that
+    loses its core stalls every parallel region), more only after `RAISE_AFTER` windows agree,
+    so a neighbour's short pause does not flip the count back and forth. The cost model follows
+    the change as it follows any change of the machine."""
+
+    WINDOW_S = 0.5
+    RAISE_AFTER = 2
+
+    def __init__(self, most: int, set_threads=None, ticks=read_cpu_ticks, own=own_cpu_s, clock=time.monotonic):
+        try:
+            self.cpus: set[int] | None = set(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            self.cpus = None
+        self.most = most
+        self.threads = most
+        self._set = set_threads or torch.set_num_threads
+        self._ticks, self._own, self._clock = ticks, own, clock
+        self._hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._higher = 0  # windows in a row that asked for more threads
+        self._mark = self._sample()
+
+    def _sample(self):
+        ticks = self._ticks(self.cpus)
+        return None if ticks is None else (self._clock(), ticks, self._own())
+
+    def poll(self, force: bool = False) -> int | None:
+        """Re-decide once a window has passed (`force`: now); the new thread count when it
+        changed, else None. Cheap between windows (one clock read)."""
+        if self._mark is None or (not force and self._clock() - self._mark[0] < self.WINDOW_S):
+            return None
+        then, now = self._mark, self._sample()
+        if now is None:
+            return None
+        self._mark = now
+        all_s = (now[1][1] - then[1][1]) / self._hz
+        if all_s <= 0:
+            return None
+        cpus = len(self.cpus) if self.cpus else (os.cpu_count() or 1)
+        others_s = max((now[1][0] - then[1][0]) / self._hz - (now[2] - then[2]), 0.0)
+        free = cpus * (1.0 - others_s / all_s)
+        want = threads_for(free, self.most)
+        if want > self.threads:
+            self._higher += 1
+            if self._higher < self.RAISE_AFTER:
+                return None
+        self._higher = 0
+        if want == self.threads:
+            return None
+        log.info("model threads %d -> %d: other processes took %.2f of %d CPUs", self.threads, want, cpus - free, cpus)
+        self.threads = want
+        self._set(want)
+        return want

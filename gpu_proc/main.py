@@ -75,7 +75,7 @@ class EngineLoop:
     """The GPU process's loop (module docstring): rings in, the scheduler's pass, the executor's
     step, records out, stats and heartbeat."""
 
-    def __init__(self, config: Config, shm: ShmInstance, executor, scheduler: Scheduler) -> None:
+    def __init__(self, config: Config, shm: ShmInstance, executor, scheduler: Scheduler, cpu_share=None) -> None:
         self.config = config
         self.shm = shm
         self.control = shm.control
@@ -105,10 +105,15 @@ class EngineLoop:
         executor.grammar.compiler.on_done = self.input_bell.ring
         self._constrained: dict[tuple[int, int], M.Submit] = {}  # admitted Submits pinning a grammar
         self.release_memory = None  # called when the loop goes idle (the CPU engine's heap)
+        self.cpu_share = cpu_share  # the model's threads, re-decided as the machine's load changes
+        self.cpu_threads = 0  # the model's threads on the CPU, as published
         if getattr(executor, "device", None) is not None and executor.device.type == "cpu":
-            from ringserve.gpu_proc.cpu_tuning import release_free_memory  # imports torch
+            import torch
+
+            from ringserve.gpu_proc.cpu_tuning import release_free_memory
 
             self.release_memory = release_free_memory
+            self.cpu_threads = torch.get_num_threads()
 
     # -- inputs ----------------------------------------------------------------------------------
 
@@ -304,6 +309,7 @@ class EngineLoop:
                 "steps": self.step_no,
                 "forward_ms": self.forward_ms,
                 "forward_est_ms": self.forward_est_ms,
+                "cpu_threads": self.cpu_threads,
             }
         )
         region.publish()
@@ -336,6 +342,10 @@ class EngineLoop:
                 last_slot_check = now
             t0 = time.perf_counter()
             ran = self.step()
+            # NOTE: idle passes too (every IDLE_WAIT_S at most): a count lowered while a neighbour ran
+            # comes back once it stops, before the next request's first step
+            if self.cpu_share is not None and self.cpu_share.poll() is not None:
+                self.cpu_threads = self.cpu_share.threads
             self.publish((time.perf_counter() - t0) * 1e3 if ran else 0.0)
             idle = not ran and not self.scheduler.has_work and not any(b.backlog for b in self.outboxes)
             if idle:
@@ -385,6 +395,7 @@ def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
     t0 = time.monotonic()
     with _beating(control.gpu_heartbeat):
         from ringserve.gpu_proc.calibration import calibrate, describe
+        from ringserve.gpu_proc.cpu_tuning import CpuShare, available_cpus
         from ringserve.gpu_proc.executor import build_executor
     # NOTE: the heartbeat between load phases (and between kernel compiles and calibration steps)
     # keeps the supervisor's watchdog satisfied through a long load; every kernel is compiled before
@@ -393,7 +404,14 @@ def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
     # load that blocks still goes unbeaten (heartbeat.py).
     loading = LoopHeartbeat(control.gpu_heartbeat, config.watchdog_step_cap_s, config.watchdog_timeout_s)
     with loading.watching():
+        # cpu_threads 0 on the CPU: the model's threads follow the CPUs the other processes leave
+        # free (`cpu_tuning.CpuShare`), decided first over the load, before calibration times steps
+        share = CpuShare(available_cpus()) if config.cpu_threads == 0 else None
         executor = build_executor(config, model_dir, progress=loading.beat)
+        if executor.device.type != "cpu":
+            share = None
+        elif share is not None:
+            share.poll(force=True)
         # NOTE: timed steps of each kind on this device, so the first request is priced by what a
         # step costs here (`calibration.py`)
         samples = calibrate(
@@ -406,7 +424,7 @@ def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
         calibration=samples,
     )
     log.info("cost model: %s", describe(sched.costs, config.max_rows, config.prefill_budget, sched.step_target_ms))
-    loop = EngineLoop(config, shm, executor, sched)
+    loop = EngineLoop(config, shm, executor, sched, cpu_share=share)
     with _beating(control.gpu_heartbeat):
         loop.loras.restore(control.loras())  # the runtime-loaded adapters of the process before this one
     control.set_model_facts(

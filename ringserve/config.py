@@ -53,9 +53,11 @@ class Config:
     kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     # threads of the GPU process's CPU kernels (torch's intra-op count) when it computes on the CPU;
-    # 0: every CPU the process may run on. On the 2-core box both threads beat one by 1.2x at one
-    # stream and 1.6x at 8 and 32 though the API worker shares the cores (docs/BENCHMARKS.md, "One
-    # model thread or two"); a count above the CPUs oversubscribes them, which slows every step.
+    # 0: one per CPU of the process's that other processes leave free, re-decided every 0.5 s
+    # (gpu_proc/cpu_tuning.CpuShare). On the 2-core box both threads beat one by 1.2x at one stream
+    # and 1.6x at 8 and 32 beside the API worker, but beside busy neighbours two ran 4-10x fewer
+    # steps (docs/BENCHMARKS.md, "One model thread or two", "Model threads on a shared machine");
+    # a count above the CPUs oversubscribes them, which slows every step.
     cpu_threads: int = 0
     # Replay decode-only steps from CUDA graphs captured at load (ignored on the CPU).
     cuda_graphs: bool = True

@@ -192,6 +192,14 @@ GPU_STATS: tuple[GpuStat, ...] = (
         "The cost model's estimate of the last step's forward and sampling time, ms (compare with forward_ms).",
         loop=True,
     ),
+    GpuStat(
+        "cpu_threads",
+        "gauge",
+        "ringserve_cpu_threads",
+        "Threads the model computes with on the CPU (cpu_threads 0: one per CPU the other processes leave "
+        "free, re-decided as they change); 0 on a GPU.",
+        loop=True,
+    ),
 )
 
 LOOP_STATS: tuple[str, ...] = tuple(s.name for s in GPU_STATS if s.loop)

@@ -98,3 +98,108 @@ def test_pin_binds_to_the_first_cpus_only_when_there_are_more():
             assert chosen == {min(before)} == os.sched_getaffinity(0)
     finally:
         os.sched_setaffinity(0, before)
+
+
+def test_threads_for_rounds_the_free_cpus_within_bounds():
+    """One thread per free CPU, rounded; never none, never more than asked."""
+    from ringserve.gpu_proc.cpu_tuning import threads_for
+
+    assert [threads_for(f, 2) for f in (0.0, 0.4, 1.0, 1.49, 1.5, 1.95, 5.0)] == [1, 1, 1, 1, 2, 2, 2]
+    assert threads_for(11.6, 16) == 12
+
+
+class _Machine:
+    """Fake /proc/stat and rusage for CpuShare: two CPUs at 100 ticks a second, the model using
+    `own` of them and other processes `others`."""
+
+    def __init__(self) -> None:
+        self.t, self.busy, self.all, self.own_s = 0.0, 0, 0, 0.0
+
+    def run(self, seconds: float, own: float, others: float) -> None:
+        self.t += seconds
+        self.all += round(2 * 100 * seconds)
+        self.busy += round((own + others) * 100 * seconds)
+        self.own_s += own * seconds
+
+
+def _share(machine: _Machine, set_to: list[int]):
+    from ringserve.gpu_proc.cpu_tuning import CpuShare
+
+    share = CpuShare(
+        2,
+        set_threads=set_to.append,
+        ticks=lambda _cpus: (machine.busy, machine.all),
+        own=lambda: machine.own_s,
+        clock=lambda: machine.t,
+    )
+    share.cpus = {0, 1}
+    share._hz = 100
+    return share
+
+
+def test_cpu_share_drops_a_thread_at_once_and_takes_it_back_after_two_windows():
+    """Other processes taking a CPU's worth drop the model to one thread in the first window; once
+    they stop, the second thread comes back only after RAISE_AFTER windows agree, and a window
+    between them that is busy again starts the count over."""
+    machine, set_to = _Machine(), []
+    share = _share(machine, set_to)
+    machine.run(0.6, own=1.95, others=0.05)  # the API worker's share: both threads stay
+    assert share.poll() is None and share.threads == 2
+    machine.run(0.2, own=1.0, others=1.0)
+    assert share.poll() is None  # within the window: nothing re-decided
+    machine.run(0.4, own=1.0, others=1.0)
+    assert share.poll() == 1 and share.threads == 1 and set_to == [1]
+    machine.run(0.6, own=1.0, others=0.1)
+    assert share.poll() is None and share.threads == 1  # one free window is not enough
+    machine.run(0.6, own=1.0, others=1.0)
+    assert share.poll() is None
+    machine.run(0.6, own=1.0, others=0.1)
+    assert share.poll() is None
+    machine.run(0.6, own=1.0, others=0.1)
+    assert share.poll() == 2 and set_to == [1, 2]
+
+
+def test_cpu_share_counts_stolen_time_as_taken():
+    """Time the hypervisor steals is time a model thread cannot run: busy, not free."""
+    from ringserve.gpu_proc.cpu_tuning import read_cpu_ticks
+
+    ticks = read_cpu_ticks()
+    if ticks is None:
+        pytest.skip("no /proc/stat")
+    busy, total = ticks
+    assert 0 <= busy <= total
+    machine, set_to = _Machine(), []
+    share = _share(machine, set_to)
+    machine.run(0.6, own=1.2, others=0.8)  # others here: steal
+    assert share.poll() == 1
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="one CPU: one thread either way")
+def test_cpu_share_follows_real_busy_processes():
+    """Measured on this machine: as many busy processes as CPUs take the model down to fewer
+    threads than CPUs, and it gets them back once they end (killed in `finally`)."""
+    import os
+    import subprocess
+    import time
+
+    from ringserve.gpu_proc.cpu_tuning import CpuShare
+
+    cpus = len(os.sched_getaffinity(0))
+    set_to: list[int] = []
+    share = CpuShare(cpus, set_threads=set_to.append)
+    hogs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(cpus)]
+    try:
+        deadline = time.monotonic() + 10
+        while share.threads == cpus and time.monotonic() < deadline:
+            time.sleep(CpuShare.WINDOW_S)
+            share.poll()
+        assert share.threads < cpus, set_to
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    deadline = time.monotonic() + 10
+    while share.threads < cpus and time.monotonic() < deadline:
+        time.sleep(CpuShare.WINDOW_S)
+        share.poll()
+    assert share.threads == cpus, set_to

@@ -61,3 +61,19 @@ def test_short_soak_passes_every_check(tiny_model_dir, capsys):
     assert names[:2] == ["KV blocks all free", "cost model fitted"] and names[-1] == "no shm segments left after stop"
     assert sum(n.startswith("fds of pid") for n in names) == 3  # supervisor, GPU process, one worker
     assert report["load"]["sent"] > 10
+
+
+def test_short_soak_beside_busy_processes_passes_every_check(tiny_model_dir, capsys):
+    """The same soak beside as many busy processes as CPUs (a shared machine, a CI neighbour):
+    with every CPU's thread kept, a thread that lost its core stalled each step, and the soak ran
+    4-10x fewer steps than with one, each up to 20x longer than the cost model said; the model's
+    threads now follow the CPUs left free (`cpu_tuning.CpuShare`)."""
+    hogs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in os.sched_getaffinity(0)]
+    try:
+        code = soak.main(["--duration", "3", "--rate", "15", "--model", str(tiny_model_dir), "--json"])
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0, ([c for c in report["checks"] if not c["ok"]], report["load"])
