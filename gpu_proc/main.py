@@ -106,7 +106,7 @@ class EngineLoop:
         self._constrained: dict[tuple[int, int], M.Submit] = {}  # admitted Submits pinning a grammar
         self.release_memory = None  # called when the loop goes idle (the CPU engine's heap)
         self.cpu_share = cpu_share  # the model's threads, re-decided as the machine's load changes
-        self.cpu_threads = 0  # the model's threads on the CPU, as published
+        self.cpu_threads = 0  # the model's fixed threads on the CPU (without a share), as published
         if getattr(executor, "device", None) is not None and executor.device.type == "cpu":
             import torch
 
@@ -309,7 +309,7 @@ class EngineLoop:
                 "steps": self.step_no,
                 "forward_ms": self.forward_ms,
                 "forward_est_ms": self.forward_est_ms,
-                "cpu_threads": self.cpu_threads,
+                "cpu_threads": self.cpu_share.threads if self.cpu_share is not None else self.cpu_threads,
             }
         )
         region.publish()
@@ -344,8 +344,8 @@ class EngineLoop:
             ran = self.step()
             # NOTE: idle passes too (every IDLE_WAIT_S at most): a count lowered while a neighbour ran
             # comes back once it stops, before the next request's first step
-            if self.cpu_share is not None and self.cpu_share.poll() is not None:
-                self.cpu_threads = self.cpu_share.threads
+            if self.cpu_share is not None:
+                self.cpu_share.poll()
             self.publish((time.perf_counter() - t0) * 1e3 if ran else 0.0)
             idle = not ran and not self.scheduler.has_work and not any(b.backlog for b in self.outboxes)
             if idle:
