@@ -47,8 +47,8 @@ class GpuStatus(Protocol):
         ...
 
     def health(self) -> dict:
-        """What /health adds to "ok": the attention backend and its kernel check, and how the
-        weights are served (`weights`: quantization, formats, dtype, bytes)."""
+        """What /health adds to "ok": the attention backend and its kernel check, how the weights
+        are served (`weights`: quantization, formats, dtype, bytes) and the KV cache's dtype."""
         ...
 
     def publish(self, own: WorkerStats) -> None:
@@ -121,7 +121,11 @@ class ControlStatus:
 
     def health(self) -> dict:
         facts = self.control.model_facts() or {}
-        return {"attention": facts.get("attention"), "weights": facts.get("weights")}
+        return {
+            "attention": facts.get("attention"),
+            "weights": facts.get("weights"),
+            "kv_cache_dtype": facts.get("kv_cache_dtype"),
+        }
 
     def publish(self, own: WorkerStats) -> None:
         own.publish(self._region)

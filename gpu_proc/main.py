@@ -437,6 +437,7 @@ def serve(config: Config, shm: ShmInstance, model_dir: str) -> None:
             "eos_token_ids": sorted(executor.eos_token_ids),
             "device": str(executor.device),
             "dtype": str(executor.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(executor.runner.kv_pool.dtype).removeprefix("torch."),
             "load_s": round(time.monotonic() - t0, 3),
             "attention": executor.attention,
             "weights": executor.weights(),

@@ -46,10 +46,13 @@ class Config:
     # path's speed at 1-32 decode rows (docs/BENCHMARKS.md#quantized-weights-issue-35); where no kernel reads them
     # (CUDA for now) they are dequantized at load either way.
     quantization: str = "auto"
-    # The KV cache's dtype: auto = the model's; bfloat16 under a float32 model on the CPU halves the
-    # cache's bytes and what a decode step's attention reads (keys, values and the query rounded to
-    # bfloat16, softmax and P.V in float32). Opt-in: no served gain measured on the 2-core box
-    # (docs/BENCHMARKS.md, "A bfloat16 KV cache under float32 weights").
+    # The KV cache's dtype: auto = the model's, except bfloat16 under a float32 model whose weights
+    # the CPU kernels serve as GGUF blocks on a CPU with AVX512-BF16 (the default model here): half
+    # the cache's bytes and what a decode step's attention reads (keys, values and the query rounded
+    # to bfloat16, softmax and P.V in float32), served faster at 8 and 32 streams with the held
+    # text's loglikelihood as close to the reference (docs/BENCHMARKS.md, "A bfloat16 KV cache
+    # under quantized weights"). bfloat16: the same under any float32 model on the CPU (opt-in
+    # under float32 weights: no served gain measured there); float32: the model's float32, always.
     kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     # threads of the GPU process's CPU kernels (torch's intra-op count) when it computes on the CPU;
@@ -278,8 +281,8 @@ class Config:
             raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.quantization not in ("auto", "none"):
             raise ConfigError(f"quantization must be auto or none, got {self.quantization!r}")
-        if self.kv_cache_dtype not in ("auto", "bfloat16"):
-            raise ConfigError(f"kv_cache_dtype must be auto or bfloat16, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "float32"):
+            raise ConfigError(f"kv_cache_dtype must be auto, bfloat16 or float32, got {self.kv_cache_dtype!r}")
         if self.probe_interval_s < 0 and self.probe_interval_s != -1:
             raise ConfigError(f"probe_interval_s must be >= 0 (0: off) or -1 (auto), got {self.probe_interval_s}")
         if self.attention_backend not in ("auto", "cupy", "reference"):

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import requests
 
+from ringserve.config import Config
 from ringserve.gpu_proc.cpu_ext import load_cpu_ops
-from ringserve.gpu_proc.executor import weights_bytes
+from ringserve.gpu_proc.executor import kv_cache_dtype, served_formats, weights_bytes
 from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.model.loader import load_model
 from ringserve.gpu_proc.model_runner import ModelRunner
@@ -34,7 +35,9 @@ def runners(smollm2_dir):
     for mode in ("auto", "none"):
         model = load_model(smollm2_dir, "cpu", quantization=mode)
         a = model.args
-        out[mode] = ModelRunner(model, KVPool(a.num_layers, 160, a.num_kv_heads, a.head_dim))
+        # the blocks with the cache a server gives them (bfloat16 where the CPU has its dot products)
+        kv = kv_cache_dtype(Config(), model.dtype, model.device, quantized=bool(served_formats(model)))
+        out[mode] = ModelRunner(model, KVPool(a.num_layers, 160, a.num_kv_heads, a.head_dim, dtype=kv))
     return out
 
 
@@ -76,6 +79,7 @@ def test_a_server_serves_the_blocks(runners, codec, smollm2_dir, tmp_path):
     ) as srv:
         health = requests.get(f"{srv.url}/health", timeout=10).json()
         assert health["weights"]["quantization"] == "gguf" and health["weights"]["formats"] == {"Q4_1": 210, "Q8_0": 1}
+        assert health["kv_cache_dtype"] == str(runners["auto"].kv_pool.dtype).removeprefix("torch.")
         card = requests.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]
         assert card["quantization"] == "gguf"
         for ids, tokens in zip(prompts, want):

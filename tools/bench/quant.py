@@ -31,7 +31,8 @@ def measure(path: str, tokens: int, greedy_tokens: int) -> dict:
     from tokenizers import Tokenizer
 
     from ringserve import models
-    from ringserve.gpu_proc.executor import weights_bytes
+    from ringserve.config import Config
+    from ringserve.gpu_proc.executor import kv_cache_dtype, served_formats, weights_bytes
     from ringserve.gpu_proc.kv_pool import KVPool
     from ringserve.gpu_proc.model.loader import load_model
     from ringserve.gpu_proc.model_runner import ModelRunner
@@ -44,7 +45,10 @@ def measure(path: str, tokens: int, greedy_tokens: int) -> dict:
     for mode in ("auto", "none"):
         loaded[mode] = model = load_model(directory, "cpu", quantization=mode)
         a = model.args
-        runners[mode] = ModelRunner(model, KVPool(a.num_layers, tokens // 16 + 64, a.num_kv_heads, a.head_dim))
+        # the blocks with the cache a server gives them; the reference float32 throughout
+        kv = kv_cache_dtype(Config(), model.dtype, model.device, quantized=bool(served_formats(model)))
+        pool = KVPool(a.num_layers, tokens // 16 + 64, a.num_kv_heads, a.head_dim, dtype=kv)
+        runners[mode] = ModelRunner(model, pool)
     served = loaded["auto"].weights_served()
     tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
     held = weights_bytes(loaded["auto"])
@@ -59,6 +63,7 @@ def measure(path: str, tokens: int, greedy_tokens: int) -> dict:
     out = {
         "file": str(path),
         "served": served,
+        "kv_cache_dtype": str(runners["auto"].kv_pool.dtype).removeprefix("torch."),
         "weights_bytes": held,
         "tensor_bytes": tensor_bytes,
         "memory_ratio": round(held / tensor_bytes, 3),
