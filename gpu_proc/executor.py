@@ -179,7 +179,7 @@ def kv_cache_dtype(
     the model's float32 explicitly. auto: the model's, except bfloat16 under a float32 model whose
     weights the CPU kernels serve as GGUF blocks (`quantized`) on a CPU with bfloat16 dot products:
     there a decode step's float32 attention was a third of its time, and the bfloat16 cache served
-    1.2-1.4x the tokens at 8 and 32 streams with the held text's loglikelihood within 0.2 % of the
+    1.15-1.3x the tokens at 1 to 32 streams with the held text's loglikelihood within 0.2 % of the
     reference (docs/BENCHMARKS.md, "A bfloat16 KV cache under quantized weights")."""
     choice = config.kv_cache_dtype
     if choice == "auto":

@@ -49,7 +49,7 @@ class Config:
     # The KV cache's dtype: auto = the model's, except bfloat16 under a float32 model whose weights
     # the CPU kernels serve as GGUF blocks on a CPU with AVX512-BF16 (the default model here): half
     # the cache's bytes and what a decode step's attention reads (keys, values and the query rounded
-    # to bfloat16, softmax and P.V in float32), served faster at 8 and 32 streams with the held
+    # to bfloat16, softmax and P.V in float32), served 1.15-1.3x faster at 1-32 streams with the held
     # text's loglikelihood as close to the reference (docs/BENCHMARKS.md, "A bfloat16 KV cache
     # under quantized weights"). bfloat16: the same under any float32 model on the CPU (opt-in
     # under float32 weights: no served gain measured there); float32: the model's float32, always.
