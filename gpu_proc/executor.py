@@ -199,6 +199,13 @@ def kv_cache_dtype(
     return torch.bfloat16
 
 
+def served_kv_dtype(config: Config, model, cpu_kernels: bool = True) -> torch.dtype:
+    """The KV pool's dtype a server gives `model` (`kv_cache_dtype` over what it serves as blocks):
+    what benches and tests that build their own pool use, so they measure what is served."""
+    quantized = cpu_kernels and bool(served_formats(model))
+    return kv_cache_dtype(config, model.dtype, model.device, quantized=quantized)
+
+
 def _num_blocks(config: Config, model, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
     """The KV pool's size: --num-blocks, the CPU default, or what the GPU's memory leaves (the plan
     goes to the log)."""
@@ -379,7 +386,7 @@ def build_executor(
     attention = choose_attention(config, model, device, kernels, progress)
     special = read_special_tokens(model_dir)
     args = model.args
-    kv_dtype = kv_cache_dtype(config, dtype, device, quantized=cpu_kernels and bool(served_formats(model)))
+    kv_dtype = served_kv_dtype(config, model, cpu_kernels)
     num_blocks = _num_blocks(config, model, device, dtype, kv_dtype)
     progress()
     pool = KVPool(args.num_layers, num_blocks, args.num_kv_heads, args.head_dim, config.block_size, kv_dtype, device)

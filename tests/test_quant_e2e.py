@@ -17,7 +17,7 @@ import requests
 
 from ringserve.config import Config
 from ringserve.gpu_proc.cpu_ext import load_cpu_ops
-from ringserve.gpu_proc.executor import kv_cache_dtype, served_formats, weights_bytes
+from ringserve.gpu_proc.executor import served_kv_dtype, weights_bytes
 from ringserve.gpu_proc.kv_pool import KVPool
 from ringserve.gpu_proc.model.loader import load_model
 from ringserve.gpu_proc.model_runner import ModelRunner
@@ -36,7 +36,7 @@ def runners(smollm2_dir):
         model = load_model(smollm2_dir, "cpu", quantization=mode)
         a = model.args
         # the blocks with the cache a server gives them (bfloat16 where the CPU has its dot products)
-        kv = kv_cache_dtype(Config(), model.dtype, model.device, quantized=bool(served_formats(model)))
+        kv = served_kv_dtype(Config(), model)
         out[mode] = ModelRunner(model, KVPool(a.num_layers, 160, a.num_kv_heads, a.head_dim, dtype=kv))
     return out
 

@@ -32,7 +32,7 @@ def measure(path: str, tokens: int, greedy_tokens: int) -> dict:
 
     from ringserve import models
     from ringserve.config import Config
-    from ringserve.gpu_proc.executor import kv_cache_dtype, served_formats, weights_bytes
+    from ringserve.gpu_proc.executor import served_kv_dtype, weights_bytes
     from ringserve.gpu_proc.kv_pool import KVPool
     from ringserve.gpu_proc.model.loader import load_model
     from ringserve.gpu_proc.model_runner import ModelRunner
@@ -46,8 +46,9 @@ def measure(path: str, tokens: int, greedy_tokens: int) -> dict:
         loaded[mode] = model = load_model(directory, "cpu", quantization=mode)
         a = model.args
         # the blocks with the cache a server gives them; the reference float32 throughout
-        kv = kv_cache_dtype(Config(), model.dtype, model.device, quantized=bool(served_formats(model)))
-        pool = KVPool(a.num_layers, tokens // 16 + 64, a.num_kv_heads, a.head_dim, dtype=kv)
+        pool = KVPool(
+            a.num_layers, tokens // 16 + 64, a.num_kv_heads, a.head_dim, dtype=served_kv_dtype(Config(), model)
+        )
         runners[mode] = ModelRunner(model, pool)
     served = loaded["auto"].weights_served()
     tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)

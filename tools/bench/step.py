@@ -158,6 +158,8 @@ def _model_runner(
     cpu_kernels: bool = True,
     quantization: str = "auto",  # the bench compares against "none" itself (--dequantized)
 ):
+    from ringserve.config import Config
+    from ringserve.gpu_proc.executor import served_kv_dtype
     from ringserve.gpu_proc.kv_pool import KVPool
     from ringserve.gpu_proc.model.loader import load_model
     from ringserve.gpu_proc.model_runner import ModelRunner
@@ -165,8 +167,9 @@ def _model_runner(
 
     model = load_model(model_dir, device, dtype, load_format, cpu_kernels=cpu_kernels, quantization=quantization)
     a = model.args
+    kv = served_kv_dtype(Config(), model, cpu_kernels)  # the cache a server gives this model
     runner = ModelRunner(
-        model, KVPool(a.num_layers, max_rows * 64, a.num_kv_heads, a.head_dim, dtype=model.dtype, device=device)
+        model, KVPool(a.num_layers, max_rows * 64, a.num_kv_heads, a.head_dim, dtype=kv, device=device)
     )
     warm_up(runner)  # kernels compiled and first-use costs paid outside the timed steps
     if cuda_graphs and device.type == "cuda":
@@ -229,6 +232,7 @@ def run(
             runners["tiny_ref"] = _model_runner(model_dir, device, max_rows, load_format, dtype, cpu_kernels=False)
         if dequantized:  # a converted GGUF's weights dequantized (--quantization none), in the same run
             runners["tiny_none"] = _model_runner(model_dir, device, max_rows, load_format, dtype, quantization="none")
+        report["kv_cache_dtype"] = {n: str(r.kv_pool.dtype).removeprefix("torch.") for n, r in runners.items()}
         runners |= {"null": _null_runner(device, max_rows), "flat": _null_runner(device, max_rows, flat=True)}
         for name, runner in runners.items():
             report["models"][name] = {str(r): measure(runner, r, iters, warmup) for r in rows_list}
