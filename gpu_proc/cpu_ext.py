@@ -71,15 +71,29 @@ def ops_loaded() -> bool:
         return False
 
 
-def _cpu_identity() -> str:
+def _cpuinfo(keys: tuple[str, ...]) -> list[str] | None:
+    """The distinct `/proc/cpuinfo` lines starting with one of `keys`, sorted (None: no such file)."""
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f.read().splitlines() if ln.startswith(("model name", "flags"))]
-        return "\n".join(sorted(set(lines)))
+            return sorted({ln for ln in f.read().splitlines() if ln.startswith(keys)})
     except OSError:
+        return None
+
+
+def _cpu_identity() -> str:
+    lines = _cpuinfo(("model name", "flags"))
+    if lines is None:
         import platform
 
         return platform.processor() or platform.machine()
+    return "\n".join(lines)
+
+
+def cpu_bf16_dot() -> bool:
+    """True where this CPU has AVX512-BF16 and AVX512-BW: the kernels, built for the machine they
+    run on (`-march=native`), then read a bfloat16 KV cache with `vdpbf16ps` instead of widening it."""
+    flags = {f for ln in _cpuinfo(("flags",)) or [] for f in ln.split(":", 1)[1].split()}
+    return {"avx512_bf16", "avx512bw"} <= flags
 
 
 def extension_name() -> str:

@@ -160,17 +160,6 @@ def _weights_kind(model, dtype_name: str) -> str:
     return dtype_name + "".join(f" + {n} {f}" for f, n in sorted(formats.items()))
 
 
-def cpu_bf16_dot() -> bool:
-    """True where this CPU has AVX512-BF16 and AVX512-BW: the CPU kernels, built for the machine
-    they run on, then read a bfloat16 cache with `vdpbf16ps` instead of widening it first."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags and "avx512bw" in flags
-
-
 def kv_cache_dtype(
     config: Config, model_dtype: torch.dtype, device: torch.device, quantized: bool = False
 ) -> torch.dtype:
@@ -181,15 +170,19 @@ def kv_cache_dtype(
     there a decode step's float32 attention was a third of its time, and the bfloat16 cache served
     1.15-1.3x the tokens at 1 to 32 streams with the held text's loglikelihood within 0.2 % of the
     reference (docs/BENCHMARKS.md, "A bfloat16 KV cache under quantized weights")."""
+    from ringserve.gpu_proc import cpu_ext
+
     choice = config.kv_cache_dtype
     if choice == "auto":
         on_blocks = quantized and device.type == "cpu" and model_dtype == torch.float32
-        return torch.bfloat16 if on_blocks and cpu_bf16_dot() else model_dtype
-    if choice == "float32" and model_dtype != torch.float32:
-        raise RuntimeError(
-            f"--kv-cache-dtype float32 needs a float32 model (this one is {str(model_dtype).removeprefix('torch.')})"
-        )
-    if choice == "float32" or model_dtype == torch.bfloat16:
+        return torch.bfloat16 if on_blocks and cpu_ext.cpu_bf16_dot() else model_dtype
+    if choice == "float32":
+        if model_dtype != torch.float32:
+            raise RuntimeError(
+                f"--kv-cache-dtype float32 needs a float32 model (this one is {str(model_dtype).removeprefix('torch.')})"
+            )
+        return model_dtype
+    if model_dtype == torch.bfloat16:
         return model_dtype
     if device.type != "cpu" or model_dtype != torch.float32:
         raise RuntimeError(

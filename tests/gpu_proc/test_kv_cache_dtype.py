@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ringserve.config import Config, ConfigError
-from ringserve.gpu_proc import executor
+from ringserve.gpu_proc import cpu_ext
 from ringserve.gpu_proc.executor import build_executor, kv_cache_dtype
 from ringserve.gpu_proc.offline import OfflineRequest, generate, loglikelihood
 from ringserve.shm.messages import SamplingParams
@@ -50,10 +50,10 @@ def test_auto_gives_gguf_blocks_a_bfloat16_cache_where_the_cpu_dots_it(tiny_mode
     pytest.importorskip("gguf")
     from ringserve.gpu_proc.model.gguf_convert import convert_gguf
 
-    print(f"\nthis CPU has bfloat16 dot products: {executor.cpu_bf16_dot()}")
+    print(f"\nthis CPU has bfloat16 dot products: {cpu_ext.cpu_bf16_dot()}")
     path = write_llama_gguf(tiny_model_dir, tmp_path / "q8.gguf", quant="Q8_0")
     blocks = convert_gguf(path, tmp_path / "q8", say=lambda line: None)
-    monkeypatch.setattr(executor, "cpu_bf16_dot", lambda: True)  # the same answer on any CPU
+    monkeypatch.setattr(cpu_ext, "cpu_bf16_dot", lambda: True)  # the same answer on any CPU
     base = dict(device="cpu", dtype="float32", num_blocks=64)
     served = build_executor(Config(**base), blocks)
     assert served.weights()["quantization"] == "gguf" and served.runner.kv_pool.dtype == torch.bfloat16
@@ -63,7 +63,7 @@ def test_auto_gives_gguf_blocks_a_bfloat16_cache_where_the_cpu_dots_it(tiny_mode
     assert kv_cache_dtype(Config(kv_cache_dtype="float32"), f32, cpu, quantized=True) == f32
     assert kv_cache_dtype(Config(), f32, torch.device("cuda"), quantized=True) == f32
     assert kv_cache_dtype(Config(), torch.bfloat16, cpu, quantized=True) == torch.bfloat16
-    monkeypatch.setattr(executor, "cpu_bf16_dot", lambda: False)  # widening it first is no gain
+    monkeypatch.setattr(cpu_ext, "cpu_bf16_dot", lambda: False)  # widening it first is no gain
     assert kv_cache_dtype(Config(), f32, cpu, quantized=True) == f32
     with pytest.raises(RuntimeError, match="float32 needs a float32 model"):
         kv_cache_dtype(Config(kv_cache_dtype="float32"), torch.bfloat16, cpu)
